@@ -1,0 +1,1 @@
+"""Processes that run inside Mininet hosts: workers, the parameter server, and their codec."""

@@ -1,0 +1,1 @@
+"""Loads run directories into pandas, computes metrics, plots, reports and plans."""

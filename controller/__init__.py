@@ -1,0 +1,1 @@
+"""Runs experiments: config, topology, agents, shaping, traces, teardown, and the CLI."""

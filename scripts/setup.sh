@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Idempotent setup for a fresh Debian machine: system packages, .venv, the project.
+# Re-executes itself through sudo when not root (Mininet needs root anyway).
+set -euo pipefail
+if [ "$(id -u)" -ne 0 ]; then exec sudo -E bash "$0" "$@"; fi
+cd "$(dirname "$0")/.."
+
+APT_PKGS=(mininet bridge-utils iperf3 iputils-ping iproute2 ethtool tcpdump tcpreplay psmisc)
+# Chromium renders the HTML report in the test suite; only the tests ask for it.
+if [ "${GRADBED_WITH_CHROMIUM:-0}" = "1" ]; then APT_PKGS+=(chromium); fi
+
+missing=()
+for p in "${APT_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "== apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# Mininet lives in Debian's python3, so the venv must see the system site-packages.
+if [ ! -x .venv/bin/python ]; then
+    echo "== creating .venv from /usr/bin/python3"
+    /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=.venv/.gradbed-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "== pip install -e .[dev] (torch==2.13.0 CPU)"
+    .venv/bin/pip install -q "torch==2.13.0"
+    .venv/bin/pip install -q -e ".[dev]"
+    touch "$stamp"
+fi
+# Leftovers from a crashed earlier run would break the next one.
+.venv/bin/gradbed cleanup >/dev/null 2>&1 || true
+echo "== setup done"

@@ -1,0 +1,1 @@
+"""Network descriptions as pure data, and the builders that make them real in Mininet."""

@@ -1,0 +1,1 @@
+"""Trace formats and replay: bandwidth traces, flow sizes, gradient-size profiles."""
