@@ -1,0 +1,414 @@
+"""The parameter server: aggregates workers' (compressed) gradients and steps the model.
+
+Run inside the PS host as ``python -m agents.ps --run-dir RUN --port 5000``. It
+reads the resolved ``RUN/config.toml``, listens for workers, and for every
+iteration:
+
+1. receives each active worker's gradient chunk by chunk (``GRAD`` messages,
+   one frame per payload tensor), validates it and accumulates it -- sparse
+   payloads with a sorted ``index_add_`` when that is cheaper than densifying;
+2. once every active worker has sent every chunk, takes the mean, applies SGD
+   (the same update as ``torch.optim.SGD``) and evaluates held-out accuracy every
+   ``run.eval_every`` iterations;
+3. sends the new weights (``WEIGHTS``, dense) or the sparse weight delta
+   (``UPDATE``) back to every worker, in parallel, through the same bottleneck.
+
+Workers authenticate at connect time: every frame carries the run tag (an HMAC
+of the run id under the per-run secret), so a peer without the secret is
+rejected on its first frame. A malformed frame ends that one connection with a
+logged ``frame_error``; the PS keeps serving the others. A worker that
+disconnects is dropped from the active set, the controller is told (it
+re-shapes to B/(N-1)) and the run goes on, or stops if ``run.on_worker_death``
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import agents.compress  # noqa: F401  (registers every compressor)
+from agents import codec, wire
+from agents.aggregate import SparseAccumulator, validate_sparse
+from agents.compress.base import Compressor, PayloadError, make
+from agents.control import ControlClient
+from agents.events import EventLog, now_ns
+from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.factory import make_workload
+from controller import config as cfgmod
+
+
+@dataclass
+class _Conn:
+    worker: int
+    sock: socket.socket
+    peer: str
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ParameterServer:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str, secret: bytes,
+                 *, host: str = "0.0.0.0", port: int = 5000) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.tag = codec.run_tag(run_id, secret)
+        self.log = EventLog.for_node(run_dir, run_id, "ps")
+        self.ctl = ControlClient(run_dir / "control.sock", "ps")
+        self.workload = make_workload(cfg.workload)
+        self.model = FlatModel(self.workload.build_model(cfg.run.seed))
+        self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
+        self.compressor: Compressor = make(cfg.compress.name, **self._compressor_params())
+        self.momentum_buf: torch.Tensor | None = None
+        # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
+        self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
+        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.conns: dict[int, _Conn] = {}
+        self.active: set[int] = set()
+        self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
+        self.iteration = 0
+        self.bytes_in = 0
+        self.srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
+        self.srv.bind((host, port))
+        self.srv.listen(256)
+        self.stop_reason = ""
+
+    def _compressor_params(self) -> dict[str, Any]:
+        params = dict(self.cfg.compress.params)
+        if self.cfg.compress.index_encoding != "int32":
+            params.setdefault("index_encoding", self.cfg.compress.index_encoding)
+        return params
+
+    # -- connections (one reader thread each) -------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self.srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer)
+        try:
+            h, body = reader.read_frame()
+            if h.msg_type != codec.MsgType.HELLO:
+                raise codec.FrameError(f"{peer}: expected HELLO, got {h.msg_type.name}")
+            hello = codec.parse_hello(body)
+            if hello.role != "worker" or hello.worker >= self.cfg.net.workers:
+                raise codec.FrameError(f"{peer}: hello.worker: {hello.worker} is not a worker "
+                                       f"of this run (0..{self.cfg.net.workers - 1})")
+        except (codec.FrameError, wire.ConnectionClosed, OSError) as e:
+            self.log.emit("frame_error", peer=peer, error=str(e))
+            self._reject(sock, str(e))
+            return
+        conn = _Conn(hello.worker, sock, peer)
+        self.events.put(("join", conn, h.iteration))
+        self._read_loop(conn, reader)
+
+    def _reject(self, sock: socket.socket, why: str) -> None:
+        try:
+            hdr, body = codec.frame_for_bytes(why.encode()[:1024], msg_type=codec.MsgType.ERROR,
+                                              run_tag=self.tag, worker=0)
+            wire.send_frame(sock, hdr, body)
+        except OSError:
+            pass
+        sock.close()
+
+    def _read_loop(self, conn: _Conn, reader: wire.FrameReader) -> None:
+        try:
+            while True:
+                parts = reader.read_message()
+                h = parts[0][0]
+                if h.msg_type == codec.MsgType.BYE:
+                    self.events.put(("bye", conn, h.iteration))
+                    return
+                if h.msg_type != codec.MsgType.GRAD:
+                    raise codec.FrameError(f"{conn.peer}: unexpected {h.msg_type.name}")
+                if h.worker != conn.worker:
+                    raise codec.FrameError(f"{conn.peer}: worker: frame says {h.worker}, "
+                                           f"connection is worker {conn.worker}")
+                self.events.put(("grad", conn, h, [t for _, t in parts]))
+        except wire.ConnectionClosed:
+            self.events.put(("lost", conn, "connection closed"))
+        except (codec.FrameError, OSError) as e:
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, error=str(e))
+            self.events.put(("lost", conn, f"frame error: {e}"))
+
+    # -- the iteration loop ------------------------------------------------------------
+
+    def serve(self) -> int:
+        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        self.ctl.send("ready", port=self.srv.getsockname()[1])
+        self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
+                      compressor=self.cfg.compress.name)
+        n = self.cfg.net.workers
+        deadline = time.monotonic() + 120
+        # Start when every worker has said hello (a missing one is a failed run).
+        while len(self.pending) < n:
+            self._handle(self._next_event(deadline, "all workers to connect"))
+        self._admit()
+        start_ns = now_ns()
+        acc: dict[int, SparseAccumulator] = {}
+        got: dict[int, set[int]] = {}
+        while self.iteration < self.cfg.run.iterations:
+            if not self.active:
+                if self.cfg.run.on_worker_death == "stop" or not self.pending:
+                    self.stop_reason = "no active workers"
+                    break
+            ev = self._next_event(time.monotonic() + self.cfg.run.timeout_s,
+                                  f"gradients of iteration {self.iteration}")
+            if ev[0] == "grad":
+                _, conn, h, tensors = ev
+                if not self._accumulate(conn, h, tensors, acc, got):
+                    continue
+            else:
+                self._handle(ev)
+                if self.stop_reason:
+                    break
+            done = self.active and all(got.get(c, set()) >= self.active
+                                       for c in range(len(self.chunks)))
+            if done:
+                self._step(acc, got, start_ns)
+                acc, got = {}, {}
+        self._finish()
+        return 0
+
+    def _next_event(self, deadline: float, what: str) -> tuple[Any, ...]:
+        timeout = deadline - time.monotonic()
+        try:
+            return self.events.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            raise TimeoutError(f"PS: timed out waiting for {what}") from None
+
+    def _handle(self, ev: tuple[Any, ...]) -> None:
+        kind, conn = ev[0], ev[1]
+        if kind == "join":
+            self.conns[conn.worker] = conn
+            self.pending[conn.worker] = int(ev[2])
+            self.log.emit("worker_hello", iter=self.iteration, worker=conn.worker,
+                          peer=conn.peer, join_at=int(ev[2]))
+        elif kind in ("lost", "bye"):
+            if self.conns.get(conn.worker) is not conn:
+                return  # an old connection of a worker that already reconnected
+            was_active = conn.worker in self.active
+            self.active.discard(conn.worker)
+            self.pending.pop(conn.worker, None)
+            del self.conns[conn.worker]
+            conn.sock.close()
+            reason = ev[2] if kind == "lost" else "left (BYE)"
+            self.log.emit("worker_lost" if kind == "lost" else "worker_left",
+                          iter=self.iteration, worker=conn.worker, reason=str(reason))
+            if was_active:
+                self._report_membership()
+            if kind == "lost" and self.cfg.run.on_worker_death == "stop":
+                self.stop_reason = f"worker {conn.worker} died: {reason}"
+
+    def _accumulate(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor],
+                    acc: dict[int, SparseAccumulator], got: dict[int, set[int]]) -> bool:
+        """Add one worker's chunk. A bad payload drops that worker, not the run."""
+        w = conn.worker
+        try:
+            if w not in self.active:
+                raise PayloadError(f"worker {w}: sent a gradient while not active")
+            if h.iteration != self.iteration:
+                raise PayloadError(f"worker {w}: iteration {h.iteration}, PS is at "
+                                   f"{self.iteration}")
+            if not 0 <= h.chunk < len(self.chunks):
+                raise PayloadError(f"worker {w}: chunk {h.chunk} out of range "
+                                   f"0..{len(self.chunks) - 1}")
+            if w in got.get(h.chunk, set()):
+                raise PayloadError(f"worker {w}: chunk {h.chunk} sent twice")
+            s, e = self.chunks[h.chunk]
+            payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
+            sparse = self.compressor.decompress_sparse(payload)
+            a = acc.setdefault(h.chunk, SparseAccumulator(e - s, torch.float32))
+            if sparse is not None:
+                idx, vals = sparse
+                validate_sparse(idx, vals, e - s, who=f"worker {w} chunk {h.chunk}")
+                a.add_sparse(idx, vals)
+            else:
+                dense = self.compressor.decompress(payload)
+                if dense.numel() != e - s:
+                    raise PayloadError(f"worker {w} chunk {h.chunk}: {dense.numel()} "
+                                       f"elements, expected {e - s}")
+                a.add_dense(dense.reshape(-1))
+        except (PayloadError, ValueError, RuntimeError) as err:
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, error=str(err))
+            self._handle(("lost", conn, f"bad payload: {err}"))
+            return False
+        got.setdefault(h.chunk, set()).add(w)
+        self.bytes_in += sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+        return True
+
+    def _step(self, acc: dict[int, SparseAccumulator], got: dict[int, set[int]],
+              start_ns: int) -> None:
+        # The last byte of this iteration's gradients is in: the end of the upload window.
+        self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
+        t0 = time.perf_counter()
+        flat = self.model.flat_grad
+        for c, (s, e) in enumerate(self.chunks):
+            flat[s:e].copy_(acc[c].result(mean_over=len(got[c])))
+        lr, mom = self.cfg.workload.lr, self.cfg.workload.momentum
+        # torch.optim.SGD semantics: the first step's buffer is the gradient itself.
+        if mom > 0:
+            if self.momentum_buf is None:
+                self.momentum_buf = flat.clone()
+            else:
+                self.momentum_buf.mul_(mom).add_(flat)
+            self.model.flat_params.add_(self.momentum_buf, alpha=-lr)
+        else:
+            self.model.flat_params.add_(flat, alpha=-lr)
+        agg_s = time.perf_counter() - t0
+        i = self.iteration
+        metrics = None
+        if (i + 1) % self.cfg.run.eval_every == 0 or i + 1 == self.cfg.run.iterations:
+            metrics = self.workload.evaluate(self.model.module)
+            if metrics is not None:
+                self.log.emit("eval", iter=i, **metrics)
+        self.iteration += 1
+        self._admit()
+        bytes_out = self._broadcast()
+        self.log.emit("ps_iter_done", iter=i, agg_s=agg_s, bytes_in=self.bytes_in,
+                      bytes_out=bytes_out,
+                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
+        self.ctl.send("iter_done", iter=i, workers=len(self.active),
+                      **({"accuracy": metrics.get("accuracy"), "loss": metrics.get("loss")}
+                         if metrics else {}))
+        self.bytes_in = 0
+
+    def _admit(self) -> None:
+        """Workers waiting to (re)join come in at an iteration boundary, with the weights."""
+        joined = [w for w, at in self.pending.items() if at <= self.iteration]
+        for w in joined:
+            del self.pending[w]
+            conn = self.conns[w]
+            try:
+                with conn.send_lock:
+                    hdr, body = codec.frame_for_bytes(codec.hello_payload("ps", w),
+                                                      msg_type=codec.MsgType.WELCOME,
+                                                      run_tag=self.tag, worker=w,
+                                                      iteration=self.iteration)
+                    wire.send_frame(conn.sock, hdr, body)
+                    self._send_weights(conn, dense=True)
+            except OSError as e:
+                self._handle(("lost", conn, f"send failed: {e}"))
+                continue
+            self.active.add(w)
+            self.log.emit("worker_joined", iter=self.iteration, worker=w)
+        if joined:
+            self._report_membership()
+
+    def _report_membership(self) -> None:
+        self.ctl.send("membership", iter=self.iteration, active=sorted(self.active))
+
+    def _broadcast(self) -> int:
+        """Send the new weights (or the delta) to every active worker in parallel, so
+        the downlink bottleneck is shared the way N concurrent TCP flows share it."""
+        conns = [self.conns[w] for w in sorted(self.active)]
+        deltas = self._deltas() if self.shadow is not None else None
+
+        def send(conn: _Conn) -> int:
+            try:
+                with conn.send_lock:
+                    return self._send_weights(conn, dense=deltas is None, deltas=deltas)
+            except OSError as e:
+                self.events.put(("lost", conn, f"send failed: {e}"))
+                return 0
+
+        if len(conns) <= 1:
+            return sum(send(c) for c in conns)
+        with ThreadPoolExecutor(max_workers=len(conns)) as pool:
+            return sum(pool.map(send, conns))
+
+    def _deltas(self) -> list[list[torch.Tensor]]:
+        """Per chunk, the change since what workers hold: sparse (int32 indices, values)
+        when under a third of the entries changed, else dense. The shadow copy is
+        updated with exactly the operation the workers apply, so both stay identical."""
+        assert self.shadow is not None
+        out = []
+        for s, e in self.chunks:
+            delta = self.model.flat_params[s:e] - self.shadow[s:e]
+            nz = delta.nonzero().reshape(-1)
+            if nz.numel() * 3 < (e - s):
+                vals = delta[nz]
+                self.shadow[s:e].index_add_(0, nz, vals)
+                out.append([nz.to(torch.int32), vals])
+            else:
+                self.shadow[s:e].add_(delta)
+                out.append([delta])
+        return out
+
+    def _send_weights(self, conn: _Conn, *, dense: bool,
+                      deltas: list[list[torch.Tensor]] | None = None) -> int:
+        total = 0
+        for c, (s, e) in enumerate(self.chunks):
+            if dense or deltas is None:
+                total += wire.send_message(conn.sock, [self.model.flat_params[s:e]],
+                                           msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
+                                           worker=conn.worker, iteration=self.iteration, chunk=c)
+            else:
+                total += wire.send_message(conn.sock, deltas[c], msg_type=codec.MsgType.UPDATE,
+                                           run_tag=self.tag, worker=conn.worker,
+                                           iteration=self.iteration, chunk=c)
+        return total
+
+    def _finish(self) -> None:
+        if self.shadow is not None:
+            # Workers hold the shadow; report the model they actually have.
+            self.model.flat_params.copy_(self.shadow)
+        final = self.workload.evaluate(self.model.module)
+        if final is not None:
+            self.log.emit("final_eval", iter=self.iteration, **final)
+        torch.save(self.model.flat_params.clone(), self.run_dir / "ps_final_weights.pt")
+        for conn in list(self.conns.values()):
+            try:
+                hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
+                                                  run_tag=self.tag, worker=conn.worker,
+                                                  iteration=self.iteration)
+                with conn.send_lock:
+                    wire.send_frame(conn.sock, hdr, body)
+            except OSError:
+                pass
+        self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
+        self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
+        self.srv.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agents.ps", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=None)
+    args = ap.parse_args(argv)
+    cfg = cfgmod.load(args.run_dir / "config.toml")
+    secret = (args.run_dir / "secret").read_bytes()
+    run_id = args.run_dir.name
+    torch.set_num_threads(1)
+    ps = ParameterServer(cfg, args.run_dir, run_id, secret, host=args.host,
+                         port=args.port or cfg.net.ps_port)
+    try:
+        return ps.serve()
+    except TimeoutError as e:
+        ps.log.emit("ps_done", iter=ps.iteration, reason=str(e))
+        print(f"ps: {e}", file=sys.stderr)
+        return 3
+    finally:
+        ps.log.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""A data-parallel worker: trains on its shard and ships compressed gradients to the PS.
+
+Run inside a worker host as ``python -m agents.worker --run-dir RUN --worker K
+--ps 10.0.0.1``. Per iteration it:
+
+1. computes the gradient of its share of the global batch (or, for the replay
+   workload, sleeps the configured compute time and uses a synthetic gradient of
+   a real model's layer sizes);
+2. walks the gradient chunk by chunk in a fixed order (see ``chunk_ranges``); for
+   each chunk the ratio policy picks a keep ratio, the compressor (wrapped in
+   error feedback: ``R = G - sent``) turns it into a payload, and the codec sends
+   it as frames whose payloads are views of the tensors (no copy);
+3. samples ``TCP_INFO`` from the kernel while the transfer runs (the sending rate
+   is the growth of ``tcpi_bytes_acked``, not the timing of our own writes) and
+   feeds it to the ratio policy;
+4. receives the new weights straight into the model's flat parameter buffer.
+
+Commands from the controller (Unix control socket) set the socket's pacing rate
+(``SO_MAX_PACING_RATE``) for link/N shaping, and tell the oracle policy the
+bandwidth. Leaving and rejoining follow ``membership.schedule``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import agents.compress  # noqa: F401  (registers every compressor)
+from agents import codec, wire
+from agents.compress.base import Compressor, Payload, make
+from agents.compress.feedback import ErrorFeedback
+from agents.control import ControlClient
+from agents.events import EventLog, now_ns
+from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
+from agents.tcpinfo import read_tcp_info
+from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.factory import make_workload
+from agents.workloads.replay import Replay
+from controller import config as cfgmod
+from controller.policies import make_ratio_policy
+
+
+class PSClosed(Exception):
+    """The PS ended the run (BYE) or went away."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class RateSampler(threading.Thread):
+    """Samples TCP_INFO every ``period_s`` while a transfer is in flight; logs each
+    sample and hands the rate from ``bytes_acked`` deltas to ``on_rate``."""
+
+    def __init__(self, worker: Worker, period_s: float) -> None:
+        super().__init__(name="tcp-info", daemon=True)
+        self.w = worker
+        self.period_s = period_s
+        self.active = threading.Event()
+        self.stopped = False
+        self.last: tuple[int, int] | None = None
+
+    def run(self) -> None:
+        while not self.stopped:
+            self.active.wait(0.5)
+            if not self.active.is_set() or self.w.sock is None:
+                self.last = None
+                continue
+            try:
+                info = read_tcp_info(self.w.sock)
+            except OSError:
+                self.last = None
+                continue
+            ts = now_ns()
+            acked = int(info.bytes_acked or 0)
+            rate_bps = None
+            if self.last is not None and ts > self.last[0]:
+                rate_bps = (acked - self.last[1]) * 8e9 / (ts - self.last[0])
+            self.last = (ts, acked)
+            self.w.log.emit("tcp_info", iter=self.w.iteration, bytes_acked=acked,
+                            delivery_rate_bps=(info.delivery_rate_bytes_per_s or 0) * 8,
+                            rtt_us=info.rtt_us, cwnd=info.snd_cwnd_pkts,
+                            pacing_rate_bps=(info.pacing_rate_bytes_per_s or 0) * 8,
+                            total_retrans=info.total_retrans, rate_bps=rate_bps)
+            if rate_bps is not None and rate_bps > 0:
+                self.w.observe_rate(rate_bps, ts)
+            time.sleep(self.period_s)
+
+
+class Worker:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str, secret: bytes,
+                 worker: int, ps_host: str, ps_port: int, device: torch.device) -> None:
+        self.cfg = cfg
+        self.rank = worker
+        self.run_dir = run_dir
+        self.ps_addr = (ps_host, ps_port)
+        self.tag = codec.run_tag(run_id, secret)
+        self.node = f"w{worker}"
+        self.log = EventLog.for_node(run_dir, run_id, self.node)
+        self.ctl = ControlClient(run_dir / "control.sock", self.node)
+        self.device = device
+        self.workload = make_workload(cfg.workload)
+        self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
+        # Weights arrive into host memory; on a GPU they are copied up chunk by chunk.
+        self.host_params = (self.model.flat_params if device.type == "cpu"
+                            else torch.empty(self.model.numel, dtype=torch.float32))
+        self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
+        params = dict(cfg.compress.params)
+        if cfg.compress.index_encoding != "int32":
+            params.setdefault("index_encoding", cfg.compress.index_encoding)
+        self.compressor: Compressor = make(cfg.compress.name, **params)
+        self.ef = ErrorFeedback(self.compressor) if cfg.compress.error_feedback else None
+        self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
+        self.policy = make_ratio_policy(**self._policy_params())
+        self.policy_lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.reader: wire.FrameReader | None = None
+        self.iteration = 0
+        self.pacing_bps: float | None = None
+        self.sampler = RateSampler(self, cfg.adaptive.sample_ms / 1000.0)
+        self.sampler.start()
+        self.clip = (cfg.compress.clip_global / math.sqrt(cfg.net.workers)
+                     if cfg.compress.clip_global > 0 else None)
+
+    def _policy_params(self) -> dict[str, Any]:
+        a = self.cfg.adaptive
+        if a.policy == "fixed":
+            return {"name": "fixed", "keep": self.cfg.compress.ratio}
+        if a.policy == "adaptive":
+            return {"name": "adaptive", "eps": a.eps, "keep_min": a.keep_min,
+                    "formula": a.formula}
+        return {"name": "oracle", "keep_min": a.keep_min}
+
+    # -- connection -----------------------------------------------------------------
+
+    def connect(self, join_at: int) -> int:
+        """Connect (retrying while the PS starts), say HELLO, wait for WELCOME and the
+        weights. Returns the iteration the PS admitted us at."""
+        deadline = time.monotonic() + 60
+        while True:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            wire.set_socket_options(s, nodelay=True, congestion=self.cfg.net.congestion)
+            try:
+                s.connect(self.ps_addr)
+                break
+            except OSError as e:
+                s.close()
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"{self.node}: cannot reach PS at "
+                                          f"{self.ps_addr[0]}:{self.ps_addr[1]}: {e}") from e
+                time.sleep(0.2)
+        self.sock = s
+        if self.pacing_bps:
+            set_max_pacing_rate(s, self.pacing_bps)
+        self.reader = wire.FrameReader(s, expect_tag=self.tag)
+        hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", self.rank),
+                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
+                                          worker=self.rank, iteration=join_at)
+        wire.send_frame(s, hdr, body)
+        h, payload = self.reader.read_frame()
+        if h.msg_type == codec.MsgType.ERROR:
+            raise ConnectionError(f"{self.node}: PS rejected us: {bytes(payload).decode()}")
+        if h.msg_type != codec.MsgType.WELCOME:
+            raise codec.FrameError(f"{self.node}: expected WELCOME, got {h.msg_type.name}")
+        if self.device.type != "cpu":
+            self.host_params.copy_(self.model.flat_params)
+        self.recv_weights()
+        self.log.emit("joined", iter=h.iteration)
+        return h.iteration
+
+    def leave(self, rejoin_at: int) -> None:
+        assert self.sock is not None
+        hdr, body = codec.frame_for_bytes(b"bye", msg_type=codec.MsgType.BYE, run_tag=self.tag,
+                                          worker=self.rank, iteration=rejoin_at)
+        wire.send_frame(self.sock, hdr, body)
+        self.sock.close()
+        self.sock = None
+        self.log.emit("left", iter=self.iteration, rejoin_at=rejoin_at)
+
+    # -- commands and rates ---------------------------------------------------------
+
+    def apply_commands(self) -> None:
+        for cmd in self.ctl.poll():
+            kind = cmd.get("type")
+            if kind == "pace":
+                rate = cmd.get("rate_bps")
+                self.pacing_bps = float(rate) if rate else None
+                if self.sock is not None:
+                    if self.pacing_bps:
+                        set_max_pacing_rate(self.sock, self.pacing_bps)
+                    else:
+                        clear_max_pacing_rate(self.sock)
+                self.log.emit("paced", iter=self.iteration, rate_bps=self.pacing_bps or 0)
+            elif kind == "bandwidth" and hasattr(self.policy, "set_bandwidth"):
+                with self.policy_lock:
+                    self.policy.set_bandwidth(float(cmd["bottleneck_bps"]),
+                                              int(cmd.get("workers", self.cfg.net.workers)))
+
+    def observe_rate(self, rate_bps: float, ts_ns: int) -> None:
+        with self.policy_lock:
+            self.policy.observe(rate_bps, ts_ns)
+
+    # -- one iteration --------------------------------------------------------------
+
+    def compute(self) -> float:
+        t0 = time.perf_counter()
+        self.model.zero_grad()
+        if isinstance(self.workload, Replay):
+            self.workload.fill_grad(self.model.module, self.rank, self.cfg.run.seed)
+            loss = float("nan")
+        else:
+            b = self.workload.batch(self.iteration, self.rank, self.cfg.net.workers,
+                                    self.cfg.workload.batch_size)
+            out = self.workload.loss(self.model.module, type(b)(b.x.to(self.device),
+                                                               b.y.to(self.device)))
+            out.backward()
+            loss = float(out.detach())
+        self.log.emit("compute_done", iter=self.iteration, compute_s=time.perf_counter() - t0,
+                      loss=loss)
+        return loss
+
+    def _compress(self, c: int, grad: torch.Tensor, ratio: float) -> tuple[Payload, dict[str, Any]]:
+        key = f"c{c}"
+        if self.ef is not None:
+            return self.ef.step(grad, key, ratio, self.rng, clip_norm=self.clip)
+        payload = self.compressor.compress(grad, key, ratio, self.rng)
+        return payload, {"raw_bytes": grad.numel() * grad.element_size(),
+                         "wire_bytes": payload.wire_bytes(), "residual_norm": 0.0}
+
+    def send_gradient(self) -> tuple[float, float, int]:
+        assert self.sock is not None
+        total_raw = self.model.numel * 4
+        info = read_tcp_info(self.sock)
+        r0 = (info.delivery_rate_bytes_per_s or 0) * 8 or None
+        with self.policy_lock:
+            self.policy.start(total_raw, r0, now_ns())
+        self.sampler.last = None
+        self.sampler.active.set()
+        t0 = time.perf_counter()
+        compress_s = 0.0
+        sent_raw = 0
+        wire_bytes = 0
+        try:
+            for c, (s, e) in enumerate(self.chunks):
+                with self.policy_lock:
+                    d = self.policy.keep_for_next_chunk(sent_raw)
+                if d.reason != "fixed":
+                    self.log.emit("decision", iter=self.iteration, chunk=c, **d.as_event())
+                tc0 = time.perf_counter()
+                grad = self.model.flat_grad[s:e]
+                payload, stats = self._compress(c, grad, d.keep)
+                dt = time.perf_counter() - tc0
+                compress_s += dt
+                tensors = [t.cpu() for t in payload.tensors]
+                n = wire.send_message(self.sock, tensors, msg_type=codec.MsgType.GRAD,
+                                      run_tag=self.tag, worker=self.rank,
+                                      iteration=self.iteration, chunk=c)
+                wire_bytes += n
+                sent_raw += (e - s) * 4
+                self.log.emit("compress_done", iter=self.iteration, key=f"c{c}", ratio=d.keep,
+                              raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
+                              residual_norm=float(stats.get("residual_norm", 0.0)),
+                              compress_s=dt)
+        finally:
+            self.sampler.active.clear()
+        send_s = time.perf_counter() - t0 - compress_s
+        self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s)
+        return compress_s, send_s, wire_bytes
+
+    def recv_weights(self) -> int:
+        """Receive every chunk of the new weights (or the sparse delta) into the model."""
+        assert self.reader is not None
+        total = 0
+        flat = self.host_params
+        for c, (s, e) in enumerate(self.chunks):
+            h = self.reader.read_header()
+            if h.msg_type == codec.MsgType.BYE:
+                raise PSClosed("PS said BYE")
+            if h.chunk != c:
+                raise codec.FrameError(f"{self.node}: chunk: got {h.chunk}, expected {c}")
+            if h.msg_type == codec.MsgType.WEIGHTS:
+                if h.numel != e - s or h.dtype != codec.DType.FLOAT32:
+                    raise codec.FrameError(f"{self.node}: WEIGHTS chunk {c}: {h.numel} "
+                                           f"{h.dtype.name}, expected {e - s} FLOAT32")
+                # Zero copy: the payload lands in the parameters themselves.
+                self.reader.read_payload_into(h, memoryview(flat[s:e].view(torch.uint8).numpy()))
+            elif h.msg_type == codec.MsgType.UPDATE:
+                parts = [(h, self.reader.read_tensor(h))]
+                for _ in range(1, h.nparts):
+                    h2 = self.reader.read_header()
+                    parts.append((h2, self.reader.read_tensor(h2)))
+                if len(parts) == 2:
+                    flat[s:e].index_add_(0, parts[0][1].to(torch.int64), parts[1][1])
+                else:
+                    flat[s:e].add_(parts[0][1])
+            else:
+                raise codec.FrameError(f"{self.node}: unexpected {h.msg_type.name} "
+                                       f"while receiving weights")
+            if flat is not self.model.flat_params:
+                self.model.flat_params[s:e].copy_(flat[s:e], non_blocking=True)
+            total += h.payload_len + codec.HEADER_SIZE
+        return total
+
+    def run(self) -> int:
+        schedule = {w: (leave, rejoin) for w, leave, rejoin in self.cfg.membership.schedule}
+        leave_at, rejoin_at = schedule.get(self.rank, (-1, -1))
+        self.iteration = self.connect(join_at=0)
+        n_iter = self.cfg.run.iterations
+        while self.iteration < n_iter:
+            if self.iteration == leave_at:
+                self.leave(rejoin_at)
+                if rejoin_at < 0 or rejoin_at >= n_iter:
+                    return 0
+                self.iteration = self.connect(join_at=rejoin_at)
+                leave_at = -1
+                continue
+            self.apply_commands()
+            t0 = time.perf_counter()
+            loss = self.compute()
+            compute_s = time.perf_counter() - t0
+            compress_s, send_s, up = self.send_gradient()
+            tw = time.perf_counter()
+            try:
+                down = self.recv_weights()
+            except PSClosed:
+                break
+            wait_s = time.perf_counter() - tw
+            iter_s = time.perf_counter() - t0
+            self.log.emit("recv_done", iter=self.iteration, bytes=down, wait_s=wait_s)
+            self.log.emit("iter_done", iter=self.iteration, iter_s=iter_s, compute_s=compute_s,
+                          compress_s=compress_s, send_s=send_s, wait_s=wait_s, bytes_up=up,
+                          bytes_down=down, loss=loss)
+            self.ctl.send("iter_done", iter=self.iteration, iter_s=iter_s, bytes_up=up)
+            self.iteration += 1
+        return 0
+
+    def close(self) -> None:
+        self.sampler.stopped = True
+        if self.sock is not None:
+            self.sock.close()
+        self.log.close()
+        self.ctl.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agents.worker",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--worker", required=True, type=int)
+    ap.add_argument("--ps", required=True, help="PS address (IP inside the emulated network)")
+    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--device", default=None, help="auto, cpu or cuda (default: run.device)")
+    args = ap.parse_args(argv)
+    cfg = cfgmod.load(args.run_dir / "config.toml")
+    torch.set_num_threads(1)
+    w = Worker(cfg, args.run_dir, args.run_dir.name, (args.run_dir / "secret").read_bytes(),
+               args.worker, args.ps, args.port or cfg.net.ps_port,
+               pick_device(args.device or cfg.run.device))
+    try:
+        return w.run()
+    except (ConnectionError, codec.FrameError, wire.ConnectionClosed) as e:
+        w.log.emit("worker_error", iter=w.iteration, error=str(e))
+        print(f"{w.node}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        w.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The Workload interface and the flat parameter buffer every workload shares.
+
+A workload owns a model, its data and its loss. Workers and the PS both build it
+from the same seed, so they start from identical weights.
+
+Parameters are packed into one flat float32 buffer in *send order*: the reverse of
+registration order, the order backprop produces gradients in (as DDP buckets do).
+``p.data`` and ``p.grad`` of every parameter are views into two flat buffers, so:
+- a gradient chunk is a contiguous slice of ``flat_grad`` (no gather copy), and
+- weights arriving from the PS are received straight into ``flat_params``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class FlatModel:
+    """A module whose parameters and gradients live in two flat buffers."""
+
+    def __init__(self, module: nn.Module, device: torch.device | str = "cpu") -> None:
+        self.module = module.to(device)
+        self.device = torch.device(device)
+        self.params = [p for p in module.parameters()][::-1]
+        total = sum(p.numel() for p in self.params)
+        self.numel = total
+        self.flat_params = torch.empty(total, dtype=torch.float32, device=self.device)
+        self.flat_grad = torch.zeros(total, dtype=torch.float32, device=self.device)
+        self.layout: list[tuple[str, int, int]] = []
+        names = {id(p): n for n, p in module.named_parameters()}
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat_params[offset:offset + n].copy_(p.data.reshape(-1))
+            p.data = self.flat_params[offset:offset + n].view_as(p)
+            p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            self.layout.append((names[id(p)], offset, n))
+            offset += n
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+
+
+def chunk_ranges(numel: int, chunk_bytes: int, itemsize: int = 4) -> list[tuple[int, int]]:
+    """Contiguous [start, end) element ranges of at most ``chunk_bytes`` each, in send
+    order. Chunks are the unit of compression, framing and adaptive-ratio decisions."""
+    step = max(1, chunk_bytes // itemsize)
+    return [(s, min(s + step, numel)) for s in range(0, numel, step)]
+
+
+@dataclass(frozen=True)
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Workload(ABC):
+    """A model plus its data. ``compute_ms`` > 0 marks a replay workload whose
+    forward/backward is simulated by sleeping; its gradients are synthetic."""
+
+    name: str = ""
+    compute_ms: float = 0.0
+
+    @abstractmethod
+    def build_model(self, seed: int) -> nn.Module: ...
+
+    @abstractmethod
+    def batch(self, iteration: int, worker: int, n_workers: int, batch_size: int) -> Batch:
+        """Worker ``worker``'s share of the global batch of ``iteration``. The global
+        batch is ``n_workers * batch_size`` samples; worker k takes slice k, so the mean
+        of the workers' mean gradients is the mean gradient of the global batch."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module) -> dict[str, float] | None:
+        """Held-out loss and accuracy, or None when the workload has no data."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}

@@ -1,0 +1,20 @@
+"""Builds the workload a config names (one place, so agents and tests agree)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agents.workloads.base import Workload
+from agents.workloads.digits import DigitsMLP
+from agents.workloads.replay import Replay
+
+WORKLOADS = {"digits_mlp": DigitsMLP, "replay": Replay}
+
+
+def make_workload(cfg: Any) -> Workload:
+    """``cfg`` is a ``controller.config.WorkloadConfig`` (or anything with its fields)."""
+    if cfg.name == "digits_mlp":
+        return DigitsMLP(hidden=int(cfg.hidden))
+    if cfg.name == "replay":
+        return Replay(model=str(cfg.model), compute_ms=float(cfg.compute_ms))
+    raise ValueError(f"workload.name = {cfg.name!r}: must be one of {', '.join(WORKLOADS)}")

@@ -1,0 +1,355 @@
+"""Experiment configuration: typed, frozen, validated dataclasses loaded from TOML.
+
+A config file has one table per section below. Every field has a default, so a
+file states only what differs. Dotted overrides from the command line
+(``--set net.bottleneck_mbps=50``) are applied before validation. Every error
+names the field, the value it got and what is allowed, e.g.::
+
+    configs/demo.toml: net.bottleneck_mbps = -5: must be in [0.01, 10000] Mbit/s
+
+Human strings such as "100mbit" are not accepted here: units live in the field
+names (``rate_mbps``, ``queue_bytes``, ``delay_ms``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type, or out of range."""
+
+
+def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{path} = {value!r}: {allowed}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"                 # prefix of the run directory name
+    iterations: int = 50              # training iterations (PS optimizer steps)
+    seed: int = 0                     # seeds models, data order and compressors
+    eval_every: int = 5               # PS evaluates held-out accuracy every N iterations
+    device: str = "auto"              # "auto" picks CUDA when present, else "cpu"
+    timeout_s: float = 900.0          # hard limit for the whole run; the run stops cleanly
+    on_worker_death: str = "continue" # "continue" re-shapes to B/(N-1); "stop" ends the run
+    target_accuracy: float = 0.0      # summary reports time to reach it (0 = not reported)
+
+    def validate(self, p: str) -> None:
+        _check(self.iterations >= 1, f"{p}.iterations", self.iterations, "must be >= 1")
+        _check(self.eval_every >= 1, f"{p}.eval_every", self.eval_every, "must be >= 1")
+        _check(self.device in ("auto", "cpu", "cuda"), f"{p}.device", self.device,
+               "must be one of auto, cpu, cuda")
+        _check(self.timeout_s > 0, f"{p}.timeout_s", self.timeout_s, "must be > 0")
+        _check(self.on_worker_death in ("continue", "stop"), f"{p}.on_worker_death",
+               self.on_worker_death, "must be 'continue' or 'stop'")
+        _check(0.0 <= self.target_accuracy <= 1.0, f"{p}.target_accuracy",
+               self.target_accuracy, "must be in [0, 1]")
+        _check(bool(self.name) and "/" not in self.name, f"{p}.name", self.name,
+               "must be a non-empty name without '/'")
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    workers: int = 4                  # N worker hosts behind the switch
+    worker_link_mbps: float = 1000.0  # each worker's access link (both directions)
+    bottleneck_mbps: float = 100.0    # switch -> PS (gradients go up through it)
+    bottleneck_down_mbps: float = 0.0 # PS -> switch; 0 = same as bottleneck_mbps
+    queue_bytes: int = 1_000_000      # bfifo limit on the bottleneck; deeper = more delay, fewer drops
+    delay_ms: float = 0.0             # one-way delay on the bottleneck (needs netem)
+    loss_pct: float = 0.0             # random loss on the bottleneck (needs netem)
+    congestion: str = "cubic"         # TCP congestion control in every host: reno, cubic, bbr
+    offload: bool = False             # GSO/TSO/GRO; off gives packet-exact queues
+    background_hosts: int = 0         # extra hosts on the worker side for cross traffic
+    ps_port: int = 5000
+
+    @property
+    def down_mbps(self) -> float:
+        return self.bottleneck_down_mbps or self.bottleneck_mbps
+
+    def validate(self, p: str) -> None:
+        _check(1 <= self.workers <= 64, f"{p}.workers", self.workers, "must be in [1, 64]")
+        for name in ("worker_link_mbps", "bottleneck_mbps"):
+            v = getattr(self, name)
+            _check(0.01 <= v <= 10_000, f"{p}.{name}", v, "must be in [0.01, 10000] Mbit/s")
+        _check(self.bottleneck_down_mbps == 0 or 0.01 <= self.bottleneck_down_mbps <= 10_000,
+               f"{p}.bottleneck_down_mbps", self.bottleneck_down_mbps,
+               "must be 0 (same as up) or in [0.01, 10000] Mbit/s")
+        _check(1500 <= self.queue_bytes <= 1_000_000_000, f"{p}.queue_bytes",
+               self.queue_bytes, "must be in [1500, 1e9] bytes")
+        _check(0 <= self.delay_ms <= 10_000, f"{p}.delay_ms", self.delay_ms,
+               "must be in [0, 10000] ms")
+        _check(0 <= self.loss_pct <= 100, f"{p}.loss_pct", self.loss_pct,
+               "must be in [0, 100] %")
+        _check(self.congestion in ("reno", "cubic", "bbr"), f"{p}.congestion",
+               self.congestion, "must be one of reno, cubic, bbr")
+        _check(0 <= self.background_hosts <= 32, f"{p}.background_hosts",
+               self.background_hosts, "must be in [0, 32]")
+        _check(1024 <= self.ps_port <= 65535, f"{p}.ps_port", self.ps_port,
+               "must be in [1024, 65535]")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    name: str = "digits_mlp"          # digits_mlp (real training) or replay (gradient sizes only)
+    batch_size: int = 32              # per-worker batch; the global batch is N times this
+    lr: float = 0.1                   # SGD learning rate at the PS
+    momentum: float = 0.0             # SGD momentum at the PS
+    hidden: int = 512                 # digits_mlp: width of the two hidden layers
+    model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
+    compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
+    chunk_bytes: int = 4_000_000      # gradients travel in buckets of at most this many bytes
+
+    def validate(self, p: str) -> None:
+        _check(self.name in ("digits_mlp", "replay"), f"{p}.name", self.name,
+               "must be one of digits_mlp, replay")
+        _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
+               "must be in [1, 4096]")
+        _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
+        _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
+        _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
+               "must be one of resnet50, resnet18")
+        _check(0 <= self.compute_ms <= 600_000, f"{p}.compute_ms", self.compute_ms,
+               "must be in [0, 600000] ms")
+        _check(4096 <= self.chunk_bytes <= 1_000_000_000, f"{p}.chunk_bytes",
+               self.chunk_bytes, "must be in [4096, 1e9] bytes")
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    name: str = "none"                # compressor registered under this name
+    ratio: float = 1.0                # fraction of elements kept; lower = fewer bytes, more residual
+    error_feedback: bool = True       # keep what was not sent and add it next iteration
+    clip_global: float = 0.0          # T_global for DGC-style local clipping; 0 = off
+    index_encoding: str = "int32"     # sparse indices on the wire: int32 or delta
+    downlink: str = "weights"         # what the PS sends back: weights or update (sparse delta)
+    params: dict[str, Any] = field(default_factory=dict)  # compressor-specific (levels, rank, ...)
+
+    def validate(self, p: str) -> None:
+        _check(0 < self.ratio <= 1, f"{p}.ratio", self.ratio, "must be in (0, 1]")
+        _check(self.clip_global >= 0, f"{p}.clip_global", self.clip_global, "must be >= 0")
+        _check(self.index_encoding in ("int32", "delta"), f"{p}.index_encoding",
+               self.index_encoding, "must be int32 or delta")
+        _check(self.downlink in ("weights", "update"), f"{p}.downlink", self.downlink,
+               "must be weights or update")
+
+
+@dataclass(frozen=True)
+class ShapingConfig:
+    method: str = "none"              # none, tc (HTB on worker egress) or pacing (SO_MAX_PACING_RATE)
+    headroom: float = 1.0             # cap = headroom * B / N; < 1 leaves the queue empty
+
+    def validate(self, p: str) -> None:
+        _check(self.method in ("none", "tc", "pacing"), f"{p}.method", self.method,
+               "must be one of none, tc, pacing")
+        _check(0.1 <= self.headroom <= 2.0, f"{p}.headroom", self.headroom,
+               "must be in [0.1, 2]")
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    policy: str = "fixed"             # fixed (compress.ratio), adaptive (DESIGN 1.1) or oracle
+    eps: float = 0.1                  # rate counts as stable when |r(t)-r(t+1)|/r(t) <= eps
+    keep_min: float = 0.001           # the adaptive keep ratio never goes below this
+    formula: str = "consistent"       # consistent (default) or literal (the patent's text)
+    sample_ms: float = 20.0           # TCP_INFO sampling period during a transfer
+
+    def validate(self, p: str) -> None:
+        _check(self.policy in ("fixed", "adaptive", "oracle"), f"{p}.policy", self.policy,
+               "must be one of fixed, adaptive, oracle")
+        _check(0 < self.eps < 1, f"{p}.eps", self.eps, "must be in (0, 1)")
+        _check(0 < self.keep_min <= 1, f"{p}.keep_min", self.keep_min, "must be in (0, 1]")
+        _check(self.formula in ("consistent", "literal"), f"{p}.formula", self.formula,
+               "must be consistent or literal")
+        _check(1 <= self.sample_ms <= 10_000, f"{p}.sample_ms", self.sample_ms,
+               "must be in [1, 10000] ms")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    up: str = ""                      # bandwidth trace for the bottleneck, workers -> PS
+    down: str = ""                    # bandwidth trace for PS -> workers
+    granularity_ms: float = 100.0     # trace is replayed as rate steps of this length
+    scale: float = 1.0                # multiplies every rate of the trace
+
+    def validate(self, p: str) -> None:
+        _check(10 <= self.granularity_ms <= 60_000, f"{p}.granularity_ms",
+               self.granularity_ms, "must be in [10, 60000] ms")
+        _check(0 < self.scale <= 1000, f"{p}.scale", self.scale, "must be in (0, 1000]")
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    # Each entry [worker, leave_at_iter, rejoin_at_iter]; rejoin -1 = never comes back.
+    schedule: tuple[tuple[int, int, int], ...] = ()
+
+    def validate(self, p: str) -> None:
+        for i, entry in enumerate(self.schedule):
+            _check(len(entry) == 3 and entry[1] >= 1 and (entry[2] == -1 or entry[2] > entry[1]),
+                   f"{p}.schedule[{i}]", list(entry),
+                   "must be [worker, leave_iter >= 1, rejoin_iter > leave_iter or -1]")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+        for i, entry in enumerate(self.membership.schedule):
+            _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
+                   f"must name a worker in [0, {self.net.workers - 1}]")
+        # A compressor that is not registered is a config error, not a crash in a host.
+        import agents.compress  # noqa: F401  (registers every compressor)
+        from agents.compress.base import names
+
+        known = names()
+        _check(self.compress.name in known, "compress.name", self.compress.name,
+               f"must be one of {', '.join(sorted(known))}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["membership"]["schedule"] = [list(e) for e in self.membership.schedule]
+        return d
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check one TOML value against a dataclass field type; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if tp is float:
+        _check(isinstance(value, int | float) and not isinstance(value, bool), path, value,
+               "must be a number")
+        return float(value)
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), path, value,
+               "must be an integer")
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), path, value, "must be true or false")
+        return value
+    if tp is str:
+        _check(isinstance(value, str), path, value, "must be a string")
+        return value
+    if origin is dict:
+        _check(isinstance(value, dict), path, value, "must be a table")
+        return dict(value)
+    if origin is tuple:
+        _check(isinstance(value, list | tuple), path, value, "must be a list")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        _check(len(value) == len(args), path, value, f"must have {len(args)} entries")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if isinstance(tp, types.UnionType):
+        return value
+    raise ConfigError(f"{path}: unsupported field type {tp}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}.{key}: unknown field; known fields: "
+                              f"{', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> ExperimentConfig:
+    sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in sections:
+            raise ConfigError(f"{key}: unknown section; known sections: "
+                              f"{', '.join(sorted(sections))}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: must be a table [{key}]")
+        hints = typing.get_type_hints(ExperimentConfig)
+        kwargs[key] = _build(hints[key], value, key)
+    cfg = ExperimentConfig(**kwargs)
+    cfg.validate()
+    return cfg
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``net.bottleneck_mbps=50`` -> (["net", "bottleneck_mbps"], 50). The value is
+    read as a TOML literal when it is one (numbers, booleans, lists, quoted strings),
+    otherwise taken as a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected dotted.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: key must be section.field (e.g. net.workers)")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = _deepcopy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {p} is not a table")
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load and validate a TOML config; errors are prefixed with the file name."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: config file not found") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    try:
+        return from_dict(apply_overrides(data, overrides or []))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def dumps(cfg: ExperimentConfig) -> str:
+    return tomli_w.dumps(cfg.to_dict())
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"net": {"workers": 4}} -> {"net.workers": 4}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,148 @@
+"""Drives the emulated network during a run: trace replay and link/N rate shaping.
+
+The policies (``controller.policies``) and the replayer (``traces.replay``) are
+pure; this is where their decisions become side effects:
+
+- **Trace replay.** A ``TraceReplayer`` per direction says which HTB rate is due;
+  the driver applies it with ``tc class change`` (``StarNetwork.set_bottleneck_rate``)
+  and logs a ``trace_step`` event.
+- **Link/N shaping** (seeds/004). Whenever B(t) changes or the PS reports a new
+  active set, ``LinkNShaper`` returns the caps that changed and the driver
+  enforces each one, either with ``tc`` (the worker's egress HTB class) or with
+  ``SO_MAX_PACING_RATE`` on the worker's socket (a ``pace`` command over the
+  control socket), and logs a ``shape`` event.
+- **Bandwidth hints.** Every worker is told B(t) and N(t) (``bandwidth``
+  command); the oracle ratio policy uses them, the others ignore them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agents.events import EventLog, now_ns
+from controller import config as cfgmod
+from controller.control import ControlServer
+from controller.policies import LinkNShaper
+from controller.policies.base import CapChange
+from topo.build import StarNetwork
+from traces.bandwidth import BandwidthTrace, load_trace
+from traces.replay import TraceReplayer
+
+
+def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
+    """Load a trace named in the config, scaled by ``trace.scale``."""
+    tr = load_trace(path, granularity_s=cfg.granularity_ms / 1000.0)
+    if cfg.scale != 1.0:
+        tr = BandwidthTrace(times_s=tr.times_s,
+                            rates_mbps=tuple(r * cfg.scale for r in tr.rates_mbps),
+                            period_s=tr.period_s, source=f"{tr.source} x{cfg.scale}")
+    return tr
+
+
+class NetworkDriver:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, net: StarNetwork, ctl: ControlServer,
+                 events: EventLog, say: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.net = net
+        self.ctl = ctl
+        self.events = events
+        self.say = say
+        self.lock = threading.Lock()
+        self.traces = {d: load_config_trace(p, cfg.trace)
+                       for d, p in (("up", cfg.trace.up), ("down", cfg.trace.down)) if p}
+        self.bandwidth_mbps = cfg.net.bottleneck_mbps
+        self.active = frozenset(range(cfg.net.workers))
+        self.shaper = LinkNShaper(self.bandwidth_mbps, cfg.net.workers,
+                                  worker_link_mbps=cfg.net.worker_link_mbps,
+                                  headroom=cfg.shaping.headroom)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Install the initial rates, then replay traces on a thread."""
+        start_ns = now_ns()
+        self.replayers = {d: TraceReplayer(t, granularity_s=self.cfg.trace.granularity_ms / 1000,
+                                           start_ns=start_ns)
+                          for d, t in self.traces.items()}
+        self._tick(start_ns)
+        with self.lock:
+            self._enforce(self.shaper.initial())
+            self._hint()
+        if self.replayers:
+            self._thread = threading.Thread(target=self._loop, name="trace-replay", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            deadlines = [d for r in self.replayers.values()
+                         if (d := r.next_deadline_ns()) is not None]
+            if not deadlines:
+                return
+            wait_s = (min(deadlines) - now_ns()) / 1e9
+            if wait_s > 0 and self._stop.wait(wait_s):
+                return
+            try:
+                self._tick(now_ns())
+            except Exception as e:  # a failed tc command ends replay loudly, not silently
+                self.say(f"trace replay stopped: {e}")
+                self.events.emit("replay_error", error=str(e))
+                return
+
+    def _tick(self, now: int) -> None:
+        for direction, rep in self.replayers.items():
+            for change in rep.due(now):
+                self.net.set_bottleneck_rate(direction, change.rate_mbps)  # type: ignore[arg-type]
+                lag_ms = (now_ns() - change.t_ns) / 1e6
+                self.events.emit("trace_step", direction=direction, rate_mbps=change.rate_mbps,
+                                 index=change.index, loop=change.loop, lag_ms=lag_ms)
+                if direction == "up":
+                    with self.lock:
+                        self.bandwidth_mbps = change.rate_mbps
+                        self._enforce(self.shaper.on_bandwidth(change.rate_mbps))
+                        self._hint()
+
+    # -- membership (from the PS over the control socket) ---------------------------
+
+    def on_report(self, msg: dict[str, Any]) -> None:
+        if msg.get("node") != "ps" or msg.get("type") != "membership":
+            return
+        new = frozenset(int(w) for w in msg.get("active", []))
+        with self.lock:
+            changes: list[CapChange] = []
+            for w in sorted(self.active - new):
+                changes += self.shaper.on_leave(w)
+            for w in sorted(new - self.active):
+                changes += self.shaper.on_join(w)
+            self.active = new
+            self.events.emit("membership", iter=int(msg.get("iter", -1)), active=sorted(new))
+            self._enforce(changes)
+            self._hint()
+
+    # -- enforcement ----------------------------------------------------------------
+
+    def _enforce(self, changes: list[CapChange]) -> None:
+        method = self.cfg.shaping.method
+        if method == "none":
+            return
+        for ch in changes:
+            node = f"w{ch.worker}"
+            if method == "tc":
+                self.net.set_worker_cap(node, ch.cap_mbps)
+            else:
+                self.ctl.send(node, "pace", rate_bps=ch.cap_mbps * 1e6)
+            self.events.emit("shape", worker=ch.worker, rate_mbps=ch.cap_mbps, method=method)
+
+    def _hint(self) -> None:
+        for w in sorted(self.active):
+            self.ctl.send(f"w{w}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
+                          workers=len(self.active), ts_ns=now_ns())
+

@@ -1,0 +1,290 @@
+"""Runs one experiment end to end: the only place that owns OS state for a run.
+
+``Experiment(cfg).run()`` makes the run directory, builds the star in Mininet,
+sets the congestion control, starts the PS and the workers inside their hosts,
+samples the bottleneck's ``tc -s`` counters every 100 ms, replays bandwidth
+traces and applies rate shaping (``controller.driver``), shows progress, and
+tears everything down in ``finally``. Ctrl-C (or SIGTERM) at any point still
+leaves a loadable run directory (events converted to Parquet, ``links.parquet``,
+``summary.json`` with ``interrupted: true``) and no Mininet state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pandas as pd
+
+from agents.events import EventLog, now_ns
+from controller import config as cfgmod
+from controller import rundir
+from controller.control import ControlServer
+from controller.summary import summarize
+from topo.build import StarNetwork
+from topo.probe import probe
+from topo.spec import LinkSpec, StarSpec
+
+LINK_SAMPLE_S = 0.1
+
+
+def star_spec(cfg: cfgmod.ExperimentConfig) -> StarSpec:
+    """The topology a config asks for (pure: no root needed)."""
+    n = cfg.net
+    bottleneck = dict(queue_bytes=n.queue_bytes, delay_ms=n.delay_ms, loss_pct=n.loss_pct)
+    return StarSpec(workers=n.workers,
+                    worker_link=LinkSpec(rate_mbps=n.worker_link_mbps),
+                    bottleneck_up=LinkSpec(rate_mbps=n.bottleneck_mbps, **bottleneck),
+                    bottleneck_down=LinkSpec(rate_mbps=n.down_mbps, **bottleneck),
+                    offload=n.offload, extra_hosts=n.background_hosts)
+
+
+class LinkSampler(threading.Thread):
+    """Samples the bottleneck's qdisc counters in both directions every 100 ms."""
+
+    def __init__(self, net: StarNetwork, period_s: float = LINK_SAMPLE_S) -> None:
+        super().__init__(name="link-sampler", daemon=True)
+        self.net = net
+        self.period_s = period_s
+        self.rows: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+        self.error: str | None = None
+
+    def sample(self) -> None:
+        for d in ("up", "down"):
+            st = self.net.bottleneck_stats(d)  # type: ignore[arg-type]
+            dev = self.net.bottleneck_dev(d)  # type: ignore[arg-type]
+            self.rows.append({"ts_ns": now_ns(), "direction": d, "dev": dev,
+                              "sent_bytes": st.sent_bytes, "sent_pkts": st.sent_pkts,
+                              "drops": st.drops, "overlimits": st.overlimits,
+                              "backlog_bytes": st.backlog_bytes,
+                              "backlog_pkts": st.backlog_pkts,
+                              "rate_mbps": self.net.rate_mbps(dev)})
+
+    def run(self) -> None:
+        next_t = time.monotonic()
+        while not self.stop_event.is_set():
+            try:
+                self.sample()
+            except Exception as e:  # the network is going away; keep what we have
+                self.error = str(e)
+                return
+            next_t += self.period_s
+            self.stop_event.wait(max(0.0, next_t - time.monotonic()))
+
+    def frame(self) -> pd.DataFrame:
+        return links_frame(list(self.rows))
+
+
+LINK_COLUMNS = ["ts_ns", "direction", "dev", "sent_bytes", "sent_pkts", "drops", "overlimits",
+                "backlog_bytes", "backlog_pkts", "rate_mbps"]
+
+
+def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=LINK_COLUMNS)
+
+
+class Experiment:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
+                 argv: list[str] | None = None, progress: bool = True,
+                 quiet: bool = False) -> None:
+        self.cfg = cfg
+        self.out_root = out_root
+        self.argv = argv
+        self.progress = progress and not quiet
+        self.quiet = quiet
+        self.run_dir: Path | None = None
+        self._logf: IO[str] | None = None
+        self._bar: Any = None
+        self._ps_state: dict[str, Any] = {"iter": -1, "done": False}
+        self.driver: Any = None
+
+    # -- logging --------------------------------------------------------------------
+
+    def say(self, line: str) -> None:
+        if self._logf is not None:
+            self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            self._logf.flush()
+            if line.startswith("$ ") and self.events is not None:
+                self.events.emit("tc", cmd=line[2:])
+
+    def _on_report(self, msg: dict[str, Any]) -> None:
+        """Reports from agents over the control socket (runs on its thread)."""
+        kind, node = msg.get("type"), msg.get("node")
+        if node == "ps" and kind == "iter_done":
+            self._ps_state["iter"] = int(msg["iter"])
+            if self._bar is not None:
+                post = {"workers": msg.get("workers")}
+                if msg.get("accuracy") is not None:
+                    self._ps_state["accuracy"] = msg["accuracy"]
+                if "accuracy" in self._ps_state:
+                    post["acc"] = f"{self._ps_state['accuracy']:.3f}"
+                self._bar.set_postfix(post, refresh=False)
+                self._bar.update(int(msg["iter"]) + 1 - self._bar.n)
+        elif node == "ps" and kind == "ready":
+            self._ps_state["ready"] = True
+        elif node == "ps" and kind == "done":
+            self._ps_state["done"] = True
+            self._ps_state["reason"] = msg.get("reason", "")
+        if self.driver is not None:
+            self.driver.on_report(msg)
+
+    # -- the run --------------------------------------------------------------------
+
+    def run(self) -> Path:
+        cfg = self.cfg
+        started_ns = now_ns()
+        t_start = time.monotonic()
+        run_dir = rundir.create(self.out_root, cfg.run.name)
+        self.run_dir = run_dir
+        self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
+        self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
+        caps = probe()
+        rundir.write_atomic(run_dir / "config.toml", cfgmod.dumps(cfg))
+        meta = rundir.meta(run_dir, caps, started_ns, self.argv)
+        rundir.write_json(run_dir / "meta.json", meta)
+        self.say(f"run {run_dir.name}: {cfg.net.workers} workers, "
+                 f"{cfg.net.bottleneck_mbps} Mbit/s bottleneck, {cfg.workload.name}, "
+                 f"compress={cfg.compress.name}")
+        interrupted = False
+        stop_reason = ""
+        sampler: LinkSampler | None = None
+        ctl = ControlServer(run_dir / "control.sock", self._on_report)
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        assert self.events is not None
+        self.events.emit("run_start", workers=cfg.net.workers)
+        try:
+            with StarNetwork(star_spec(cfg), log=self.say, caps=caps) as net:
+                net.set_congestion_control(cfg.net.congestion)
+                sampler = LinkSampler(net)
+                sampler.start()
+                from controller.driver import NetworkDriver
+
+                self.driver = NetworkDriver(cfg, net, ctl, self.events, self.say)
+                stop_reason = self._run_agents(net, run_dir)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop_reason = "interrupted"
+        finally:
+            # Finish writing whatever happens: a second Ctrl-C must not cut this short.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, old_term)
+            try:
+                if self.driver is not None:
+                    self.driver.stop()
+                if sampler is not None:
+                    sampler.stop_event.set()
+                    sampler.join(timeout=2)
+                ctl.close()
+                if self._bar is not None:
+                    self._bar.close()
+                self.events.emit("run_end", reason=stop_reason)
+                self.events.close()
+                self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
+                               interrupted, stop_reason)
+            finally:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                if self._logf is not None:
+                    self._logf.close()
+        return run_dir
+
+    def _start(self, net: StarNetwork, host: str, argv: list[str], run_dir: Path
+               ) -> subprocess.Popen[Any]:
+        log = open(run_dir / "logs" / f"{host}.log", "ab")
+        env = {**os.environ, "PYTHONPATH": str(rundir.REPO_ROOT), "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": "1"}
+        self.say(f"start {host}: {' '.join(argv)}")
+        # A new session: a terminal's Ctrl-C reaches only the controller, which then
+        # stops the agents itself and keeps their last events.
+        return net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
+                         cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
+
+    def _run_agents(self, net: StarNetwork, run_dir: Path) -> str:
+        cfg = self.cfg
+        py = sys.executable
+        ps = self._start(net, "ps", [py, "-m", "agents.ps", "--run-dir", str(run_dir)], run_dir)
+        deadline = time.monotonic() + 60
+        while not self._ps_state.get("ready"):
+            if ps.poll() is not None:
+                raise RuntimeError(f"PS exited with status {ps.returncode} before it was "
+                                   f"ready; see {run_dir / 'logs' / 'ps.log'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PS not ready after 60 s; see {run_dir / 'logs/ps.log'}")
+            time.sleep(0.05)
+        workers = {}
+        for k in range(cfg.net.workers):
+            workers[k] = self._start(net, f"w{k}", [
+                py, "-m", "agents.worker", "--run-dir", str(run_dir), "--worker", str(k),
+                "--ps", net.ip("ps"), "--port", str(cfg.net.ps_port)], run_dir)
+        if self.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=cfg.run.iterations, desc=cfg.run.name, unit="it",
+                             dynamic_ncols=True, file=sys.stderr)
+        assert self.driver is not None
+        self.driver.start()
+        deadline = time.monotonic() + cfg.run.timeout_s
+        reported: set[int] = set()
+        while ps.poll() is None:
+            if time.monotonic() > deadline:
+                self.say(f"timeout after {cfg.run.timeout_s} s: stopping")
+                return f"timeout after {cfg.run.timeout_s} s"
+            for k, p in workers.items():
+                if p.poll() not in (None, 0) and k not in reported:
+                    reported.add(k)
+                    self.say(f"w{k} exited with status {p.returncode}; "
+                             f"see logs/w{k}.log")
+            time.sleep(0.1)
+        # The PS is done; give workers a moment to read its BYE and exit on their own.
+        end = time.monotonic() + 10
+        for p in workers.values():
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if ps.returncode != 0:
+            return f"PS exited with status {ps.returncode}; see logs/ps.log"
+        return str(self._ps_state.get("reason") or "completed")
+
+    def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
+                  wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        rundir.convert_events(run_dir)
+        links = sampler.frame() if sampler is not None else links_frame([])
+        tmp = run_dir / ".links.parquet.tmp"
+        links.to_parquet(tmp, index=False)
+        os.replace(tmp, run_dir / "links.parquet")
+        events = load_events(run_dir)
+        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
+        rundir.write_json(run_dir / "summary.json", summary)
+        meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
+                "stop_reason": stop_reason}
+        rundir.write_json(run_dir / "meta.json", meta)
+        secret = run_dir / "secret"
+        if secret.exists():
+            secret.unlink()  # the run is over: nobody else may join it
+        try:
+            from analysis.report import write_report
+
+            write_report([run_dir], run_dir / "report")
+        except Exception as e:  # plots are a convenience; the data is what must survive
+            self.say(f"warning: report not written: {e}")
+            if not self.quiet:
+                print(f"warning: report not written: {e}", file=sys.stderr)
+
+
+def load_events(run_dir: Path) -> pd.DataFrame:
+    frames = [pd.read_parquet(p) for p in sorted((run_dir / "events").glob("*.parquet"))]
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return pd.DataFrame(columns=["ts_ns", "run_id", "node", "iter", "event"])
+    return pd.concat(frames, ignore_index=True, sort=False)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

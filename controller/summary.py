@@ -1,0 +1,119 @@
+"""Headline numbers of a run (``summary.json``), computed from its events and link samples.
+
+Definitions:
+- ``iter_time_s_p50/p99``: percentiles of every worker's ``iter_done.iter_s``
+  (compute + compress + send + wait for the weights), pooled over workers.
+- ``bytes_up`` / ``bytes_down``: bytes the workers put on / took off the wire
+  (frame headers included), summed over workers and iterations.
+- ``bottleneck_utilization``: the fraction of the *upload windows* during which
+  the up bottleneck was delivering at its rate. An iteration's upload window runs
+  from its first gradient frame (the earliest worker's first ``compress_done``
+  minus its compression time) to the moment the PS has every gradient
+  (``grads_in``). Delivered bytes come from the bottleneck's ``tc -s`` byte
+  counter (Ethernet frames, the unit HTB shapes), interpolated at the window
+  edges; capacity is the HTB rate in force. Compute phases, when the link is
+  idle by design, are excluded: this measures whether the agents keep the wire busy.
+- ``jain_fairness``: Jain's index over workers of their mean sending throughput
+  (bytes up / time spent sending).
+- ``time_to_target_s``: seconds from the first iteration until the PS's held-out
+  accuracy first reaches ``run.target_accuracy`` (absent when never reached or unset).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis.metrics import jain, percentile
+
+
+def upload_windows(events: pd.DataFrame) -> list[tuple[int, int, int]]:
+    """(iteration, start_ns, end_ns) of every complete upload window."""
+    comp = events[events["event"] == "compress_done"]
+    ins = events[events["event"] == "grads_in"]
+    if comp.empty or ins.empty:
+        return []
+    starts = (comp["ts_ns"] - (comp["compress_s"].fillna(0) * 1e9)).groupby(comp["iter"]).min()
+    ends = ins.groupby("iter")["ts_ns"].max()
+    out = []
+    for it, end in ends.items():
+        if it in starts.index and end > starts[it]:
+            out.append((int(it), int(starts[it]), int(end)))
+    return out
+
+
+def window_utilization(links: pd.DataFrame, windows: list[tuple[int, int, int]],
+                       direction: str = "up") -> float:
+    """Delivered / allowed bytes on ``direction`` summed over ``windows`` (see module doc)."""
+    lk = links[links["direction"] == direction].sort_values("ts_ns")
+    if lk.empty or not windows:
+        return float("nan")
+    ts = lk["ts_ns"].to_numpy(dtype=np.float64)
+    sent = lk["sent_bytes"].to_numpy(dtype=np.float64)
+    rate = lk["rate_mbps"].to_numpy(dtype=np.float64)
+    delivered = allowed = 0.0
+    for _, s, e in windows:
+        if s < ts[0] or e > ts[-1]:
+            continue  # outside the sampled span: no honest answer for this window
+        delivered += float(np.interp(e, ts, sent) - np.interp(s, ts, sent))
+        # Integrate the (piecewise-constant) rate over the window on a fine grid.
+        grid = np.linspace(s, e, 200)
+        r = rate[np.clip(np.searchsorted(ts, grid, side="right") - 1, 0, len(ts) - 1)]
+        allowed += float(np.mean(r) * 1e6 / 8 * (e - s) / 1e9)
+    return delivered / allowed if allowed > 0 else float("nan")
+
+
+def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
+              wall_s: float, interrupted: bool, stop_reason: str) -> dict[str, Any]:
+    ev = events
+    it = ev[ev["event"] == "iter_done"] if not ev.empty else ev
+    psi = ev[ev["event"] == "ps_iter_done"] if not ev.empty else ev
+    evals = ev[ev["event"].isin(["eval", "final_eval"])] if not ev.empty else ev
+    iter_s = it["iter_s"].dropna().to_numpy() if "iter_s" in it else np.array([])
+    out: dict[str, Any] = {
+        "workers": int(cfg["net"]["workers"]),
+        "iterations": int(len(psi)),
+        "wall_s": round(wall_s, 3),
+        "iter_time_s_p50": percentile(iter_s, 50),
+        "iter_time_s_p99": percentile(iter_s, 99),
+        "iter_time_s_mean": float(np.mean(iter_s)) if len(iter_s) else float("nan"),
+        "bytes_up": int(it["bytes_up"].sum()) if "bytes_up" in it else 0,
+        "bytes_down": int(it["bytes_down"].sum()) if "bytes_down" in it else 0,
+        "final_loss": float("nan"),
+        "final_accuracy": float("nan"),
+        "bottleneck_utilization": float("nan"),
+        "jain_fairness": float("nan"),
+        "interrupted": interrupted,
+        "stop_reason": stop_reason,
+    }
+    if len(psi):
+        out["bytes_up_per_iter"] = out["bytes_up"] / len(psi)
+    if not evals.empty and "accuracy" in evals:
+        last = evals.sort_values("ts_ns").iloc[-1]
+        out["final_accuracy"] = float(last["accuracy"])
+        out["final_loss"] = float(last["loss"])
+    elif "loss" in it and it["loss"].notna().any():
+        out["final_loss"] = float(it.sort_values("ts_ns")["loss"].dropna().iloc[-1])
+    sends = ev[ev["event"] == "send_done"] if not ev.empty else ev
+    if not sends.empty:
+        per = sends.groupby("node").agg(b=("bytes", "sum"), s=("send_s", "sum"))
+        per = per[per["s"] > 0]
+        if len(per):
+            out["jain_fairness"] = jain((per["b"] / per["s"]).tolist())
+    if not links.empty and not ev.empty:
+        out["bottleneck_utilization"] = window_utilization(links, upload_windows(ev))
+        up = links[links["direction"] == "up"]
+        if len(up):
+            out["drops_up"] = int(up["drops"].max() - up["drops"].min())
+    target = float(cfg["run"].get("target_accuracy", 0.0))
+    if target > 0 and not evals.empty and len(psi):
+        t0 = int(ev[ev["event"] == "ps_ready"]["ts_ns"].min()) if (ev["event"] == "ps_ready").any() \
+            else int(psi["ts_ns"].min())
+        hit = evals[evals["accuracy"] >= target].sort_values("ts_ns")
+        if len(hit):
+            out["time_to_target_s"] = (int(hit["ts_ns"].iloc[0]) - t0) / 1e9
+            out["iterations_to_target"] = int(hit["iter"].iloc[0]) + 1
+    return {k: (None if isinstance(v, float) and not np.isfinite(v) else v)
+            for k, v in out.items()}

@@ -1,0 +1,54 @@
+"""Transparency (torchgpipe-style): distributing must not change the mathematics.
+
+With the ``none`` compressor, N workers that each send the mean gradient of their
+shard, averaged at the PS and stepped with SGD, must end at the weights one process
+reaches training on the concatenated batch -- over real TCP, real processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agents.workloads.base import FlatModel
+from agents.workloads.digits import DigitsMLP
+from tests.loopback import run_loopback
+
+
+def reference_weights(n_workers: int, iterations: int, lr: float, momentum: float,
+                      hidden: int, batch: int) -> torch.Tensor:
+    w = DigitsMLP(hidden)
+    model = w.build_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for i in range(iterations):
+        opt.zero_grad()
+        w.loss(model, w.global_batch(i, n_workers, batch)).backward()
+        opt.step()
+    return FlatModel(model).flat_params
+
+
+def test_dense_workers_match_single_process(tmp_path):
+    n, iters = 3, 6
+    run_dir, rc = run_loopback(tmp_path, [f"net.workers={n}", f"run.iterations={iters}",
+                                          "workload.hidden=64", "workload.lr=0.2",
+                                          "workload.momentum=0.9", "workload.chunk_bytes=8192"])
+    assert rc == 0, (run_dir / "ps.log").read_text()
+    got = torch.load(run_dir / "ps_final_weights.pt")
+    want = reference_weights(n, iters, 0.2, 0.9, 64, 32)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # And the test can fail: one extra step moves the weights well past the tolerance.
+    moved = reference_weights(n, iters + 1, 0.2, 0.9, 64, 32)
+    assert (moved - want).abs().max() > 1e-3
+
+
+def test_sparse_delta_downlink_keeps_workers_identical(tmp_path):
+    """With downlink=update the workers hold the PS's shadow copy bit for bit, which
+    equals the dense-downlink weights up to float rounding of the deltas."""
+    n, iters = 2, 5
+    run_dir, rc = run_loopback(tmp_path, [f"net.workers={n}", f"run.iterations={iters}",
+                                          "workload.hidden=64", "workload.momentum=0.0",
+                                          "compress.downlink='update'"])
+    assert rc == 0, (run_dir / "ps.log").read_text()
+    got = torch.load(run_dir / "ps_final_weights.pt")
+    want = reference_weights(n, iters, 0.1, 0.0, 64, 32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
