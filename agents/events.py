@@ -117,9 +117,9 @@ def jsonl_to_parquet(jsonl: str | os.PathLike[str]) -> Path:
     dst = src.with_suffix(".parquet")
     rows = read_jsonl(src)
     df = pd.DataFrame(rows)
-    for col, dtype in (("ts_ns", "int64"), ("iter", "int64")):
+    for col in ("ts_ns", "iter"):
         if col in df:
-            df[col] = df[col].astype(dtype)
+            df[col] = df[col].astype("int64")
     # Mixed-type object columns (a field that is sometimes str, sometimes number)
     # cannot go to Arrow as-is; store them as strings.
     for col in df.columns:

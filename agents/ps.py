@@ -195,7 +195,8 @@ class ParameterServer:
             raise TimeoutError(f"PS: timed out waiting for {what}") from None
 
     def _handle(self, ev: tuple[Any, ...]) -> None:
-        kind, conn = ev[0], ev[1]
+        kind = ev[0]
+        conn: _Conn = ev[1]
         if kind == "join":
             self.conns[conn.worker] = conn
             self.pending[conn.worker] = int(ev[2])

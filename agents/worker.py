@@ -46,6 +46,10 @@ from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 from controller import config as cfgmod
 from controller.policies import make_ratio_policy
+from traces import generate
+
+# TCP payload per byte on the wire (1448 of every 1514-byte Ethernet frame).
+GOODPUT = 1448 / 1514
 
 
 class PSClosed(Exception):
@@ -121,7 +125,8 @@ class Worker:
         self.compressor: Compressor = make(cfg.compress.name, **params)
         self.ef = ErrorFeedback(self.compressor) if cfg.compress.error_feedback else None
         self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
-        self.policy = make_ratio_policy(**self._policy_params())
+        self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers) * GOODPUT
+        self.policy: Any = self._make_policy()
         self.policy_lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.reader: wire.FrameReader | None = None
@@ -132,14 +137,26 @@ class Worker:
         self.clip = (cfg.compress.clip_global / math.sqrt(cfg.net.workers)
                      if cfg.compress.clip_global > 0 else None)
 
-    def _policy_params(self) -> dict[str, Any]:
+    def _make_policy(self, trace_start_ns: int = 0, workers: int | None = None) -> Any:
         a = self.cfg.adaptive
         if a.policy == "fixed":
-            return {"name": "fixed", "keep": self.cfg.compress.ratio}
+            return make_ratio_policy("fixed", keep=self.cfg.compress.ratio)
         if a.policy == "adaptive":
-            return {"name": "adaptive", "eps": a.eps, "keep_min": a.keep_min,
-                    "formula": a.formula}
-        return {"name": "oracle", "keep_min": a.keep_min}
+            return make_ratio_policy("adaptive", eps=a.eps, keep_min=a.keep_min,
+                                     formula=a.formula)
+        # The oracle reads the future of the trace the controller replays; without a
+        # trace the bottleneck is constant at its configured rate.
+        if self.cfg.trace.up:
+            from controller.driver import load_config_trace
+
+            trace = load_config_trace(self.cfg.trace.up, self.cfg.trace)
+        else:
+            trace = generate.constant(self.cfg.net.bottleneck_mbps, 3600.0)
+        planned_s = self.model.numel * 4 * 8 / self.planned_bps
+        return make_ratio_policy("oracle", trace=trace,
+                                 n_workers=workers or self.cfg.net.workers,
+                                 planned_s=planned_s, trace_start_ns=trace_start_ns,
+                                 keep_min=a.keep_min, goodput_fraction=GOODPUT)
 
     # -- connection -----------------------------------------------------------------
 
@@ -181,7 +198,9 @@ class Worker:
     def leave(self, rejoin_at: int) -> None:
         assert self.sock is not None
         hdr, body = codec.frame_for_bytes(b"bye", msg_type=codec.MsgType.BYE, run_tag=self.tag,
-                                          worker=self.rank, iteration=rejoin_at)
+                                          # the header's iteration is unsigned: "never
+                                          # rejoins" (-1) travels as 0, which the PS ignores
+                                          worker=self.rank, iteration=max(rejoin_at, 0))
         wire.send_frame(self.sock, hdr, body)
         self.sock.close()
         self.sock = None
@@ -201,10 +220,10 @@ class Worker:
                     else:
                         clear_max_pacing_rate(self.sock)
                 self.log.emit("paced", iter=self.iteration, rate_bps=self.pacing_bps or 0)
-            elif kind == "bandwidth" and hasattr(self.policy, "set_bandwidth"):
+            elif kind == "bandwidth" and self.cfg.adaptive.policy == "oracle":
                 with self.policy_lock:
-                    self.policy.set_bandwidth(float(cmd["bottleneck_bps"]),
-                                              int(cmd.get("workers", self.cfg.net.workers)))
+                    self.policy = self._make_policy(int(cmd.get("trace_start_ns", 0)),
+                                                    int(cmd.get("workers", 1)))
 
     def observe_rate(self, rate_bps: float, ts_ns: int) -> None:
         with self.policy_lock:
@@ -240,8 +259,11 @@ class Worker:
     def send_gradient(self) -> tuple[float, float, int]:
         assert self.sock is not None
         total_raw = self.model.numel * 4
-        info = read_tcp_info(self.sock)
-        r0 = (info.delivery_rate_bytes_per_s or 0) * 8 or None
+        if self.cfg.adaptive.r0 == "planned":
+            r0: float | None = self.planned_bps
+        else:
+            info = read_tcp_info(self.sock)
+            r0 = (info.delivery_rate_bytes_per_s or 0) * 8 or None
         with self.policy_lock:
             self.policy.start(total_raw, r0, now_ns())
         self.sampler.last = None
@@ -293,7 +315,7 @@ class Worker:
                     raise codec.FrameError(f"{self.node}: WEIGHTS chunk {c}: {h.numel} "
                                            f"{h.dtype.name}, expected {e - s} FLOAT32")
                 # Zero copy: the payload lands in the parameters themselves.
-                self.reader.read_payload_into(h, memoryview(flat[s:e].view(torch.uint8).numpy()))
+                self.reader.read_payload_into(h, codec.tensor_view(flat[s:e]))
             elif h.msg_type == codec.MsgType.UPDATE:
                 parts = [(h, self.reader.read_tensor(h))]
                 for _ in range(1, h.nparts):

@@ -107,6 +107,7 @@ class WorkloadConfig:
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
+    replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
     chunk_bytes: int = 4_000_000      # gradients travel in buckets of at most this many bytes
 
     def validate(self, p: str) -> None:
@@ -121,6 +122,8 @@ class WorkloadConfig:
                "must be one of resnet50, resnet18")
         _check(0 <= self.compute_ms <= 600_000, f"{p}.compute_ms", self.compute_ms,
                "must be in [0, 600000] ms")
+        _check(self.replay_bytes == 0 or 4096 <= self.replay_bytes <= 4_000_000_000,
+               f"{p}.replay_bytes", self.replay_bytes, "must be 0 or in [4096, 4e9] bytes")
         _check(4096 <= self.chunk_bytes <= 1_000_000_000, f"{p}.chunk_bytes",
                self.chunk_bytes, "must be in [4096, 1e9] bytes")
 
@@ -163,6 +166,11 @@ class AdaptiveConfig:
     keep_min: float = 0.001           # the adaptive keep ratio never goes below this
     formula: str = "consistent"       # consistent (default) or literal (the patent's text)
     sample_ms: float = 20.0           # TCP_INFO sampling period during a transfer
+    # r0, the reference rate: "planned" = this worker's share of the nominal bottleneck
+    # (net.bottleneck_mbps / N, TCP payload), so a drop in B keeps the transfer on the
+    # originally planned schedule across iterations; "start" = the kernel's delivery rate
+    # as the transfer starts (DESIGN 1.1 read literally: reacts only within an iteration).
+    r0: str = "planned"
 
     def validate(self, p: str) -> None:
         _check(self.policy in ("fixed", "adaptive", "oracle"), f"{p}.policy", self.policy,
@@ -173,6 +181,7 @@ class AdaptiveConfig:
                "must be consistent or literal")
         _check(1 <= self.sample_ms <= 10_000, f"{p}.sample_ms", self.sample_ms,
                "must be in [1, 10000] ms")
+        _check(self.r0 in ("planned", "start"), f"{p}.r0", self.r0, "must be planned or start")
 
 
 @dataclass(frozen=True)
@@ -257,7 +266,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
         _check(len(value) == len(args), path, value, f"must have {len(args)} entries")
-        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if isinstance(tp, types.UnionType):
         return value
     raise ConfigError(f"{path}: unsupported field type {tp}")

@@ -57,6 +57,7 @@ class NetworkDriver:
         self.shaper = LinkNShaper(self.bandwidth_mbps, cfg.net.workers,
                                   worker_link_mbps=cfg.net.worker_link_mbps,
                                   headroom=cfg.shaping.headroom)
+        self.start_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -65,6 +66,7 @@ class NetworkDriver:
     def start(self) -> None:
         """Install the initial rates, then replay traces on a thread."""
         start_ns = now_ns()
+        self.start_ns = start_ns
         self.replayers = {d: TraceReplayer(t, granularity_s=self.cfg.trace.granularity_ms / 1000,
                                            start_ns=start_ns)
                           for d, t in self.traces.items()}
@@ -135,14 +137,18 @@ class NetworkDriver:
             return
         for ch in changes:
             node = f"w{ch.worker}"
+            # CapChange.rate_mbps None removes the cap: the worker's own link rate for tc
+            # (its HTB class must keep some rate), no pacing limit for sockets.
+            cap_mbps = ch.rate_mbps
             if method == "tc":
-                self.net.set_worker_cap(node, ch.cap_mbps)
+                self.net.set_worker_cap(node, cap_mbps if cap_mbps is not None
+                                        else self.cfg.net.worker_link_mbps)
             else:
-                self.ctl.send(node, "pace", rate_bps=ch.cap_mbps * 1e6)
-            self.events.emit("shape", worker=ch.worker, rate_mbps=ch.cap_mbps, method=method)
+                self.ctl.send(node, "pace", rate_bps=(cap_mbps or 0.0) * 1e6)
+            self.events.emit("shape", worker=ch.worker, rate_mbps=cap_mbps, method=method)
 
     def _hint(self) -> None:
         for w in sorted(self.active):
             self.ctl.send(f"w{w}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
-                          workers=len(self.active), ts_ns=now_ns())
+                          workers=len(self.active), trace_start_ns=self.start_ns)
 

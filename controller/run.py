@@ -37,11 +37,14 @@ LINK_SAMPLE_S = 0.1
 def star_spec(cfg: cfgmod.ExperimentConfig) -> StarSpec:
     """The topology a config asks for (pure: no root needed)."""
     n = cfg.net
-    bottleneck = dict(queue_bytes=n.queue_bytes, delay_ms=n.delay_ms, loss_pct=n.loss_pct)
+    def bottleneck(rate_mbps: float) -> LinkSpec:
+        return LinkSpec(rate_mbps=rate_mbps, queue_bytes=n.queue_bytes, delay_ms=n.delay_ms,
+                        loss_pct=n.loss_pct)
+
     return StarSpec(workers=n.workers,
                     worker_link=LinkSpec(rate_mbps=n.worker_link_mbps),
-                    bottleneck_up=LinkSpec(rate_mbps=n.bottleneck_mbps, **bottleneck),
-                    bottleneck_down=LinkSpec(rate_mbps=n.down_mbps, **bottleneck),
+                    bottleneck_up=bottleneck(n.bottleneck_mbps),
+                    bottleneck_down=bottleneck(n.down_mbps),
                     offload=n.offload, extra_hosts=n.background_hosts)
 
 

@@ -37,11 +37,11 @@ def upload_windows(events: pd.DataFrame) -> list[tuple[int, int, int]]:
         return []
     starts = (comp["ts_ns"] - (comp["compress_s"].fillna(0) * 1e9)).groupby(comp["iter"]).min()
     ends = ins.groupby("iter")["ts_ns"].max()
-    out = []
-    for it, end in ends.items():
-        if it in starts.index and end > starts[it]:
-            out.append((int(it), int(starts[it]), int(end)))
-    return out
+    both = pd.concat({"start": starts, "end": ends}, axis=1).dropna()
+    it = both.index.to_numpy(dtype=np.int64)
+    st = both["start"].to_numpy(dtype=np.int64)
+    en = both["end"].to_numpy(dtype=np.int64)
+    return [(int(i), int(s), int(e)) for i, s, e in zip(it, st, en, strict=True) if e > s]
 
 
 def window_utilization(links: pd.DataFrame, windows: list[tuple[int, int, int]],

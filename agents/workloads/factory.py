@@ -16,5 +16,6 @@ def make_workload(cfg: Any) -> Workload:
     if cfg.name == "digits_mlp":
         return DigitsMLP(hidden=int(cfg.hidden))
     if cfg.name == "replay":
-        return Replay(model=str(cfg.model), compute_ms=float(cfg.compute_ms))
+        return Replay(model=str(cfg.model), compute_ms=float(cfg.compute_ms),
+                      replay_bytes=int(cfg.replay_bytes))
     raise ValueError(f"workload.name = {cfg.name!r}: must be one of {', '.join(WORKLOADS)}")

@@ -40,14 +40,19 @@ def model_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
 class Replay(Workload):
     name = "replay"
 
-    def __init__(self, model: str = "resnet50", compute_ms: float = 100.0) -> None:
+    def __init__(self, model: str = "resnet50", compute_ms: float = 100.0,
+                 replay_bytes: int = 0) -> None:
         self.model = model
+        self.replay_bytes = replay_bytes
         self.compute_ms = compute_ms
         self._grad: dict[int, list[torch.Tensor]] = {}
 
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        m = ReplayModel(model_shapes(self.model))
+        shapes: list[tuple[str, tuple[int, ...]]] = (
+                  [("flat", (self.replay_bytes // 4,))] if self.replay_bytes
+                  else model_shapes(self.model))
+        m = ReplayModel(shapes)
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0, 0.01)
@@ -61,18 +66,19 @@ class Replay(Workload):
         gradient into the parameters' ``.grad`` (the flat gradient buffer)."""
         time.sleep(self.compute_ms / 1000.0)
         if worker not in self._grad:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + worker)
-            self._grad[worker] = [torch.randn(p.shape, generator=g) * 1e-3
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + worker)
+            self._grad[worker] = [torch.randn(p.shape, generator=gen) * 1e-3
                                   for p in model.parameters()]
         with torch.no_grad():
-            for p, g in zip(model.parameters(), self._grad[worker]):
+            for p, grad in zip(model.parameters(), self._grad[worker], strict=True):
                 assert p.grad is not None
-                p.grad.copy_(g)
+                p.grad.copy_(grad)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         raise NotImplementedError("replay has no loss: use fill_grad")
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "model": self.model, "compute_ms": self.compute_ms}
+        return {"name": self.name, "model": self.model, "compute_ms": self.compute_ms,
+                "replay_bytes": self.replay_bytes}
 
 

@@ -1,0 +1,171 @@
+"""PS-side aggregation of compressed payloads, without densifying when that is cheaper.
+
+DESIGN 1.2's last step: the PS sums the workers' (sparse) gradients. A sparse payload is
+added straight into one dense accumulator with ``index_add_`` (O(k) per worker instead of
+decompressing to a dense tensor, O(n), and adding it). Indices are used in the order they
+arrive; sorting them first was measured slower than the scattered adds it would speed up
+(``benchmarks/ps_aggregate.py`` reports both). The aggregated *sparse* update (the union of
+the workers' indices, sorted, with the summed values) is available for the configs that
+send the sparse update back down instead of dense weights.
+
+Every payload received off the wire is validated first (:func:`validate_sparse`): a bad
+payload raises :class:`PayloadError` naming the worker, and the caller (the PS) logs it and
+keeps serving the others; nothing is added to the accumulator before validation passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from agents.compress.base import Compressor, Payload, PayloadError
+
+__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "validate_sparse"]
+
+# Sparse accumulation wins while the total number of received elements is below this
+# fraction of the tensor; above it, decompressing and adding dense tensors streams better.
+SPARSE_FRACTION = 0.25
+
+
+def validate_sparse(idx: Tensor, values: Tensor, numel: int, *, who: str) -> None:
+    """Raise :class:`PayloadError` naming ``who`` unless ``idx``/``values`` are 1-D, equally
+    long, ``idx`` is an integer tensor and every index lies in ``[0, numel)``."""
+    if idx.dim() != 1 or values.dim() != 1:
+        raise PayloadError(f"{who}: indices and values must be 1-D, got shapes "
+                           f"{tuple(idx.shape)} and {tuple(values.shape)}")
+    if idx.numel() != values.numel():
+        raise PayloadError(f"{who}: {idx.numel()} indices but {values.numel()} values")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise PayloadError(f"{who}: indices must be integers, got {idx.dtype}")
+    if idx.numel() == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0:
+        raise PayloadError(f"{who}: negative index {lo} (tensor has {numel} elements)")
+    if hi >= numel:
+        raise PayloadError(f"{who}: index {hi} out of range for a tensor of {numel} elements")
+
+
+class SparseAccumulator:
+    """Sum of sparse and dense contributions to one tensor of ``numel`` elements.
+
+    Not thread-safe: the PS feeds it from one aggregation thread."""
+
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        if numel < 0:
+            raise ValueError(f"SparseAccumulator numel must be >= 0, got {numel}")
+        self.numel = numel
+        self.dtype = dtype
+        self._sum = torch.zeros(numel, dtype=dtype)
+        self._touched: list[Tensor] = []  # indices of sparse adds, for result_sparse()
+        self._dense_added = False
+        self.added = 0  # contributions so far
+
+    def add_sparse(self, idx: Tensor, values: Tensor, *, who: str = "worker",
+                   validate: bool = True) -> None:
+        """Add ``values`` at ``idx``; duplicate indices accumulate."""
+        if validate:
+            validate_sparse(idx, values, self.numel, who=who)
+        if idx.dtype not in (torch.int32, torch.int64):
+            idx = idx.to(torch.int64)
+        self._sum.index_add_(0, idx, values.to(self.dtype))
+        self._touched.append(idx)
+        self.added += 1
+
+    def add_dense(self, t: Tensor, *, who: str = "worker") -> None:
+        if t.numel() != self.numel:
+            raise PayloadError(f"{who}: dense tensor has {t.numel()} elements, expected "
+                               f"{self.numel}")
+        self._sum.add_(t.reshape(-1).to(self.dtype))
+        self._dense_added = True
+        self.added += 1
+
+    def result(self, mean_over: int, *, out: Tensor | None = None) -> Tensor:
+        """The sum divided by ``mean_over`` (the number of workers): a new tensor, or
+        written into ``out`` (a PS that reuses its buffers avoids a 4n-byte allocation)."""
+        if mean_over < 1:
+            raise ValueError(f"mean_over must be >= 1, got {mean_over}")
+        if out is None:
+            return self._sum / mean_over
+        return torch.div(self._sum, mean_over, out=out)
+
+    def reset(self) -> None:
+        """Zero the sum in place for the next iteration. Reusing one accumulator avoids
+        faulting in fresh pages every iteration (a fresh 100 MB buffer cost more than the
+        adds themselves in ``benchmarks/ps_aggregate.py``)."""
+        self._sum.zero_()
+        self._touched.clear()
+        self._dense_added = False
+        self.added = 0
+
+    def result_sparse(self, mean_over: int) -> tuple[Tensor, Tensor]:
+        """``(sorted unique int64 indices, mean values)`` over the union of the sparse
+        contributions; only valid when nothing dense was added."""
+        if self._dense_added:
+            raise ValueError("result_sparse: a dense tensor was added; use result()")
+        if mean_over < 1:
+            raise ValueError(f"mean_over must be >= 1, got {mean_over}")
+        if not self._touched:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=self.dtype)
+        idx = torch.unique(torch.cat([t.to(torch.int64) for t in self._touched]))
+        return idx, self._sum[idx] / mean_over
+
+
+def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
+              workers: Sequence[str] | None = None, mean: bool = True,
+              acc: SparseAccumulator | None = None) -> Tensor:
+    """Mean (or sum, ``mean=False``) of the payloads' dense tensors, in the original shape.
+
+    Sparse accumulation is used when the compressor has a sparse form and the total number
+    of received elements is below ``SPARSE_FRACTION * numel``; otherwise each payload is
+    decompressed and added densely. ``workers`` names the senders for error messages.
+    ``acc``: a persistent accumulator to reuse (it is reset first); the result is a new
+    tensor either way."""
+    if not payloads:
+        raise ValueError("aggregate: no payloads")
+    names = list(workers) if workers is not None else [f"worker {i}" for i in
+                                                       range(len(payloads))]
+    if len(names) != len(payloads):
+        raise ValueError(f"aggregate: {len(payloads)} payloads but {len(names)} worker names")
+    first = payloads[0]
+    for who, p in zip(names, payloads, strict=True):
+        if p.numel != first.numel or p.shape != first.shape:
+            raise PayloadError(f"{who}: payload shape {p.shape} differs from {first.shape}")
+        if p.compressor != compressor.name:
+            raise PayloadError(f"{who}: payload from compressor {p.compressor!r}, expected "
+                               f"{compressor.name!r}")
+    sparse: list[tuple[Tensor, Tensor] | None] = []
+    for who, p in zip(names, payloads, strict=True):
+        try:
+            sparse.append(compressor.decompress_sparse(p))
+        except PayloadError as exc:
+            raise PayloadError(f"{who}: {exc}") from exc
+    if acc is None:
+        acc = SparseAccumulator(first.numel, first.dtype)
+    elif acc.numel != first.numel or acc.dtype != first.dtype:
+        raise ValueError(f"aggregate: accumulator is {acc.numel} x {acc.dtype}, payloads are "
+                         f"{first.numel} x {first.dtype}")
+    else:
+        acc.reset()
+    nnz = sum(s[0].numel() for s in sparse if s is not None)
+    if all(s is not None for s in sparse) and nnz < SPARSE_FRACTION * first.numel:
+        checked = []
+        for who, s in zip(names, sparse, strict=True):
+            assert s is not None
+            validate_sparse(s[0], s[1], first.numel, who=who)
+            checked.append(s)
+        for s in checked:  # add only once every payload passed, so a bad one changes nothing
+            acc.add_sparse(s[0], s[1], validate=False)
+    else:
+        dense = []
+        for who, p in zip(names, payloads, strict=True):
+            try:
+                dense.append(compressor.decompress(p))
+            except PayloadError as exc:
+                raise PayloadError(f"{who}: {exc}") from exc
+        for d in dense:
+            acc.add_dense(d)
+    out = acc.result(len(payloads) if mean else 1)
+    return out.reshape(first.shape)

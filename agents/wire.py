@@ -1,0 +1,324 @@
+"""Blocking socket I/O for gradbed's wire protocol: the edge around :mod:`agents.codec`.
+
+Sending hands the kernel the header and the tensor's own memory in one
+``sendmsg`` (scatter-gather), advancing memoryviews on partial sends, so the
+payload is never copied in user space. Receiving reads the fixed-size header
+into a preallocated buffer, validates it, then ``recv_into`` the payload
+straight into its final home: a reusable buffer (:meth:`FrameReader.read_frame`),
+a caller-supplied one (:meth:`FrameReader.read_frame_into`) or a freshly
+allocated tensor that the caller then owns (:meth:`FrameReader.read_message`).
+No per-frame concatenation of bytes, no pickle. The only copies are the
+kernel's own (user -> socket buffer -> user).
+
+Errors name the peer. A clean EOF between frames raises :class:`ConnectionClosed`;
+an EOF inside a frame, or any header error, raises :class:`~agents.codec.FrameError`.
+After a FrameError the stream may be out of sync: drop the connection (DESIGN.md
+section 4: the PS logs a ``frame_error`` event and keeps serving the others).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import torch
+
+from agents.codec import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    HEADER_SIZE,
+    FrameError,
+    FrameHeader,
+    MsgType,
+    check_payload,
+    decode_header,
+    frame_for_tensor,
+    tensor_view,
+)
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection cleanly, between two frames."""
+
+
+def peer_name(sock: socket.socket) -> str:
+    """Human label of a socket's peer ("10.0.0.2:5000", a Unix path, or "unix:fdN")."""
+    try:
+        addr = sock.getpeername()
+    except OSError:
+        addr = None
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    if addr:
+        return str(addr)
+    return f"unix:fd{sock.fileno()}"
+
+
+def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview | bytes,
+               *, peer: str | None = None) -> int:
+    """Send one frame (header + payload) with scatter-gather ``sendmsg``; returns bytes sent.
+
+    Partial sends (a full socket buffer, a signal) are resumed by slicing the
+    memoryviews, which never copies the payload. OSErrors propagate with a note
+    naming the peer and how far the frame got.
+    """
+    bufs = [memoryview(header_bytes).cast("B"), memoryview(payload_mv).cast("B")]
+    total = len(bufs[0]) + len(bufs[1])
+    bufs = [b for b in bufs if len(b)]
+    sent = 0
+    try:
+        while bufs:
+            n = sock.sendmsg(bufs)
+            sent += n
+            while n and bufs:
+                if n >= len(bufs[0]):
+                    n -= len(bufs[0])
+                    bufs.pop(0)
+                else:
+                    bufs[0] = bufs[0][n:]
+                    n = 0
+    except OSError as e:
+        e.add_note(f"while sending a frame to {peer or peer_name(sock)}: "
+                   f"{sent} of {total} bytes sent")
+        raise
+    return total
+
+
+def send_tensor(sock: socket.socket, tensor: torch.Tensor, *, msg_type: MsgType | int,
+                run_tag: int, worker: int, iteration: int, chunk: int, part: int = 0,
+                nparts: int = 1, crc: bool = True, peer: str | None = None) -> int:
+    """Frame and send one tensor (flattened); returns bytes sent (header included)."""
+    header, payload = frame_for_tensor(tensor, msg_type=msg_type, run_tag=run_tag,
+                                       worker=worker, iteration=iteration, chunk=chunk,
+                                       part=part, nparts=nparts, crc=crc)
+    return send_frame(sock, header, payload, peer=peer)
+
+
+def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
+                 msg_type: MsgType | int, run_tag: int, worker: int, iteration: int,
+                 chunk: int, crc: bool = True, peer: str | None = None) -> int:
+    """Send one chunk's message: ``len(tensors)`` frames, parts 0..n-1 in order.
+
+    A compressed chunk is several tensors (values, indices, scales, ...); the
+    receiver gets them back together with :meth:`FrameReader.read_message`.
+    """
+    if not 1 <= len(tensors) <= 0xFFFF:
+        raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
+    total = 0
+    for i, t in enumerate(tensors):
+        total += send_tensor(sock, t, msg_type=msg_type, run_tag=run_tag, worker=worker,
+                             iteration=iteration, chunk=chunk, part=i, nparts=len(tensors),
+                             crc=crc, peer=peer)
+    return total
+
+
+class FrameWriter:
+    """Sends frames of one run on one blocking socket. Remembers the peer's name while
+    the connection is up, so a send that fails after a reset still names it."""
+
+    def __init__(self, sock: socket.socket, *, run_tag: int, worker: int, crc: bool = True,
+                 peer: str | None = None) -> None:
+        self.sock = sock
+        self.peer = peer or peer_name(sock)
+        self.run_tag = run_tag
+        self.worker = worker
+        self.crc = crc
+        self.frames_sent = 0
+        self.bytes_sent = 0
+
+    def send_bytes_frame(self, header_bytes: bytes, payload_mv: memoryview | bytes) -> int:
+        n = send_frame(self.sock, header_bytes, payload_mv, peer=self.peer)
+        self.frames_sent += 1
+        self.bytes_sent += n
+        return n
+
+    def send_message(self, tensors: Sequence[torch.Tensor], *, msg_type: MsgType | int,
+                     iteration: int, chunk: int) -> int:
+        """One chunk's message (see :func:`send_message`); returns bytes sent."""
+        n = send_message(self.sock, tensors, msg_type=msg_type, run_tag=self.run_tag,
+                         worker=self.worker, iteration=iteration, chunk=chunk, crc=self.crc,
+                         peer=self.peer)
+        self.frames_sent += len(tensors)
+        self.bytes_sent += n
+        return n
+
+
+class FrameReader:
+    """Reads validated frames from one blocking socket. Not thread-safe.
+
+    ``expect_tag`` (per call, or the default given here) rejects frames whose run
+    tag differs: frames from another run or a peer with the wrong secret.
+    """
+
+    def __init__(self, sock: socket.socket, *, expect_tag: int | None = None,
+                 peer: str | None = None,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        self.sock = sock
+        self.peer = peer or peer_name(sock)
+        self.expect_tag = expect_tag
+        self.max_payload_bytes = max_payload_bytes
+        self.frames_read = 0
+        self.bytes_read = 0
+        self._hdr = bytearray(HEADER_SIZE)
+        self._hdr_mv = memoryview(self._hdr)
+        self._buf = bytearray(0)
+
+    # -- low level -----------------------------------------------------------------------
+
+    def _recv_exact(self, mv: memoryview, what: str, *, boundary: bool = False) -> None:
+        """Fill ``mv`` completely. EOF before the first byte of a frame (``boundary``)
+        is a clean close; anywhere else it is a truncated frame."""
+        want = len(mv)
+        got = 0
+        try:
+            while got < want:
+                n = self.sock.recv_into(mv[got:], want - got)
+                if n == 0:
+                    if boundary and got == 0:
+                        raise ConnectionClosed(f"{self.peer}: connection closed by peer "
+                                               f"after {self.frames_read} frames")
+                    raise FrameError(f"{self.peer}: truncated frame ({what}): connection "
+                                     f"closed after {got} of {want} bytes")
+                got += n
+        except OSError as e:
+            if isinstance(e, ConnectionClosed):
+                raise
+            e.add_note(f"while reading {what} from {self.peer}: {got} of {want} bytes")
+            raise
+        self.bytes_read += want
+
+    def read_header(self, expect_tag: int | None = None) -> FrameHeader:
+        """Read and validate the next header (the payload is still on the socket)."""
+        self._recv_exact(self._hdr_mv, "header", boundary=True)
+        tag = self.expect_tag if expect_tag is None else expect_tag
+        try:
+            return decode_header(self._hdr_mv, expect_tag=tag,
+                                 max_payload_bytes=self.max_payload_bytes)
+        except FrameError as e:
+            raise FrameError(f"{self.peer}: frame {self.frames_read}: {e}") from e
+
+    def read_payload_into(self, h: FrameHeader, mv: memoryview) -> memoryview:
+        """Receive ``h``'s payload into the first ``h.payload_len`` bytes of ``mv``
+        and check it (length, CRC when present). Returns the filled slice."""
+        mv = memoryview(mv).cast("B")
+        if len(mv) < h.payload_len:
+            raise FrameError(f"{self.peer}: buffer of {len(mv)} bytes too small for "
+                             f"payload_len {h.payload_len} ({h.describe()})")
+        dst = mv[:h.payload_len]
+        self._recv_exact(dst, f"payload of {h.describe()}")
+        try:
+            check_payload(h, dst)
+        except FrameError as e:
+            raise FrameError(f"{self.peer}: {e}") from e
+        self.frames_read += 1
+        return dst
+
+    # -- frames --------------------------------------------------------------------------
+
+    def read_frame(self, expect_tag: int | None = None) -> tuple[FrameHeader, memoryview]:
+        """Next frame; the payload view points into a reusable buffer and is valid
+        only until the next read on this reader."""
+        h = self.read_header(expect_tag)
+        if len(self._buf) < h.payload_len:
+            # A new bytearray rather than a resize: views of the old one may still
+            # be alive in the caller, and a bytearray with exports cannot resize.
+            self._buf = bytearray(h.payload_len)
+        return h, self.read_payload_into(h, memoryview(self._buf))
+
+    def read_frame_into(self, buf: bytearray | memoryview,
+                        expect_tag: int | None = None) -> tuple[FrameHeader, memoryview]:
+        """Next frame, payload received into the caller's writable ``buf``."""
+        h = self.read_header(expect_tag)
+        return h, self.read_payload_into(h, memoryview(buf))
+
+    def read_tensor(self, h: FrameHeader, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Receive ``h``'s payload directly into a tensor's storage (no copy).
+
+        Without ``out`` a new tensor is allocated: it owns its memory, but a large
+        fresh allocation costs page faults on first touch (~40 ms per 100 MB here,
+        about as long as the transfer itself). A receiver that reuses per-peer
+        buffers passes ``out`` (contiguous, CPU, same dtype, at least ``h.numel``
+        elements) and gets back ``out.reshape(-1)[:h.numel]``.
+        """
+        if out is None:
+            t = torch.empty(h.numel, dtype=h.dtype.torch_dtype)
+        else:
+            if (out.dtype != h.dtype.torch_dtype or out.device.type != "cpu"
+                    or not out.is_contiguous() or out.numel() < h.numel):
+                raise FrameError(f"{self.peer}: out: {out.dtype} tensor of {out.numel()} "
+                                 f"elements on {out.device} (contiguous={out.is_contiguous()})"
+                                 f" cannot hold {h.numel} {h.dtype.name} ({h.describe()})")
+            t = out.reshape(-1)[:h.numel]
+        self.read_payload_into(h, tensor_view(t))  # writable view of t's own storage
+        return t
+
+    def read_message(self, expect_tag: int | None = None, *,
+                     out: Sequence[torch.Tensor] | None = None
+                     ) -> list[tuple[FrameHeader, torch.Tensor]]:
+        """Read one chunk's message: ``nparts`` frames with parts 0..nparts-1 and the
+        same msg_type/worker/iteration/chunk. Each payload is received directly into
+        its tensor (flat, of the frame's dtype): a new tensor that owns its memory,
+        or ``out[part]`` when given (see :meth:`read_tensor`)."""
+        first = self.read_header(expect_tag)
+        if first.part != 0:
+            raise FrameError(f"{self.peer}: part: message starts at part {first.part}, "
+                             f"expected 0 ({first.describe()})")
+        if out is not None and len(out) != first.nparts:
+            raise FrameError(f"{self.peer}: out: {len(out)} tensors given for a message of "
+                             f"{first.nparts} parts ({first.describe()})")
+
+        def dst(i: int) -> torch.Tensor | None:
+            return None if out is None else out[i]
+
+        result = [(first, self.read_tensor(first, dst(0)))]
+        for i in range(1, first.nparts):
+            h = self.read_header(expect_tag)
+            for name in ("msg_type", "worker", "iteration", "chunk", "nparts"):
+                if getattr(h, name) != getattr(first, name):
+                    raise FrameError(f"{self.peer}: {name}: part {i} has "
+                                     f"{getattr(h, name)!r}, message started with "
+                                     f"{getattr(first, name)!r} ({first.describe()})")
+            if h.part != i:
+                raise FrameError(f"{self.peer}: part: got {h.part}, expected {i} "
+                                 f"({first.describe()})")
+            result.append((h, self.read_tensor(h, dst(i))))
+        return result
+
+
+def read_message(reader: FrameReader, expect_tag: int | None = None, *,
+                 out: Sequence[torch.Tensor] | None = None
+                 ) -> list[tuple[FrameHeader, torch.Tensor]]:
+    """Function form of :meth:`FrameReader.read_message`."""
+    return reader.read_message(expect_tag, out=out)
+
+
+def available_congestion_controls() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def set_socket_options(sock: socket.socket, *, nodelay: bool = True, sndbuf: int | None = None,
+                       rcvbuf: int | None = None, congestion: str | None = None) -> None:
+    """Apply the per-connection knobs. Set buffers before connect()/listen(): the TCP
+    window scale is negotiated at the handshake. ``nodelay`` is ignored on non-TCP
+    sockets (Unix socketpairs in tests); ``congestion`` is an error there."""
+    is_tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+    if nodelay and is_tcp:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for name, value, opt in (("sndbuf", sndbuf, socket.SO_SNDBUF),
+                             ("rcvbuf", rcvbuf, socket.SO_RCVBUF)):
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"{name}: {value} bytes, must be > 0")
+            sock.setsockopt(socket.SOL_SOCKET, opt, value)
+    if congestion is not None:
+        if not is_tcp:
+            raise ValueError(f"congestion: {congestion!r} needs a TCP socket, got {sock!r}")
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+        except OSError as e:
+            raise ValueError(f"congestion: {congestion!r} rejected by the kernel ({e}); "
+                             f"available: {available_congestion_controls()}") from e

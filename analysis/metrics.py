@@ -1,0 +1,402 @@
+"""Metrics over loaded runs: plain functions of DataFrames, each docstring gives the definition.
+
+Definitions follow the literature the testbed is compared with:
+- Jain's fairness index (Jain, Chiu, Hawe 1984, DEC-TR-301);
+- bottleneck utilisation and queue/drops as Mininet-HiFi and Mahimahi report them;
+- time-to-accuracy as in DAWNBench (Coleman et al. 2017) and the adaptive-compression
+  papers (Accordion, DC2) the adaptive-ratio target is measured against;
+- pipeline bubble fraction as in GPipe (Huang et al. 2019) and Megatron-LM (Narayanan et al.
+  2021), measured here from per-stage busy intervals.
+
+Inputs are the tables of :class:`analysis.load.Run` (``events`` with ``t_s``, ``links``,
+``decisions``); the functions do no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+ITERATION_PARTS = ("compute_s", "compress_s", "send_s", "wait_s", "receive_s")
+
+
+def jain(shares: Iterable[float]) -> float:
+    """Jain's fairness index ``J = (sum x)^2 / (n * sum x^2)`` over n shares.
+
+    1 when all shares are equal, ``1/n`` when one flow takes everything. NaN for no shares or
+    when every share is zero (fairness of nothing is undefined). Negative shares raise.
+    """
+    x = np.asarray(list(shares), dtype=float)
+    if x.size == 0:
+        return float("nan")
+    if np.any(x < 0) or np.any(~np.isfinite(x)):
+        raise ValueError(f"jain: shares must be finite and >= 0, got {x.tolist()}")
+    sq = float(np.sum(x * x))
+    if sq == 0.0:
+        return float("nan")
+    return float(np.sum(x)) ** 2 / (x.size * sq)
+
+
+def _window_index(t_s: pd.Series, window_s: float, origin_s: float = 0.0) -> pd.Series:
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    return np.floor((t_s - origin_s) / window_s).astype("int64")
+
+
+def _spread(starts: np.ndarray, ends: np.ndarray, amounts: np.ndarray, edges: np.ndarray
+            ) -> np.ndarray:
+    """Spread each amount uniformly over [start, end] and return its share per window
+    [edges[i], edges[i+1]). A zero-length interval puts its whole amount in its window."""
+    lo = np.maximum(starts[:, None], edges[None, :-1])
+    hi = np.minimum(ends[:, None], edges[None, 1:])
+    dur = ends - starts
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.clip(hi - lo, 0.0, None) / dur[:, None]
+    point = dur <= 0
+    if point.any():
+        idx = np.clip(np.searchsorted(edges, ends[point], side="right") - 1, 0, len(edges) - 2)
+        frac[point] = 0.0
+        frac[np.nonzero(point)[0], idx] = 1.0
+    return np.asarray((frac * amounts[:, None]).sum(axis=0))
+
+
+def goodput(events: pd.DataFrame, by: str = "node", window_s: float = 1.0,
+            source: str = "send_done") -> pd.DataFrame:
+    """Goodput per ``by`` group (a worker, i.e. its one TCP flow to the PS) over time windows.
+
+    Returns a long table ``t_s`` (window start), ``by``, ``bytes``, ``goodput_mbps`` =
+    ``bytes * 8 / window_s / 1e6``, with a row for every group in every window (0 when idle).
+
+    ``source="send_done"``: application bytes handed to the socket, each transfer's ``bytes``
+    spread uniformly over ``[t_s - send_s, t_s]`` (the send it measured).
+    ``source="tcp_info"``: bytes the peer acknowledged, from deltas of the cumulative
+    ``tcpi_bytes_acked`` between consecutive samples of a group, credited at the later sample.
+    A negative delta (a new connection restarts the counter) counts the new value.
+    """
+    df = events[events["event"] == source]
+    cols = ["t_s", by, "bytes", "goodput_mbps"]
+    if df.empty:
+        return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
+    groups = sorted(df[by].astype(str).unique())
+    if source == "send_done":
+        end = df["t_s"].to_numpy(float)
+        start = end - df["send_s"].fillna(0.0).to_numpy(float)
+        amount = df["bytes"].to_numpy(float)
+    elif source == "tcp_info":
+        df = df.sort_values("ts_ns", kind="stable")
+        acked = df["bytes_acked"].astype(float)
+        delta = acked.groupby(df[by].astype(str), observed=True).diff()
+        delta = delta.where(delta >= 0, acked)  # counter restarted: count the new value
+        # The first sample of a group has no earlier reference: it bounds nothing.
+        first = df.groupby(df[by].astype(str), observed=True).cumcount() == 0
+        delta[first] = 0.0
+        end = df["t_s"].to_numpy(float)
+        start = end
+        amount = delta.to_numpy(float)
+    else:
+        raise ValueError(f"goodput: source must be 'send_done' or 'tcp_info', got {source!r}")
+    t0 = float(np.floor(np.min(start) / window_s) * window_s)
+    n_win = int(np.floor((np.max(end) - t0) / window_s)) + 1
+    edges = t0 + window_s * np.arange(n_win + 1)
+    keys = df[by].astype(str).to_numpy()
+    rows = []
+    for g in groups:
+        m = keys == g
+        per_win = _spread(start[m], end[m], amount[m], edges)
+        rows.append(pd.DataFrame({"t_s": edges[:-1], by: g, "bytes": per_win}))
+    out = pd.concat(rows, ignore_index=True)
+    out["goodput_mbps"] = out["bytes"] * 8 / window_s / 1e6
+    return out[cols]
+
+
+def jain_over_windows(df: pd.DataFrame, window_s: float = 1.0, by: str = "node",
+                      value: str = "bytes") -> pd.DataFrame:
+    """Jain's index per time window over the groups' summed ``value``.
+
+    ``df`` has ``t_s``, ``by`` and ``value`` (for example :func:`goodput` output or raw
+    ``send_done`` events). Every group seen anywhere in ``df`` counts in every window, with 0
+    where it sent nothing, so a starved flow lowers the index. Windows in which nobody sent
+    are left out. Returns ``t_s`` (window start), ``jain``, ``total``.
+    """
+    if df.empty:
+        return pd.DataFrame({"t_s": pd.Series(dtype=float), "jain": pd.Series(dtype=float),
+                             "total": pd.Series(dtype=float)})
+    win = _window_index(df["t_s"].astype(float), window_s)
+    table = (df.assign(_w=win, _g=df[by].astype(str))
+             .pivot_table(index="_w", columns="_g", values=value, aggfunc="sum", fill_value=0.0))
+    totals = table.sum(axis=1)
+    table = table[totals > 0]
+    return pd.DataFrame({"t_s": table.index.to_numpy(float) * window_s,
+                         "jain": [jain(r) for r in table.to_numpy(float)],
+                         "total": table.sum(axis=1).to_numpy(float)}).reset_index(drop=True)
+
+
+def _link_deltas(links: pd.DataFrame, direction: str) -> pd.DataFrame:
+    """Per-interval deltas of one direction's cumulative ``tc -s`` counters, one block per dev.
+
+    Interval i runs from sample i-1 to sample i; its allowed rate is the HTB rate in force at
+    sample i-1 (the rate the interval started with; a trace step inside a 100 ms interval is
+    attributed to the next one). A counter that goes backwards (qdisc re-created) counts its
+    new value.
+    """
+    df = links[links["direction"] == direction].sort_values(["dev", "ts_ns"], kind="stable")
+    parts = []
+    for dev, d in df.groupby("dev", sort=True):
+        d = d.reset_index(drop=True)
+        if len(d) < 2:
+            continue
+        out = pd.DataFrame({"dev": dev, "t_s": d["t_s"].to_numpy(float)[1:],
+                            "dt_s": np.diff(d["t_s"].to_numpy(float))})
+        for col in ("sent_bytes", "sent_pkts", "drops"):
+            v = d[col].to_numpy(float)
+            dv = np.diff(v)
+            out[col] = np.where(dv >= 0, dv, v[1:])
+        out["rate_mbps"] = d["rate_mbps"].to_numpy(float)[:-1]
+        out["backlog_bytes"] = d["backlog_bytes"].to_numpy(float)[1:]
+        out["backlog_pkts"] = d["backlog_pkts"].to_numpy(float)[1:]
+        parts.append(out)
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype=float) for c in
+                             ("dev", "t_s", "dt_s", "sent_bytes", "sent_pkts", "drops",
+                              "rate_mbps", "backlog_bytes", "backlog_pkts")})
+    return pd.concat(parts, ignore_index=True)
+
+
+def link_throughput(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
+    """Delivered rate of the bottleneck per sample interval.
+
+    ``throughput_mbps = delta(sent_bytes) * 8 / dt / 1e6`` (tc counts bytes on the wire, headers
+    included, the same bytes the HTB rate limits), beside ``rate_mbps`` (what the trace allowed
+    in that interval), ``backlog_bytes`` and ``drops`` (drops in the interval). Columns ``t_s``
+    (interval end), ``dev``, ``throughput_mbps``, ``rate_mbps``, ``backlog_bytes``, ``drops``.
+    """
+    d = _link_deltas(links, direction)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        thr = d["sent_bytes"].to_numpy(float) * 8 / d["dt_s"].to_numpy(float) / 1e6
+    return pd.DataFrame({"t_s": d["t_s"].to_numpy(float), "dev": d["dev"].to_numpy(),
+                         "throughput_mbps": thr, "rate_mbps": d["rate_mbps"].to_numpy(float),
+                         "backlog_bytes": d["backlog_bytes"].to_numpy(float),
+                         "drops": d["drops"].to_numpy(float)})
+
+
+def utilization(links: pd.DataFrame, direction: str = "up") -> float:
+    """Bottleneck utilisation = bytes delivered / bytes the link allowed, over the busy interval.
+
+    Allowed bytes of an interval = ``rate_mbps * 1e6 / 8 * dt`` (the HTB rate in force, i.e. what
+    the trace allowed). The busy interval of a dev runs from its first to its last sample
+    interval that delivered any bytes (idle time before the first send and after the last one
+    is not counted against the link; idle gaps in between are). With several devs in the
+    direction, delivered and allowed bytes are summed over them. NaN when nothing was sent.
+    """
+    d = _link_deltas(links, direction)
+    delivered = 0.0
+    allowed = 0.0
+    for _, g in d.groupby("dev", sort=True):
+        busy = np.nonzero(g["sent_bytes"].to_numpy(float) > 0)[0]
+        if busy.size == 0:
+            continue
+        g = g.iloc[busy[0]: busy[-1] + 1]
+        delivered += float(g["sent_bytes"].sum())
+        allowed += float((g["rate_mbps"] * 1e6 / 8 * g["dt_s"]).sum())
+    if allowed <= 0:
+        return float("nan")
+    return delivered / allowed
+
+
+def queue_series(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
+    """The bottleneck queue over time, as sampled: ``t_s``, ``dev``, ``backlog_bytes``,
+    ``backlog_pkts`` (instantaneous occupancy of the bfifo leaf at each ``tc -s`` sample)."""
+    df = links[links["direction"] == direction].sort_values(["dev", "ts_ns"], kind="stable")
+    return df[["t_s", "dev", "backlog_bytes", "backlog_pkts"]].reset_index(drop=True)
+
+
+def drops(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
+    """Drops at the bottleneck queue: per interval (``drops``) and cumulative since the first
+    sample (``drops_total``), per dev. Columns ``t_s``, ``dev``, ``drops``, ``drops_total``."""
+    d = _link_deltas(links, direction)
+    out = d[["t_s", "dev", "drops"]].copy()
+    out["drops_total"] = out.groupby("dev", sort=False)["drops"].cumsum()
+    return out.reset_index(drop=True)
+
+
+def iteration_breakdown(events: pd.DataFrame, by: str | None = None,
+                        skip_first: int = 0) -> pd.DataFrame:
+    """Mean seconds per iteration spent in each phase, from the workers' ``iter_done`` rows.
+
+    - ``compute_s``  forward + backward;
+    - ``compress_s`` compression with error feedback;
+    - ``send_s``     pushing the payload into the socket until written;
+    - ``wait_s``     waiting for the PS (aggregation and the reply's first byte);
+    - ``receive_s``  the rest of the iteration: ``iter_s - (compute + compress + send + wait)``,
+      clipped at 0 -- receiving and applying the reply plus any untimed overhead;
+    - ``iter_s``     the whole iteration; the parts sum to it (up to the clip).
+
+    ``skip_first`` drops each worker's first iterations (warm-up). ``by=None`` gives one row
+    indexed ``"all"``; ``by="node"`` one row per worker.
+    """
+    df = events[events["event"] == "iter_done"]
+    if df.empty:
+        cols = [*ITERATION_PARTS, "iter_s"]
+        return pd.DataFrame([[np.nan] * len(cols)], index=["all"], columns=cols) if by is None \
+            else pd.DataFrame(columns=cols)
+    if skip_first:
+        df = df[df["iter"] >= df.groupby("node", observed=True)["iter"].transform("min") + skip_first]
+    parts = df[["iter_s", "compute_s", "compress_s", "send_s", "wait_s"]].astype(float).fillna(0.0)
+    parts["receive_s"] = (parts["iter_s"] - parts[["compute_s", "compress_s", "send_s",
+                                                   "wait_s"]].sum(axis=1)).clip(lower=0.0)
+    parts = parts[[*ITERATION_PARTS, "iter_s"]]
+    if by is None:
+        return parts.mean().to_frame("all").T
+    parts[by] = df[by].astype(str).to_numpy()
+    return parts.groupby(by, sort=True).mean()
+
+
+def time_to_accuracy(evals: pd.DataFrame, target: float, t: str = "t_s",
+                     interpolate: bool = True) -> float:
+    """Wall time (``t`` column, seconds from the run start) when accuracy first reaches
+    ``target``.
+
+    Rule: walk the evaluations in time order; at the first one with ``accuracy >= target``,
+    if ``interpolate`` and there is an earlier evaluation (necessarily below target), return
+    the time where the straight line between those two evaluations crosses ``target``;
+    otherwise return that evaluation's time. NaN if accuracy never reaches ``target``.
+    """
+    if "accuracy" not in evals:
+        return float("nan")  # the workload reports no accuracy (e.g. replay mode)
+    df = evals.dropna(subset=["accuracy"]).sort_values(t, kind="stable")
+    acc = df["accuracy"].to_numpy(float)
+    ts = df[t].to_numpy(float)
+    hit = np.nonzero(acc >= target)[0]
+    if hit.size == 0:
+        return float("nan")
+    i = int(hit[0])
+    if i == 0 or not interpolate:
+        return float(ts[i])
+    a0, a1, t0, t1 = acc[i - 1], acc[i], ts[i - 1], ts[i]
+    return float(t0 + (target - a0) / (a1 - a0) * (t1 - t0))
+
+
+def bytes_per_iteration(events: pd.DataFrame) -> pd.DataFrame:
+    """Bytes on the wire per iteration, from ``iter_done``: ``bytes_up`` and ``bytes_down``
+    summed over the workers that finished that iteration, ``workers`` (how many), and
+    ``bytes_up_per_worker`` (their mean). Indexed by ``iter``."""
+    df = events[events["event"] == "iter_done"]
+    if df.empty:
+        return pd.DataFrame(columns=["bytes_up", "bytes_down", "workers", "bytes_up_per_worker"])
+    g = df.groupby("iter", sort=True)
+    out = pd.DataFrame({"bytes_up": g["bytes_up"].sum().astype(float),
+                        "bytes_down": g["bytes_down"].sum().astype(float),
+                        "workers": g["node"].nunique()})
+    out["bytes_up_per_worker"] = out["bytes_up"] / out["workers"]
+    return out
+
+
+def keep_ratio_vs_bandwidth(decisions: pd.DataFrame, links: pd.DataFrame,
+                            direction: str = "up") -> pd.DataFrame:
+    """Each adaptive-ratio decision beside the bandwidth in force when it was taken.
+
+    Columns: ``t_s``, ``node``, ``iter``, ``keep``, ``r0_mbps`` and ``rt_mbps`` (the worker's
+    measured initial and target rates), ``allowed_mbps`` (the bottleneck's HTB rate at the
+    latest link sample at or before the decision) and ``measured_mbps`` (the bottleneck's
+    delivered rate over the sample interval ending at or before the decision). NaN where no
+    link sample precedes the decision.
+    """
+    cols = ["t_s", "node", "iter", "keep", "r0_mbps", "rt_mbps", "allowed_mbps", "measured_mbps"]
+    if decisions.empty:
+        return pd.DataFrame({c: pd.Series(dtype=float) for c in cols})
+    d = pd.DataFrame({"t_s": decisions["t_s"].astype(float).to_numpy(),
+                      "node": decisions["node"].astype(str).to_numpy(),
+                      "iter": decisions["iter"].to_numpy(),
+                      "keep": decisions["keep"].astype(float).to_numpy(),
+                      "r0_mbps": decisions["r0_bps"].astype(float).to_numpy() / 1e6,
+                      "rt_mbps": decisions["rt_bps"].astype(float).to_numpy() / 1e6})
+    d = d.sort_values("t_s", kind="stable").reset_index(drop=True)
+    thr = link_throughput(links, direction)
+    if thr.empty:
+        d["allowed_mbps"] = np.nan
+        d["measured_mbps"] = np.nan
+        return d[cols]
+    # Several devs in one direction: the bottleneck carries their sum.
+    lk = (thr.groupby("t_s", sort=True)[["throughput_mbps", "rate_mbps"]].sum().reset_index()
+          .rename(columns={"throughput_mbps": "measured_mbps", "rate_mbps": "allowed_mbps"}))
+    out = pd.merge_asof(d, lk, on="t_s", direction="backward")
+    return out[cols]
+
+
+def _merge_intervals(starts: np.ndarray, ends: np.ndarray) -> float:
+    order = np.argsort(starts, kind="stable")
+    total = 0.0
+    cur_s = cur_e = None
+    for s, e in zip(starts[order], ends[order], strict=True):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+    return float(total)
+
+
+def bubble_fraction(stage_events: pd.DataFrame, stage: str = "node", start: str = "start_s",
+                    end: str = "end_s") -> float:
+    """Measured pipeline bubble: ``1 - busy / (stages * makespan)``.
+
+    ``stage_events`` holds one row per operation a stage ran (forward, backward, recompute),
+    with its ``stage`` and busy interval ``[start, end]`` in seconds. ``busy`` sums, over the
+    stages, the union of each stage's intervals (overlapping operations count once);
+    ``makespan`` runs from the earliest start to the latest end over all stages. This is the
+    idle share of the stage-time rectangle, the quantity GPipe's ``(p-1)/(m+p-1)`` and 1F1B's
+    ``(p-1)/m`` predict (the latter relative to the ideal time, see analysis.planner).
+    """
+    if stage_events.empty:
+        return float("nan")
+    s_all = stage_events[start].astype(float)
+    e_all = stage_events[end].astype(float)
+    if (e_all < s_all).any():
+        raise ValueError("bubble_fraction: an operation ends before it starts")
+    makespan = float(e_all.max() - s_all.min())
+    if makespan <= 0:
+        return float("nan")
+    busy = 0.0
+    n = 0
+    for _, g in stage_events.groupby(stage, observed=True, sort=True):
+        busy += _merge_intervals(g[start].to_numpy(float), g[end].to_numpy(float))
+        n += 1
+    return 1.0 - busy / (n * makespan)
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics
+    (numpy's default), ignoring NaN. NaN for no values."""
+    x = np.asarray(list(values), dtype=float)
+    x = x[~np.isnan(x)]
+    if x.size == 0:
+        return float("nan")
+    return float(np.percentile(x, q))
+
+
+def _iter_s(events: pd.DataFrame) -> pd.Series:
+    if "iter_s" not in events:
+        return pd.Series(dtype=float)  # no worker finished an iteration
+    return events.loc[events["event"] == "iter_done", "iter_s"].astype(float)
+
+
+def iteration_time_percentiles(events: pd.DataFrame, qs: Sequence[float] = (50, 95, 99)
+                               ) -> dict[str, float]:
+    """Percentiles of ``iter_s`` over every worker's ``iter_done``: ``{"p50": ..., ...}``
+    plus ``mean``."""
+    it = _iter_s(events)
+    out = {f"p{q:g}": percentile(it, q) for q in qs}
+    out["mean"] = float(it.mean()) if len(it) else float("nan")
+    return out
+
+
+def iteration_times(events: pd.DataFrame) -> pd.Series:
+    """Every worker's own ``iter_s`` from ``iter_done``, sorted ascending (ready for a CDF).
+    Per-worker times show the stragglers that the PS's step time would hide."""
+    it = _iter_s(events).dropna()
+    return it.sort_values(kind="stable").reset_index(drop=True)

@@ -1,0 +1,164 @@
+"""``gradbed report``: one self-contained HTML page for one run or a sweep of runs.
+
+The page holds the summary tables and every plot of :mod:`analysis.plots`, with the images
+embedded as base64 PNG so the single ``index.html`` opens offline, can be mailed, and survives
+being moved (Pantheon's per-run report, in one file). It is written atomically: a reader sees
+the old page or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from analysis import metrics, plots
+from analysis.load import Run, flatten, load_run, load_runs
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; }
+table { border-collapse: collapse; font-size: .85em; margin: .5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: right; }
+th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
+figure { margin: 1em 0; } img { max-width: 100%; border: 1px solid #eee; }
+figcaption { font-size: .85em; color: #555; }
+.meta { font-size: .85em; color: #555; }
+"""
+
+
+def _img(fig: Figure, caption: str) -> str:
+    data = base64.b64encode(plots.png_bytes(fig)).decode("ascii")
+    cap = html.escape(caption)
+    return (f'<figure><img alt="{cap}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{cap}</figcaption></figure>")
+
+
+def _table(df: pd.DataFrame, index: bool = False) -> str:
+    return ('<div style="overflow-x:auto">'
+            + df.to_html(index=index, escape=True, na_rep="–", border=0,
+                         float_format=lambda v: f"{v:.4g}") + "</div>")
+
+
+def _labels(runs: Sequence[Run]) -> list[str]:
+    """Run directory names, made unique (two sweeps can reuse a name)."""
+    out: list[str] = []
+    for r in runs:
+        lab = r.path.name or str(r.path)
+        n = 2
+        base = lab
+        while lab in out:
+            lab = f"{base} ({n})"
+            n += 1
+        out.append(lab)
+    return out
+
+
+def run_metrics(run: Run) -> dict[str, Any]:
+    """Headline numbers recomputed from the run's events and link samples (not copied from
+    summary.json, so the report also works for an interrupted run with no summary)."""
+    it = metrics.iteration_time_percentiles(run.events, (50, 95, 99))
+    gp = metrics.goodput(run.events, window_s=1.0)
+    gp = gp[gp["node"].astype(str).str.match(r"^w\d+$")]
+    jw = metrics.jain_over_windows(gp, 1.0) if not gp.empty else pd.DataFrame({"jain": []})
+    ev = run.evals()
+    return {
+        "iter_time_s_mean": it["mean"], "iter_time_s_p50": it["p50"],
+        "iter_time_s_p95": it["p95"], "iter_time_s_p99": it["p99"],
+        "utilization_up": metrics.utilization(run.links, "up"),
+        "utilization_down": metrics.utilization(run.links, "down"),
+        "jain_mean_1s": float(jw["jain"].mean()) if len(jw) else math.nan,
+        "final_accuracy": float(ev["accuracy"].iloc[-1]) if "accuracy" in ev and len(ev)
+        else math.nan,
+    }
+
+
+def _overview(paths: Sequence[Path], runs: Sequence[Run], labels: Sequence[str]) -> pd.DataFrame:
+    table = load_runs(paths)
+    table.insert(0, "label", list(labels))
+    computed = pd.DataFrame([run_metrics(r) for r in runs])
+    for col in computed.columns:
+        # The recomputed value wins only where summary.json lacks it.
+        if col in table:
+            table[col] = table[col].where(table[col].notna(), computed[col])
+        else:
+            table[col] = computed[col]
+    return table
+
+
+def _run_section(run: Run, label: str) -> str:
+    parts = [f'<h2 id="{html.escape(label)}">Run {html.escape(label)}</h2>',
+             f'<p class="meta">{html.escape(str(run.path))} &middot; git '
+             f'{html.escape(str(run.meta.get("git_sha", "?"))[:12])} &middot; command '
+             f'<code>{html.escape(" ".join(map(str, run.meta.get("command", []) or [])))}</code>'
+             f"</p>"]
+    if run.summary:
+        summ = pd.DataFrame([{k: v for k, v in run.summary.items()
+                              if not isinstance(v, dict | list)}])
+        parts.append("<h3>Summary</h3>" + _table(summ))
+    parts.append("<h3>Iteration time breakdown (mean per iteration, s)</h3>"
+                 + _table(metrics.iteration_breakdown(run.events, by="node").reset_index()))
+    parts.append(_img(plots.plot_bottleneck(run.links, "up"),
+                      "Uplink bottleneck (workers to PS): delivered rate, allowed rate, queue"))
+    if (run.links["direction"] == "down").any():
+        parts.append(_img(plots.plot_bottleneck(run.links, "down"),
+                          "Downlink bottleneck (PS to workers)"))
+    parts.append(_img(plots.plot_worker_throughput(run.events),
+                      "Per-worker goodput (send_done bytes), stacked"))
+    if not run.decisions.empty:
+        parts.append(_img(plots.plot_keep_ratio(run.decisions, run.links),
+                          "Adaptive keep ratio and the bandwidth it reacted to"))
+    cfg = pd.DataFrame(sorted(flatten(run.config).items()), columns=["config key", "value"])
+    cfg["value"] = cfg["value"].map(str)
+    parts.append("<details><summary>Resolved config</summary>" + _table(cfg) + "</details>")
+    return "\n".join(parts)
+
+
+def render_report(paths: Sequence[str | os.PathLike[str]]) -> str:
+    """The report's HTML for the given run directories (loads them; no files written)."""
+    if not paths:
+        raise ValueError("render_report: no runs given")
+    ppaths = [Path(p) for p in paths]
+    runs = [load_run(p) for p in ppaths]
+    labels = _labels(runs)
+    overview = _overview(ppaths, runs, labels)
+    title = (f"gradbed report: {labels[0]}" if len(runs) == 1
+             else f"gradbed report: {len(runs)} runs")
+    body = [f"<h1>{html.escape(title)}</h1>", "<h2>Overview</h2>",
+            _table(overview.drop(columns=["run"]))]
+    by_label_events = {lab: r.events for lab, r in zip(labels, runs, strict=True)}
+    body.append(_img(plots.plot_iteration_cdf(by_label_events), "Iteration time CDF"))
+    body.append(_img(plots.plot_accuracy_vs_time(
+        {lab: r.evals() for lab, r in zip(labels, runs, strict=True)}),
+        "Accuracy against wall-clock time"))
+    body.append(_img(plots.plot_iteration_breakdown(
+        {lab: metrics.iteration_breakdown(r.events) for lab, r in zip(labels, runs, strict=True)}),
+        "Mean iteration time breakdown"))
+    if len(runs) > 1:
+        body.append(_img(plots.plot_summary_scatter(overview),
+                         "One point per run: mean iteration time against final accuracy"))
+    for lab, r in zip(labels, runs, strict=True):
+        body.append(_run_section(r, lab))
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_report(runs: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str]
+                 ) -> Path:
+    """Write ``out_dir/index.html`` for the runs, atomically, and return its path."""
+    page = render_report(runs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dst = out / "index.html"
+    tmp = out / f".index.html.{os.getpid()}.tmp"
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, dst)
+    return dst

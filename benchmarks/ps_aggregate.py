@@ -1,0 +1,114 @@
+"""Sparse aggregation rate at the PS, in million received elements per second.
+
+Each of W workers (W = 4 and 16) sends top-k at 1 % of a 25 M-element float32 gradient:
+250 k (value, int32 index) pairs. The indices are distinct and uniformly random per worker,
+which is what top-k of an i.i.d. gradient gives, generated directly to keep the benchmark
+short. Timed, side by side, best of several repeats (the machine is shared):
+
+- ``validated_add``: the per-element work of sparse aggregation: decode each payload's
+  indices, validate them (:func:`validate_sparse`) and ``index_add_`` them into the PS's
+  persistent accumulator. This is the headline, at W = 16 (target >= 50 M elements/s).
+- ``end_to_end``: :func:`agents.aggregate.aggregate` on the W payloads with the PS's
+  persistent accumulator, everything included: also zeroing the 25 M sum and dividing it
+  by W into a new tensor, two O(n) passes per iteration that do not depend on how many
+  elements arrive (a dense aggregation pays them too).
+- ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
+- ``validate``: :func:`validate_sparse` alone, to show the cost of the checks.
+- ``index_add``: the adds alone into a persistent, pre-zeroed accumulator.
+- ``sorted_index_add``: the adds after sorting each worker's indices (sort time included),
+  the alternative the aggregator does not use.
+- ``dense_reference``: decompress every payload to dense and add (what densifying costs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _common import emit, log
+
+from agents.aggregate import SparseAccumulator, aggregate, validate_sparse
+from agents.compress import k_for, make
+from agents.compress.base import Payload
+from agents.compress.randomk import random_subset
+
+N = 25_000_000
+RATIO = 0.01
+
+
+def best_s(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), times
+
+
+def bench(workers: int) -> dict[str, Any]:
+    k = k_for(N, RATIO)
+    g = torch.Generator().manual_seed(workers)
+    payloads = []
+    for _ in range(workers):
+        idx = random_subset(N, k, g).to(torch.int32)
+        vals = torch.randn(k, generator=g)
+        payloads.append(Payload("topk", (vals, idx), N, (N,), torch.float32))
+    topk = make("topk")
+    elems = workers * k
+    names = [f"w{i}" for i in range(workers)]
+    acc = SparseAccumulator(N)
+
+    def validate() -> None:
+        for who, p in zip(names, payloads, strict=True):
+            validate_sparse(p.tensors[1], p.tensors[0], N, who=who)
+
+    def index_add() -> None:
+        for p in payloads:
+            acc.add_sparse(p.tensors[1], p.tensors[0], validate=False)
+
+    def sorted_add() -> None:
+        for p in payloads:
+            idx, order = torch.sort(p.tensors[1])
+            acc.add_sparse(idx, p.tensors[0][order], validate=False)
+
+    def dense() -> None:
+        out = torch.zeros(N)
+        for p in payloads:
+            out += topk.decompress(p)
+
+    res: dict[str, Any] = {"workers": workers, "k_per_worker": k, "elements": elems}
+    persistent = SparseAccumulator(N)
+
+    def validated_add() -> None:
+        for who, p in zip(names, payloads, strict=True):
+            sp = topk.decompress_sparse(p)
+            acc.add_sparse(sp[0], sp[1], who=who)
+
+    for name, fn, reps in (("validated_add", validated_add, 7), ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
+                                                            acc=persistent), 7),
+                           ("one_shot", lambda: aggregate(payloads, topk, workers=names), 5),
+                           ("validate", validate, 7), ("index_add", index_add, 7),
+                           ("sorted_index_add", sorted_add, 5), ("dense_reference", dense, 3)):
+        s, all_s = best_s(fn, reps)
+        res[name] = {"best_ms": s * 1e3, "all_ms": [t * 1e3 for t in all_s],
+                     "melem_per_s": elems / s / 1e6}
+        log(f"W={workers} {name}: {s * 1e3:.1f} ms = {elems / s / 1e6:.0f} M elem/s")
+    return res
+
+
+def main() -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    results = {str(w): bench(w) for w in (4, 16)}
+    headline = results["16"]["validated_add"]["melem_per_s"]
+    emit("ps_aggregate", headline,
+         "M elements/s (16 workers, topk 1% of 25M, decode + validate + index_add)",
+         ">= 50", {"n": N, "ratio": RATIO, "threads": torch.get_num_threads(),
+                   "timing": "best of repeats (shared machine)", "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The adaptive compression ratio of seeds/004 (DESIGN.md section 1.1), sans-I/O.
+
+Per worker and per iteration i:
+
+1. ``S`` is the size of this iteration's gradient before compression.
+2. ``r0`` is the sending rate measured as the transfer starts.
+3. ``r(t)`` is sampled from the kernel (``TCP_INFO`` bytes_acked deltas or delivery_rate)
+   while the chunks go out; ``rt`` is the rate once it is stable,
+   ``|r(t) - r(t+1)| / r(t) <= eps``.
+4. ``sent`` is the gradient bytes already sent, ``remaining = S - sent``.
+5. The keep ratio of the chunks not yet sent follows from one of two readings of the
+   patent's formula.
+
+**The literal reading** (``formula="literal"``). The patent defines the rate-change ratio
+``c = (r0 - rt) / r0`` and the compression ratio ``CR = (sent + remaining * c) / S``, the bytes
+sent being ``CR * gradient``. Worked example: ``S = 100 MB``, ``sent = 40 MB``, ``r0 = 100``,
+``rt = 60`` Mbit/s: ``c = 0.4``, ``CR = (40 + 60 * 0.4) / 100 = 0.64``; the remaining 60 MB are
+sent at ``(0.64 * 100 - 40) / 60 = 0.4``. Taken at its word an unchanged rate (``c = 0``)
+gives ``CR = sent / S``: nothing more would be sent at all, and a *faster* link would send
+less than a slower one.
+
+**The consistent reading** (``formula="consistent"``, the default).
+``overall = clamp((sent + remaining * rt / r0) / S, keep_min, 1)``: the remaining bytes shrink
+in proportion to the rate, so the transfer still ends on the schedule planned at ``r0``. An
+unchanged rate cuts nothing; a halved rate halves the unsent part. It is the default because
+it is the only reading under which the policy is a no-op when nothing changes.
+
+**Two ratios.** ``overall_keep`` is the fraction of the *whole* gradient that gets sent
+(the patent's CR). The compressor, though, only acts on the chunks not yet sent, so what it
+needs is ``chunk_keep = clamp((overall * S - sent) / remaining, keep_min, 1)``. Under the
+consistent reading ``chunk_keep`` is simply ``rt / r0``; under the literal one it is ``c``
+(both within the clamps).
+Both are exposed, and both go into the ``decision`` event.
+
+Everything not sent stays in the error-feedback residual (DESIGN.md 1.2).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from controller.policies.base import Decision, register_ratio_policy
+
+FORMULAS = ("consistent", "literal")
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Knobs of :class:`AdaptiveRatio`."""
+
+    # Stability threshold on consecutive samples, |r(t) - r(t+1)| / r(t). Larger: rt is
+    # found sooner but is noisier; smaller: more samples pass before any cut.
+    eps: float = 0.1
+    # Floor of the keep ratio. Lower: fewer bytes on a collapsed link, a larger residual.
+    keep_min: float = 0.001
+    # "consistent" (default, see the module docstring) or "literal" (the patent's text).
+    formula: str = "consistent"
+    # Consecutive samples that must agree pairwise within eps before a rate counts as
+    # stable (2 = one pair). More: fewer false positives, a later decision.
+    min_samples: int = 2
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.eps < 1.0):
+            raise ValueError(f"adaptive.eps={self.eps!r}: must be in [0, 1)")
+        if not (0.0 < self.keep_min <= 1.0):
+            raise ValueError(f"adaptive.keep_min={self.keep_min!r}: must be in (0, 1]")
+        if self.formula not in FORMULAS:
+            raise ValueError(f"adaptive.formula={self.formula!r}: must be one of {FORMULAS}")
+        if self.min_samples < 2:
+            raise ValueError(f"adaptive.min_samples={self.min_samples!r}: must be >= 2 "
+                             f"(stability compares consecutive samples)")
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return lo if x < lo else hi if x > hi else x
+
+
+def _check_sizes(size_bytes: int, sent_bytes: int) -> None:
+    if size_bytes <= 0:
+        raise ValueError(f"size_bytes={size_bytes}: must be > 0")
+    if not (0 <= sent_bytes <= size_bytes):
+        raise ValueError(f"sent_bytes={sent_bytes}: must be in [0, size_bytes={size_bytes}]")
+
+
+def overall_keep(size_bytes: int, sent_bytes: int, r0_bps: float, rt_bps: float,
+                 formula: str = "consistent", keep_min: float = 0.001) -> float:
+    """The fraction of the whole gradient sent this iteration (the patent's CR), clamped to
+    [keep_min, 1]. See the module docstring for the two formulas."""
+    _check_sizes(size_bytes, sent_bytes)
+    if r0_bps <= 0.0:
+        raise ValueError(f"r0_bps={r0_bps}: must be > 0")
+    if rt_bps < 0.0:
+        raise ValueError(f"rt_bps={rt_bps}: must be >= 0")
+    remaining = size_bytes - sent_bytes
+    if formula == "consistent":
+        raw = (sent_bytes + remaining * rt_bps / r0_bps) / size_bytes
+    elif formula == "literal":
+        c = (r0_bps - rt_bps) / r0_bps
+        raw = (sent_bytes + remaining * c) / size_bytes
+    else:
+        raise ValueError(f"formula={formula!r}: must be one of {FORMULAS}")
+    return _clamp(raw, keep_min, 1.0)
+
+
+# The issue's name for the same function.
+keep_ratio = overall_keep
+
+
+def chunk_keep(size_bytes: int, sent_bytes: int, overall: float,
+               keep_min: float = 0.001) -> float:
+    """The keep ratio for the *remaining* chunks that makes the iteration's total equal
+    ``overall * size_bytes``: ``clamp((overall * S - sent) / remaining, keep_min, 1)``.
+    With nothing remaining there is nothing to compress, and the answer is 1."""
+    _check_sizes(size_bytes, sent_bytes)
+    remaining = size_bytes - sent_bytes
+    if remaining == 0:
+        return 1.0
+    return _clamp((overall * size_bytes - sent_bytes) / remaining, keep_min, 1.0)
+
+
+def _raw_chunk_keep(formula: str, r0_bps: float, rt_bps: float) -> float:
+    # Unclamped chunk ratio, only used to name the clamp in the decision's reason.
+    return rt_bps / r0_bps if formula == "consistent" else (r0_bps - rt_bps) / r0_bps
+
+
+@register_ratio_policy("adaptive")
+class AdaptiveRatio:
+    """The per-worker adaptive keep ratio. Feed it ``start`` once per iteration, every
+    kernel rate sample through ``observe``, and ask ``keep_for_next_chunk`` before each
+    chunk. It keeps no history across iterations: ``start`` resets it.
+
+    ``rt`` tracks the latest stable rate: whenever the last ``min_samples`` samples agree
+    pairwise within ``eps``, the newest becomes ``rt``; unstable samples leave the previous
+    ``rt`` in place, so a second bandwidth change inside one iteration is followed too.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, config: AdaptiveConfig | None = None, **params: object) -> None:
+        if config is not None and params:
+            raise ValueError("give either an AdaptiveConfig or keyword parameters, not both")
+        self.config = config if config is not None else AdaptiveConfig(**params)  # type: ignore[arg-type]
+        self._size_bytes = 0
+        self._r0_bps: float | None = None
+        self._rt_bps: float | None = None
+        self._window: deque[float] = deque(maxlen=self.config.min_samples)
+        self._ts_ns: int | None = None
+
+    @property
+    def r0_bps(self) -> float | None:
+        return self._r0_bps
+
+    @property
+    def rt_bps(self) -> float | None:
+        return self._rt_bps
+
+    def start(self, size_bytes: int, r0_bps: float | None = None, ts_ns: int = 0) -> None:
+        if size_bytes <= 0:
+            raise ValueError(f"size_bytes={size_bytes}: must be > 0")
+        if r0_bps is not None and not r0_bps > 0.0:
+            raise ValueError(f"r0_bps={r0_bps}: must be > 0 (or None to use the first sample)")
+        self._size_bytes = int(size_bytes)
+        self._r0_bps = r0_bps
+        self._rt_bps = None
+        self._window.clear()
+        self._ts_ns = ts_ns
+
+    def observe(self, rate_bps: float, ts_ns: int) -> None:
+        if rate_bps < 0.0:
+            raise ValueError(f"rate_bps={rate_bps}: must be >= 0")
+        self._ts_ns = ts_ns
+        if self._r0_bps is None and rate_bps > 0.0:
+            self._r0_bps = rate_bps
+        self._window.append(rate_bps)
+        if len(self._window) < self.config.min_samples:
+            return
+        w = list(self._window)
+        if all(a > 0.0 and abs(a - b) / a <= self.config.eps for a, b in zip(w, w[1:], strict=False)):
+            self._rt_bps = w[-1]
+
+    def keep_for_next_chunk(self, sent_bytes: int) -> Decision:
+        if self._size_bytes <= 0:
+            raise RuntimeError("keep_for_next_chunk before start()")
+        _check_sizes(self._size_bytes, sent_bytes)
+        remaining = self._size_bytes - sent_bytes
+        r0, rt = self._r0_bps, self._rt_bps
+        if remaining == 0:
+            return Decision(r0, rt, sent_bytes, 0, 1.0, "nothing-remaining", 1.0, self._ts_ns)
+        if r0 is None or rt is None:
+            # No basis for a cut yet: send densely rather than guess.
+            return Decision(r0, rt, sent_bytes, remaining, 1.0, "no-stable-rate", 1.0,
+                            self._ts_ns)
+        cfg = self.config
+        overall = overall_keep(self._size_bytes, sent_bytes, r0, rt, cfg.formula, cfg.keep_min)
+        keep = chunk_keep(self._size_bytes, sent_bytes, overall, cfg.keep_min)
+        raw = _raw_chunk_keep(cfg.formula, r0, rt)
+        reason = "clamped-min" if raw < cfg.keep_min else "clamped-max" if raw > 1.0 else "stable"
+        return Decision(r0, rt, sent_bytes, remaining, keep, reason, overall, self._ts_ns)

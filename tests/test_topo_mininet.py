@@ -1,0 +1,151 @@
+"""Real Mininet: a shaped star delivers its rate, fails loudly, and leaves nothing behind.
+
+Physical invariant in the style of Mininet's test_hifi.py: iperf3 goodput through the
+HTB bottleneck lands within 1 % of the TCP ceiling, rate x 1448/1514.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from topo import qdisc
+from topo.build import StarNetwork
+from topo.cleanup import cleanup, is_gradbed_link
+from topo.probe import probe
+from topo.qdisc import CapabilityError
+from topo.spec import LinkSpec, StarSpec
+from topo.tc import TcError
+
+pytestmark = pytest.mark.mininet
+
+CEILING = 1448 / 1514
+
+
+def star(**kw) -> StarSpec:
+    base = {"workers": 2, "worker_link": LinkSpec(rate_mbps=1000.0),
+            "bottleneck_up": LinkSpec(rate_mbps=10.0),
+            "bottleneck_down": LinkSpec(rate_mbps=100.0)}
+    base.update(kw)
+    return StarSpec(**base)
+
+
+def gradbed_links() -> list[str]:
+    out = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True,
+                         check=True).stdout
+    return [ln.split()[0].split("@")[0] for ln in out.splitlines()
+            if is_gradbed_link(ln.split()[0].split("@")[0])]
+
+
+def host_shells() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if re.search(r"mininet:(ps|w\d+|gbsw\d+)$", ln)]
+
+
+def assert_nothing_left() -> None:
+    assert gradbed_links() == []
+    assert host_shells() == []
+
+
+def iperf_goodput_bps(net: StarNetwork, seconds: int = 5) -> float:
+    """Receiver goodput over its full, non-omitted 1 s intervals, minus the last one.
+
+    The last interval (and iperf3's end summary) includes the standing queue draining
+    after the sender stopped, which would overstate goodput at low rates.
+    """
+    server = net.popen("ps", ["iperf3", "-s", "-1", "-J", "-B", net.ip("ps")],
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    time.sleep(0.3)
+    net.run("w0", ["iperf3", "-c", net.ip("ps"), "-t", str(seconds), "-O", "1"],
+            timeout_s=seconds + 30)
+    out, _ = server.communicate(timeout=10)
+    intervals = [iv["sum"] for iv in json.loads(out)["intervals"]
+                 if not iv["sum"].get("omitted")][:-1]
+    assert len(intervals) >= seconds - 2
+    return sum(iv["bytes"] for iv in intervals) * 8 / sum(iv["seconds"] for iv in intervals)
+
+
+def test_shaped_bottleneck_goodput_within_1pct_at_10_and_100_mbit():
+    lines: list[str] = []
+    with StarNetwork(star(), log=lines.append) as net:
+        assert net.bottleneck_dev("up") == "gbsw0-eth1"
+        assert net.bottleneck_dev("down") == "ps-eth0"
+        ratios = {}
+        for rate in (10.0, 100.0):
+            net.set_bottleneck_rate("up", rate)
+            ratios[rate] = iperf_goodput_bps(net) / (rate * 1e6 * CEILING)
+        stats = net.bottleneck_stats("up")
+        assert stats.sent_bytes > 0 and stats.overlimits > 0  # the shaper really throttled
+    assert all(abs(r - 1) <= 0.01 for r in ratios.values()), ratios
+    assert any(ln.startswith("$ tc class change dev gbsw0-eth1") for ln in lines)
+    assert_nothing_left()
+
+
+def test_worker_cap_changes_rate_in_place_keeping_handle_and_counters():
+    with StarNetwork(star()) as net:
+        net.run("w0", ["ping", "-c", "3", "-i", "0.05", "-q", net.ip("ps")])
+        before = net.qdisc_stats("w0", "w0-eth0")
+        net.set_worker_cap("w0", 2.5)
+        after = net.qdisc_stats("w0", "w0-eth0")
+        classes = net.run("w0", ["tc", "class", "show", "dev", "w0-eth0"]).stdout
+        assert [(s.kind, s.handle) for s in after] == [(s.kind, s.handle) for s in before]
+        leaf_before = [s for s in before if s.kind == "bfifo"][0]
+        leaf_after = [s for s in after if s.kind == "bfifo"][0]
+        assert leaf_before.sent_pkts >= 3  # echo requests went through the leaf...
+        assert leaf_after.sent_pkts >= leaf_before.sent_pkts  # ...and were not reset
+        assert "rate 2500Kbit ceil 2500Kbit" in classes
+        assert net.rate_mbps("w0-eth0") == 2.5
+        with pytest.raises(ValueError, match="worker='ps'"):
+            net.set_worker_cap("ps", 1.0)
+
+
+def test_teardown_after_exception_inside_and_cleanup_is_idempotent():
+    with pytest.raises(RuntimeError, match="boom"):
+        with StarNetwork(star(workers=1)):
+            assert "gbsw0" in gradbed_links()
+            raise RuntimeError("boom")
+    assert_nothing_left()
+    assert cleanup() == []
+    assert cleanup() == []
+
+
+def test_teardown_when_build_fails_halfway(monkeypatch):
+    real = qdisc.shaping_commands
+
+    def broken(dev, link, caps, **kw):
+        cmds = real(dev, link, caps, **kw)
+        if dev == "ps-eth0":  # after the switch side of the bottleneck was installed
+            cmds[1] = [*cmds[1][:-2], "quantum", "not-a-number"]
+        return cmds
+
+    monkeypatch.setattr(qdisc, "shaping_commands", broken)
+    with pytest.raises(TcError) as info:
+        with StarNetwork(star(workers=1)):
+            pytest.fail("build should have failed")
+    assert info.value.returncode != 0 and "ps-eth0" in str(info.value)
+    assert "host ps" in str(info.value) and info.value.stderr
+    assert_nothing_left()
+
+
+def test_delay_without_netem_is_a_clear_error_and_builds_nothing():
+    if probe().get("netem"):
+        pytest.skip("this kernel has netem; the error path only exists without it")
+    spec = star(bottleneck_up=LinkSpec(rate_mbps=10.0, delay_ms=5.0))
+    with pytest.raises(CapabilityError, match="netem") as info:
+        with StarNetwork(spec):
+            pytest.fail("must not build")
+    assert "topo.bottleneck_up" in str(info.value) and "delay_ms" in str(info.value)
+    assert_nothing_left()
+
+
+def test_congestion_control_is_set_per_host_and_validated():
+    with StarNetwork(star(workers=1)) as net:
+        net.set_congestion_control("cubic")
+        out = net.run("w0", ["sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout
+        assert out.strip() == "cubic"
+        with pytest.raises(ValueError, match="'dctcp' is not available.*allowed"):
+            net.set_congestion_control("dctcp")

@@ -1,0 +1,122 @@
+"""What this kernel can emulate: qdiscs, congestion controls, OVS, Mininet.
+
+DESIGN.md section 3: the machines gradbed targets lack netem, fq, RED, CoDel and OVS, so
+nothing may assume them. Each qdisc is tested for real by installing it on a throwaway veth
+in a throwaway network namespace (``gbprobe-<pid>``), which is always deleted. The result
+goes into every run's ``meta.json`` and decides whether delay/loss are possible at all.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from typing import Any
+
+# Each qdisc with the smallest arguments the kernel accepts for it.
+QDISC_TRIALS: dict[str, list[str]] = {
+    "netem": ["netem", "delay", "1ms"],
+    "fq": ["fq"],
+    "fq_codel": ["fq_codel"],
+    "red": ["red", "limit", "400000", "min", "30000", "max", "90000", "avpkt", "1000",
+            "burst", "55", "bandwidth", "10mbit"],
+    "codel": ["codel"],
+    "htb": ["htb", "default", "1"],
+    "tbf": ["tbf", "rate", "1mbit", "burst", "10kb", "latency", "50ms"],
+    "bfifo": ["bfifo", "limit", "10000"],
+}
+
+_cache: dict[str, Any] | None = None
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def probe_qdiscs() -> dict[str, Any]:
+    """Try each qdisc (plus ingress and ifb) in a throwaway namespace; needs root."""
+    ns = f"gbprobe-{os.getpid()}"
+    result: dict[str, Any] = {}
+    setup = _run(["ip", "netns", "add", ns])
+    if setup.returncode != 0:
+        err = f"ip netns add {ns}: {setup.stderr.strip()}"
+        return {**dict.fromkeys([*QDISC_TRIALS, "ingress", "ifb"]), "qdisc_probe_error": err}
+    try:
+        veth = _run(["ip", "-n", ns, "link", "add", "gbp0", "type", "veth", "peer", "name",
+                     "gbp1"])
+        if veth.returncode != 0:
+            err = f"veth in {ns}: {veth.stderr.strip()}"
+            return {**dict.fromkeys([*QDISC_TRIALS, "ingress", "ifb"]),
+                    "qdisc_probe_error": err}
+        _run(["ip", "-n", ns, "link", "set", "gbp0", "up"])
+        tc = ["ip", "netns", "exec", ns, "tc"]
+        for name, args in QDISC_TRIALS.items():
+            ok = _run([*tc, "qdisc", "replace", "dev", "gbp0", "root", *args]).returncode == 0
+            result[name] = ok
+            if ok:
+                _run([*tc, "qdisc", "del", "dev", "gbp0", "root"])
+        result["ingress"] = _run([*tc, "qdisc", "add", "dev", "gbp0", "ingress"]).returncode == 0
+        result["ifb"] = _run(["ip", "-n", ns, "link", "add", "gbp2", "type",
+                              "ifb"]).returncode == 0
+        result["tc_json"] = _run([*tc, "-s", "-j", "qdisc", "show", "dev", "gbp0"]
+                                 ).stdout.lstrip().startswith("[")
+    finally:
+        # Deleting the namespace deletes the veth and ifb created inside it.
+        _run(["ip", "netns", "del", ns])
+    return result
+
+
+def _mininet_version() -> str | None:
+    try:
+        from mininet.net import VERSION
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return None
+    return str(VERSION)
+
+
+def _ovs_datapath() -> bool:
+    if os.path.isdir("/sys/module/openvswitch"):
+        return True
+    # -n: only resolve the module, never load it (the probe must not change the kernel).
+    return _run(["modprobe", "-n", "-q", "openvswitch"]).returncode == 0
+
+
+def _iproute2_version() -> str | None:
+    try:
+        out = _run(["tc", "-V"]).stdout
+    except FileNotFoundError:
+        return None
+    m = re.search(r"iproute2-(\S+?),?\s", out + " ")
+    return m.group(1) if m else out.strip() or None
+
+
+def probe(refresh: bool = False) -> dict[str, Any]:
+    """Kernel capabilities as a JSON-able dict, cached per process.
+
+    Keys: every qdisc in QDISC_TRIALS plus ``ingress``/``ifb`` (True/False, or None when
+    the probe could not run, e.g. not root, with ``qdisc_probe_error`` saying why),
+    ``tcp_congestion_control`` (list), ``tcp_congestion_control_default``, ``kernel``,
+    ``ovs``, ``mininet_version``, ``iproute2``, ``root``.
+    """
+    global _cache
+    if _cache is not None and not refresh:
+        return dict(_cache)
+    caps: dict[str, Any] = {"kernel": platform.release(), "root": os.geteuid() == 0}
+    caps.update(probe_qdiscs())
+    avail = _read("/proc/sys/net/ipv4/tcp_available_congestion_control") or ""
+    caps["tcp_congestion_control"] = sorted(avail.split())
+    caps["tcp_congestion_control_default"] = _read("/proc/sys/net/ipv4/tcp_congestion_control")
+    caps["ovs"] = _ovs_datapath()
+    caps["mininet_version"] = _mininet_version()
+    caps["iproute2"] = _iproute2_version()
+    _cache = caps
+    return dict(caps)

@@ -1,0 +1,188 @@
+"""Topologies as pure, validated data: links, the star and the dumbbell.
+
+This is the "describe first" half of Mininet's split (``mininet/topo.py``): nothing here
+needs root or touches the OS. ``topo.build`` turns a spec into namespaces, veths, a Linux
+bridge and gradbed's own HTB/bfifo qdiscs. The star is the setting of seeds/004 (one
+switch, one parameter server, N workers, the switch->PS link is the bottleneck); see
+DESIGN.md sections 1.1 and 3.
+
+Every field is checked in ``__post_init__``; a bad value raises ``SpecError`` naming the
+field, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+# HTB on these machines was measured up to 10 Gbit/s (DESIGN.md section 3); Mininet caps
+# at 1000 Mbit/s (bwParamMax) and silently drops anything higher, which we refuse to copy.
+RATE_MIN_MBPS = 0.01
+RATE_MAX_MBPS = 10_000.0
+# One full-size Ethernet frame: a smaller byte queue could not hold a single packet.
+QUEUE_MIN_BYTES = 1514
+QUEUE_MAX_BYTES = 1 << 30
+DELAY_MAX_MS = 10_000.0
+WORKERS_MAX = 64
+EXTRA_HOSTS_MAX = 64
+
+
+class SpecError(ValueError):
+    """A topology field is out of range; the message names field, value and allowed range."""
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, unit: str) -> None:
+    # NaN compares false with everything, so test it explicitly.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise SpecError(f"{name}={value!r} is not a number; allowed {lo:g}..{hi:g} {unit}")
+    if not lo <= value <= hi:
+        raise SpecError(f"{name}={value!r} is out of range; allowed {lo:g}..{hi:g} {unit}")
+
+
+def _check_int(name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name}={value!r} is not an integer; allowed {lo}..{hi}")
+    if not lo <= value <= hi:
+        raise SpecError(f"{name}={value!r} is out of range; allowed {lo}..{hi}")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One direction of a link, enforced on the sending interface's egress.
+
+    rate_mbps: HTB rate and ceiling; None leaves the link unshaped (veth speed, ~15 Gbit/s).
+        Lower rate, longer transfers, more queueing.
+    queue_bytes: bfifo drop-tail limit in bytes (bytes, not packets: with GSO a pfifo
+        "1000 packets" held 5-7 MB). None picks ``default_queue_bytes(rate_mbps)``.
+        Bigger queue, fewer drops, more queueing delay.
+    delay_ms, loss_pct: one-way delay and random loss; need the netem qdisc (absent on
+        some kernels: asking for them there is an error, never silently ignored).
+    """
+
+    rate_mbps: float | None
+    queue_bytes: int | None = None
+    delay_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate_mbps is not None:
+            _check_range("LinkSpec.rate_mbps", self.rate_mbps, RATE_MIN_MBPS,
+                         RATE_MAX_MBPS, "Mbit/s")
+        if self.queue_bytes is not None:
+            _check_int("LinkSpec.queue_bytes", self.queue_bytes, QUEUE_MIN_BYTES,
+                       QUEUE_MAX_BYTES)
+        _check_range("LinkSpec.delay_ms", self.delay_ms, 0.0, DELAY_MAX_MS, "ms")
+        _check_range("LinkSpec.loss_pct", self.loss_pct, 0.0, 100.0, "%")
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.delay_ms > 0 or self.loss_pct > 0
+
+    @property
+    def shaped(self) -> bool:
+        """True when gradbed installs any qdisc on this link."""
+        return self.rate_mbps is not None or self.queue_bytes is not None or self.needs_netem
+
+    def effective_queue_bytes(self) -> int:
+        return self.queue_bytes if self.queue_bytes is not None else default_queue_bytes(
+            self.rate_mbps)
+
+    def describe(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["effective_queue_bytes"] = self.effective_queue_bytes()
+        return d
+
+
+def default_queue_bytes(rate_mbps: float | None) -> int:
+    """Drop-tail size when none is given: 20 ms at the link rate, at least 32 full frames.
+
+    With no configured delay the base RTT through veths is well under a millisecond, so
+    20 ms is many BDPs: one TCP flow keeps the link busy after a halving (the fidelity
+    target), while the queueing delay stays bounded. 32 frames keeps slow links (1 Mbit/s)
+    from dropping the slow-start burst of a single flow.
+    """
+    floor = 32 * 1514
+    if rate_mbps is None:
+        return 1000 * 1514  # veth's default txqueuelen, expressed in bytes
+    return max(floor, int(rate_mbps * 1e6 / 8 * 0.020))
+
+
+def _link(name: str, link: LinkSpec) -> LinkSpec:
+    if not isinstance(link, LinkSpec):
+        raise SpecError(f"{name}={link!r} is not a LinkSpec")
+    return link
+
+
+@dataclass(frozen=True)
+class StarSpec:
+    """N workers and background hosts on one switch; the switch->PS link is the bottleneck.
+
+    workers: worker hosts w0..w{N-1}, 1..64.
+    worker_link: each worker's access link, both directions (egress of wI-eth0 and of the
+        switch port facing wI). Its HTB class is what link/N shaping changes at run time.
+    bottleneck_up: workers->PS direction (egress of the switch port facing ps).
+    bottleneck_down: PS->workers direction (egress of ps-eth0).
+    offload: GSO/TSO/GRO on every interface. Off (default) keeps queues packet-exact and
+        qdisc counters in wire frames; on lowers CPU per byte.
+    extra_hosts: background-traffic hosts bg0.. on the worker side, 0..64.
+    """
+
+    workers: int
+    worker_link: LinkSpec = LinkSpec(rate_mbps=1000.0)
+    bottleneck_up: LinkSpec = LinkSpec(rate_mbps=100.0)
+    bottleneck_down: LinkSpec = LinkSpec(rate_mbps=100.0)
+    offload: bool = False
+    extra_hosts: int = 0
+
+    kind: ClassVar[str] = "star"
+    switch_name: ClassVar[str] = "gbsw0"  # never relies on Mininet's "s" prefix magic
+
+    def __post_init__(self) -> None:
+        _check_int("topo.workers", self.workers, 1, WORKERS_MAX)
+        _check_int("topo.extra_hosts", self.extra_hosts, 0, EXTRA_HOSTS_MAX)
+        _link("topo.worker_link", self.worker_link)
+        _link("topo.bottleneck_up", self.bottleneck_up)
+        _link("topo.bottleneck_down", self.bottleneck_down)
+        if not isinstance(self.offload, bool):
+            raise SpecError(f"topo.offload={self.offload!r} is not a bool; allowed true/false")
+
+    def worker_names(self) -> list[str]:
+        return [f"w{i}" for i in range(self.workers)]
+
+    def extra_host_names(self) -> list[str]:
+        return [f"bg{j}" for j in range(self.extra_hosts)]
+
+    def host_names(self) -> list[str]:
+        return ["ps", *self.worker_names(), *self.extra_host_names()]
+
+    def ip(self, host: str) -> str:
+        """10.0.0.x address of a host: ps .1, workers .10.., background hosts .100..
+
+        Fixed blocks keep a worker's address stable when extra hosts are added.
+        """
+        if host == "ps":
+            return "10.0.0.1"
+        if host in self.worker_names():
+            return f"10.0.0.{10 + int(host[1:])}"
+        if host in self.extra_host_names():
+            return f"10.0.0.{100 + int(host[2:])}"
+        raise SpecError(f"host={host!r} is not in this star; allowed {self.host_names()}")
+
+    def switch_port(self, host: str) -> int:
+        """Switch port number facing a host (ps is port 1), hence the name gbsw0-eth{port}."""
+        self.ip(host)  # raises SpecError naming the unknown host
+        return self.host_names().index(host) + 1
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "switch": self.switch_name,
+            "workers": self.workers,
+            "extra_hosts": self.extra_hosts,
+            "offload": self.offload,
+            "hosts": {h: self.ip(h) for h in self.host_names()},
+            "worker_link": self.worker_link.describe(),
+            "bottleneck_up": self.bottleneck_up.describe(),
+            "bottleneck_down": self.bottleneck_down.describe(),
+        }

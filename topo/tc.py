@@ -1,0 +1,109 @@
+"""Run tc, ip, ethtool and sysctl, echoing every command and raising on every failure.
+
+This is the edge where gradbed's traffic control touches the kernel. It fixes two habits
+of Mininet's ``TCIntf`` (STYLE.md): a failed ``tc`` there is logged and forgotten, and
+commands run through an interactive shell (``host.cmd``) that hides exit codes. Here each
+command runs with ``subprocess`` (inside a Mininet host via ``nsenter -t PID -n``), is
+echoed as ``$ tc class change ...`` to a log callback (the controller copies it into the
+run log, as Mahimahi opens each log with its command line), and a non-zero exit raises
+``TcError`` with the command, exit code and stderr. ``dry_run=True`` records and echoes
+the commands without running them, like tcconfig's ``--tc-command``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+LogFn = Callable[[str], None]
+
+# A tc/ip/ethtool call that takes this long is wedged (e.g. a namespace being torn down).
+COMMAND_TIMEOUT_S = 20.0
+
+
+class TcError(RuntimeError):
+    """A traffic-control command failed; carries argv, exit code, stderr and namespace."""
+
+    def __init__(self, argv: Sequence[str], returncode: int, stderr: str, where: str) -> None:
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr.strip()
+        self.where = where
+        super().__init__(f"command failed in {where} (exit {returncode}): "
+                         f"{shlex.join(self.argv)}: {self.stderr or '(no stderr)'}")
+
+
+@dataclass
+class Tc:
+    """Runs commands in one network namespace (root, or the one of process ``netns_pid``).
+
+    log: receives one line per command, ``$ tc ...`` (plus ``  # in <host>`` when the
+        command runs inside a host). None echoes nothing.
+    dry_run: record and echo, but do not run; queries then return "".
+    host: the host's name, used only in echoes and errors.
+    """
+
+    log: LogFn | None = None
+    dry_run: bool = False
+    netns_pid: int | None = None
+    host: str | None = None
+    # Shared between a Tc and the copies made by ``in_netns`` so a dry run of a whole
+    # topology is one ordered list.
+    recorded: list[list[str]] = field(default_factory=list)
+
+    def in_netns(self, pid: int, host: str) -> Tc:
+        """The same log, dry-run mode and record, aimed at the namespace of ``pid``."""
+        return Tc(log=self.log, dry_run=self.dry_run, netns_pid=pid, host=host,
+                  recorded=self.recorded)
+
+    @property
+    def where(self) -> str:
+        return "root namespace" if self.netns_pid is None else (
+            f"host {self.host} (pid {self.netns_pid})")
+
+    def full_argv(self, argv: Sequence[str]) -> list[str]:
+        if self.netns_pid is None:
+            return list(argv)
+        return ["nsenter", "-t", str(self.netns_pid), "-n", "--", *argv]
+
+    def run(self, argv: Sequence[str], *, echo: bool = True) -> str:
+        """Run one command and return its stdout; raise TcError on a non-zero exit.
+
+        echo=False is for read-only queries sampled every 100 ms (``tc -s qdisc show``),
+        which would otherwise drown the commands that change state.
+        """
+        if not argv:
+            raise ValueError("empty command")
+        if echo:
+            self.recorded.append(list(argv))
+            if self.log is not None:
+                suffix = "" if self.netns_pid is None else f"  # in {self.host or self.netns_pid}"
+                self.log(f"$ {shlex.join(argv)}{suffix}")
+        if self.dry_run:
+            return ""
+        try:
+            proc = subprocess.run(self.full_argv(argv), capture_output=True, text=True,
+                                  timeout=COMMAND_TIMEOUT_S, check=False)
+        except FileNotFoundError as exc:
+            raise TcError(argv, 127, f"{exc.filename}: not found", self.where) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise TcError(argv, -1, f"timed out after {COMMAND_TIMEOUT_S:g} s",
+                          self.where) from exc
+        if proc.returncode != 0:
+            raise TcError(argv, proc.returncode, proc.stderr, self.where)
+        return proc.stdout
+
+    def run_all(self, commands: Sequence[Sequence[str]]) -> None:
+        for argv in commands:
+            self.run(argv)
+
+    def tc(self, *args: str, echo: bool = True) -> str:
+        return self.run(["tc", *args], echo=echo)
+
+    def ip(self, *args: str, echo: bool = True) -> str:
+        return self.run(["ip", *args], echo=echo)
+
+    def ethtool(self, *args: str, echo: bool = True) -> str:
+        return self.run(["ethtool", *args], echo=echo)

@@ -1,0 +1,357 @@
+"""Bandwidth traces: the time-varying bottleneck rate B(t) of DESIGN.md section 1.1.
+
+A :class:`BandwidthTrace` is pure data: a piecewise-constant rate over one period that
+loops at its end, as Mahimahi's ``mm-link`` loops its trace files (Winstein et al.,
+"Stochastic Forecasts Achieve High Throughput and Low Delay over Cellular Networks",
+NSDI 2013; Netravali et al., "Mahimahi", USENIX ATC 2015). Three file formats load into it:
+
+- Mahimahi delivery opportunities (``.up``, ``.down``, ``.trace``): one integer millisecond
+  timestamp per line, each line one 1500-byte packet that may cross the link then. The file
+  loops with period equal to its *last* timestamp, exactly like Mahimahi's ``LinkQueue``
+  (``base_timestamp += schedule.back()`` on wrap-around), so an opportunity at time ``P``
+  coincides with time 0 of the next loop.
+- Rate logs: ``time_s Mbps`` per line, ``#`` comments allowed.
+- CSV with the header ``time_s,rate_mbps``.
+
+Every loader error is a :class:`TraceError` naming ``file:line``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Mahimahi's fixed packet size: one delivery opportunity drains one MTU-sized packet.
+MAHIMAHI_PACKET_BYTES = 1500
+
+# Rates closer than this (relative) are one step; float sums otherwise split equal steps.
+_MERGE_REL_TOL = 1e-9
+
+
+class TraceError(ValueError):
+    """A malformed trace file or trace spec; the message starts with ``file:line:``."""
+
+
+@dataclass(frozen=True)
+class BandwidthTrace:
+    """A piecewise-constant rate that loops every ``period_s``.
+
+    ``rates_mbps[i]`` holds from ``times_s[i]`` until ``times_s[i+1]`` (or ``period_s`` for
+    the last step); then the trace starts over at ``times_s[0] == 0``.
+    """
+
+    times_s: tuple[float, ...]
+    rates_mbps: tuple[float, ...]
+    period_s: float
+    source: str = "<memory>"
+
+    def __post_init__(self) -> None:
+        where = self.source
+        if not self.times_s:
+            raise TraceError(f"{where}: trace has no steps")
+        if len(self.times_s) != len(self.rates_mbps):
+            raise TraceError(f"{where}: {len(self.times_s)} step times but "
+                             f"{len(self.rates_mbps)} rates")
+        if self.times_s[0] != 0.0:
+            raise TraceError(f"{where}: first step must start at 0 s, got {self.times_s[0]}")
+        for i in range(1, len(self.times_s)):
+            if not self.times_s[i] > self.times_s[i - 1]:
+                raise TraceError(f"{where}: step {i} at {self.times_s[i]} s is not after "
+                                 f"step {i - 1} at {self.times_s[i - 1]} s")
+        if not (math.isfinite(self.period_s) and self.period_s > self.times_s[-1]):
+            raise TraceError(f"{where}: period_s={self.period_s} must be finite and after the "
+                             f"last step at {self.times_s[-1]} s")
+        for i, r in enumerate(self.rates_mbps):
+            if not (math.isfinite(r) and r >= 0.0):
+                raise TraceError(f"{where}: step {i} rate_mbps={r} must be finite and >= 0")
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def _index(self, phase_s: float) -> int:
+        return bisect.bisect_right(self.times_s, phase_s) - 1
+
+    def _phase(self, t_s: float) -> float:
+        phase = math.fmod(t_s, self.period_s)
+        if phase < 0.0:
+            phase += self.period_s
+        # fmod can return period_s itself for values a hair below a multiple of it.
+        return 0.0 if phase >= self.period_s else phase
+
+    def rate_at(self, t_s: float) -> float:
+        """The allowed rate (Mbit/s) at time ``t_s``, looping past the period."""
+        return self.rates_mbps[self._index(self._phase(t_s))]
+
+    def mean_mbps(self) -> float:
+        """Time-weighted mean rate over one period."""
+        return self._bits_in_period(0.0, self.period_s) / 1e6 / self.period_s
+
+    def _end(self, i: int) -> float:
+        return self.times_s[i + 1] if i + 1 < len(self.times_s) else self.period_s
+
+    def _bits_in_period(self, a_s: float, b_s: float) -> float:
+        """Megabit-seconds * 1e6 (i.e. bits) allowed in [a, b] with 0 <= a <= b <= period."""
+        if b_s <= a_s:
+            return 0.0
+        i = self._index(a_s)
+        bits = 0.0
+        while i < len(self.times_s) and self.times_s[i] < b_s:
+            lo = max(a_s, self.times_s[i])
+            hi = min(b_s, self._end(i))
+            if hi > lo:
+                bits += self.rates_mbps[i] * 1e6 * (hi - lo)
+            i += 1
+        return bits
+
+    def bytes_between(self, t0_s: float, t1_s: float) -> float:
+        """Exact integral of the allowed rate over [t0, t1], in bytes, looping as needed."""
+        if t1_s < t0_s:
+            raise ValueError(f"bytes_between: t1_s={t1_s} is before t0_s={t0_s}")
+        if t1_s == t0_s:
+            return 0.0
+        period_bits = self._bits_in_period(0.0, self.period_s)
+        loop0 = math.floor(t0_s / self.period_s)
+        loop1 = math.floor(t1_s / self.period_s)
+        a = t0_s - loop0 * self.period_s
+        b = t1_s - loop1 * self.period_s
+        a = min(max(a, 0.0), self.period_s)
+        b = min(max(b, 0.0), self.period_s)
+        if loop0 == loop1:
+            bits = self._bits_in_period(a, b)
+        else:
+            bits = (self._bits_in_period(a, self.period_s) + (loop1 - loop0 - 1) * period_bits
+                    + self._bits_in_period(0.0, b))
+        return bits / 8.0
+
+    def steps(self, granularity_s: float = 0.1) -> list[tuple[float, float]]:
+        """One period as (start_s, rate_mbps) steps on a ``granularity_s`` grid.
+
+        Each grid window carries the mean rate the trace allows in it (so bytes are
+        preserved exactly), and neighbours with equal rates merge into one step. A window
+        lying inside one trace step keeps that step's rate bit for bit.
+        """
+        if not (math.isfinite(granularity_s) and granularity_s > 0.0):
+            raise ValueError(f"granularity_s={granularity_s} must be a positive number")
+        out: list[tuple[float, float]] = []
+        n_windows = max(1, math.ceil(self.period_s / granularity_s - 1e-9))
+        for k in range(n_windows):
+            a = k * granularity_s
+            b = min((k + 1) * granularity_s, self.period_s)
+            if b <= a:
+                break
+            i = self._index(a)
+            if self._end(i) >= b:
+                rate = self.rates_mbps[i]
+            else:
+                rate = self._bits_in_period(a, b) / 1e6 / (b - a)
+            if out and _same_rate(out[-1][1], rate):
+                continue
+            out.append((a, rate))
+        return out
+
+    def resampled(self, granularity_s: float = 0.1) -> BandwidthTrace:
+        """The same trace on a ``granularity_s`` grid (see :meth:`steps`)."""
+        st = self.steps(granularity_s)
+        return BandwidthTrace(tuple(t for t, _ in st), tuple(r for _, r in st), self.period_s,
+                              f"{self.source}@{granularity_s}s")
+
+
+def _same_rate(a: float, b: float) -> bool:
+    return abs(a - b) <= _MERGE_REL_TOL * max(abs(a), abs(b), 1e-12)
+
+
+# -- loaders -------------------------------------------------------------------------------
+
+
+def _read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{name}:1: not a text file ({e.reason})") from e
+    except OSError as e:
+        raise TraceError(f"{name}: cannot read: {e.strerror or e}") from e
+    return name, text.splitlines()
+
+
+def _parse_float(name: str, lineno: int, field: str, token: str) -> float:
+    try:
+        value = float(token)
+    except ValueError:
+        raise TraceError(f"{name}:{lineno}: {field} {token!r} is not a number") from None
+    if not math.isfinite(value):
+        raise TraceError(f"{name}:{lineno}: {field} {token!r} is not a finite number")
+    return value
+
+
+def _from_points(name: str, points: list[tuple[int, float, float]],
+                 period_s: float | None) -> BandwidthTrace:
+    """Build a trace from validated (lineno, time_s, rate_mbps) points.
+
+    The last point's rate holds for as long as the median step (so a log sampled every
+    second ends one second after its last line) unless ``period_s`` says otherwise.
+    """
+    times = [t for _, t, _ in points]
+    if period_s is None:
+        # Gaps of the file as written, before the first step is stretched back to 0.
+        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+        period_s = times[-1] + (gaps[len(gaps) // 2] if gaps else 1.0)
+    if times[0] != 0.0:
+        # Nothing is known before the first line; its rate is taken to hold from 0 so the
+        # file's own timestamps (a step "at 10 s") stay where the file puts them.
+        times[0] = 0.0
+    return BandwidthTrace(tuple(times), tuple(r for _, _, r in points), period_s, name)
+
+
+def _check_point(name: str, lineno: int, t_s: float, rate: float,
+                 prev: tuple[int, float, float] | None) -> None:
+    if t_s < 0.0:
+        raise TraceError(f"{name}:{lineno}: time_s {t_s} is negative")
+    if rate < 0.0:
+        raise TraceError(f"{name}:{lineno}: rate {rate} Mbit/s is negative")
+    if prev is not None and t_s <= prev[1]:
+        what = "goes backwards" if t_s < prev[1] else "repeats"
+        raise TraceError(f"{name}:{lineno}: time_s {t_s} {what} (line {prev[0]} has "
+                         f"{prev[1]})")
+
+
+def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> BandwidthTrace:
+    """Load a Mahimahi delivery-opportunity file, binned into ``granularity_s`` windows.
+
+    Each window's rate is ``packets * 1500 * 8 / window_length``; the last window is shorter
+    when the period is not a multiple of the granularity, and its rate uses its real length,
+    so the mean is exactly ``opportunities * 12000 bit / period``. The period is the last
+    timestamp (Mahimahi's wrap-around); an opportunity at exactly the period belongs to
+    time 0 of the next loop.
+    """
+    if not (math.isfinite(granularity_s) and granularity_s > 0.0):
+        raise ValueError(f"granularity_s={granularity_s} must be a positive number")
+    name, lines = _read_lines(path)
+    stamps_ms: list[int] = []
+    prev_ms = -1
+    prev_line = 0
+    for lineno, raw in enumerate(lines, start=1):
+        s = raw.strip()
+        if not s:
+            continue
+        try:
+            ms = int(s)
+        except ValueError:
+            raise TraceError(f"{name}:{lineno}: timestamp {s!r} is not an integer number of "
+                             f"milliseconds") from None
+        if ms < 0:
+            raise TraceError(f"{name}:{lineno}: timestamp {ms} ms is negative")
+        if ms < prev_ms:
+            raise TraceError(f"{name}:{lineno}: timestamp {ms} ms goes backwards (line "
+                             f"{prev_line} has {prev_ms} ms)")
+        stamps_ms.append(ms)
+        prev_ms, prev_line = ms, lineno
+    if not stamps_ms:
+        raise TraceError(f"{name}:1: empty trace: no delivery opportunities")
+    period_ms = stamps_ms[-1]
+    if period_ms <= 0:
+        raise TraceError(f"{name}:{prev_line}: trace lasts 0 ms; Mahimahi needs the last "
+                         f"timestamp to be > 0")
+    period_s = period_ms / 1000.0
+    n_windows = max(1, math.ceil(period_s / granularity_s - 1e-9))
+    counts = [0] * n_windows
+    for ms in stamps_ms:
+        phase_ms = ms % period_ms
+        k = min(int(phase_ms / 1000.0 / granularity_s + 1e-9), n_windows - 1)
+        counts[k] += 1
+    times: list[float] = []
+    rates: list[float] = []
+    for k, c in enumerate(counts):
+        a = k * granularity_s
+        b = min((k + 1) * granularity_s, period_s)
+        rate = c * MAHIMAHI_PACKET_BYTES * 8 / (b - a) / 1e6
+        if rates and _same_rate(rates[-1], rate):
+            continue
+        times.append(a)
+        rates.append(rate)
+    return BandwidthTrace(tuple(times), tuple(rates), period_s, name)
+
+
+def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -> BandwidthTrace:
+    """Load ``time_s Mbps`` lines (whitespace separated; ``#`` starts a comment).
+
+    The last rate lasts one median step unless ``period_s`` is given, either as the argument
+    or as a ``# period_s X`` comment line.
+    """
+    name, lines = _read_lines(path)
+    points: list[tuple[int, float, float]] = []
+    for lineno, raw in enumerate(lines, start=1):
+        directive = raw.strip().lstrip("#").split()
+        if raw.lstrip().startswith("#") and len(directive) == 2 and directive[0] == "period_s":
+            # ``# period_s X`` (written by traces.generate.write_rate_log) keeps the loop length.
+            if period_s is None:
+                period_s = _parse_float(name, lineno, "period_s", directive[1])
+            continue
+        s = raw.split("#", 1)[0].strip()
+        if not s:
+            continue
+        parts = s.split()
+        if len(parts) != 2:
+            raise TraceError(f"{name}:{lineno}: expected 'time_s Mbps', got {len(parts)} "
+                             f"fields: {s!r}")
+        t_s = _parse_float(name, lineno, "time_s", parts[0])
+        rate = _parse_float(name, lineno, "rate_mbps", parts[1])
+        _check_point(name, lineno, t_s, rate, points[-1] if points else None)
+        points.append((lineno, t_s, rate))
+    if not points:
+        raise TraceError(f"{name}:1: empty trace: no 'time_s Mbps' lines")
+    return _from_points(name, points, period_s)
+
+
+def load_csv(path: str | os.PathLike[str], period_s: float | None = None) -> BandwidthTrace:
+    """Load a CSV whose header is ``time_s,rate_mbps``."""
+    name, lines = _read_lines(path)
+    points: list[tuple[int, float, float]] = []
+    header_seen = False
+    for lineno, raw in enumerate(lines, start=1):
+        s = raw.strip()
+        if not s or s.startswith("#"):
+            continue
+        cells = [c.strip() for c in s.split(",")]
+        if not header_seen:
+            if cells != ["time_s", "rate_mbps"]:
+                raise TraceError(f"{name}:{lineno}: expected the header 'time_s,rate_mbps', "
+                                 f"got {s!r}")
+            header_seen = True
+            continue
+        if len(cells) != 2:
+            raise TraceError(f"{name}:{lineno}: expected 2 columns, got {len(cells)}: {s!r}")
+        t_s = _parse_float(name, lineno, "time_s", cells[0])
+        rate = _parse_float(name, lineno, "rate_mbps", cells[1])
+        _check_point(name, lineno, t_s, rate, points[-1] if points else None)
+        points.append((lineno, t_s, rate))
+    if not points:
+        raise TraceError(f"{name}:1: empty trace: no data rows after the header")
+    return _from_points(name, points, period_s)
+
+
+_MAHIMAHI_SUFFIXES = {".up", ".down", ".trace"}
+
+
+def load_trace(path: str | os.PathLike[str], granularity_s: float = 0.1) -> BandwidthTrace:
+    """Load any supported trace: by extension (.up/.down/.trace -> Mahimahi, .csv -> CSV),
+    else by content (a first data line of one integer -> Mahimahi, else a rate log)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in _MAHIMAHI_SUFFIXES:
+        return load_mahimahi(p, granularity_s)
+    if suffix == ".csv":
+        return load_csv(p)
+    name, lines = _read_lines(p)
+    for raw in lines:
+        s = raw.split("#", 1)[0].strip()
+        if not s:
+            continue
+        if s.isdigit():
+            return load_mahimahi(p, granularity_s)
+        if s.replace(" ", "") == "time_s,rate_mbps":
+            return load_csv(p)
+        break
+    return load_rate_log(p)

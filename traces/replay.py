@@ -1,0 +1,118 @@
+"""Sans-I/O trace replayer: turns a bandwidth trace and a clock into rate changes.
+
+This is the scheduling half of Mahimahi-style trace replay (Netravali et al., "Mahimahi",
+USENIX ATC 2015) done with HTB instead of a packet scheduler: DESIGN.md section 1.1 replays
+B(t) on the bottleneck by changing the HTB class rate (``tc class change``, never deleting the
+qdisc). The replayer owns no clock, no socket and no process: the controller asks it what is
+:meth:`TraceReplayer.due` at ``now_ns`` and when the next change is
+(:meth:`TraceReplayer.next_deadline_ns`), runs the ``tc`` commands itself and logs each
+applied change as a ``trace_step`` event. Tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from traces.bandwidth import BandwidthTrace, _same_rate
+
+
+@dataclass(frozen=True)
+class RateChange:
+    """Set the bottleneck to ``rate_mbps`` at ``t_ns`` (the scheduled time, not the time the
+    replayer was asked). ``index`` is the step's position in one period of the trace and
+    ``loop`` counts completed periods."""
+
+    t_ns: int
+    rate_mbps: float
+    index: int
+    loop: int = 0
+
+
+class TraceReplayer:
+    """Replays ``trace`` from ``start_ns`` on a ``granularity_s`` grid, looping forever.
+
+    Contract: the first :meth:`due` call at or after ``start_ns`` returns the initial rate;
+    afterwards only real changes are returned (when the end of the trace wraps to a step
+    with the same rate, nothing is emitted). A caller that was late gets every change it
+    missed, in order, each with its scheduled ``t_ns``; applying the last one gives the
+    current rate.
+    """
+
+    def __init__(self, trace: BandwidthTrace, *, granularity_s: float = 0.1,
+                 start_ns: int) -> None:
+        self.trace = trace
+        self.granularity_s = granularity_s
+        self.start_ns = int(start_ns)
+        steps = trace.steps(granularity_s)
+        self._step_ns = [round(t_s * 1e9) for t_s, _ in steps]
+        self._rates = [r for _, r in steps]
+        self._period_ns = round(trace.period_s * 1e9)
+        if self._period_ns <= self._step_ns[-1]:
+            raise ValueError(f"{trace.source}: period {trace.period_s} s is too short to "
+                             f"replay at 1 ns resolution")
+        self._loop = 0
+        self._idx = 0
+        self._last_rate: float | None = None
+
+    @property
+    def steps(self) -> list[tuple[int, float]]:
+        """One period as (offset_ns from the period start, rate_mbps)."""
+        return list(zip(self._step_ns, self._rates, strict=True))
+
+    def _time_of(self, loop: int, idx: int) -> int:
+        # Computed from integers every time so a long replay does not accumulate drift.
+        return self.start_ns + loop * self._period_ns + self._step_ns[idx]
+
+    def _is_change(self, idx: int) -> bool:
+        return self._last_rate is None or not _same_rate(self._rates[idx], self._last_rate)
+
+    def _skip_non_changes(self) -> None:
+        """Advance the cursor past steps that would not change the rate (only the wrap can
+        produce one, since neighbouring steps are merged)."""
+        if self._last_rate is None:
+            return
+        if len(self._rates) == 1:
+            return
+        while not self._is_change(self._idx):
+            self._advance()
+
+    def _advance(self) -> None:
+        self._idx += 1
+        if self._idx == len(self._rates):
+            self._idx = 0
+            self._loop += 1
+
+    def due(self, now_ns: int) -> list[RateChange]:
+        """The rate changes scheduled at or before ``now_ns`` not yet returned."""
+        out: list[RateChange] = []
+        if self._last_rate is not None and len(self._rates) == 1:
+            return out  # a constant trace changes nothing after its initial rate
+        self._skip_non_changes()
+        while self._time_of(self._loop, self._idx) <= now_ns:
+            rate = self._rates[self._idx]
+            out.append(RateChange(self._time_of(self._loop, self._idx), rate, self._idx,
+                                  self._loop))
+            self._last_rate = rate
+            self._advance()
+            if len(self._rates) == 1:
+                break
+            self._skip_non_changes()
+        return out
+
+    def next_deadline_ns(self) -> int | None:
+        """When the next change is due, or None if the rate never changes again."""
+        if self._last_rate is not None and len(self._rates) == 1:
+            return None
+        self._skip_non_changes()
+        return self._time_of(self._loop, self._idx)
+
+    def rate_at_ns(self, now_ns: int) -> float:
+        """The rate the trace allows at ``now_ns`` on the replay grid (a pure query)."""
+        if now_ns < self.start_ns:
+            raise ValueError(f"now_ns={now_ns} is before start_ns={self.start_ns}")
+        offset = (now_ns - self.start_ns) % self._period_ns
+        i = 0
+        for k, t in enumerate(self._step_ns):
+            if t <= offset:
+                i = k
+        return self._rates[i]
