@@ -162,7 +162,8 @@ class ParameterServer:
             self._handle(self._next_event(deadline, "all workers to connect"))
         self._admit()
         start_ns = now_ns()
-        acc: dict[int, SparseAccumulator] = {}
+        # One accumulator per chunk for the whole run: reset in place, never reallocated.
+        acc = {c: SparseAccumulator(e - s, torch.float32) for c, (s, e) in enumerate(self.chunks)}
         got: dict[int, set[int]] = {}
         while self.iteration < self.cfg.run.iterations:
             if not self.active:
@@ -183,7 +184,9 @@ class ParameterServer:
                                        for c in range(len(self.chunks)))
             if done:
                 self._step(acc, got, start_ns)
-                acc, got = {}, {}
+                for a in acc.values():
+                    a.reset()
+                got = {}
         self._finish()
         return 0
 
@@ -236,7 +239,7 @@ class ParameterServer:
             s, e = self.chunks[h.chunk]
             payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
             sparse = self.compressor.decompress_sparse(payload)
-            a = acc.setdefault(h.chunk, SparseAccumulator(e - s, torch.float32))
+            a = acc[h.chunk]
             if sparse is not None:
                 idx, vals = sparse
                 validate_sparse(idx, vals, e - s, who=f"worker {w} chunk {h.chunk}")
@@ -262,7 +265,7 @@ class ParameterServer:
         t0 = time.perf_counter()
         flat = self.model.flat_grad
         for c, (s, e) in enumerate(self.chunks):
-            flat[s:e].copy_(acc[c].result(mean_over=len(got[c])))
+            acc[c].result(mean_over=len(got[c]), out=flat[s:e])
         lr, mom = self.cfg.workload.lr, self.cfg.workload.momentum
         # torch.optim.SGD semantics: the first step's buffer is the gradient itself.
         if mom > 0:

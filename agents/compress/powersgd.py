@@ -15,6 +15,13 @@ rank is ``max(1, floor(ratio * m * n / (m + n)))``, so the bytes sent are at mos
 ``ratio`` of dense. 1-D tensors (biases, norms), and matrices where ``(m + n) r >= m n``, are
 sent dense (one part, original dtype), as in the paper. Wire format otherwise: part 0 is
 ``P`` (m x r) and part 1 is ``Q`` (n x r), row-major float32.
+
+Flat buckets: the testbed's workers send gradients as flat 1-D chunks (several layers
+concatenated, like DDP buckets). A 1-D tensor of at least ``MIN_FLAT_NUMEL`` elements is
+viewed as a near-square matrix -- ``m = floor(sqrt(numel))`` rows, ``n = ceil(numel / m)``
+columns, zero-padded at the end -- a shape both ends derive from ``numel`` alone. This is
+the same move PowerSGD makes for conv kernels (reshape, then low-rank); on a bucket that
+spans layers the low-rank fit is looser than per layer, and error feedback carries the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +32,20 @@ import torch
 from torch import Tensor
 
 from agents.compress.base import Compressor, Payload, PayloadError, flatten, register
+
+MIN_FLAT_NUMEL = 4096
+
+
+def matrix_shape(shape: tuple[int, ...], numel: int) -> tuple[int, int] | None:
+    """The (m, n) matrix a tensor is compressed as, or None when it is sent dense."""
+    if numel == 0:
+        return None
+    if len(shape) >= 2:
+        return shape[0], numel // shape[0]
+    if numel >= MIN_FLAT_NUMEL:
+        m = math.isqrt(numel)
+        return m, -(-numel // m)
+    return None
 
 
 def orthogonalize(p: Tensor) -> Tensor:
@@ -59,12 +80,15 @@ class PowerSGDCompressor(Compressor):
     def compress(self, tensor: Tensor, key: str, ratio: float,
                  rng: torch.Generator) -> Payload:
         shape = tuple(tensor.shape)
-        if tensor.dim() >= 2 and tensor.numel() > 0:
-            m = shape[0]
-            n = tensor.numel() // m
+        mn = matrix_shape(shape, tensor.numel())
+        if mn is not None:
+            m, n = mn
             r = self._rank(m, n, ratio)
             if (m + n) * r < m * n:
-                mat = tensor.detach().reshape(m, n).to(torch.float32)
+                flat = tensor.detach().reshape(-1).to(torch.float32)
+                if m * n != flat.numel():
+                    flat = torch.nn.functional.pad(flat, (0, m * n - flat.numel()))
+                mat = flat.reshape(m, n)
                 q = self._q.get(key)
                 if q is None or q.shape != (n, r) or q.device != mat.device:
                     q = torch.randn(n, r, generator=rng).to(mat.device)
@@ -85,12 +109,12 @@ class PowerSGDCompressor(Compressor):
                                    f"{parts[0].dtype}, expected {payload.numel} x "
                                    f"{payload.dtype}")
             return
-        if len(parts) != 2 or len(payload.shape) < 2 or payload.numel == 0:
+        mn = matrix_shape(tuple(payload.shape), payload.numel)
+        if len(parts) != 2 or mn is None:
             raise PayloadError(f"powersgd: {len(parts)} parts for shape {payload.shape}; "
                                "expected 1 (dense) or 2 (P, Q) for a matrix")
         p, q = parts
-        m = payload.shape[0]
-        n = payload.numel // m
+        m, n = mn
         if p.dtype != torch.float32 or q.dtype != torch.float32:
             raise PayloadError(f"powersgd: P, Q must be float32, got {p.dtype}, {q.dtype}")
         if p.numel() == 0 or p.numel() % m or q.numel() != n * (p.numel() // m):
@@ -101,7 +125,9 @@ class PowerSGDCompressor(Compressor):
         if len(payload.tensors) == 1:
             return payload.tensors[0].reshape(payload.shape)
         p, q = payload.tensors
-        m = payload.shape[0]
+        mn = matrix_shape(tuple(payload.shape), payload.numel)
+        assert mn is not None, "check_parts rejects P, Q for a tensor sent dense"
+        m = mn[0]
         r = p.numel() // m
         mat = p.view(m, r) @ q.view(-1, r).T
-        return mat.to(payload.dtype).reshape(payload.shape)
+        return mat.reshape(-1)[:payload.numel].to(payload.dtype).reshape(payload.shape)
