@@ -111,6 +111,12 @@ class Experiment:
     # -- logging --------------------------------------------------------------------
 
     def say(self, line: str) -> None:
+        # Status lines (not the echoed tc commands) are shown live to the user too.
+        if self.progress and not line.startswith("$ "):
+            if self._bar is not None:
+                self._bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
         if self._logf is not None:
             self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
             self._logf.flush()
@@ -161,9 +167,13 @@ class Experiment:
         ctl = ControlServer(run_dir / "control.sock", self._on_report)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
-        self.events.emit("run_start", workers=cfg.net.workers)
+        self.say("building the network")
         try:
             with StarNetwork(star_spec(cfg), log=self.say, caps=caps) as net:
+                # Time zero of the experiment proper: after any wait for the network lock.
+                setup_s = time.monotonic() - t_start
+                t_start = time.monotonic()
+                self.events.emit("run_start", workers=cfg.net.workers, setup_s=setup_s)
                 net.set_congestion_control(cfg.net.congestion)
                 sampler = LinkSampler(net)
                 sampler.start()
