@@ -17,7 +17,31 @@ import os
 import queue
 import socket
 import threading
+from pathlib import Path
 from typing import Any
+
+# sun_path holds 108 bytes; keep a margin for the NUL and relative-path surprises.
+MAX_SOCKET_PATH = 100
+FALLBACK_DIR = Path("/run/gradbed")
+
+
+def control_path(run_dir: str | os.PathLike[str]) -> Path:
+    """Where a run's control socket lives: ``RUN_DIR/control.sock``, unless that path is
+    too long for a Unix socket (a deeply nested ``--out``); then under /run/gradbed,
+    named after the run, with ``RUN_DIR/control.path`` saying where."""
+    run_dir = Path(run_dir)
+    pointer = run_dir / "control.path"
+    if pointer.exists():
+        return Path(pointer.read_text().strip())
+    path = run_dir.resolve() / "control.sock"
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    FALLBACK_DIR.mkdir(parents=True, exist_ok=True)
+    fallback = FALLBACK_DIR / f"{run_dir.name}.sock"
+    tmp = run_dir / ".control.path.tmp"
+    tmp.write_text(f"{fallback}\n")
+    os.replace(tmp, pointer)
+    return fallback
 
 
 class ControlClient:

@@ -19,7 +19,7 @@ Event names and their fields (units in the names):
 
 worker  ``compute_done``  compute_s, loss
         ``compress_done`` key, ratio, raw_bytes, wire_bytes, residual_norm, compress_s
-        ``send_done``     bytes, send_s
+        ``send_done``     bytes, send_s, start_ns (when the first chunk's compression began)
         ``tcp_info``      bytes_acked, delivery_rate_bps, rtt_us, cwnd, pacing_rate_bps,
                           total_retrans
         ``decision``      r0_bps, rt_bps, sent_bytes, remaining_bytes, keep, reason

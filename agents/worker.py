@@ -37,7 +37,7 @@ import agents.compress  # noqa: F401  (registers every compressor)
 from agents import codec, wire
 from agents.compress.base import Compressor, Payload, make
 from agents.compress.feedback import ErrorFeedback
-from agents.control import ControlClient
+from agents.control import ControlClient, control_path
 from agents.events import EventLog, now_ns
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
@@ -111,7 +111,7 @@ class Worker:
         self.tag = codec.run_tag(run_id, secret)
         self.node = f"w{worker}"
         self.log = EventLog.for_node(run_dir, run_id, self.node)
-        self.ctl = ControlClient(run_dir / "control.sock", self.node)
+        self.ctl = ControlClient(control_path(run_dir), self.node)
         self.device = device
         self.workload = make_workload(cfg.workload)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
@@ -268,6 +268,7 @@ class Worker:
             self.policy.start(total_raw, r0, now_ns())
         self.sampler.last = None
         self.sampler.active.set()
+        start_ns = now_ns()
         t0 = time.perf_counter()
         compress_s = 0.0
         sent_raw = 0
@@ -296,7 +297,8 @@ class Worker:
         finally:
             self.sampler.active.clear()
         send_s = time.perf_counter() - t0 - compress_s
-        self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s)
+        self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s,
+                      start_ns=start_ns)
         return compress_s, send_s, wire_bytes
 
     def recv_weights(self) -> int:

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import pandas as pd
 
+from agents.control import control_path
 from agents.events import EventLog, now_ns
 from controller import config as cfgmod
 from controller import rundir
@@ -164,7 +165,7 @@ class Experiment:
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
-        ctl = ControlServer(run_dir / "control.sock", self._on_report)
+        ctl = ControlServer(control_path(run_dir), self._on_report)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
         self.say("building the network")

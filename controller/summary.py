@@ -7,9 +7,8 @@ Definitions:
   (frame headers included), summed over workers and iterations.
 - ``bottleneck_utilization``: the fraction of the *upload windows* during which
   the up bottleneck was delivering at its rate. An iteration's upload window runs
-  from its first gradient frame (the earliest worker's first ``compress_done``
-  minus its compression time) to the moment the PS has every gradient
-  (``grads_in``). Delivered bytes come from the bottleneck's ``tc -s`` byte
+  from the start of the earliest worker's transfer (``send_done.start_ns``) to the
+  moment the PS has every gradient (``grads_in``). Delivered bytes come from the bottleneck's ``tc -s`` byte
   counter (Ethernet frames, the unit HTB shapes), interpolated at the window
   edges; capacity is the HTB rate in force. Compute phases, when the link is
   idle by design, are excluded: this measures whether the agents keep the wire busy.
@@ -31,11 +30,11 @@ from analysis.metrics import jain, percentile
 
 def upload_windows(events: pd.DataFrame) -> list[tuple[int, int, int]]:
     """(iteration, start_ns, end_ns) of every complete upload window."""
-    comp = events[events["event"] == "compress_done"]
+    sends = events[events["event"] == "send_done"]
     ins = events[events["event"] == "grads_in"]
-    if comp.empty or ins.empty:
+    if sends.empty or ins.empty or "start_ns" not in sends:
         return []
-    starts = (comp["ts_ns"] - (comp["compress_s"].fillna(0) * 1e9)).groupby(comp["iter"]).min()
+    starts = sends["start_ns"].groupby(sends["iter"]).min()
     ends = ins.groupby("iter")["ts_ns"].max()
     both = pd.concat({"start": starts, "end": ends}, axis=1).dropna()
     it = both.index.to_numpy(dtype=np.int64)

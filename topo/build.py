@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -61,13 +62,19 @@ class StarNetwork:
         self._rates: dict[str, float | None] = {}
         self._auto_queue: dict[str, bool] = {}
         self.removed_at_start: list[str] = []
+        self.lock_wait_s = 0.0
+        self.build_s = 0.0
         self.removed_at_exit: list[str] = []
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> StarNetwork:
+        t0 = time.monotonic()
         self._lock.acquire()
+        # Waiting for another run's network is not bring-up time: keep them apart.
+        self.lock_wait_s = time.monotonic() - t0
         try:
             self._build()
+            self.build_s = time.monotonic() - t0 - self.lock_wait_s
         except BaseException:
             self._teardown()
             raise

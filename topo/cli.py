@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from topo.cleanup import cleanup
+from topo.lock import LockTimeout, NetLock
 from topo.probe import probe
 
 
@@ -31,9 +32,17 @@ def cleanup_main(argv: Sequence[str] | None = None) -> int:
                                      description="Remove gradbed's leftover agents, Mininet "
                                                  "host shells, bridges and veths (idempotent)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    parser.add_argument("--wait-s", type=float, default=30.0,
+                        help="how long to wait for a run in progress to release the network")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
-        removed = cleanup()
+        # Under the network lock: a run in progress owns its network; wait for it
+        # rather than pull its hosts away.
+        with NetLock(timeout_s=args.wait_s):
+            removed = cleanup()
+    except LockTimeout as exc:
+        print(f"gradbed cleanup: {exc}", file=sys.stderr)
+        return 1
     except PermissionError as exc:
         print(f"gradbed cleanup: {exc} (run as root)", file=sys.stderr)
         return 1

@@ -25,6 +25,7 @@ from controller.policies.base import (
     RatePolicy,
     RateReport,
     RatioPolicy,
+    build,
 )
 from controller.policies.fixed import FixedRatio
 from controller.policies.linkn import LinkNShaper, NoShaper, linkn_caps, membership_at
@@ -33,21 +34,13 @@ from controller.policies.oracle import OracleRatio, oracle_keep
 
 def make_ratio_policy(name: str, **params: Any) -> RatioPolicy:
     """Build a ratio policy by its config name with its parameters."""
-    try:
-        cls = RATIO_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"ratio policy {name!r} is not one of {sorted(RATIO_POLICIES)}") from None
-    policy: RatioPolicy = cls(**params)
+    policy: RatioPolicy = build(RATIO_POLICIES, "ratio policy", name, **params)
     return policy
 
 
 def make_rate_policy(name: str, **params: Any) -> RatePolicy:
     """Build a rate (cap) policy by its config name with its parameters."""
-    try:
-        cls = RATE_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"rate policy {name!r} is not one of {sorted(RATE_POLICIES)}") from None
-    policy: RatePolicy = cls(**params)
+    policy: RatePolicy = build(RATE_POLICIES, "rate policy", name, **params)
     return policy
 
 

@@ -28,24 +28,42 @@ RATE_POLICIES: dict[str, Callable[..., Any]] = {}
 _T = TypeVar("_T")
 
 
-def register_ratio_policy(name: str) -> Callable[[_T], _T]:
-    """Class decorator: make a ratio policy constructible by ``name``."""
+def _registrar(registry: dict[str, Callable[..., Any]], kind: str, name: str
+               ) -> Callable[[_T], _T]:
     def deco(cls: _T) -> _T:
-        if name in RATIO_POLICIES:
-            raise ValueError(f"ratio policy {name!r} registered twice")
-        RATIO_POLICIES[name] = cls  # type: ignore[assignment]
+        if name in registry:
+            raise ValueError(f"{kind} {name!r} registered twice")
+        registry[name] = cls  # type: ignore[assignment]
         return cls
     return deco
+
+
+def register_ratio_policy(name: str) -> Callable[[_T], _T]:
+    """Class decorator: make a ratio policy constructible by ``name``."""
+    return _registrar(RATIO_POLICIES, "ratio policy", name)
 
 
 def register_rate_policy(name: str) -> Callable[[_T], _T]:
     """Class decorator: make a rate (cap) policy constructible by ``name``."""
-    def deco(cls: _T) -> _T:
-        if name in RATE_POLICIES:
-            raise ValueError(f"rate policy {name!r} registered twice")
-        RATE_POLICIES[name] = cls  # type: ignore[assignment]
-        return cls
-    return deco
+    return _registrar(RATE_POLICIES, "rate policy", name)
+
+
+def build(registry: dict[str, Callable[..., Any]], kind: str, name: str, **params: Any) -> Any:
+    """Construct the policy registered under ``name``; an unknown name lists the known."""
+    try:
+        cls = registry[name]
+    except KeyError:
+        raise ValueError(f"{kind} {name!r} is not one of {sorted(registry)}") from None
+    return cls(**params)
+
+
+def check_sent(size_bytes: int, sent_bytes: int) -> int:
+    """Validate a policy's ``sent_bytes`` against the iteration's size; returns remaining."""
+    if size_bytes <= 0:
+        raise RuntimeError("keep_for_next_chunk before start()")
+    if not (0 <= sent_bytes <= size_bytes):
+        raise ValueError(f"sent_bytes={sent_bytes}: must be in [0, {size_bytes}]")
+    return size_bytes - sent_bytes
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ the adaptive and oracle policies so a config swaps them by name.
 
 from __future__ import annotations
 
-from controller.policies.base import Decision, register_ratio_policy
+from controller.policies.base import Decision, check_sent, register_ratio_policy
 
 
 @register_ratio_policy("fixed")
@@ -36,11 +36,7 @@ class FixedRatio:
         self._ts_ns = ts_ns
 
     def keep_for_next_chunk(self, sent_bytes: int) -> Decision:
-        if self._size_bytes <= 0:
-            raise RuntimeError("keep_for_next_chunk before start()")
-        if not (0 <= sent_bytes <= self._size_bytes):
-            raise ValueError(f"sent_bytes={sent_bytes}: must be in [0, {self._size_bytes}]")
-        remaining = self._size_bytes - sent_bytes
+        remaining = check_sent(self._size_bytes, sent_bytes)
         overall = (sent_bytes + remaining * self.keep) / self._size_bytes
         return Decision(self._r0_bps, None, sent_bytes, remaining, self.keep, "fixed", overall,
                         self._ts_ns)

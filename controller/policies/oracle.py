@@ -9,7 +9,7 @@ what rate estimation costs.
 
 from __future__ import annotations
 
-from controller.policies.base import Decision, register_ratio_policy
+from controller.policies.base import Decision, check_sent, register_ratio_policy
 from traces.bandwidth import BandwidthTrace
 
 
@@ -85,11 +85,7 @@ class OracleRatio:
         self.n_workers = n_workers
 
     def keep_for_next_chunk(self, sent_bytes: int) -> Decision:
-        if self._size_bytes <= 0:
-            raise RuntimeError("keep_for_next_chunk before start()")
-        if not (0 <= sent_bytes <= self._size_bytes):
-            raise ValueError(f"sent_bytes={sent_bytes}: must be in [0, {self._size_bytes}]")
-        remaining = self._size_bytes - sent_bytes
+        remaining = check_sent(self._size_bytes, sent_bytes)
         share = self.goodput_fraction / self.n_workers
         r0 = self.trace.rate_at(self._t_s(self._start_ns)) * 1e6 * share
         if remaining == 0:

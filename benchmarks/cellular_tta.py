@@ -1,0 +1,163 @@
+"""Time to accuracy on a cellular uplink: adaptive keep ratio against fixed ratios and the
+oracle, plus the high-bandwidth check against dense (issue 4, DESIGN.md 1.1 and section 5,
+seeds/004).
+
+Part 1, cellular: ``configs/cellular.toml`` (2 workers, digits MLP hidden 256: 340 KB of
+gradient per worker per iteration, target 90 % held-out accuracy). The up bottleneck replays
+``../shared/traces/mahimahi/Verizon-LTE-short.up`` when it exists (mean 6.05 Mbit/s), else the
+shipped ``traces/data/cellular_like.log`` (mean 10.5 Mbit/s); ``net.bottleneck_mbps`` (B0, the
+rate the adaptive policy plans against, r0 = B0/N) is set to the mean of the trace used,
+computed here from the file. Policies, side by side: fixed keep 1 (plain dense float32),
+fixed 0.1 and 0.01 (top-k + error feedback), adaptive (DESIGN 1.1, r0 = planned) and oracle
+(knows the trace). The best fixed ratio is the one with the lowest time to accuracy (TTA).
+
+Part 2, high bandwidth: ``configs/cellular_dense_1g.toml``, a constant 1 Gbit/s bottleneck,
+dense against adaptive (top-k).
+
+TTA (seconds): from the start of the first iteration (the earliest ``iter_done.ts_ns -
+iter_s`` of iteration 0) to the first PS ``eval`` whose accuracy reaches the target. A run that
+stops at its iteration cap or timeout without reaching the target has TTA ``None`` ("not
+reached"); it is never extrapolated.
+
+Headline: ``1 - TTA_adaptive / TTA_best_fixed`` (target >= 0.20); -1.0 when adaptive did not
+reach the target (then there is no honest ratio). Also: ``TTA_dense / TTA_adaptive`` at 1 Gbit/s
+(target >= 0.95) and adaptive against the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from _common import emit, log
+
+from controller.run import load_events
+from traces.bandwidth import load_trace
+
+REPO = Path(__file__).resolve().parents[1]
+CELLULAR = REPO / "configs" / "cellular.toml"
+HIGH_BW = REPO / "configs" / "cellular_dense_1g.toml"
+VERIZON = REPO.parent / "shared" / "traces" / "mahimahi" / "Verizon-LTE-short.up"
+SHIPPED = REPO / "traces" / "data" / "cellular_like.log"
+OUT = Path(os.environ.get("GB_CELL_OUT", str(REPO / "runs" / "bench-cellular-tta")))
+TARGET = 0.9
+TOPK = ['compress.name="topk"']
+POLICIES: dict[str, list[str]] = {
+    "fixed_1": ['adaptive.policy="fixed"', 'compress.name="none"', "compress.ratio=1.0"],
+    "fixed_0.1": ['adaptive.policy="fixed"', *TOPK, "compress.ratio=0.1"],
+    "fixed_0.01": ['adaptive.policy="fixed"', *TOPK, "compress.ratio=0.01"],
+    "adaptive": ['adaptive.policy="adaptive"', *TOPK, "compress.ratio=1.0"],
+    "oracle": ['adaptive.policy="oracle"', *TOPK, "compress.ratio=1.0"],
+}
+HIGH_BW_POLICIES: dict[str, list[str]] = {
+    "dense": ['adaptive.policy="fixed"', 'compress.name="none"'],
+    "adaptive": ['adaptive.policy="adaptive"', *TOPK],
+}
+
+
+def gradbed_run(config: Path, name: str, overrides: list[str], out: Path) -> Path:
+    argv = [sys.executable, "-m", "controller.cli", "run", str(config), "--no-progress",
+            "--out", str(out), "--set", f'run.name="{name}"',
+            "--set", f"run.target_accuracy={TARGET}"]
+    for o in overrides:
+        argv += ["--set", o]
+    t0 = time.monotonic()
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"gradbed run ({name}) failed:\n{res.stderr[-3000:]}")
+    run_dir = Path(res.stdout.strip().splitlines()[-1])
+    log(f"{name}: {run_dir} ({time.monotonic() - t0:.0f} s incl. waiting for the net lock)")
+    s = json.loads((run_dir / "summary.json").read_text())
+    if not s.get("iterations"):
+        raise RuntimeError(f"gradbed run ({name}) did no iteration ({s.get('stop_reason')}); "
+                           f"see {run_dir / 'logs'}")
+    return run_dir
+
+
+def tta_s(ev: pd.DataFrame, target: float) -> tuple[float | None, int | None]:
+    """(seconds, iterations) from the first iteration's start to the first eval >= target."""
+    it = ev[ev["event"] == "iter_done"]
+    first = it[it["iter"] == it["iter"].min()]
+    t0 = int((first["ts_ns"] - first["iter_s"] * 1e9).min())
+    evals = ev[ev["event"].isin(["eval", "final_eval"])].sort_values("ts_ns")
+    hit = evals[evals["accuracy"] >= target]
+    if hit.empty:
+        return None, None
+    return (int(hit["ts_ns"].iloc[0]) - t0) / 1e9, int(hit["iter"].iloc[0]) + 1
+
+
+def describe(run_dir: Path) -> dict[str, Any]:
+    s = json.loads((run_dir / "summary.json").read_text())
+    ev = load_events(run_dir)
+    tta, iters = tta_s(ev, TARGET)
+    comp = ev[ev["event"] == "compress_done"]
+    sent = float((comp["raw_bytes"] * comp["ratio"]).sum() / comp["raw_bytes"].sum()) \
+        if len(comp) else 1.0
+    evals = ev[ev["event"] == "eval"]
+    return {"tta_s": tta, "iterations_to_target": iters,
+            "final_accuracy": s.get("final_accuracy"),
+            "max_accuracy": float(evals["accuracy"].max()) if len(evals) else None,
+            "iterations": s.get("iterations"), "iter_s_mean": s.get("iter_time_s_mean"),
+            "bytes_up_per_iter": s.get("bytes_up_per_iter"), "mean_sent_fraction": sent,
+            "stop_reason": s.get("stop_reason"), "run_dir": str(run_dir)}
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        log("cellular_tta needs root (Mininet)")
+        return 1
+    out = OUT / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    trace_path = VERIZON if VERIZON.exists() else SHIPPED
+    trace = load_trace(str(trace_path), granularity_s=0.1)
+    mean_mbps = round(trace.bytes_between(0.0, trace.period_s) * 8 / trace.period_s / 1e6, 3)
+    log(f"trace {trace_path} (mean {mean_mbps} Mbit/s over {trace.period_s:g} s)")
+    base = [f'trace.up="{trace_path}"', f"net.bottleneck_mbps={mean_mbps}"]
+    cell = {name: describe(gradbed_run(CELLULAR, f"cell-{name}", base + extra, out))
+            for name, extra in POLICIES.items()}
+    for name, r in cell.items():
+        log(f"cellular {name}: tta={r['tta_s']} it={r['iterations_to_target']} "
+            f"acc={r['final_accuracy']} iter_s={r['iter_s_mean']} "
+            f"sent={r['mean_sent_fraction']:.3f}")
+    high = {name: describe(gradbed_run(HIGH_BW, f"1g-{name}", extra, out))
+            for name, extra in HIGH_BW_POLICIES.items()}
+    for name, r in high.items():
+        log(f"1 Gbit/s {name}: tta={r['tta_s']} acc={r['final_accuracy']}")
+
+    fixed = {n: r["tta_s"] for n, r in cell.items() if n.startswith("fixed_")}
+    reached = {n: t for n, t in fixed.items() if t is not None}
+    best_fixed = min(reached, key=lambda n: reached[n]) if reached else None
+    ad = cell["adaptive"]["tta_s"]
+    if ad is None:
+        headline = -1.0
+    elif best_fixed is None:
+        headline = 1.0  # adaptive reached the target and no fixed ratio did
+    else:
+        headline = 1.0 - ad / reached[best_fixed]
+    orc = cell["oracle"]["tta_s"]
+    d1, a1 = high["dense"]["tta_s"], high["adaptive"]["tta_s"]
+    emit("cellular_tta", round(headline, 4), "fraction faster than the best fixed ratio",
+         ">= 0.20 (adaptive TTA at least 20 % below the best fixed ratio's); "
+         "and at 1 Gbit/s dense_tta/adaptive_tta >= 0.95",
+         {"target_accuracy": TARGET, "trace": str(trace_path), "trace_mean_mbps": mean_mbps,
+          "b0_mbps": mean_mbps, "best_fixed": best_fixed,
+          "best_fixed_tta_s": reached.get(best_fixed) if best_fixed else None,
+          "adaptive_tta_s": ad, "oracle_tta_s": orc,
+          "adaptive_vs_oracle_tta": (ad / orc) if ad and orc else None,
+          "headline_rule": "1 - tta_adaptive/tta_best_fixed; -1 = adaptive did not reach "
+                           "the target",
+          "cellular": cell,
+          "high_bandwidth": {"rate_mbps": 1000, "runs": high,
+                             "dense_over_adaptive_tta": (d1 / a1) if d1 and a1 else None,
+                             "target": ">= 0.95"}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

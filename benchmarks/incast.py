@@ -1,0 +1,114 @@
+"""Incast with and without link/N shaping (issue 4, DESIGN.md 1.1, seeds/004).
+
+N=16 replay-mode workers push one flat gradient each into one bottleneck; the sweep covers
+100 Mbit/s and 1 Gbit/s, deep (10 MB) and shallow (100 KB) bfifo, cubic and bbr, and
+``shaping.method`` tc (every worker capped at B/N on its egress HTB) against none. Each point
+is one ``gradbed run configs/incast.toml --set ...`` (subprocess), read back from its
+summary.json and events:
+
+- Jain fairness over workers of their mean sending throughput (summary.json);
+- bottleneck utilisation during the upload windows (summary.json, tc counters);
+- drops on the up bottleneck; p50/p99 of every worker's iteration time;
+- per-iteration completion fairness: Jain over workers of 1/send_s, per iteration, median.
+
+Headline: Jain with link/N at N=16, 100 Mbit/s, deep queue, cubic. Also reported: the p99
+ratio shaped/unshaped per (rate, queue, cc) and the utilisation. ``GB_INCAST_FULL=1`` runs the
+whole 16-point sweep (about 10-15 min on 2 cores); the default is the 100 Mbit/s subset.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from _common import emit, log
+
+from analysis.metrics import jain
+from controller.run import load_events
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "incast.toml"
+OUT = Path(os.environ.get("GB_INCAST_OUT", "/tmp/gradbed-incast"))
+ITERATIONS = int(os.environ.get("GB_INCAST_ITERS", "8"))
+# Bytes per worker per iteration: ~3 s of a 16-way incast at either rate.
+REPLAY_BYTES = {100.0: 2_000_000, 1000.0: 20_000_000}
+QUEUES = {"deep": 10_000_000, "shallow": 100_000}
+
+
+def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, Any]:
+    overrides = [f"net.bottleneck_mbps={rate_mbps}", f"net.queue_bytes={QUEUES[queue]}",
+                 f'net.congestion="{cc}"', f'shaping.method="{method}"',
+                 f"workload.replay_bytes={REPLAY_BYTES[rate_mbps]}",
+                 f"run.iterations={ITERATIONS}", f'run.name="incast-{method}"']
+    argv = [sys.executable, "-m", "controller.cli", "run", str(CONFIG), "--no-progress",
+            "--out", str(OUT)]
+    for o in overrides:
+        argv += ["--set", o]
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"gradbed run {' '.join(overrides)} failed:\n{res.stderr[-2000:]}")
+    run_dir = Path(res.stdout.strip().splitlines()[-1])
+    s = json.loads((run_dir / "summary.json").read_text())
+    ev = load_events(run_dir)
+    sends = ev[(ev["event"] == "send_done") & (ev["iter"] >= 1)]
+    per_iter = [jain((1.0 / g["send_s"]).tolist()) for _, g in sends.groupby("iter")
+                if (g["send_s"] > 0).all() and len(g) > 1]
+    per_iter.sort()
+    return {"rate_mbps": rate_mbps, "queue": queue, "queue_bytes": QUEUES[queue], "cc": cc,
+            "shaping": method, "jain": s["jain_fairness"],
+            "jain_per_iter_median": per_iter[len(per_iter) // 2] if per_iter else None,
+            "utilization": s["bottleneck_utilization"], "drops": s.get("drops_up"),
+            "iter_p50_s": s["iter_time_s_p50"], "iter_p99_s": s["iter_time_s_p99"],
+            "iterations": s["iterations"], "stop_reason": s["stop_reason"],
+            "run_dir": str(run_dir)}
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        log("incast needs root (Mininet)")
+        return 1
+    full = os.environ.get("GB_INCAST_FULL") == "1"
+    rates = [100.0, 1000.0] if full else [100.0]
+    queues = ["deep", "shallow"]
+    ccs = ["cubic", "bbr"]
+    if os.environ.get("GB_INCAST_HEADLINE_ONLY") == "1":
+        queues, ccs = ["deep"], ["cubic"]
+    combos = list(itertools.product(rates, queues, ccs))
+    if os.environ.get("GB_INCAST_POINTS"):
+        # e.g. "100:deep:cubic,100:shallow:cubic": a chosen subset of the table.
+        combos = [(float(r), q, c) for r, q, c in
+                  (x.split(":") for x in os.environ["GB_INCAST_POINTS"].split(","))]
+    points = []
+    for rate, queue, cc in combos:
+        for method in ("tc", "none"):
+            p = run_point(rate, queue, cc, method)
+            log(f"{rate:6g} Mbit/s {queue:7s} {cc:5s} {method:4s}: jain {p['jain']:.4f} "
+                f"(per-iter {p['jain_per_iter_median']}), util {p['utilization']:.3f}, "
+                f"drops {p['drops']}, p50 {p['iter_p50_s']:.3f} s, p99 {p['iter_p99_s']:.3f} s")
+            points.append(p)
+    ratios = []
+    for rate, queue, cc in combos:
+        sel = {p["shaping"]: p for p in points
+               if (p["rate_mbps"], p["queue"], p["cc"]) == (rate, queue, cc)}
+        if "tc" in sel and "none" in sel:
+            ratios.append({"rate_mbps": rate, "queue": queue, "cc": cc,
+                           "p99_shaped_over_unshaped": sel["tc"]["iter_p99_s"]
+                           / sel["none"]["iter_p99_s"],
+                           "jain_shaped": sel["tc"]["jain"], "jain_unshaped": sel["none"]["jain"],
+                           "util_shaped": sel["tc"]["utilization"]})
+    head = next(p for p in points if (p["rate_mbps"], p["queue"], p["cc"], p["shaping"])
+                == (100.0, "deep", "cubic", "tc"))
+    emit("incast", round(head["jain"], 4), "Jain index (link/N, N=16, 100 Mbit/s, deep, cubic)",
+         ">= 0.99 (and utilisation >= 0.95, p99 shaped/unshaped <= 0.7)",
+         {"points": points, "ratios": ratios, "workers": 16, "iterations": ITERATIONS,
+          "replay_bytes": REPLAY_BYTES, "compute_ms": 50, "full_sweep": full})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The PS survives hostile and broken peers (issue 3: "the PS rejects a payload whose
+indices are out of range or whose lengths disagree, with a clear error, and keeps serving
+the other workers").
+
+One loopback run (no root, no Mininet) with 4 worker slots: workers 0 and 1 are the real
+``agents.worker`` processes; slots 2 and 3 are fake workers in this process that know the
+run's secret, complete the HELLO -> WELCOME + WEIGHTS handshake exactly as a worker does,
+and then send a top-k ``GRAD`` for iteration 0 whose indices are out of range (slot 2) or
+whose index and value lengths disagree (slot 3). Slot 3 holds iteration 0 open (the PS
+waits for its gradient) while a client with the wrong secret and a client that sends
+garbage bytes connect, so both are rejected while the PS is mid-run, deterministically.
+The run must still complete every iteration with the two real workers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from agents import codec, wire
+from agents.events import read_jsonl
+from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.factory import make_workload
+from tests.loopback import make_run_dir, start_ps, start_worker
+
+ITERATIONS = 30
+
+
+def _connect(port: int, timeout_s: float = 30) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+            s.settimeout(timeout_s)
+            return s
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class FakeWorker(threading.Thread):
+    """Says HELLO as ``worker``, takes the weights, then sends one malformed GRAD."""
+
+    def __init__(self, port: int, tag: int, worker: int, nchunks: int, chunk_numel: int,
+                 bad: str, hold: threading.Event | None = None) -> None:
+        super().__init__(daemon=True)
+        self.hold = hold  # when given, the bad GRAD waits for it (the PS waits too)
+        self.port, self.tag, self.worker = port, tag, worker
+        self.nchunks, self.chunk_numel, self.bad = nchunks, chunk_numel, bad
+        self.error: BaseException | None = None
+        self.welcomed = False
+        self.admitted = threading.Event()
+        self.closed_by_ps = False
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # reported by the test, not lost in the thread
+            self.error = e
+
+    def _run(self) -> None:
+        s = _connect(self.port)
+        reader = wire.FrameReader(s, expect_tag=self.tag)
+        hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", self.worker),
+                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
+                                          worker=self.worker, iteration=0)
+        wire.send_frame(s, hdr, body)
+        h, _ = reader.read_frame()
+        assert h.msg_type == codec.MsgType.WELCOME, h.describe()
+        self.welcomed = True
+        for _ in range(self.nchunks):
+            parts = reader.read_message()
+            assert parts[0][0].msg_type == codec.MsgType.WEIGHTS
+        self.admitted.set()
+        if self.hold is not None:
+            assert self.hold.wait(timeout=60), "hold was never released"
+        k = 16
+        values = torch.ones(k, dtype=torch.float32)
+        idx = torch.arange(k, dtype=torch.int32)
+        if self.bad == "index":
+            idx[-1] = self.chunk_numel + 7  # one past the end and then some
+        else:
+            idx = idx[:-1]  # 15 indices for 16 values
+        wire.send_message(s, [values, idx], msg_type=codec.MsgType.GRAD, run_tag=self.tag,
+                          worker=self.worker, iteration=0, chunk=0)
+        # The PS drops the connection: EOF (or a reset) is what a worker sees.
+        try:
+            while s.recv(65536):
+                pass
+            self.closed_by_ps = True
+        except ConnectionResetError:
+            self.closed_by_ps = True
+        finally:
+            s.close()
+
+
+def _rejected(port: int, first_bytes: bytes) -> tuple[codec.FrameHeader, str]:
+    """Send ``first_bytes`` as a new client; return the PS's reply frame and its text."""
+    s = _connect(port)
+    try:
+        s.sendall(first_bytes)
+        reader = wire.FrameReader(s)  # no expect_tag: this client does not know the run's
+        h, body = reader.read_frame()
+        return h, bytes(body).decode("utf-8", "replace")
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("robust")
+    run_dir, cfg = make_run_dir(tmp, [
+        "net.workers=4", "workload.hidden=64", f"run.iterations={ITERATIONS}",
+        "run.eval_every=10", "compress.name=topk", "compress.ratio=0.1", "run.seed=3"])
+    secret = (run_dir / "secret").read_bytes()
+    tag = codec.run_tag(run_dir.name, secret)
+    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
+    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
+    port = cfg.net.ps_port
+    ps = start_ps(run_dir)
+    workers = [start_worker(run_dir, k, port) for k in (0, 1)]
+    hold = threading.Event()
+    numel = chunks[0][1] - chunks[0][0]
+    fakes = [FakeWorker(port, tag, 2, len(chunks), numel, "index"),
+             FakeWorker(port, tag, 3, len(chunks), numel, "length", hold=hold)]
+    out: dict[str, Any] = {"run_dir": run_dir, "fakes": fakes}
+    try:
+        for f in fakes:
+            f.start()
+        assert fakes[1].admitted.wait(timeout=90), "fake worker 3 was never admitted"
+        # Mid-run: the PS is in iteration 0, waiting for worker 3's gradient.
+        wrong = codec.run_tag(run_dir.name, b"not-the-secret")
+        hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", 1),
+                                          msg_type=codec.MsgType.HELLO, run_tag=wrong,
+                                          worker=1, iteration=0)
+        out["wrong_secret"] = _rejected(port, hdr + bytes(body))
+        out["garbage"] = _rejected(port, os.urandom(64) + b"\x00" * 36)
+        out["ps_alive_after_rejects"] = ps.poll() is None
+        hold.set()
+        for f in fakes:
+            f.join(timeout=90)
+        out["ps_rc"] = ps.wait(timeout=120)
+        out["worker_rcs"] = [w.wait(timeout=30) for w in workers]
+    finally:
+        for p in [ps, *workers]:
+            if p.poll() is None:
+                p.kill()
+    out["ps_events"] = read_jsonl(run_dir / "events" / "ps.jsonl")
+    return out
+
+
+def _ps(run: dict[str, Any], event: str) -> list[dict[str, Any]]:
+    return [e for e in run["ps_events"] if e["event"] == event]
+
+
+def test_fake_workers_were_admitted_then_dropped(hostile_run: dict[str, Any]) -> None:
+    for f in hostile_run["fakes"]:
+        assert f.error is None, f"fake worker {f.worker}: {f.error!r}"
+        assert f.welcomed and f.closed_by_ps
+    lost = {e["worker"]: e["reason"] for e in _ps(hostile_run, "worker_lost")}
+    assert set(lost) == {2, 3}, lost
+    assert all(r.startswith("bad payload") for r in lost.values()), lost
+
+
+def test_out_of_range_indices_are_a_frame_error_naming_the_worker(
+        hostile_run: dict[str, Any]) -> None:
+    errs = [e["error"] for e in _ps(hostile_run, "frame_error") if "worker 2" in e["error"]]
+    assert len(errs) == 1, _ps(hostile_run, "frame_error")
+    assert "out of range" in errs[0] and "chunk 0" in errs[0]
+
+
+def test_length_mismatch_is_a_frame_error_naming_the_worker(
+        hostile_run: dict[str, Any]) -> None:
+    errs = [e for e in _ps(hostile_run, "frame_error") if "16 values" in e["error"]]
+    assert len(errs) == 1, _ps(hostile_run, "frame_error")
+    assert "15 indices but 16 values" in errs[0]["error"]
+    # The error text comes from the compressor and does not name the worker (see the
+    # report); the worker is identified by the worker_lost event on the same peer.
+    lost = [e for e in _ps(hostile_run, "worker_lost") if e["worker"] == 3]
+    assert lost and "15 indices but 16 values" in lost[0]["reason"]
+
+
+def test_wrong_secret_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
+    h, text = hostile_run["wrong_secret"]
+    assert h.msg_type == codec.MsgType.ERROR
+    assert "run_tag" in text or "tag" in text, text
+    logged = [e for e in _ps(hostile_run, "frame_error") if e["error"] == text]
+    assert len(logged) == 1 and logged[0]["peer"].startswith("127.0.0.1:")
+
+
+def test_garbage_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
+    h, text = hostile_run["garbage"]
+    assert h.msg_type == codec.MsgType.ERROR
+    assert "magic" in text, text
+    assert any(e["error"] == text for e in _ps(hostile_run, "frame_error"))
+
+
+def test_run_completes_with_the_real_workers(hostile_run: dict[str, Any]) -> None:
+    assert hostile_run["ps_alive_after_rejects"]
+    # The hostile clients were rejected while the run was in progress (before its first
+    # optimizer step), and the run went on afterwards.
+    first_step = min(e["ts_ns"] for e in _ps(hostile_run, "ps_iter_done"))
+    ready = _ps(hostile_run, "ps_ready")[0]["ts_ns"]
+    texts = {hostile_run["wrong_secret"][1], hostile_run["garbage"][1]}
+    rejects = [e["ts_ns"] for e in _ps(hostile_run, "frame_error") if e["error"] in texts]
+    assert len(rejects) == 2 and all(ready < t < first_step for t in rejects)
+    assert hostile_run["ps_rc"] == 0
+    assert hostile_run["worker_rcs"] == [0, 0]
+    steps = _ps(hostile_run, "ps_iter_done")
+    assert [e["iter"] for e in steps] == list(range(ITERATIONS))
+    assert all(e["workers"] == 2 for e in steps)
+    done = _ps(hostile_run, "ps_done")
+    assert done and done[-1]["reason"] == "completed"
+    # Every frame_error is one of the four hostile peers: the real workers never hit one.
+    assert len(_ps(hostile_run, "frame_error")) == 4
