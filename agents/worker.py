@@ -143,7 +143,8 @@ class Worker:
             return make_ratio_policy("fixed", keep=self.cfg.compress.ratio)
         if a.policy == "adaptive":
             return make_ratio_policy("adaptive", eps=a.eps, keep_min=a.keep_min,
-                                     formula=a.formula)
+                                     formula=a.formula, ewma_alpha=a.ewma_alpha,
+                                     carry_rt=a.carry_rt and a.r0 == "planned")
         # The oracle reads the future of the trace the controller replays; without a
         # trace the bottleneck is constant at its configured rate.
         if self.cfg.trace.up:
@@ -256,6 +257,20 @@ class Worker:
         return payload, {"raw_bytes": grad.numel() * grad.element_size(),
                          "wire_bytes": payload.wire_bytes(), "residual_norm": 0.0}
 
+    def element_ratio(self, keep: float) -> float:
+        """The compressor ratio that spends ``keep`` of the chunk's dense bytes.
+
+        With ``adaptive.budget = "bytes"`` and a sparse compressor, each kept element
+        costs its value and its index (int32: 8 bytes where dense pays 4), so a byte
+        budget below 1 buys ``keep * value / (value + index)`` of the elements; at 1 the
+        chunk goes dense (the sparse compressors fall back to dense there). The fixed
+        policy's ratio is always an element ratio, as configured."""
+        if (self.cfg.adaptive.policy == "fixed" or self.cfg.adaptive.budget == "elements"
+                or keep >= 1.0 or not getattr(self.compressor, "sparse", False)):
+            return keep
+        index_bytes = 4.0 if self.cfg.compress.index_encoding == "int32" else 1.5
+        return max(self.cfg.adaptive.keep_min, keep * 4.0 / (4.0 + index_bytes))
+
     def send_gradient(self) -> tuple[float, float, int]:
         assert self.sock is not None
         total_raw = self.model.numel * 4
@@ -281,7 +296,7 @@ class Worker:
                     self.log.emit("decision", iter=self.iteration, chunk=c, **d.as_event())
                 tc0 = time.perf_counter()
                 grad = self.model.flat_grad[s:e]
-                payload, stats = self._compress(c, grad, d.keep)
+                payload, stats = self._compress(c, grad, self.element_ratio(d.keep))
                 dt = time.perf_counter() - tc0
                 compress_s += dt
                 tensors = [t.cpu() for t in payload.tensors]
@@ -290,7 +305,8 @@ class Worker:
                                       iteration=self.iteration, chunk=c)
                 wire_bytes += n
                 sent_raw += (e - s) * 4
-                self.log.emit("compress_done", iter=self.iteration, key=f"c{c}", ratio=d.keep,
+                self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
+                              ratio=self.element_ratio(d.keep), keep=d.keep,
                               raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
                               residual_norm=float(stats.get("residual_norm", 0.0)),
                               compress_s=dt)

@@ -171,6 +171,12 @@ class AdaptiveConfig:
     # originally planned schedule across iterations; "start" = the kernel's delivery rate
     # as the transfer starts (DESIGN 1.1 read literally: reacts only within an iteration).
     r0: str = "planned"
+    carry_rt: bool = True             # with r0 = planned: the last stable rate carries over
+    ewma_alpha: float = 1.0           # smoothing of rate samples (1 = raw); lower = steadier
+    # What the adaptive/oracle keep budgets: "bytes" (default; DESIGN 1.1 sends CR x the
+    # gradient's bytes, so a sparse compressor keeps fewer elements to pay for its
+    # indices) or "elements" (top-k at ratio keep, as the seed's last step reads).
+    budget: str = "bytes"
 
     def validate(self, p: str) -> None:
         _check(self.policy in ("fixed", "adaptive", "oracle"), f"{p}.policy", self.policy,
@@ -182,6 +188,9 @@ class AdaptiveConfig:
         _check(1 <= self.sample_ms <= 10_000, f"{p}.sample_ms", self.sample_ms,
                "must be in [1, 10000] ms")
         _check(self.r0 in ("planned", "start"), f"{p}.r0", self.r0, "must be planned or start")
+        _check(0 < self.ewma_alpha <= 1, f"{p}.ewma_alpha", self.ewma_alpha, "must be in (0, 1]")
+        _check(self.budget in ("bytes", "elements"), f"{p}.budget", self.budget,
+               "must be bytes or elements")
 
 
 @dataclass(frozen=True)

@@ -290,3 +290,22 @@ def test_powersgd_compresses_flat_buckets_and_round_trips_shape():
     c2.compress(flat, "r1", 1.0, rng)  # warm start, as in training
     rec = c2.decompress(c2.compress(flat, "r1", 1.0, rng))
     torch.testing.assert_close(rec, flat, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "randomk"])
+@pytest.mark.parametrize("encoding", ["int32", "delta"])
+def test_sparse_never_sends_more_than_dense(name: str, encoding: str) -> None:
+    """At keep >= 0.5, values + int32 indices would be >= the dense tensor: the payload
+    falls back to dense (empty index part), round-trips exactly, and EF keeps nothing."""
+    g = torch.randn(50_000, generator=torch.Generator().manual_seed(7))
+    c = make(name, index_encoding=encoding)
+    dense_bytes = g.numel() * 4
+    for ratio in (1.0, 0.9, 0.6, 0.5):
+        p = c.compress(g, "k", ratio, torch.Generator().manual_seed(8))
+        assert p.buffer_bytes() <= dense_bytes, (ratio, p.buffer_bytes())
+        back = c.decompress(c.from_parts(p.tensors, p.numel, p.shape, p.dtype))
+        if p.tensors[1].numel() == 0:
+            torch.testing.assert_close(back, g, rtol=0, atol=0)
+    ef = ErrorFeedback(make(name, index_encoding=encoding))
+    _, stats = ef.step(g, "k", 1.0, torch.Generator().manual_seed(9))
+    assert stats["residual_norm"] == 0.0

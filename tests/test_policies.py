@@ -313,3 +313,28 @@ def test_rate_report_prefers_the_acked_delta_rate() -> None:
     r = RateReport(worker=0, ts_ns=1, bytes_acked=10, delivery_rate_bps=5e6)
     assert r.best_rate_bps == 5e6
     assert RateReport(0, 1, 10, 5e6, rate_bps=4e6).best_rate_bps == 4e6
+
+
+def test_adaptive_carries_the_stable_rate_into_the_next_iteration_when_asked() -> None:
+    from controller.policies import AdaptiveRatio
+
+    for carry, first_keep in ((False, 1.0), (True, 0.5)):
+        p = AdaptiveRatio(carry_rt=carry)
+        p.start(1000, r0_bps=100.0, ts_ns=0)
+        p.observe(50.0, 1)
+        p.observe(50.0, 2)
+        assert p.keep_for_next_chunk(0).keep == 0.5
+        p.start(1000, r0_bps=100.0, ts_ns=3)  # next iteration, no sample yet
+        assert p.keep_for_next_chunk(0).keep == first_keep
+
+
+def test_adaptive_ewma_smooths_bursty_samples_into_a_stable_rate() -> None:
+    from controller.policies import AdaptiveRatio
+
+    raw, smooth = AdaptiveRatio(eps=0.1), AdaptiveRatio(eps=0.1, ewma_alpha=0.2)
+    for p in (raw, smooth):
+        p.start(1000, r0_bps=100.0)
+        for i, r in enumerate([50.0, 50.0] + [40.0, 60.0] * 20):
+            p.observe(r, i)
+    assert raw.rt_bps == 50.0  # only the first pair ever agreed
+    assert smooth.rt_bps is not None and abs(smooth.rt_bps - 50.0) < 3.0

@@ -6,6 +6,12 @@ Two index encodings, chosen per compressor instance with ``index_encoding``:
 - ``"int32"`` (default): indices as int32 in selection order, values in the original dtype.
   Wire bytes are exactly ``k * (value_bytes + 4) + 2 * header_bytes`` (DESIGN 1.2, issue 3).
   Tensors up to 2**31 - 1 elements.
+
+Dense fallback: when the sparse encoding would be no smaller than the tensor itself (with
+int32 indices, from keep ratio 0.5 up for float32), the payload carries every value in
+order and an empty index part, so a sparse compressor never sends more than ``none``
+(values + indices at keep 1 would be twice the dense size). Wire bytes are then
+``n * value_bytes + 2 * header_bytes``, and error feedback's residual becomes zero.
 - ``"delta"``: indices sorted ascending, replaced by their gaps (the first gap is the first
   index), and each gap written as an unsigned LEB128 varint (7 bits per byte, high bit =
   "more bytes follow") into a uint8 buffer. A gap below 128 costs 1 byte, below 16384 costs
@@ -25,7 +31,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from agents.compress.base import Compressor, Payload, PayloadError, flatten
+from agents.compress.base import Compressor, Payload, PayloadError, flatten, k_for
 
 INDEX_ENCODINGS = ("int32", "delta")
 
@@ -90,6 +96,9 @@ class SparseCompressor(Compressor):
     this class builds the payload (values gathered from the tensor) and decodes it."""
 
     sparse: ClassVar[bool] = True
+    # True when select() returns about k_for(n, ratio) elements, so the dense fallback can
+    # be decided before selecting; False for compressors where the ratio is only a cap.
+    sends_k: ClassVar[bool] = True
 
     def __init__(self, index_encoding: str = "int32") -> None:
         if index_encoding not in INDEX_ENCODINGS:
@@ -107,8 +116,22 @@ class SparseCompressor(Compressor):
         if flat.numel() >= 2**31:
             raise ValueError(f"{self.name}: key {key!r} has {flat.numel()} elements; int32 "
                              "indices cover at most 2**31 - 1")
+        if self.sends_k and self.index_encoding == "int32" and self._dense_is_smaller(
+                k_for(flat.numel(), ratio), flat.numel(), flat.element_size()):
+            return self.pack_dense(flat, tuple(tensor.shape), tensor.dtype)  # skip selection
         idx = self.select(flat, ratio, rng)
         return self.pack(idx, flat, tuple(tensor.shape), tensor.dtype)
+
+    @staticmethod
+    def _dense_is_smaller(k: int, n: int, value_bytes: int, index_bytes: int = 4) -> bool:
+        return n > 0 and k * (value_bytes + index_bytes) >= n * value_bytes
+
+    def pack_dense(self, flat: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Payload:
+        """Every value, in order, and an empty index part (see the module docstring)."""
+        empty = torch.empty(0, dtype=torch.int32 if self.index_encoding == "int32"
+                            else torch.uint8)
+        return Payload(self.name, (flat.cpu().contiguous().clone(), empty), flat.numel(),
+                       shape, dtype)
 
     def pack(self, idx: Tensor, flat: Tensor, shape: tuple[int, ...],
              dtype: torch.dtype) -> Payload:
@@ -121,7 +144,15 @@ class SparseCompressor(Compressor):
         else:
             values = flat[idx].cpu().contiguous()
             enc = idx.to(torch.int32).cpu().contiguous()
+        if enc.numel() * enc.element_size() + values.numel() * values.element_size() \
+                >= flat.numel() * flat.element_size() and flat.numel() > 0:
+            return self.pack_dense(flat, shape, dtype)
         return Payload(self.name, (values, enc), flat.numel(), shape, dtype)
+
+    @staticmethod
+    def is_dense(payload: Payload) -> bool:
+        values, enc = payload.tensors
+        return enc.numel() == 0 and values.numel() == payload.numel > 0
 
     def expected_parts(self) -> int | None:
         return 2
@@ -131,6 +162,8 @@ class SparseCompressor(Compressor):
         if values.dtype != payload.dtype:
             raise PayloadError(f"{self.name}: values dtype {values.dtype} != tensor dtype "
                                f"{payload.dtype}")
+        if self.is_dense(payload):
+            return
         if self.index_encoding == "int32":
             if enc.dtype != torch.int32:
                 raise PayloadError(f"{self.name}: indices must be int32, got {enc.dtype}")
@@ -142,6 +175,8 @@ class SparseCompressor(Compressor):
 
     def decompress_sparse(self, payload: Payload) -> tuple[Tensor, Tensor]:
         values, enc = payload.tensors
+        if self.is_dense(payload):
+            return torch.arange(payload.numel, dtype=torch.int64), values
         if self.index_encoding == "delta":
             idx = varint_decode(enc, values.numel())
         else:

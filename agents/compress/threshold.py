@@ -19,6 +19,7 @@ from agents.compress.sparse import SparseCompressor, indices_above, largest_of
 
 @register
 class ThresholdCompressor(SparseCompressor):
+    sends_k = False  # the count follows T1; the ratio only caps it
     name = "threshold"
 
     def __init__(self, threshold: float = 1e-3, index_encoding: str = "int32") -> None:
