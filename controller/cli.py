@@ -34,12 +34,25 @@ def run_main(argv: Sequence[str]) -> int:
                     metavar="KEY=VALUE", help="override a config field, e.g. net.workers=8")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the tc commands and agent command lines; change nothing")
     args = ap.parse_args(argv)
     try:
         cfg = cfgmod.load(args.config, args.overrides)
     except cfgmod.ConfigError as e:
         print(f"gradbed run: config error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from controller.run import plan_commands
+        from topo.probe import probe
+        from topo.qdisc import CapabilityError
+
+        try:
+            print("\n".join(plan_commands(cfg, probe())))
+        except CapabilityError as e:
+            print(f"gradbed run: {e}", file=sys.stderr)
+            return 2
+        return 0
     _need_root("run")
     from controller.run import Experiment
 

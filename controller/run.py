@@ -49,6 +49,42 @@ def star_spec(cfg: cfgmod.ExperimentConfig) -> StarSpec:
                     offload=n.offload, extra_hosts=n.background_hosts)
 
 
+def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[str]:
+    """What ``gradbed run --dry-run`` prints: every qdisc command the build would run
+    (the same builders ``StarNetwork`` uses) and every agent it would start. Pure: no
+    root, nothing touched. Raises CapabilityError where the real run would."""
+    from topo import qdisc
+
+    spec = star_spec(cfg)
+    sw = spec.switch_name
+    out = [f"# star: {spec.workers} workers on {sw}, ps at {spec.ip('ps')}",
+           f"# congestion control in every host: {cfg.net.congestion}"]
+    where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down),
+             (f"{sw}-eth{spec.switch_port('ps')}", f"{sw}-eth{spec.switch_port('ps')}",
+              spec.bottleneck_up)]
+    for w in spec.worker_names() + spec.extra_host_names():
+        where.append((f"{w}-eth0 (in {w})", f"{w}-eth0", spec.worker_link))
+        port = f"{sw}-eth{spec.switch_port(w)}"
+        where.append((port, port, spec.worker_link))
+    for label, dev, link in where:
+        out.append(f"# {label}")
+        for argv in qdisc.offload_commands(dev, spec.offload) + qdisc.shaping_commands(
+                dev, link, caps, offload=spec.offload):
+            out.append("$ " + " ".join(argv))
+    py = "python"
+    out.append(f"$ {py} -m agents.ps --run-dir RUN   # in ps")
+    for k in range(spec.workers):
+        out.append(f"$ {py} -m agents.worker --run-dir RUN --worker {k} --ps {spec.ip('ps')} "
+                   f"--port {cfg.net.ps_port}   # in w{k}")
+    if cfg.trace.up or cfg.trace.down:
+        out.append(f"# then trace replay: up={cfg.trace.up or '-'} down={cfg.trace.down or '-'}"
+                   f" every {cfg.trace.granularity_ms} ms with tc class change")
+    if cfg.shaping.method != "none":
+        out.append(f"# then link/N caps by {cfg.shaping.method}: "
+                   f"{cfg.net.bottleneck_mbps / cfg.net.workers:g} Mbit/s per worker")
+    return out
+
+
 class LinkSampler(threading.Thread):
     """Samples the bottleneck's qdisc counters in both directions every 100 ms."""
 
