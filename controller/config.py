@@ -171,7 +171,10 @@ class AdaptiveConfig:
     # originally planned schedule across iterations; "start" = the kernel's delivery rate
     # as the transfer starts (DESIGN 1.1 read literally: reacts only within an iteration).
     r0: str = "planned"
-    carry_rt: bool = True             # with r0 = planned: the last stable rate carries over
+    # With r0 = planned, carry the last stable rate into the next iteration. Off by
+    # default: TCP restarts slow start after the compute phase, so a short (compressed)
+    # transfer may never show a new stable rate and a stale low one would stay in force.
+    carry_rt: bool = False
     ewma_alpha: float = 1.0           # smoothing of rate samples (1 = raw); lower = steadier
     # What the adaptive/oracle keep budgets: "bytes" (default; DESIGN 1.1 sends CR x the
     # gradient's bytes, so a sparse compressor keeps fewer elements to pay for its

@@ -135,6 +135,8 @@ class NetworkDriver:
             return
         new = frozenset(int(w) for w in msg.get("active", []))
         with self.lock:
+            # The membership change first, then the caps it causes.
+            self.events.emit("membership", iter=int(msg.get("iter", -1)), active=sorted(new))
             for d, shaper in self.shapers.items():
                 changes: list[CapChange] = []
                 for w in sorted(self.active - new):
@@ -143,7 +145,6 @@ class NetworkDriver:
                     changes += shaper.on_join(w)
                 self._enforce(changes, d)
             self.active = new
-            self.events.emit("membership", iter=int(msg.get("iter", -1)), active=sorted(new))
             self._hint()
 
     def _on_worker_hello(self, worker: int) -> None:

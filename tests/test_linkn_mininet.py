@@ -49,7 +49,8 @@ def test_caps_recomputed_on_leave_and_remaining_workers_speed_up(tmp_path: Path,
     ev, summary = run_leave(tmp_path, method)
     assert summary["stop_reason"] == "completed", summary
     assert not (ev["event"] == "worker_error").any(), ev[ev["event"] == "worker_error"]
-    shape = ev[(ev["event"] == "shape") & (ev["reason"] == "cap")].sort_values("ts_ns")
+    shape = ev[(ev["event"] == "shape") & (ev["reason"] == "cap")
+               & (ev["direction"] == "up")].sort_values("ts_ns")
     assert (shape["method"] == method).all()
     leave_ts = int(ev[(ev["event"] == "membership") & (ev["iter"] == LEAVE_ITER)]["ts_ns"].min())
     before = shape[shape["ts_ns"] < leave_ts]
@@ -58,10 +59,15 @@ def test_caps_recomputed_on_leave_and_remaining_workers_speed_up(tmp_path: Path,
     assert before["rate_mbps"].to_numpy() == pytest.approx([25.0] * 4)
     assert sorted(after["worker"].astype(int)) == [0, 1, 2]
     assert after["rate_mbps"].to_numpy() == pytest.approx([100.0 / 3] * 3)
+    # The downlink gets the same B/N rule (the PS paces its socket to each worker).
+    down = ev[(ev["event"] == "shape") & (ev["direction"] == "down") & (ev["reason"] == "cap")]
+    assert sorted(down[down["ts_ns"] < leave_ts]["worker"].astype(int)) == [0, 1, 2, 3]
+    assert sorted(down[down["ts_ns"] >= leave_ts]["rate_mbps"].round(3)) == [33.333] * 3
 
     if method == "pacing":
         # Every remaining worker really applied its B/3 pacing rate on its socket.
-        paced = ev[(ev["event"] == "paced") & (ev["iter"] >= LEAVE_ITER)]
+        paced = ev[(ev["event"] == "paced") & (ev["iter"] >= LEAVE_ITER)
+                   & ev["node"].str.startswith("w")]
         assert sorted(set(paced["node"])) == ["w0", "w1", "w2"], paced
         assert paced["rate_bps"].to_numpy() == pytest.approx([100e6 / 3] * len(paced))
     sends = ev[(ev["event"] == "send_done") & ev["node"].isin(["w0", "w1", "w2"])]
