@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from _common import emit, log
+from _common import emit, gradbed_run, log
 
 from controller.run import load_events
 from traces.generate import steps, write_rate_log
@@ -64,30 +63,11 @@ WORKLOAD = ['workload.name="digits_mlp"', "workload.hidden=512", "workload.batch
             f"run.timeout_s={RUN_S}", f"adaptive.keep_min={KEEP_MIN}"]
 POLICIES: dict[str, list[str]] = {
     "adaptive": ['adaptive.policy="adaptive"', 'adaptive.r0="planned"', "compress.ratio=1.0"],
-    # Dense is sent as plain float32 (compress.name="none"): top-k at keep 1 would also send
-    # every index and double the bytes (see the report: SparseCompressor has no dense path).
+    # Dense is plain float32 (compress.name="none"), the baseline every ratio is compared to.
     "fixed_1": ['adaptive.policy="fixed"', 'compress.name="none"', "compress.ratio=1.0"],
     "fixed_0.1": ['adaptive.policy="fixed"', "compress.ratio=0.1"],
     "fixed_0.01": ['adaptive.policy="fixed"', "compress.ratio=0.01"],
 }
-
-
-def gradbed_run(name: str, overrides: list[str], out: Path) -> Path:
-    argv = [sys.executable, "-m", "controller.cli", "run", str(CONFIG), "--no-progress",
-            "--out", str(out), "--set", f'run.name="step-{name}"']
-    for o in overrides:
-        argv += ["--set", o]
-    t0 = time.monotonic()
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise RuntimeError(f"gradbed run ({name}) failed:\n{res.stderr[-3000:]}")
-    run_dir = Path(res.stdout.strip().splitlines()[-1])
-    log(f"{name}: {run_dir} ({time.monotonic() - t0:.0f} s incl. waiting for the net lock)")
-    s = json.loads((run_dir / "summary.json").read_text())
-    if not s.get("iterations"):
-        raise RuntimeError(f"gradbed run ({name}) did no iteration ({s.get('stop_reason')}); "
-                           f"see {run_dir / 'logs'}")
-    return run_dir
 
 
 def iterations(ev: pd.DataFrame) -> pd.DataFrame:
@@ -165,7 +145,8 @@ def main() -> int:
     results: dict[str, Any] = {}
     adaptive_keep: pd.DataFrame | None = None
     for name, extra in POLICIES.items():
-        run_dir = gradbed_run(name, WORKLOAD + extra + [f'trace.up="{trace_path}"'], out)
+        run_dir = gradbed_run(CONFIG, f"step-{name}",
+                              [*WORKLOAD, *extra, f'trace.up="{trace_path}"'], out)
         s = json.loads((run_dir / "summary.json").read_text())
         ev = load_events(run_dir)
         bounds = step_times(ev)

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from _common import emit, log
+from _common import emit, gradbed_run, log
 
 from controller.run import load_events
 from traces.bandwidth import load_trace
@@ -55,29 +54,12 @@ POLICIES: dict[str, list[str]] = {
     "adaptive": ['adaptive.policy="adaptive"', *TOPK, "compress.ratio=1.0"],
     "oracle": ['adaptive.policy="oracle"', *TOPK, "compress.ratio=1.0"],
 }
+# Every run reports its time to the target in summary.json.
+TTA = [f"run.target_accuracy={TARGET}"]
 HIGH_BW_POLICIES: dict[str, list[str]] = {
     "dense": ['adaptive.policy="fixed"', 'compress.name="none"'],
     "adaptive": ['adaptive.policy="adaptive"', *TOPK],
 }
-
-
-def gradbed_run(config: Path, name: str, overrides: list[str], out: Path) -> Path:
-    argv = [sys.executable, "-m", "controller.cli", "run", str(config), "--no-progress",
-            "--out", str(out), "--set", f'run.name="{name}"',
-            "--set", f"run.target_accuracy={TARGET}"]
-    for o in overrides:
-        argv += ["--set", o]
-    t0 = time.monotonic()
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
-    if res.returncode != 0:
-        raise RuntimeError(f"gradbed run ({name}) failed:\n{res.stderr[-3000:]}")
-    run_dir = Path(res.stdout.strip().splitlines()[-1])
-    log(f"{name}: {run_dir} ({time.monotonic() - t0:.0f} s incl. waiting for the net lock)")
-    s = json.loads((run_dir / "summary.json").read_text())
-    if not s.get("iterations"):
-        raise RuntimeError(f"gradbed run ({name}) did no iteration ({s.get('stop_reason')}); "
-                           f"see {run_dir / 'logs'}")
-    return run_dir
 
 
 def tta_s(ev: pd.DataFrame, target: float) -> tuple[float | None, int | None]:
@@ -119,13 +101,13 @@ def main() -> int:
     mean_mbps = round(trace.bytes_between(0.0, trace.period_s) * 8 / trace.period_s / 1e6, 3)
     log(f"trace {trace_path} (mean {mean_mbps} Mbit/s over {trace.period_s:g} s)")
     base = [f'trace.up="{trace_path}"', f"net.bottleneck_mbps={mean_mbps}"]
-    cell = {name: describe(gradbed_run(CELLULAR, f"cell-{name}", base + extra, out))
+    cell = {name: describe(gradbed_run(CELLULAR, f"cell-{name}", [*TTA, *base, *extra], out))
             for name, extra in POLICIES.items()}
     for name, r in cell.items():
         log(f"cellular {name}: tta={r['tta_s']} it={r['iterations_to_target']} "
             f"acc={r['final_accuracy']} iter_s={r['iter_s_mean']} "
             f"sent={r['mean_sent_fraction']:.3f}")
-    high = {name: describe(gradbed_run(HIGH_BW, f"1g-{name}", extra, out))
+    high = {name: describe(gradbed_run(HIGH_BW, f"1g-{name}", [*TTA, *extra], out))
             for name, extra in HIGH_BW_POLICIES.items()}
     for name, r in high.items():
         log(f"1 Gbit/s {name}: tta={r['tta_s']} acc={r['final_accuracy']}")
