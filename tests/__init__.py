@@ -1,1 +1,1 @@
-
+"""gradbed's test suite: unit tests (no root) and real-Mininet tests marked ``mininet``."""
