@@ -233,11 +233,16 @@ class StarNetwork:
     def set_worker_cap(self, worker: str, rate_mbps: float) -> None:
         """Cap a worker's sending rate (link/N shaping) on its egress HTB class.
 
-        Its bfifo follows the rate (20 ms) unless the spec fixed worker_link.queue_bytes.
+        The bfifo keeps the worker link's own size: this queue holds only the worker's
+        own packets (TCP small queues bound it for loss-based senders), and shrinking it
+        to 20 ms at the cap made BBR -- which paces far above a cap it has not measured
+        yet -- overflow it; local drops are not retransmissions, the kernel backs off its
+        retries, and 2 MB uploads at 6.25 Mbit/s took 28-52 s instead of 2.6 s.
         """
         if worker not in self.spec.worker_names():
             raise SpecError(f"worker={worker!r}; allowed {self.spec.worker_names()}")
-        self._change_rate(worker, f"{worker}-eth0", rate_mbps, f"worker cap {worker}")
+        self._change_rate(worker, f"{worker}-eth0", rate_mbps, f"worker cap {worker}",
+                          queue_bytes=self.spec.worker_link.effective_queue_bytes())
 
     def rate_mbps(self, dev: str) -> float | None:
         """The HTB rate gradbed last set on ``dev`` (None when unshaped)."""
