@@ -101,9 +101,15 @@ def main() -> int:
                            / sel["none"]["iter_p99_s"],
                            "jain_shaped": sel["tc"]["jain"], "jain_unshaped": sel["none"]["jain"],
                            "util_shaped": sel["tc"]["utilization"]})
-    head = next(p for p in points if (p["rate_mbps"], p["queue"], p["cc"], p["shaping"])
-                == (100.0, "deep", "cubic", "tc"))
-    emit("incast", round(head["jain"], 4), "Jain index (link/N, N=16, 100 Mbit/s, deep, cubic)",
+    # The headline point, or (for a GB_INCAST_POINTS subset without it) the first
+    # link/N row, named in the unit so the number is never mistaken for the headline.
+    head = next((p for p in points if (p["rate_mbps"], p["queue"], p["cc"], p["shaping"])
+                 == (100.0, "deep", "cubic", "tc")), None)
+    label = "100 Mbit/s, deep, cubic"
+    if head is None:
+        head = next(p for p in points if p["shaping"] == "tc")
+        label = f"{head['rate_mbps']:g} Mbit/s, {head['queue']}, {head['cc']}"
+    emit("incast", round(head["jain"], 4), f"Jain index (link/N, N=16, {label})",
          ">= 0.99 (and utilisation >= 0.95, p99 shaped/unshaped <= 0.7)",
          {"points": points, "ratios": ratios, "workers": 16, "iterations": ITERATIONS,
           "replay_bytes": REPLAY_BYTES, "compute_ms": 50, "full_sweep": full})
