@@ -44,7 +44,7 @@ import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
 from agents import codec, wire
-from agents.aggregate import SparseAccumulator, validate_sparse
+from agents.aggregate import SparseAccumulator
 from agents.compress.base import Compressor, PayloadError, make
 from agents.control import ControlClient, control_path
 from agents.events import EventLog, now_ns
@@ -248,16 +248,11 @@ class ParameterServer:
             payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
             sparse = self.compressor.decompress_sparse(payload)
             a = acc[h.chunk]
+            who = f"worker {w} chunk {h.chunk}"
             if sparse is not None:
-                idx, vals = sparse
-                validate_sparse(idx, vals, e - s, who=f"worker {w} chunk {h.chunk}")
-                a.add_sparse(idx, vals)
+                a.add_sparse(*sparse, who=who)  # validates indices and lengths first
             else:
-                dense = self.compressor.decompress(payload)
-                if dense.numel() != e - s:
-                    raise PayloadError(f"worker {w} chunk {h.chunk}: {dense.numel()} "
-                                       f"elements, expected {e - s}")
-                a.add_dense(dense.reshape(-1))
+                a.add_dense(self.compressor.decompress(payload).reshape(-1), who=who)
         except (PayloadError, ValueError, RuntimeError) as err:
             msg = str(err) if str(err).startswith(f"worker {w}") \
                 else f"worker {w} chunk {h.chunk}: {err}"

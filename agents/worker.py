@@ -296,7 +296,8 @@ class Worker:
                     self.log.emit("decision", iter=self.iteration, chunk=c, **d.as_event())
                 tc0 = time.perf_counter()
                 grad = self.model.flat_grad[s:e]
-                payload, stats = self._compress(c, grad, self.element_ratio(d.keep))
+                ratio = self.element_ratio(d.keep)
+                payload, stats = self._compress(c, grad, ratio)
                 dt = time.perf_counter() - tc0
                 compress_s += dt
                 tensors = [t.cpu() for t in payload.tensors]
@@ -306,7 +307,7 @@ class Worker:
                 wire_bytes += n
                 sent_raw += (e - s) * 4
                 self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
-                              ratio=self.element_ratio(d.keep), keep=d.keep,
+                              ratio=ratio, keep=d.keep,
                               raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
                               residual_norm=float(stats.get("residual_norm", 0.0)),
                               compress_s=dt)

@@ -59,14 +59,12 @@ class NetworkDriver:
         self.lock = threading.Lock()
         self.traces = {d: load_config_trace(p, cfg.trace)
                        for d, p in (("up", cfg.trace.up), ("down", cfg.trace.down)) if p}
-        self.bandwidth_mbps = cfg.net.bottleneck_mbps
         self.active = frozenset(range(cfg.net.workers))
         self.shapers = {d: LinkNShaper(b, cfg.net.workers,
                                        worker_link_mbps=cfg.net.worker_link_mbps,
                                        headroom=cfg.shaping.headroom)
                         for d, b in (("up", cfg.net.bottleneck_mbps),
                                      ("down", cfg.net.down_mbps))}
-        self.shaper = self.shapers["up"]
         self.start_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -121,7 +119,6 @@ class NetworkDriver:
                     self._enforce(self.shapers[direction].on_bandwidth(change.rate_mbps),
                                   direction)
                     if direction == "up":
-                        self.bandwidth_mbps = change.rate_mbps
                         self._hint()
 
     # -- membership (from the PS over the control socket) ---------------------------
@@ -152,14 +149,13 @@ class NetworkDriver:
         (the driver starts while the agents are still importing torch), so give it its
         pacing cap and the bandwidth hint now."""
         with self.lock:
-            cap = self.shaper.caps().get(worker)
+            cap = self.shapers["up"].caps().get(worker)
             if self.cfg.shaping.method == "pacing" and cap is not None:
                 ok = self.ctl.send(f"w{worker}", "pace", rate_bps=cap * 1e6)
                 self.events.emit("shape", worker=worker, rate_mbps=cap, method="pacing",
                                  delivered=ok, reason="hello")
             if worker in self.active:
-                self.ctl.send(f"w{worker}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
-                              workers=len(self.active), trace_start_ns=self.start_ns)
+                self._hint_worker(worker)
 
     # -- enforcement ----------------------------------------------------------------
 
@@ -188,8 +184,16 @@ class NetworkDriver:
             self.events.emit("shape", worker=ch.worker, rate_mbps=cap_mbps, method=method,
                              direction=direction, delivered=delivered, reason="cap")
 
+    @property
+    def bandwidth_mbps(self) -> float:
+        """B(t) of the up bottleneck: what its link/N shaper was last told."""
+        return self.shapers["up"].bottleneck_mbps
+
     def _hint(self) -> None:
         for w in sorted(self.active):
-            self.ctl.send(f"w{w}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
-                          workers=len(self.active), trace_start_ns=self.start_ns)
+            self._hint_worker(w)
+
+    def _hint_worker(self, w: int) -> None:
+        self.ctl.send(f"w{w}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
+                      workers=len(self.active), trace_start_ns=self.start_ns)
 

@@ -217,6 +217,15 @@ def _check_point(name: str, lineno: int, t_s: float, rate: float,
                          f"{prev[1]})")
 
 
+def _append_point(name: str, lineno: int, time_token: str, rate_token: str,
+                  points: list[tuple[int, float, float]]) -> None:
+    """Parse one (time_s, rate_mbps) pair, check it against the previous point, keep it."""
+    t_s = _parse_float(name, lineno, "time_s", time_token)
+    rate = _parse_float(name, lineno, "rate_mbps", rate_token)
+    _check_point(name, lineno, t_s, rate, points[-1] if points else None)
+    points.append((lineno, t_s, rate))
+
+
 def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> BandwidthTrace:
     """Load a Mahimahi delivery-opportunity file, binned into ``granularity_s`` windows.
 
@@ -296,10 +305,7 @@ def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -
         if len(parts) != 2:
             raise TraceError(f"{name}:{lineno}: expected 'time_s Mbps', got {len(parts)} "
                              f"fields: {s!r}")
-        t_s = _parse_float(name, lineno, "time_s", parts[0])
-        rate = _parse_float(name, lineno, "rate_mbps", parts[1])
-        _check_point(name, lineno, t_s, rate, points[-1] if points else None)
-        points.append((lineno, t_s, rate))
+        _append_point(name, lineno, parts[0], parts[1], points)
     if not points:
         raise TraceError(f"{name}:1: empty trace: no 'time_s Mbps' lines")
     return _from_points(name, points, period_s)
@@ -323,10 +329,7 @@ def load_csv(path: str | os.PathLike[str], period_s: float | None = None) -> Ban
             continue
         if len(cells) != 2:
             raise TraceError(f"{name}:{lineno}: expected 2 columns, got {len(cells)}: {s!r}")
-        t_s = _parse_float(name, lineno, "time_s", cells[0])
-        rate = _parse_float(name, lineno, "rate_mbps", cells[1])
-        _check_point(name, lineno, t_s, rate, points[-1] if points else None)
-        points.append((lineno, t_s, rate))
+        _append_point(name, lineno, cells[0], cells[1], points)
     if not points:
         raise TraceError(f"{name}:1: empty trace: no data rows after the header")
     return _from_points(name, points, period_s)
