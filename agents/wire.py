@@ -18,7 +18,9 @@ section 4: the PS logs a ``frame_error`` event and keeps serving the others).
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -322,3 +324,17 @@ def set_socket_options(sock: socket.socket, *, nodelay: bool = True, sndbuf: int
         except OSError as e:
             raise ValueError(f"congestion: {congestion!r} rejected by the kernel ({e}); "
                              f"available: {available_congestion_controls()}") from e
+
+
+def exit_process(code: int) -> None:
+    """End an agent process once its results are on disk: flush stdio, then ``os._exit``.
+
+    A normal interpreter exit runs C++ static destructors while daemon threads (the
+    PS's accept loop and control reader, a worker's TCP_INFO sampler) may still be inside
+    torch; once in a few dozen runs that ended in ``terminate called without an active
+    exception`` (SIGABRT) after the last iteration was saved, and the run was reported as
+    failed. Every file the agent writes is closed (and atomically renamed) before this.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

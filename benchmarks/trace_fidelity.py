@@ -3,7 +3,7 @@
 The Mahimahi invariant (Netravali et al., "Mahimahi", USENIX ATC 2015) checked on gradbed's
 HTB replay (DESIGN.md section 1.1, issue 4): a 1-worker star replays a step trace on the up
 bottleneck with ``TraceReplayer`` + ``StarNetwork.set_bottleneck_rate`` (``tc class change``,
-exactly what ``controller.driver`` does), one iperf3 flow from w0 to ps keeps it saturated,
+exactly what ``controller.driver`` does), iperf3 (four parallel flows) from w0 to ps keeps it saturated,
 and the bottleneck veth's tx byte counter (what left the HTB/bfifo; checked against the
 bfifo's own counter) is sampled every 100 ms. For every 1 s window of the trace the bytes
 delivered are compared with ``trace.bytes_between`` over the same
@@ -46,6 +46,7 @@ from traces.replay import TraceReplayer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "data" / "fidelity_1_100.log"
+STREAMS = 4
 QUEUE_BYTES = 1_000_000   # deep enough that the flow never lets the bottleneck go idle
 WARMUP_S = 2.0            # the flow leaves slow start before the trace clock starts
 SAMPLE_S = 0.1
@@ -121,7 +122,11 @@ def replay_and_measure(trace: BandwidthTrace, duration_s: float, *,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.3)
         total_s = int(warmup_s + duration_s + 2)
-        client = net.popen("w0", ["iperf3", "-c", net.ip("ps"), "-t", str(total_s)],
+        # Four parallel streams: a loss episode of one flow (an RTO after a burst of drops
+        # at a rate step) would otherwise idle the bottleneck for tens of ms and be
+        # counted against the replay; the others keep it saturated.
+        client = net.popen("w0", ["iperf3", "-c", net.ip("ps"), "-t", str(total_s),
+                                  "-P", str(STREAMS)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(warmup_s)
         start_ns = now_ns()
@@ -202,7 +207,7 @@ def main() -> int:
           "steps": res["steps"], "max_step_lag_ms": max(s["lag_ms"] for s in res["steps"]),
           "drops": res["drops"], "tx_over_qdisc_bytes": round(res["tx_over_qdisc_bytes"], 5),
           "max_sample_read_us": round(max(s.read_us for s in samples), 1),
-          "queue_bytes": QUEUE_BYTES, "warmup_s": WARMUP_S, "sample_s": SAMPLE_S,
+          "queue_bytes": QUEUE_BYTES, "streams": STREAMS, "warmup_s": WARMUP_S, "sample_s": SAMPLE_S,
           "unit": "wire bytes (Ethernet frames as HTB meters them, no preamble/FCS)",
           "first_second": f"flow warmed up {WARMUP_S} s at the first rate before t=0; "
                           "every window counted"})

@@ -72,6 +72,32 @@ def test_burst_scales_with_rate_and_never_below_two_frames():
         qdisc.rate_arg(20_000.0)
 
 
+def test_cap_burst_fits_all_caps_in_half_the_bottleneck_queue():
+    # 16 caps of 6.25 Mbit/s into a 100 KB queue: 10 ms each (7.8 KB) would be 125 KB.
+    assert qdisc.cap_burst_bytes(6.25, 100_000, 16) == 100_000 // 32
+    assert qdisc.cap_burst_bytes(6.25, 50_000, 16) == 2 * 1514
+    assert qdisc.cap_burst_bytes(25.0, 400_000, 4) == qdisc.htb_burst_bytes(25.0)
+    assert qdisc.cap_burst_bytes(62.5, 1_000_000, 16) == 1_000_000 // 32
+    for rate, queue, n in [(1.0, 10_000, 64), (62.5, 100_000, 16), (500.0, 10**7, 2)]:
+        b = qdisc.cap_burst_bytes(rate, queue, n)
+        assert 2 * 1514 <= b <= max(2 * 1514, qdisc.htb_burst_bytes(rate))
+    assert qdisc.cap_burst_bytes(6.25, 100_000, 16, offload=True) == 2 * qdisc.GSO_FRAME_BYTES
+    with pytest.raises(SpecError, match="n_workers=0"):
+        qdisc.cap_burst_bytes(6.25, 100_000, 0)
+    args = qdisc.change_rate_commands("w0-eth0", 6.25, burst_bytes=3028)[0]
+    assert args[args.index("burst") + 1] == "3028" and args[args.index("cburst") + 1] == "3028"
+
+
+def test_offload_off_also_limits_gso_to_one_segment():
+    # A local TCP sender builds GSO packets even with the device's GSO off; only
+    # gso_max_segs 1 makes the sender's own HTB see (and release) single frames.
+    off = qdisc.offload_commands("w0-eth0", False)
+    assert off == [["ethtool", "-K", "w0-eth0", "gso", "off", "tso", "off", "gro", "off"],
+                   ["ip", "link", "set", "dev", "w0-eth0", "gso_max_segs", "1"]]
+    on = qdisc.offload_commands("w0-eth0", True)
+    assert on[1][-1] == str(qdisc.GSO_MAX_SEGS_DEFAULT) and on[0][4] == "on"
+
+
 def test_unshaped_link_installs_nothing():
     assert qdisc.shaping_commands("w0-eth0", LinkSpec(rate_mbps=None), NO_NETEM) == []
 

@@ -97,6 +97,77 @@ def test_worker_cap_changes_rate_in_place_keeping_handle_and_counters():
             net.set_worker_cap("ps", 1.0)
 
 
+SENDER = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 5001))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+start = float(sys.argv[2])
+for i in range(int(sys.argv[3])):
+    time.sleep(max(0.0, start + 0.3 * i - time.time()))
+    s.sendall(b"x" * 100_000)
+time.sleep(1.0)
+"""
+SINK = """
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5001)); s.listen(64)
+def drain(c):
+    b = bytearray(1 << 20)
+    while c.recv_into(b):
+        pass
+while True:
+    c, _ = s.accept(); threading.Thread(target=drain, args=(c,), daemon=True).start()
+"""
+
+
+def synchronized_bursts(net: StarNetwork, workers: int, rounds: int) -> tuple[int, str]:
+    """Every worker sends 100 KB at the same instants; returns (bottleneck drops, w0's
+    egress pcap text)."""
+    import sys
+
+    sink = net.popen("ps", [sys.executable, "-c", SINK])
+    pcap = "/tmp/gradbed-test-w0-egress.pcap"
+    dump = net.popen("w0", ["tcpdump", "-i", "w0-eth0", "-w", pcap, "-s", "96", "-n",
+                            "tcp and dst port 5001"], stderr=subprocess.DEVNULL)
+    time.sleep(1.0)
+    before = net.bottleneck_stats("up")
+    start = time.time() + 1.0
+    senders = [net.popen(f"w{i}", [sys.executable, "-c", SENDER, net.ip("ps"), str(start),
+                                   str(rounds)]) for i in range(workers)]
+    for p in senders:
+        assert p.wait(timeout=60) == 0
+    drops = net.bottleneck_stats("up").drops - before.drops
+    dump.terminate()
+    dump.wait(timeout=10)
+    sink.kill()
+    text = subprocess.run(["tcpdump", "-r", pcap, "-n", "-ttt"], capture_output=True,
+                          text=True).stdout
+    return drops, text
+
+
+def test_link_n_caps_release_single_frames_and_keep_a_shallow_queue_lossless():
+    # 16 workers, 100 KB each at the same instant into a 100 KB bottleneck queue. Capped at
+    # B/N the caps must release one frame at a time (no GSO super-packets, no burst larger
+    # than cap_burst_bytes) and the bottleneck must drop nothing.
+    n = 16
+    spec = star(workers=n, bottleneck_up=LinkSpec(rate_mbps=100.0, queue_bytes=100_000))
+    with StarNetwork(spec) as net:
+        for i in range(n):
+            net.set_worker_cap(f"w{i}", 100.0 / n)
+        drops, text = synchronized_bursts(net, n, rounds=4)
+    gaps = [float(ln.split()[0].split(":")[-1]) for ln in text.splitlines() if ln.strip()]
+    runs, cur = [], 0
+    for g in gaps:  # back-to-back frames (< 0.5 ms apart at 6.25 Mbit/s means a burst)
+        if g > 0.0005 and cur:
+            runs.append(cur)
+            cur = 0
+        cur += 1
+    runs.append(cur)
+    assert len(gaps) > 200, text[:500]
+    assert max(runs) <= 3, runs  # cap burst: two frames (+ the one that drains it)
+    assert drops == 0
+
+
 def test_teardown_after_exception_inside_and_cleanup_is_idempotent():
     with pytest.raises(RuntimeError, match="boom"):
         with StarNetwork(star(workers=1)):

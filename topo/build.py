@@ -203,7 +203,8 @@ class StarNetwork:
         return self._bottleneck_where(direction)[1]
 
     def _change_rate(self, host: str | None, dev: str, rate_mbps: float, what: str,
-                     queue_bytes: int | None = None, netem: bool = False) -> None:
+                     queue_bytes: int | None = None, netem: bool = False,
+                     burst_bytes: int | None = None) -> None:
         if dev not in self._rates:
             raise SpecError(f"{what}: {dev} carries no gradbed qdisc (its LinkSpec is "
                             f"unshaped); give it a rate_mbps to change it at run time")
@@ -213,7 +214,8 @@ class StarNetwork:
             # The spec left the queue to gradbed (20 ms at the rate): keep it 20 ms at the
             # new rate, or a cap from 1000 to 2.5 Mbit/s would leave an 8 s queue behind.
             queue_bytes = default_queue_bytes(rate_mbps)
-        cmds = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload)
+        cmds = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
+                                          burst_bytes=burst_bytes)
         if queue_bytes is not None:
             cmds += qdisc.change_queue_commands(dev, queue_bytes, netem=netem)
         self._dev_tc(host).run_all(cmds)
@@ -241,8 +243,15 @@ class StarNetwork:
         """
         if worker not in self.spec.worker_names():
             raise SpecError(f"worker={worker!r}; allowed {self.spec.worker_names()}")
+        up = self._link("up")
+        up_rate = self._rates.get(self.bottleneck_dev("up")) or up.rate_mbps
+        up_queue = (up.queue_bytes if up.queue_bytes is not None
+                    else default_queue_bytes(up_rate))
+        burst = qdisc.cap_burst_bytes(rate_mbps, up_queue,
+                                      len(self.spec.worker_names()), self.spec.offload)
         self._change_rate(worker, f"{worker}-eth0", rate_mbps, f"worker cap {worker}",
-                          queue_bytes=self.spec.worker_link.effective_queue_bytes())
+                          queue_bytes=self.spec.worker_link.effective_queue_bytes(),
+                          burst_bytes=burst)
 
     def rate_mbps(self, dev: str) -> float | None:
         """The HTB rate gradbed last set on ``dev`` (None when unshaped)."""
