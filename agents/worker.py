@@ -144,6 +144,7 @@ class Worker:
         if a.policy == "adaptive":
             return make_ratio_policy("adaptive", eps=a.eps, keep_min=a.keep_min,
                                      formula=a.formula, ewma_alpha=a.ewma_alpha,
+                                     plan_keep=a.plan_keep,
                                      carry_rt=a.carry_rt and a.r0 == "planned")
         # The oracle reads the future of the trace the controller replays; without a
         # trace the bottleneck is constant at its configured rate.
@@ -153,7 +154,7 @@ class Worker:
             trace = load_config_trace(self.cfg.trace.up, self.cfg.trace)
         else:
             trace = generate.constant(self.cfg.net.bottleneck_mbps, 3600.0)
-        planned_s = self.model.numel * 4 * 8 / self.planned_bps
+        planned_s = a.plan_keep * self.model.numel * 4 * 8 / self.planned_bps
         return make_ratio_policy("oracle", trace=trace,
                                  n_workers=workers or self.cfg.net.workers,
                                  planned_s=planned_s, trace_start_ns=trace_start_ns,

@@ -8,8 +8,10 @@ gradient per worker per iteration, target 90 % held-out accuracy). The up bottle
 shipped ``traces/data/cellular_like.log`` (mean 10.5 Mbit/s); ``net.bottleneck_mbps`` (B0, the
 rate the adaptive policy plans against, r0 = B0/N) is set to the mean of the trace used,
 computed here from the file. Policies, side by side: fixed keep 1 (plain dense float32),
-fixed 0.1 and 0.01 (top-k + error feedback), adaptive (DESIGN 1.1, r0 = planned) and oracle
-(knows the trace). The best fixed ratio is the one with the lowest time to accuracy (TTA).
+fixed 0.1 and 0.01 (top-k + error feedback), adaptive (DESIGN 1.1, r0 = planned, planning the
+dense gradient), adaptive_plan_0.02 (the same rule planning 0.02 of the dense bytes, what
+fixed 0.01 sends, ``adaptive.plan_keep``) and oracle (knows the trace). The best fixed ratio
+is the one with the lowest time to accuracy (TTA); the headline uses the better adaptive plan.
 
 Part 2, high bandwidth: ``configs/cellular_dense_1g.toml``, a constant 1 Gbit/s bottleneck,
 dense against adaptive (top-k).
@@ -52,6 +54,10 @@ POLICIES: dict[str, list[str]] = {
     "fixed_0.1": ['adaptive.policy="fixed"', *TOPK, "compress.ratio=0.1"],
     "fixed_0.01": ['adaptive.policy="fixed"', *TOPK, "compress.ratio=0.01"],
     "adaptive": ['adaptive.policy="adaptive"', *TOPK, "compress.ratio=1.0"],
+    # The same rule planned around fixed 0.01's bytes (top-k 0.01 with int32 indices sends
+    # 0.02 of the dense bytes): 0.02 at B0, scaled by the measured rate.
+    "adaptive_plan_0.02": ['adaptive.policy="adaptive"', *TOPK, "compress.ratio=1.0",
+                           "adaptive.plan_keep=0.02"],
     "oracle": ['adaptive.policy="oracle"', *TOPK, "compress.ratio=1.0"],
 }
 # Every run reports its time to the target in summary.json.
@@ -115,7 +121,11 @@ def main() -> int:
     fixed = {n: r["tta_s"] for n, r in cell.items() if n.startswith("fixed_")}
     reached = {n: t for n, t in fixed.items() if t is not None}
     best_fixed = min(reached, key=lambda n: reached[n]) if reached else None
-    ad = cell["adaptive"]["tta_s"]
+    # The headline takes the better of the two adaptive plans (dense, and fixed 0.01's bytes).
+    plans = {n: cell[n]["tta_s"] for n in ("adaptive", "adaptive_plan_0.02")
+             if cell[n]["tta_s"] is not None}
+    best_adaptive = min(plans, key=lambda n: plans[n]) if plans else "adaptive"
+    ad = cell[best_adaptive]["tta_s"]
     if ad is None:
         headline = -1.0
     elif best_fixed is None:
@@ -130,7 +140,7 @@ def main() -> int:
          {"target_accuracy": TARGET, "trace": str(trace_path), "trace_mean_mbps": mean_mbps,
           "b0_mbps": mean_mbps, "best_fixed": best_fixed,
           "best_fixed_tta_s": reached.get(best_fixed) if best_fixed else None,
-          "adaptive_tta_s": ad, "oracle_tta_s": orc,
+          "best_adaptive": best_adaptive, "adaptive_tta_s": ad, "oracle_tta_s": orc,
           "adaptive_vs_oracle_tta": (ad / orc) if ad and orc else None,
           "headline_rule": "1 - tta_adaptive/tta_best_fixed; -1 = adaptive did not reach "
                            "the target",

@@ -180,6 +180,9 @@ class AdaptiveConfig:
     # gradient's bytes, so a sparse compressor keeps fewer elements to pay for its
     # indices) or "elements" (top-k at ratio keep, as the seed's last step reads).
     budget: str = "bytes"
+    # The keep planned at r0 (a fraction of the dense bytes): the adaptive policy scales it
+    # by rt / r0, the oracle fits plan_keep x the dense time. 1 = plan the dense gradient.
+    plan_keep: float = 1.0
 
     def validate(self, p: str) -> None:
         _check(self.policy in ("fixed", "adaptive", "oracle"), f"{p}.policy", self.policy,
@@ -194,6 +197,7 @@ class AdaptiveConfig:
         _check(0 < self.ewma_alpha <= 1, f"{p}.ewma_alpha", self.ewma_alpha, "must be in (0, 1]")
         _check(self.budget in ("bytes", "elements"), f"{p}.budget", self.budget,
                "must be bytes or elements")
+        _check(0 < self.plan_keep <= 1, f"{p}.plan_keep", self.plan_keep, "must be in (0, 1]")
 
 
 @dataclass(frozen=True)

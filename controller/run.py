@@ -59,16 +59,17 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
     sw = spec.switch_name
     out = [f"# star: {spec.workers} workers on {sw}, ps at {spec.ip('ps')}",
            f"# congestion control in every host: {cfg.net.congestion}"]
-    where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down),
+    where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down, 1),
              (f"{sw}-eth{spec.switch_port('ps')}", f"{sw}-eth{spec.switch_port('ps')}",
-              spec.bottleneck_up)]
+              spec.bottleneck_up, 1)]
     for w in spec.worker_names() + spec.extra_host_names():
-        where.append((f"{w}-eth0 (in {w})", f"{w}-eth0", spec.worker_link))
+        where.append((f"{w}-eth0 (in {w})", f"{w}-eth0", spec.worker_link,
+                      spec.sender_gso_segs(w)))
         port = f"{sw}-eth{spec.switch_port(w)}"
-        where.append((port, port, spec.worker_link))
-    for label, dev, link in where:
+        where.append((port, port, spec.worker_link, 1))
+    for label, dev, link, segs in where:
         out.append(f"# {label}")
-        for argv in qdisc.offload_commands(dev, spec.offload) + qdisc.shaping_commands(
+        for argv in qdisc.offload_commands(dev, spec.offload, segs) + qdisc.shaping_commands(
                 dev, link, caps, offload=spec.offload):
             out.append("$ " + " ".join(argv))
     py = "python"

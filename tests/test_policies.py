@@ -107,6 +107,30 @@ def test_adaptive_waits_for_a_stable_rate() -> None:
     assert pol.keep_for_next_chunk(0).reason == "no-stable-rate"
 
 
+def test_adaptive_plan_keep_scales_the_plan_not_the_rule() -> None:
+    # Planning 5 % of the gradient at r0: before a stable rate the plan is followed; an
+    # unchanged rate keeps 5 %; a halved rate 2.5 %; a tripled rate 15 %; never above 1.
+    pol = AdaptiveRatio(AdaptiveConfig(eps=0.1, plan_keep=0.05))
+    pol.start(10 * MB, 10e6, ts_ns=0)
+    d = pol.keep_for_next_chunk(0)
+    assert (d.keep, d.reason) == (0.05, "no-stable-rate")
+    for rate, want in [(10e6, 0.05), (5e6, 0.025), (30e6, 0.15), (400e6, 1.0)]:
+        pol.start(10 * MB, 10e6, ts_ns=0)
+        pol.observe(rate, 1)
+        pol.observe(rate, 2)
+        d = pol.keep_for_next_chunk(0)
+        assert d.keep == pytest.approx(want), rate
+        assert d.r0_bps == 10e6  # the decision reports the planned rate itself
+    # plan_keep = 1 is the seed's rule, unchanged.
+    one = AdaptiveRatio(AdaptiveConfig(eps=0.1, plan_keep=1.0))
+    one.start(10 * MB, 10e6)
+    one.observe(5e6, 1)
+    one.observe(5e6, 2)
+    assert one.keep_for_next_chunk(0).keep == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="plan_keep"):
+        AdaptiveConfig(plan_keep=0.0)
+
+
 def test_adaptive_min_samples_and_r0_from_first_sample() -> None:
     pol = AdaptiveRatio(eps=0.05, min_samples=3)
     pol.start(MB)  # no r0: the first sample is r0

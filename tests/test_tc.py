@@ -94,6 +94,9 @@ def test_offload_off_also_limits_gso_to_one_segment():
     off = qdisc.offload_commands("w0-eth0", False)
     assert off == [["ethtool", "-K", "w0-eth0", "gso", "off", "tso", "off", "gro", "off"],
                    ["ip", "link", "set", "dev", "w0-eth0", "gso_max_segs", "1"]]
+    assert qdisc.offload_commands("w0-eth0", False, 2)[1][-1] == "2"
+    with pytest.raises(SpecError, match="gso_max_segs=0"):
+        qdisc.offload_commands("w0-eth0", False, 0)
     on = qdisc.offload_commands("w0-eth0", True)
     assert on[1][-1] == str(qdisc.GSO_MAX_SEGS_DEFAULT) and on[0][4] == "on"
 

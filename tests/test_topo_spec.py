@@ -78,3 +78,21 @@ def test_star_spec_is_frozen_and_describable():
                                   "loss_pct": 0.0, "effective_queue_bytes": 30_000}
     assert d["hosts"]["w1"] == "10.0.0.11"
     assert d["switch"] == "gbsw0"
+
+
+def test_sender_gso_segs_fits_every_sender_in_half_the_up_queue():
+    from topo.spec import GSO_SEGS_MAX, WIRE_FRAME_BYTES
+
+    shallow = StarSpec(workers=16, bottleneck_up=LinkSpec(rate_mbps=100.0, queue_bytes=100_000))
+    assert shallow.sender_gso_segs("w3") == 2
+    assert shallow.sender_gso_segs("ps") == 1  # the down bottleneck stays packet-exact
+    deep = StarSpec(workers=16, bottleneck_up=LinkSpec(rate_mbps=100.0, queue_bytes=10**7))
+    assert deep.sender_gso_segs("w0") == GSO_SEGS_MAX == 43
+    tiny = StarSpec(workers=64, bottleneck_up=LinkSpec(rate_mbps=10.0, queue_bytes=20_000))
+    assert tiny.sender_gso_segs("w0") == 1
+    for spec in (shallow, deep, tiny):
+        n = spec.workers + spec.extra_hosts
+        segs = spec.sender_gso_segs("w0")
+        assert segs == 1 or n * segs * WIRE_FRAME_BYTES <= spec.bottleneck_up.queue_bytes / 2
+    with pytest.raises(SpecError, match="host='w99'"):
+        shallow.sender_gso_segs("w99")

@@ -163,7 +163,8 @@ class StarNetwork:
         matters below ~50 Mbit/s, where GSO frames are rare.
         """
         for name in self.spec.host_names():
-            self._host_tc(name).run_all(qdisc.offload_commands(f"{name}-eth0", on))
+            self._host_tc(name).run_all(qdisc.offload_commands(
+                f"{name}-eth0", on, self.spec.sender_gso_segs(name)))
             self.tc.run_all(qdisc.offload_commands(self._switch_port_dev(name), on))
 
     def _link(self, direction: Direction) -> LinkSpec:

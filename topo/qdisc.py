@@ -158,7 +158,7 @@ def change_queue_commands(dev: str, queue_bytes: int, *, netem: bool = False) ->
 GSO_MAX_SEGS_DEFAULT = 65_535
 
 
-def offload_commands(dev: str, offload: bool) -> list[list[str]]:
+def offload_commands(dev: str, offload: bool, gso_max_segs: int = 1) -> list[list[str]]:
     """Turn GSO/TSO/GRO on or off on ``dev``.
 
     Off also sets ``gso_max_segs 1``. Turning the device's GSO off is not enough on its
@@ -168,10 +168,13 @@ def offload_commands(dev: str, offload: bool) -> list[list[str]]:
     of up to 64 KB. Measured: a worker capped at 1 Mbit/s sent 21 back-to-back frames after
     an idle second whatever the HTB burst, and 16 workers capped far below B/N still
     overflowed a 100 KB bottleneck queue. With one segment per packet the cap releases
-    frames one by one at its rate.
+    frames one by one at its rate. ``gso_max_segs`` (offload off only) allows a few
+    segments where the queue can take them (``StarSpec.sender_gso_segs``).
     """
+    if not 1 <= gso_max_segs <= GSO_MAX_SEGS_DEFAULT:
+        raise SpecError(f"gso_max_segs={gso_max_segs!r}; allowed 1..{GSO_MAX_SEGS_DEFAULT}")
     state = "on" if offload else "off"
-    segs = GSO_MAX_SEGS_DEFAULT if offload else 1
+    segs = GSO_MAX_SEGS_DEFAULT if offload else gso_max_segs
     return [["ethtool", "-K", dev, "gso", state, "tso", state, "gro", state],
             ["ip", "link", "set", "dev", dev, "gso_max_segs", str(segs)]]
 

@@ -114,6 +114,11 @@ def _link(name: str, link: LinkSpec) -> LinkSpec:
     return link
 
 
+# Ethernet frame of a 1500-byte MTU as qdiscs count it; a 64 KB GSO packet holds 43 of them.
+WIRE_FRAME_BYTES = 1514
+GSO_SEGS_MAX = 65_536 // WIRE_FRAME_BYTES
+
+
 @dataclass(frozen=True)
 class StarSpec:
     """N workers and background hosts on one switch; the switch->PS link is the bottleneck.
@@ -168,6 +173,26 @@ class StarSpec:
         if host in self.extra_host_names():
             return f"10.0.0.{100 + int(host[2:])}"
         raise SpecError(f"host={host!r} is not in this star; allowed {self.host_names()}")
+
+    def sender_gso_segs(self, host: str) -> int:
+        """Largest GSO packet (in segments) a local TCP sender in ``host`` may hand its own
+        qdisc when offload is off.
+
+        The stack segments GSO packets after the qdisc, so the egress HTB of the sending
+        host (a worker's link/N cap; the down bottleneck in ps) is charged and released one
+        GSO packet at a time. ps gets 1: its egress is the down bottleneck and must stay
+        packet-exact. A worker or background host gets as many as keep one such packet
+        from every sender of the star together within half the up bottleneck's queue
+        (the rule of ``qdisc.cap_burst_bytes``), at least 1 and at most a 64 KB packet:
+        2 segments for 16 workers and a 100 KB queue, the full 43 for a 10 MB queue, where
+        the lower per-packet CPU keeps 1 Gbit/s within reach of 2 cores.
+        """
+        self.ip(host)  # raises SpecError naming the unknown host
+        if host == "ps":
+            return 1
+        senders = self.workers + self.extra_hosts
+        queue = self.bottleneck_up.effective_queue_bytes()
+        return max(1, min(GSO_SEGS_MAX, queue // (2 * senders * WIRE_FRAME_BYTES)))
 
     def switch_port(self, host: str) -> int:
         """Switch port number facing a host (ps is port 1), hence the name gbsw0-eth{port}."""

@@ -67,8 +67,15 @@ class AdaptiveConfig:
     # Weight of the newest sample in an exponential moving average of the rate samples
     # (1.0 = raw samples). Lower: steadier on bursty (cellular) links, slower to follow.
     ewma_alpha: float = 1.0
+    # The keep the plan expects at r0: the iteration is planned to send plan_keep x S bytes
+    # at r0 (1.0 = the dense gradient, the seed's reading). Planning p x S at r0 is the
+    # same schedule as S at r0 / p, so the formulas run with r0 / plan_keep, and a chunk
+    # sent before any stable rate is known gets plan_keep instead of 1.
+    plan_keep: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (0.0 < self.plan_keep <= 1.0):
+            raise ValueError(f"adaptive.plan_keep={self.plan_keep!r}: must be in (0, 1]")
         if not (0.0 < self.ewma_alpha <= 1.0):
             raise ValueError(f"adaptive.ewma_alpha={self.ewma_alpha!r}: must be in (0, 1]")
         if not (0.0 <= self.eps < 1.0):
@@ -204,13 +211,16 @@ class AdaptiveRatio:
         r0, rt = self._r0_bps, self._rt_bps
         if remaining == 0:
             return Decision(r0, rt, sent_bytes, 0, 1.0, "nothing-remaining", 1.0, self._ts_ns)
-        if r0 is None or rt is None:
-            # No basis for a cut yet: send densely rather than guess.
-            return Decision(r0, rt, sent_bytes, remaining, 1.0, "no-stable-rate", 1.0,
-                            self._ts_ns)
         cfg = self.config
-        overall = overall_keep(self._size_bytes, sent_bytes, r0, rt, cfg.formula, cfg.keep_min)
+        if r0 is None or rt is None:
+            # No basis for a cut yet: follow the plan (dense by default) rather than guess.
+            keep = max(cfg.plan_keep, cfg.keep_min)
+            return Decision(r0, rt, sent_bytes, remaining, keep, "no-stable-rate", keep,
+                            self._ts_ns)
+        r0_plan = r0 / cfg.plan_keep
+        overall = overall_keep(self._size_bytes, sent_bytes, r0_plan, rt, cfg.formula,
+                               cfg.keep_min)
         keep = chunk_keep(self._size_bytes, sent_bytes, overall, cfg.keep_min)
-        raw = _raw_chunk_keep(cfg.formula, r0, rt)
+        raw = _raw_chunk_keep(cfg.formula, r0_plan, rt)
         reason = "clamped-min" if raw < cfg.keep_min else "clamped-max" if raw > 1.0 else "stable"
         return Decision(r0, rt, sent_bytes, remaining, keep, reason, overall, self._ts_ns)
