@@ -155,9 +155,25 @@ def _read_node_events(path: Path) -> pd.DataFrame:
     return df
 
 
-def _load_events(run_dir: Path) -> pd.DataFrame:
+def _empty_events() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("ts_ns", "iter") else object)
+                         for c in EVENT_COLUMNS})
+
+
+def load_events(run_dir: str | os.PathLike[str], *, allow_empty: bool = False) -> pd.DataFrame:
+    """Every node's events of one run, one row per event, sorted by time: the Parquet file
+    of each node, or its JSONL log where the run was cut before conversion (a truncated
+    last line is skipped). The one events loader of the project: the controller's summary,
+    the benchmarks and :func:`load_run` all read through it.
+
+    Raises RunLoadError naming the file on a missing directory, no event files or a
+    schema mismatch; ``allow_empty`` returns an empty frame instead for the first two (a
+    run that stopped before any agent logged still gets its summary)."""
+    run_dir = Path(run_dir)
     ev_dir = run_dir / "events"
     if not ev_dir.is_dir():
+        if allow_empty:
+            return _empty_events()
         raise RunLoadError(ev_dir, "missing events directory")
     # Prefer the Parquet file of a node; its JSONL twin is the same data before conversion.
     by_node: dict[str, Path] = {}
@@ -166,11 +182,12 @@ def _load_events(run_dir: Path) -> pd.DataFrame:
     for p in sorted(ev_dir.glob("*.parquet")):
         by_node[p.stem] = p
     if not by_node:
+        if allow_empty:
+            return _empty_events()
         raise RunLoadError(ev_dir, "no events/*.parquet or events/*.jsonl files")
     frames = [df for df in (_read_node_events(p) for p in by_node.values()) if not df.empty]
     if not frames:
-        return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("ts_ns", "iter") else object)
-                             for c in EVENT_COLUMNS})
+        return _empty_events()
     events = pd.concat(frames, ignore_index=True, sort=False)
     for col in ("ts_ns", "iter"):
         if events[col].isna().any():
@@ -212,7 +229,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
                            f"{SCHEMA_VERSION} (written by another gradbed version)")
     summary_path = run_dir / "summary.json"
     summary = _read_json(summary_path) if summary_path.exists() else {}
-    events = _load_events(run_dir)
+    events = load_events(run_dir)
     links = _load_links(run_dir / "links.parquet")
 
     starts = events.loc[events["event"] == "run_start", "ts_ns"]

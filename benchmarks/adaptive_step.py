@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 from _common import emit, gradbed_run, log
 
-from controller.run import load_events
+from analysis.load import load_events
 from traces.generate import steps, write_rate_log
 
 REPO = Path(__file__).resolve().parents[1]

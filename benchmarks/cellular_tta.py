@@ -38,7 +38,7 @@ from typing import Any
 import pandas as pd
 from _common import emit, gradbed_run, log
 
-from controller.run import load_events
+from analysis.load import load_events
 from traces.bandwidth import load_trace
 
 REPO = Path(__file__).resolve().parents[1]

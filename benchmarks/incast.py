@@ -28,8 +28,8 @@ from typing import Any
 
 from _common import emit, log
 
+from analysis.load import load_events
 from analysis.metrics import jain
-from controller.run import load_events
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "incast.toml"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 from _common import emit, log
 
-from controller.run import load_events
+from analysis.load import load_events
 from controller.summary import upload_windows, window_utilization
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,6 +24,7 @@ import pandas as pd
 
 from agents.control import control_path
 from agents.events import EventLog, now_ns
+from analysis.load import load_events
 from controller import config as cfgmod
 from controller import rundir
 from controller.control import ControlServer
@@ -310,7 +311,7 @@ class Experiment:
         tmp = run_dir / ".links.parquet.tmp"
         links.to_parquet(tmp, index=False)
         os.replace(tmp, run_dir / "links.parquet")
-        events = load_events(run_dir)
+        events = load_events(run_dir, allow_empty=True)
         summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
         rundir.write_json(run_dir / "summary.json", summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
@@ -327,14 +328,6 @@ class Experiment:
             self.say(f"warning: report not written: {e}")
             if not self.quiet:
                 print(f"warning: report not written: {e}", file=sys.stderr)
-
-
-def load_events(run_dir: Path) -> pd.DataFrame:
-    frames = [pd.read_parquet(p) for p in sorted((run_dir / "events").glob("*.parquet"))]
-    frames = [f for f in frames if not f.empty]
-    if not frames:
-        return pd.DataFrame(columns=["ts_ns", "run_id", "node", "iter", "event"])
-    return pd.concat(frames, ignore_index=True, sort=False)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -228,6 +228,24 @@ def test_load_run_jsonl_only_skips_truncated_last_line(tmp_path: Path) -> None:
     assert run.summary == {} and run.links.empty
 
 
+def test_load_events_is_the_one_loader_and_allow_empty_is_for_dead_runs(tmp_path: Path) -> None:
+    from analysis.load import load_events
+
+    run_dir = make_fake_run(tmp_path / "r", workers=2, iterations=3)
+    ev = load_events(run_dir)
+    assert ev["ts_ns"].is_monotonic_increasing and ev["iter"].dtype == "int64"
+    assert len(ev) == len(load_run(run_dir).events)
+    empty = tmp_path / "dead"
+    (empty / "events").mkdir(parents=True)
+    with pytest.raises(RunLoadError, match="no events"):
+        load_events(empty)
+    got = load_events(empty, allow_empty=True)
+    assert got.empty and {"ts_ns", "node", "iter", "event"} <= set(got.columns)
+    assert load_events(tmp_path / "none", allow_empty=True).empty
+    with pytest.raises(RunLoadError, match="missing events directory"):
+        load_events(tmp_path / "none")
+
+
 def test_load_run_missing_file_names_it(tmp_path: Path) -> None:
     run_dir = make_fake_run(tmp_path / "r", workers=2, iterations=3)
     (run_dir / "config.toml").unlink()

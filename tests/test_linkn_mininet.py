@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from controller.run import load_events
+from analysis.load import load_events
 
 pytestmark = pytest.mark.mininet
 
