@@ -84,16 +84,19 @@ def test_sender_gso_segs_fits_every_sender_in_half_the_up_queue():
     from topo.spec import GSO_SEGS_MAX, WIRE_FRAME_BYTES
 
     shallow = StarSpec(workers=16, bottleneck_up=LinkSpec(rate_mbps=100.0, queue_bytes=100_000))
-    assert shallow.sender_gso_segs("w3") == 2
+    assert shallow.sender_gso_segs("w3") == 1  # 1 ms of 6.25 Mbit/s is under one frame
+    shallow_1g = StarSpec(workers=16, bottleneck_up=LinkSpec(rate_mbps=1000.0, queue_bytes=100_000))
+    assert shallow_1g.sender_gso_segs("w3") == 2  # half of 100 KB over 16 senders
     assert shallow.sender_gso_segs("ps") == 1  # the down bottleneck stays packet-exact
     deep = StarSpec(workers=16, bottleneck_up=LinkSpec(rate_mbps=1000.0, queue_bytes=10**7))
-    assert deep.sender_gso_segs("w0") == GSO_SEGS_MAX == 43
-    # At 100 Mbit/s the B/N share's 10 ms burst (7.8 KB) limits it to 5 segments.
+    assert deep.sender_gso_segs("w0") == 5  # 1 ms of 62.5 Mbit/s
+    one = StarSpec(workers=1, bottleneck_up=LinkSpec(rate_mbps=1000.0, queue_bytes=10**7))
+    assert one.sender_gso_segs("w0") == GSO_SEGS_MAX == 43
     slow = StarSpec(workers=16, bottleneck_up=LinkSpec(rate_mbps=100.0, queue_bytes=10**7))
-    assert slow.sender_gso_segs("w0") == 5
+    assert slow.sender_gso_segs("w0") == 1
     tiny = StarSpec(workers=64, bottleneck_up=LinkSpec(rate_mbps=10.0, queue_bytes=20_000))
     assert tiny.sender_gso_segs("w0") == 1
-    for spec in (shallow, deep, slow, tiny):
+    for spec in (shallow, deep, one, slow, tiny):
         n = spec.workers + spec.extra_hosts
         segs = spec.sender_gso_segs("w0")
         assert segs == 1 or n * segs * WIRE_FRAME_BYTES <= spec.bottleneck_up.queue_bytes / 2

@@ -117,6 +117,8 @@ def _link(name: str, link: LinkSpec) -> LinkSpec:
 # Ethernet frame of a 1500-byte MTU as qdiscs count it; a 64 KB GSO packet holds 43 of them.
 WIRE_FRAME_BYTES = 1514
 GSO_SEGS_MAX = 65_536 // WIRE_FRAME_BYTES
+# A sender's GSO packet holds at most this long of its B/N share (StarSpec.sender_gso_segs).
+SENDER_BURST_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -183,15 +185,16 @@ class StarSpec:
         GSO packet at a time. ps gets 1: its egress is the down bottleneck and must stay
         packet-exact. A worker or background host gets as many as keep one such packet
         from every sender of the star together within half the up bottleneck's queue
-        (the rule of ``qdisc.cap_burst_bytes``), and no larger than the HTB burst of the
-        sender's initial B/N share (10 ms at that rate), at least 1 and at most a 64 KB
-        packet. For 16 workers: 2 segments with a 100 KB queue; 5 at 100 Mbit/s with a
-        10 MB queue; the full 43 at 1 Gbit/s with 10 MB, where the lower per-packet CPU
-        keeps the rate within reach of 2 cores. Measured at 100 Mbit/s, 10 MB, bbr: 43
-        segments gave link/N a Jain index of 0.972, one segment 0.9999.
+        (the rule of ``qdisc.cap_burst_bytes``), and no more than 1 ms of the sender's
+        initial B/N share, at least 1 and at most a 64 KB packet. For 16 workers: 1 at
+        100 Mbit/s, 5 at 1 Gbit/s with a 10 MB queue (2 with 100 KB); one sender at
+        1 Gbit/s gets the full 43, where the lower per-packet CPU keeps the rate within
+        reach of 2 cores. Measured: at 100 Mbit/s, 10 MB, bbr, 43 segments gave link/N a
+        Jain index of 0.972 and one segment 0.9999; two workers capped at 10 Mbit/s with
+        41-segment packets saw TCP_INFO rates too bursty to count as stable (the adaptive
+        keep never settled after a 100 -> 20 Mbit/s step), with 4 or 1 they settle in one
+        iteration.
         """
-        from topo.qdisc import htb_burst_bytes
-
         self.ip(host)  # raises SpecError naming the unknown host
         if host == "ps":
             return 1
@@ -199,7 +202,7 @@ class StarSpec:
         queue = self.bottleneck_up.effective_queue_bytes()
         by_queue = queue // (2 * senders * WIRE_FRAME_BYTES)
         share_mbps = (self.bottleneck_up.rate_mbps or RATE_MAX_MBPS) / senders
-        by_share = htb_burst_bytes(share_mbps) // WIRE_FRAME_BYTES
+        by_share = int(share_mbps * 1e6 / 8 * SENDER_BURST_S) // WIRE_FRAME_BYTES
         return max(1, min(GSO_SEGS_MAX, by_queue, by_share))
 
     def switch_port(self, host: str) -> int:
