@@ -3,8 +3,9 @@
 DESIGN.md section 5: at 1, 10, 100 and 1000 Mbit/s a single iperf3 flow from w0 to ps must
 reach at least 99 % of rate x 1448/1514 (TCP payload per 1514-byte wire frame). A star is
 built at each rate (2 s each): the senders' GSO size is chosen at build time from the
-bottleneck's rate (``StarSpec.sender_gso_segs``), and a star built at 1 Mbit/s keeps 2-segment
-packets, which cap one iperf3 sender at 0.90 of 1 Gbit/s on 2 cores. Headline: the minimum
+bottleneck's rate (``StarSpec.sender_gso_segs``), and a star built at 1 Mbit/s keeps its
+sender's packets that small at 1 Gbit/s (measured with 2-segment packets: 0.90 of the
+ceiling, the sender CPU-bound on 2 cores). Headline: the minimum
 ratio. Needs root and Mininet.
 """
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from topo.spec import RATE_MAX_MBPS, RATE_MIN_MBPS, LinkSpec, SpecError
+from topo.spec import RATE_MAX_MBPS, RATE_MIN_MBPS, WIRE_FRAME_BYTES, LinkSpec, SpecError
 
 ROOT_HANDLE = "1:"
 CLASS_ID = "1:1"
@@ -28,7 +28,6 @@ NETEM_HANDLE = "10:"
 # or loss is asked for; either way it is the queue whose counters describe the bottleneck.
 LEAF_HANDLE = "20:"
 
-WIRE_FRAME_BYTES = 1514  # 1500-byte MTU plus the 14-byte Ethernet header HTB counts
 # Largest skb HTB sees with GSO/TSO on: a 64 KiB super-packet plus headers.
 GSO_FRAME_BYTES = 65_536 + 1514
 # How long the HTB class may go without a dequeue (timer slack, a core busy with other
@@ -161,8 +160,8 @@ GSO_MAX_SEGS_DEFAULT = 65_535
 def offload_commands(dev: str, offload: bool, gso_max_segs: int = 1) -> list[list[str]]:
     """Turn GSO/TSO/GRO on or off on ``dev``.
 
-    Off also sets ``gso_max_segs 1``. Turning the device's GSO off is not enough on its
-    own: a local TCP sender always builds GSO packets (the stack segments them in software
+    Off also sets ``gso_max_segs`` (1 unless told otherwise). Turning the device's GSO
+    off is not enough on its own: a local TCP sender always builds GSO packets (the stack segments them in software
     after the qdisc), so without the segment limit an HTB on the sender's own interface (a
     worker's link/N cap, the down bottleneck on the PS) is charged and released in packets
     of up to 64 KB. Measured: a worker capped at 1 Mbit/s sent 21 back-to-back frames after

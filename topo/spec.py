@@ -114,7 +114,8 @@ def _link(name: str, link: LinkSpec) -> LinkSpec:
     return link
 
 
-# Ethernet frame of a 1500-byte MTU as qdiscs count it; a 64 KB GSO packet holds 43 of them.
+# Ethernet frame of a 1500-byte MTU as qdiscs count it (the 14-byte header included); a
+# 64 KB GSO packet holds 43 of them.
 WIRE_FRAME_BYTES = 1514
 GSO_SEGS_MAX = 65_536 // WIRE_FRAME_BYTES
 # A sender's GSO packet holds at most this long of its B/N share (StarSpec.sender_gso_segs).
