@@ -7,11 +7,22 @@ iteration:
 1. receives each active worker's gradient chunk by chunk (``GRAD`` messages,
    one frame per payload tensor), validates it and accumulates it -- sparse
    payloads with a sorted ``index_add_`` when that is cheaper than densifying;
-2. once every active worker has sent every chunk, takes the mean, applies SGD
-   (the same update as ``torch.optim.SGD``) and evaluates held-out accuracy every
-   ``run.eval_every`` iterations;
-3. sends the new weights (``WEIGHTS``, dense) or the sparse weight delta
-   (``UPDATE``) back to every worker, in parallel, through the same bottleneck.
+2. as soon as every active worker has sent chunk c (chunks complete in order),
+   takes that chunk's mean and applies SGD to it (the same elementwise update as
+   ``torch.optim.SGD``, so stepping chunk by chunk equals one whole step);
+3. sends chunk c of the new weights (``WEIGHTS``, dense) or of the sparse weight
+   delta (``UPDATE``) back to every worker at once, through the same bottleneck,
+   while later chunks are still coming up -- the per-partition push/pull pipelining
+   of ps-lite and BytePS. Each connection has a sender thread fed by a queue, so
+   the downlink of chunk c overlaps the uplink of chunk c+1 and a slow receiver
+   never blocks the loop. When every chunk is out, the PS evaluates held-out
+   accuracy every ``run.eval_every`` iterations.
+
+How much the pipelining buys depends on how evenly the workers' uploads progress:
+chunk c is complete only when the slowest worker has sent it. Under link/N every
+worker delivers chunk c at the same moment, so the downlink runs one chunk behind
+the uplink; under unfair TCP the slowest worker's chunks arrive late and the
+downlink is pushed back towards the end of the upload.
 
 Workers authenticate at connect time: every frame carries the run tag (an HMAC
 of the run id under the per-run secret), so a peer without the secret is
@@ -56,10 +67,16 @@ from controller import config as cfgmod
 
 @dataclass
 class _Conn:
+    """One worker's connection. Its downlink messages go through ``outbox`` to one
+    sender thread, in order; ``None`` in the outbox ends the thread."""
+
     worker: int
     sock: socket.socket
     peer: str
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    outbox: queue.Queue[tuple[int, int, int, list[torch.Tensor]] | None] = field(
+        default_factory=queue.Queue)
+    sender: threading.Thread | None = None
 
 
 class ParameterServer:
@@ -83,7 +100,10 @@ class ParameterServer:
         self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
         self.pacing_bps: dict[int, float] = {}  # link/N on the downlink, per worker
         self.iteration = 0
+        self.momentum_started = False  # SGD momentum: the first step copies the gradient
         self.bytes_in = 0
+        self.bytes_out = 0
+        self.agg_s = 0.0
         self.srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
@@ -123,6 +143,9 @@ class ParameterServer:
             self._reject(sock, str(e))
             return
         conn = _Conn(hello.worker, sock, peer)
+        conn.sender = threading.Thread(target=self._send_loop, args=(conn,),
+                                       name=f"send-w{conn.worker}", daemon=True)
+        conn.sender.start()
         self.events.put(("join", conn, h.iteration))
         self._read_loop(conn, reader)
 
@@ -156,6 +179,22 @@ class ParameterServer:
                           worker=conn.worker, error=str(e))
             self.events.put(("lost", conn, f"frame error: {e}"))
 
+    def _send_loop(self, conn: _Conn) -> None:
+        """Send this connection's queued messages in order; a failure reports the
+        worker lost (once) and drops whatever is still queued."""
+        while True:
+            item = conn.outbox.get()
+            if item is None:
+                return
+            msg_type, iteration, chunk, tensors = item
+            try:
+                with conn.send_lock:
+                    wire.send_message(conn.sock, tensors, msg_type=msg_type, run_tag=self.tag,
+                                      worker=conn.worker, iteration=iteration, chunk=chunk)
+            except OSError as e:
+                self.events.put(("lost", conn, f"send failed: {e}"))
+                return
+
     # -- the iteration loop ------------------------------------------------------------
 
     def serve(self) -> int:
@@ -173,6 +212,8 @@ class ParameterServer:
         # One accumulator per chunk for the whole run: reset in place, never reallocated.
         acc = {c: SparseAccumulator(e - s, torch.float32) for c, (s, e) in enumerate(self.chunks)}
         got: dict[int, set[int]] = {}
+        next_chunk = 0  # chunks before this one are stepped and on their way down
+        self.agg_s = 0.0
         while self.iteration < self.cfg.run.iterations:
             if not self.active:
                 if self.cfg.run.on_worker_death == "stop" or not self.pending:
@@ -188,13 +229,16 @@ class ParameterServer:
                 self._handle(ev)
                 if self.stop_reason:
                     break
-            done = self.active and all(got.get(c, set()) >= self.active
-                                       for c in range(len(self.chunks)))
-            if done:
-                self._step(acc, got, start_ns)
-                for a in acc.values():
-                    a.reset()
+            # Chunks go down in order, each as soon as every active worker has sent it.
+            while (self.active and next_chunk < len(self.chunks)
+                   and got.get(next_chunk, set()) >= self.active):
+                self._step_chunk(next_chunk, acc[next_chunk], len(got[next_chunk]))
+                acc[next_chunk].reset()
+                next_chunk += 1
+            if next_chunk == len(self.chunks):
+                self._end_iteration(start_ns)
                 got = {}
+                next_chunk = 0
         self._finish()
         return 0
 
@@ -266,41 +310,61 @@ class ParameterServer:
         self.bytes_in += sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
         return True
 
-    def _step(self, acc: dict[int, SparseAccumulator], got: dict[int, set[int]],
-              start_ns: int) -> None:
-        # The last byte of this iteration's gradients is in: the end of the upload window.
-        self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
+    def _step_chunk(self, c: int, acc: SparseAccumulator, n_workers: int) -> None:
+        """Mean, SGD step and downlink of one chunk (SGD is elementwise, so chunk-wise
+        steps are exactly one whole-model step)."""
+        if c == 0:
+            self._apply_commands()  # downlink pacing changes land at iteration boundaries
+        if c == len(self.chunks) - 1:
+            # The last byte of this iteration's gradients is in: the end of the upload window.
+            self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
         t0 = time.perf_counter()
-        flat = self.model.flat_grad
-        for c, (s, e) in enumerate(self.chunks):
-            acc[c].result(mean_over=len(got[c]), out=flat[s:e])
+        s, e = self.chunks[c]
+        grad = self.model.flat_grad[s:e]
+        params = self.model.flat_params[s:e]
+        acc.result(mean_over=n_workers, out=grad)
         lr, mom = self.cfg.workload.lr, self.cfg.workload.momentum
-        # torch.optim.SGD semantics: the first step's buffer is the gradient itself.
         if mom > 0:
             if self.momentum_buf is None:
-                self.momentum_buf = flat.clone()
+                self.momentum_buf = torch.zeros_like(self.model.flat_params)
+            buf = self.momentum_buf[s:e]
+            # torch.optim.SGD semantics: the first step's buffer is the gradient itself.
+            if self.momentum_started:
+                buf.mul_(mom).add_(grad)
             else:
-                self.momentum_buf.mul_(mom).add_(flat)
-            self.model.flat_params.add_(self.momentum_buf, alpha=-lr)
+                buf.copy_(grad)
+            params.add_(buf, alpha=-lr)
         else:
-            self.model.flat_params.add_(flat, alpha=-lr)
-        agg_s = time.perf_counter() - t0
+            params.add_(grad, alpha=-lr)
+        if self.shadow is None:
+            msg_type, tensors = codec.MsgType.WEIGHTS, [params]
+        else:
+            msg_type, tensors = codec.MsgType.UPDATE, self._delta(s, e)
+        self.agg_s += time.perf_counter() - t0
+        for w in sorted(self.active):
+            self.conns[w].outbox.put((msg_type, self.iteration, c, tensors))
+        self.bytes_out += len(self.active) * sum(
+            t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+
+    def _end_iteration(self, start_ns: int) -> None:
+        """Every chunk is stepped and queued: evaluate, admit joiners, report."""
+        self.momentum_started = True
         i = self.iteration
         metrics = None
         if (i + 1) % self.cfg.run.eval_every == 0 or i + 1 == self.cfg.run.iterations:
             metrics = self.workload.evaluate(self.model.module)
             if metrics is not None:
                 self.log.emit("eval", iter=i, **metrics)
+        self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
+                      bytes_out=self.bytes_out,
+                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
         self.iteration += 1
         self._admit()
-        bytes_out = self._broadcast()
-        self.log.emit("ps_iter_done", iter=i, agg_s=agg_s, bytes_in=self.bytes_in,
-                      bytes_out=bytes_out,
-                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
         self.ctl.send("iter_done", iter=i, workers=len(self.active),
                       **({"accuracy": metrics.get("accuracy"), "loss": metrics.get("loss")}
                          if metrics else {}))
-        self.bytes_in = 0
+        self.bytes_in = self.bytes_out = 0
+        self.agg_s = 0.0
 
     def _admit(self) -> None:
         """Workers waiting to (re)join come in at an iteration boundary, with the weights.
@@ -324,7 +388,7 @@ class ParameterServer:
                                                       run_tag=self.tag, worker=w,
                                                       iteration=self.iteration)
                     wire.send_frame(conn.sock, hdr, body)
-                    self._send_weights(conn, dense=True)
+                    self._send_weights(conn)
             except OSError as e:
                 return e
             return None
@@ -371,56 +435,28 @@ class ParameterServer:
     def _report_membership(self) -> None:
         self.ctl.send("membership", iter=self.iteration, active=sorted(self.active))
 
-    def _broadcast(self) -> int:
-        """Send the new weights (or the delta) to every active worker in parallel, so
-        the downlink bottleneck is shared the way N concurrent TCP flows share it."""
-        self._apply_commands()
-        conns = [self.conns[w] for w in sorted(self.active)]
-        deltas = self._deltas() if self.shadow is not None else None
-
-        def send(conn: _Conn) -> int:
-            try:
-                with conn.send_lock:
-                    return self._send_weights(conn, dense=deltas is None, deltas=deltas)
-            except OSError as e:
-                self.events.put(("lost", conn, f"send failed: {e}"))
-                return 0
-
-        if len(conns) <= 1:
-            return sum(send(c) for c in conns)
-        with ThreadPoolExecutor(max_workers=len(conns)) as pool:
-            return sum(pool.map(send, conns))
-
-    def _deltas(self) -> list[list[torch.Tensor]]:
-        """Per chunk, the change since what workers hold: sparse (int32 indices, values)
-        when under a third of the entries changed, else dense. The shadow copy is
-        updated with exactly the operation the workers apply, so both stay identical."""
+    def _delta(self, s: int, e: int) -> list[torch.Tensor]:
+        """The change of params[s:e] since what workers hold: sparse (int32 indices,
+        values) when under a third of the entries changed, else dense. The shadow copy
+        is updated with exactly the operation the workers apply, so both stay identical."""
         assert self.shadow is not None
-        out = []
-        for s, e in self.chunks:
-            delta = self.model.flat_params[s:e] - self.shadow[s:e]
-            nz = delta.nonzero().reshape(-1)
-            if nz.numel() * 3 < (e - s):
-                vals = delta[nz]
-                self.shadow[s:e].index_add_(0, nz, vals)
-                out.append([nz.to(torch.int32), vals])
-            else:
-                self.shadow[s:e].add_(delta)
-                out.append([delta])
-        return out
+        delta = self.model.flat_params[s:e] - self.shadow[s:e]
+        nz = delta.nonzero().reshape(-1)
+        if nz.numel() * 3 < (e - s):
+            vals = delta[nz]
+            self.shadow[s:e].index_add_(0, nz, vals)
+            return [nz.to(torch.int32), vals]
+        self.shadow[s:e].add_(delta)
+        return [delta]
 
-    def _send_weights(self, conn: _Conn, *, dense: bool,
-                      deltas: list[list[torch.Tensor]] | None = None) -> int:
+    def _send_weights(self, conn: _Conn) -> int:
+        """The whole model, dense, on the caller's thread (a joining worker's welcome;
+        its sender thread has nothing queued yet)."""
         total = 0
         for c, (s, e) in enumerate(self.chunks):
-            if dense or deltas is None:
-                total += wire.send_message(conn.sock, [self.model.flat_params[s:e]],
-                                           msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
-                                           worker=conn.worker, iteration=self.iteration, chunk=c)
-            else:
-                total += wire.send_message(conn.sock, deltas[c], msg_type=codec.MsgType.UPDATE,
-                                           run_tag=self.tag, worker=conn.worker,
-                                           iteration=self.iteration, chunk=c)
+            total += wire.send_message(conn.sock, [self.model.flat_params[s:e]],
+                                       msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
+                                       worker=conn.worker, iteration=self.iteration, chunk=c)
         return total
 
     def _finish(self) -> None:
@@ -431,7 +467,10 @@ class ParameterServer:
         if final is not None:
             self.log.emit("final_eval", iter=self.iteration, **final)
         torch.save(self.model.flat_params.clone(), self.run_dir / "ps_final_weights.pt")
-        for conn in list(self.conns.values()):
+        for conn in list(self.conns.values()):  # the last chunks go out before BYE
+            conn.outbox.put(None)
+            if conn.sender is not None:
+                conn.sender.join(timeout=self.cfg.run.timeout_s)
             try:
                 hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
                                                   run_tag=self.tag, worker=conn.worker,

@@ -13,7 +13,10 @@ Run inside a worker host as ``python -m agents.worker --run-dir RUN --worker K
 3. samples ``TCP_INFO`` from the kernel while the transfer runs (the sending rate
    is the growth of ``tcpi_bytes_acked``, not the timing of our own writes) and
    feeds it to the ratio policy;
-4. receives the new weights straight into the model's flat parameter buffer.
+4. receives the new weights straight into the model's flat parameter buffer, on a
+   receiver thread that starts with the upload: the PS sends chunk c back as soon
+   as every worker has sent it, so the downlink of early chunks overlaps the
+   upload of later ones (and the socket's receive window never stalls the PS).
 
 Commands from the controller (Unix control socket) set the socket's pacing rate
 (``SO_MAX_PACING_RATE``) for link/N shaping, and tell the oracle policy the
@@ -28,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,30 @@ from traces import generate
 
 # TCP payload per byte on the wire (1448 of every 1514-byte Ethernet frame).
 GOODPUT = 1448 / 1514
+
+
+class _Receiver:
+    """Runs ``recv`` on its own thread; :meth:`result` joins it and returns its value
+    or raises what it raised."""
+
+    def __init__(self, recv: Callable[[], int]) -> None:
+        self._recv = recv
+        self._value: int = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="recv", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._recv()
+        except BaseException as e:  # handed to the caller's thread
+            self._error = e
+
+    def result(self) -> int:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class PSClosed(Exception):
@@ -370,10 +398,12 @@ class Worker:
             t0 = time.perf_counter()
             loss = self.compute()
             compute_s = time.perf_counter() - t0
+            # Compute is done with the parameters: the new ones may land while we send.
+            receiver = _Receiver(self.recv_weights)
             compress_s, send_s, up = self.send_gradient()
             tw = time.perf_counter()
             try:
-                down = self.recv_weights()
+                down = receiver.result()
             except PSClosed:
                 break
             wait_s = time.perf_counter() - tw

@@ -11,6 +11,12 @@ summary.json and events:
 - drops on the up bottleneck; p50/p99 of every worker's iteration time;
 - per-iteration completion fairness: Jain over workers of 1/send_s, per iteration, median.
 
+Each gradient travels in 8 chunks, and the PS sends chunk c of the new weights back as soon as
+every worker has sent it (``agents/ps.py``). That is where fairness pays in a synchronous
+iteration: under link/N every worker delivers chunk c at the same moment and the downlink runs
+one chunk behind the uplink, while under unfair TCP the slowest worker's chunks arrive late and
+push the downlink towards the end of the upload.
+
 Headline: Jain with link/N at N=16, 100 Mbit/s, deep queue, cubic. Also reported: the p99
 ratio shaped/unshaped per (rate, queue, cc) and the utilisation. ``GB_INCAST_FULL=1`` runs the
 whole 16-point sweep (about 10-15 min on 2 cores); the default is the 100 Mbit/s subset.
@@ -38,12 +44,16 @@ ITERATIONS = int(os.environ.get("GB_INCAST_ITERS", "8"))
 # Bytes per worker per iteration: ~3 s of a 16-way incast at either rate.
 REPLAY_BYTES = {100.0: 2_000_000, 1000.0: 20_000_000}
 QUEUES = {"deep": 10_000_000, "shallow": 100_000}
+# Every gradient travels in 8 chunks; the PS pipelines them (chunk c comes down once every
+# worker has sent it), which is where even progress across workers shortens an iteration.
+CHUNKS = 8
 
 
 def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, Any]:
     overrides = [f"net.bottleneck_mbps={rate_mbps}", f"net.queue_bytes={QUEUES[queue]}",
                  f'net.congestion="{cc}"', f'shaping.method="{method}"',
                  f"workload.replay_bytes={REPLAY_BYTES[rate_mbps]}",
+                 f"workload.chunk_bytes={REPLAY_BYTES[rate_mbps] // CHUNKS}",
                  f"run.iterations={ITERATIONS}", f'run.name="incast-{method}"']
     argv = [sys.executable, "-m", "controller.cli", "run", str(CONFIG), "--no-progress",
             "--out", str(OUT)]
@@ -112,7 +122,7 @@ def main() -> int:
     emit("incast", round(head["jain"], 4), f"Jain index (link/N, N=16, {label})",
          ">= 0.99 (and utilisation >= 0.95, p99 shaped/unshaped <= 0.7)",
          {"points": points, "ratios": ratios, "workers": 16, "iterations": ITERATIONS,
-          "replay_bytes": REPLAY_BYTES, "compute_ms": 50, "full_sweep": full})
+          "replay_bytes": REPLAY_BYTES, "chunks": CHUNKS, "compute_ms": 50, "full_sweep": full})
     return 0
 
 

@@ -18,9 +18,12 @@ Honesty notes:
 - Windows are aligned with the trace's seconds, so a rate step falls on a window edge; the
   queue carried over a decrease is still drained at the *new* rate (HTB meters dequeue), so a
   saturated link stays exact across steps. The lag of each ``tc class change`` is reported.
-- A ``tc class change`` takes a few ms (``lag_ms``); until it lands the old rate holds, so
-  the window after a step is off by about ``lag x (old - new) / new``: small for the shipped
-  1 -> 10 -> 50 -> 100 -> 20 trace, but a 100 -> 1 Mbit/s step would be off by ~40 %.
+- A rate change lands ``lag_ms`` after it is due (negative: early); until it lands the old
+  rate holds, so the window after a step is off by about ``lag x (old - new) / new``. The
+  change goes over rtnetlink from this process (``topo/netlink.py``) and is issued early by
+  the lag recent changes showed (``traces.replay.LeadTimer``), as ``controller.driver`` does;
+  without both, changes here landed 30-65 ms late and the second after a 100 -> 20 step was
+  12-19 % over.
 - The bottleneck has a fixed deep bfifo (``QUEUE_BYTES``) so that the flow never starves it.
 
 Headline: the worst absolute window error in percent. Needs root and Mininet.
@@ -42,7 +45,7 @@ from agents.events import now_ns
 from topo.build import StarNetwork
 from topo.spec import LinkSpec, StarSpec
 from traces.bandwidth import BandwidthTrace, load_trace
-from traces.replay import TraceReplayer
+from traces.replay import LeadTimer, TraceReplayer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "data" / "fidelity_1_100.log"
@@ -137,6 +140,7 @@ def replay_and_measure(trace: BandwidthTrace, duration_s: float, *,
         time.sleep(warmup_s)
         start_ns = now_ns()
         rep = TraceReplayer(trace, granularity_s=0.1, start_ns=start_ns)
+        lead = LeadTimer()  # as controller.driver does: changes are issued early by their lag
         end_ns = start_ns + round(duration_s * 1e9)
         sample_ns = round(sample_s * 1e9)
         next_sample = start_ns
@@ -145,7 +149,7 @@ def replay_and_measure(trace: BandwidthTrace, duration_s: float, *,
         tx_before = _tx_bytes(dev)
         while True:
             nd = rep.next_deadline_ns()
-            deadline = min(next_sample, nd) if nd is not None else next_sample
+            deadline = min(next_sample, nd - lead.lead_ns) if nd is not None else next_sample
             wait_s = (deadline - now_ns()) / 1e9
             if wait_s > 0:
                 time.sleep(wait_s)
@@ -161,10 +165,13 @@ def replay_and_measure(trace: BandwidthTrace, duration_s: float, *,
                 next_sample += sample_ns
                 if t_a > end_ns:
                     break
-            for ch in rep.due(now_ns()):
+            for ch in rep.due(now_ns() + lead.lead_ns):
                 net.set_bottleneck_rate("up", ch.rate_mbps)
+                applied = now_ns()
+                if ch.index or ch.loop:  # the first rate is set as the clock starts
+                    lead.observe(ch.t_ns, applied)
                 steps.append({"t_s": (ch.t_ns - start_ns) / 1e9, "rate_mbps": ch.rate_mbps,
-                              "lag_ms": (now_ns() - ch.t_ns) / 1e6})
+                              "lag_ms": (applied - ch.t_ns) / 1e6})
         qdisc_after = net.bottleneck_stats("up")
         tx_after = _tx_bytes(dev)
         client.wait(timeout=total_s + 30)

@@ -4,8 +4,9 @@ The policies (``controller.policies``) and the replayer (``traces.replay``) are
 pure; this is where their decisions become side effects:
 
 - **Trace replay.** A ``TraceReplayer`` per direction says which HTB rate is due;
-  the driver applies it with ``tc class change`` (``StarNetwork.set_bottleneck_rate``)
-  and logs a ``trace_step`` event.
+  the driver applies it with ``tc class change`` (``StarNetwork.set_bottleneck_rate``,
+  sent over rtnetlink) and logs a ``trace_step`` event with its ``lag_ms``. Changes are
+  issued early by the lag the recent ones showed (``LeadTimer``), so they land on time.
 - **Link/N shaping** (seeds/004). Whenever B(t) changes or the PS reports a new
   active set, ``LinkNShaper`` returns the caps that changed and the driver
   enforces each one, either with ``tc`` (the worker's egress HTB class) or with
@@ -35,7 +36,7 @@ from controller.policies import LinkNShaper
 from controller.policies.base import CapChange
 from topo.build import StarNetwork
 from traces.bandwidth import BandwidthTrace, load_trace
-from traces.replay import TraceReplayer
+from traces.replay import LeadTimer, TraceReplayer
 
 
 def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
@@ -68,6 +69,7 @@ class NetworkDriver:
         self.start_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lead = LeadTimer()  # rate changes go out early by their recent lag
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -98,7 +100,7 @@ class NetworkDriver:
                          if (d := r.next_deadline_ns()) is not None]
             if not deadlines:
                 return
-            wait_s = (min(deadlines) - now_ns()) / 1e9
+            wait_s = (min(deadlines) - self.lead.lead_ns - now_ns()) / 1e9
             if wait_s > 0 and self._stop.wait(wait_s):
                 return
             try:
@@ -110,9 +112,12 @@ class NetworkDriver:
 
     def _tick(self, now: int) -> None:
         for direction, rep in self.replayers.items():
-            for change in rep.due(now):
+            for change in rep.due(now + self.lead.lead_ns):
                 self.net.set_bottleneck_rate(direction, change.rate_mbps)  # type: ignore[arg-type]
-                lag_ms = (now_ns() - change.t_ns) / 1e6
+                applied = now_ns()
+                if change.index or change.loop:  # the first rate is set as the clock starts
+                    self.lead.observe(change.t_ns, applied)
+                lag_ms = (applied - change.t_ns) / 1e6
                 self.events.emit("trace_step", direction=direction, rate_mbps=change.rate_mbps,
                                  index=change.index, loop=change.loop, lag_ms=lag_ms)
                 with self.lock:

@@ -30,10 +30,11 @@ from typing import Any, Literal
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
+from topo.netlink import RtNetlink
 from topo.probe import probe
 from topo.qdisc import QdiscStats
 from topo.spec import LinkSpec, SpecError, StarSpec, default_queue_bytes
-from topo.tc import Tc
+from topo.tc import Tc, TcError
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down")
@@ -60,6 +61,7 @@ class StarNetwork:
         self._net: Any = None
         self._procs: list[subprocess.Popen[Any]] = []
         self._rates: dict[str, float | None] = {}
+        self._netlink: dict[str | None, RtNetlink] = {}
         self._auto_queue: dict[str, bool] = {}
         self.removed_at_start: list[str] = []
         self.lock_wait_s = 0.0
@@ -131,6 +133,9 @@ class StarNetwork:
             self._shape_dev(None, self._switch_port_dev(w), spec.worker_link)
 
     def _teardown(self) -> None:
+        for nl in self._netlink.values():
+            nl.close()
+        self._netlink.clear()
         try:
             for proc in self._procs:
                 if proc.poll() is None:
@@ -215,12 +220,27 @@ class StarNetwork:
             # The spec left the queue to gradbed (20 ms at the rate): keep it 20 ms at the
             # new rate, or a cap from 1000 to 2.5 Mbit/s would leave an 8 s queue behind.
             queue_bytes = default_queue_bytes(rate_mbps)
-        cmds = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
-                                          burst_bytes=burst_bytes)
+        tc = self._dev_tc(host)
+        # The rate change goes over rtnetlink from this process (topo/netlink.py: a
+        # fork+exec of tc lands 15-60 ms late here); the log shows the equivalent command.
+        argv, = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
+                                           burst_bytes=burst_bytes)
+        tc.echo(argv, "via netlink")
+        if not tc.dry_run:
+            cls = qdisc.htb_class(rate_mbps, self.spec.offload, burst_bytes)
+            try:
+                self._rtnetlink(host).change_htb_class(dev, cls)
+            except OSError as e:
+                raise TcError(argv, e.errno or -1, f"netlink: {e}", tc.where) from e
         if queue_bytes is not None:
-            cmds += qdisc.change_queue_commands(dev, queue_bytes, netem=netem)
-        self._dev_tc(host).run_all(cmds)
+            tc.run_all(qdisc.change_queue_commands(dev, queue_bytes, netem=netem))
         self._rates[dev] = rate_mbps
+
+    def _rtnetlink(self, host: str | None) -> RtNetlink:
+        """One netlink socket per namespace, opened on first use, closed at teardown."""
+        if host not in self._netlink:
+            self._netlink[host] = RtNetlink(None if host is None else self.pid(host))
+        return self._netlink[host]
 
     def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
                             queue_bytes: int | None = None) -> None:

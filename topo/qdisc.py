@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from topo.netlink import HtbClass
 from topo.spec import RATE_MAX_MBPS, RATE_MIN_MBPS, WIRE_FRAME_BYTES, LinkSpec, SpecError
 
 ROOT_HANDLE = "1:"
@@ -90,6 +91,16 @@ def htb_class_args(rate_mbps: float, offload: bool = False,
     burst = str(burst_bytes if burst_bytes is not None else htb_burst_bytes(rate_mbps, offload))
     return ["htb", "rate", rate, "ceil", rate, "burst", burst, "cburst", burst,
             "quantum", str(HTB_QUANTUM_BYTES)]
+
+
+def htb_class(rate_mbps: float, offload: bool = False,
+              burst_bytes: int | None = None) -> HtbClass:
+    """The class :func:`htb_class_args` describes, as the netlink request carries it
+    (iproute2 parses ``Nbit`` as N/8 bytes per second)."""
+    rate_arg(rate_mbps)  # validates the range
+    burst = burst_bytes if burst_bytes is not None else htb_burst_bytes(rate_mbps, offload)
+    return HtbClass(rate_bytes_per_s=int(round(rate_mbps * 1e6) / 8), burst_bytes=burst,
+                    quantum_bytes=HTB_QUANTUM_BYTES)
 
 
 def netem_args(link: LinkSpec) -> list[str]:

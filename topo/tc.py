@@ -77,10 +77,7 @@ class Tc:
         if not argv:
             raise ValueError("empty command")
         if echo:
-            self.recorded.append(list(argv))
-            if self.log is not None:
-                suffix = "" if self.netns_pid is None else f"  # in {self.host or self.netns_pid}"
-                self.log(f"$ {shlex.join(argv)}{suffix}")
+            self.echo(argv)
         if self.dry_run:
             return ""
         try:
@@ -94,6 +91,16 @@ class Tc:
         if proc.returncode != 0:
             raise TcError(argv, proc.returncode, proc.stderr, self.where)
         return proc.stdout
+
+    def echo(self, argv: Sequence[str], how: str = "") -> None:
+        """Record and log ``argv`` as a command of this namespace (``how``: a note on
+        how it is carried out when that is not the binary, e.g. ``via netlink``)."""
+        self.recorded.append(list(argv))
+        if self.log is not None:
+            notes = [n for n in (how, "" if self.netns_pid is None
+                                 else f"in {self.host or self.netns_pid}") if n]
+            suffix = f"  # {', '.join(notes)}" if notes else ""
+            self.log(f"$ {shlex.join(argv)}{suffix}")
 
     def run_all(self, commands: Sequence[Sequence[str]]) -> None:
         for argv in commands:
