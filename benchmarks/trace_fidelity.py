@@ -22,6 +22,8 @@ Honesty notes:
   rate holds, so the window after a step is off by about ``lag x (old - new) / new``. The
   change goes over rtnetlink from this process (``topo/netlink.py``) and is issued early by
   the lag recent changes showed (``traces.replay.LeadTimer``), as ``controller.driver`` does;
+  the counter samples are read that lead ahead of each 100 ms mark, so a window spans the
+  measured instants (about a lead before each second) and its edge sample precedes the step;
   without both, changes here landed 30-65 ms late and the second after a 100 -> 20 step was
   12-19 % over.
 - The bottleneck has a fixed deep bfifo (``QUEUE_BYTES``) so that the flow never starves it.
@@ -45,7 +47,7 @@ from agents.events import now_ns
 from topo.build import StarNetwork
 from topo.spec import LinkSpec, StarSpec
 from traces.bandwidth import BandwidthTrace, load_trace
-from traces.replay import LeadTimer, TraceReplayer
+from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / "traces" / "data" / "fidelity_1_100.log"
@@ -137,26 +139,36 @@ def replay_and_measure(trace: BandwidthTrace, duration_s: float, *,
         client = net.popen("w0", ["iperf3", "-c", net.ip("ps"), "-t", str(total_s),
                                   "-P", str(STREAMS)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(warmup_s)
-        start_ns = now_ns()
-        rep = TraceReplayer(trace, granularity_s=0.1, start_ns=start_ns)
-        lead = LeadTimer()  # as controller.driver does: changes are issued early by their lag
-        end_ns = start_ns + round(duration_s * 1e9)
-        sample_ns = round(sample_s * 1e9)
-        next_sample = start_ns
+        # As controller.driver does: changes are issued early by their recent lag, and the
+        # lead is primed with no-op changes while the flows leave slow start.
+        lead = LeadTimer()
+        t_warm = time.monotonic()
+        calibrate_lead(lead, lambda: net.set_bottleneck_rate("up", trace.rates_mbps[0]),
+                       clock_ns=now_ns, sleep_s=time.sleep)
+        time.sleep(max(0.0, warmup_s - (time.monotonic() - t_warm)))
         dev = net.bottleneck_dev("up")  # in the root namespace: its sysfs is readable here
         qdisc_before = net.bottleneck_stats("up")
         tx_before = _tx_bytes(dev)
+        start_ns = now_ns()
+        rep = TraceReplayer(trace, granularity_s=0.1, start_ns=start_ns)
+        end_ns = start_ns + round(duration_s * 1e9)
+        sample_ns = round(sample_s * 1e9)
+        next_sample = start_ns
         while True:
             nd = rep.next_deadline_ns()
-            deadline = min(next_sample, nd - lead.lead_ns) if nd is not None else next_sample
+            # Samples are read a lead ahead too, and before a change due at the same
+            # instant: a sample that lands after a step it should precede would count the
+            # new rate over the wake-up lag against the old one (-5 % in a 1 Mbit/s second).
+            ahead = lead.lead_ns
+            deadline = min(next_sample, nd) if nd is not None else next_sample
+            deadline -= ahead
             wait_s = (deadline - now_ns()) / 1e9
             if wait_s > 0:
                 time.sleep(wait_s)
             now = now_ns()
             # Counter first, then the rate: a window edge then closes before the step's own
             # tc latency, and that latency (lag_ms) lands in the window it really affects.
-            if now >= next_sample:
+            if now + ahead >= next_sample:
                 t_a = now_ns()
                 sent = _tx_bytes(dev)
                 t_b = now_ns()
@@ -165,11 +177,11 @@ def replay_and_measure(trace: BandwidthTrace, duration_s: float, *,
                 next_sample += sample_ns
                 if t_a > end_ns:
                     break
-            for ch in rep.due(now_ns() + lead.lead_ns):
+            for ch in rep.due(now_ns() + ahead):
                 net.set_bottleneck_rate("up", ch.rate_mbps)
                 applied = now_ns()
                 if ch.index or ch.loop:  # the first rate is set as the clock starts
-                    lead.observe(ch.t_ns, applied)
+                    lead.observe(ch.t_ns, applied, ahead)
                 steps.append({"t_s": (ch.t_ns - start_ns) / 1e9, "rate_mbps": ch.rate_mbps,
                               "lag_ms": (applied - ch.t_ns) / 1e6})
         qdisc_after = net.bottleneck_stats("up")

@@ -5,8 +5,8 @@ pure; this is where their decisions become side effects:
 
 - **Trace replay.** A ``TraceReplayer`` per direction says which HTB rate is due;
   the driver applies it with ``tc class change`` (``StarNetwork.set_bottleneck_rate``,
-  sent over rtnetlink) and logs a ``trace_step`` event with its ``lag_ms``. Changes are
-  issued early by the lag the recent ones showed (``LeadTimer``), so they land on time.
+  sent over rtnetlink) and logs a ``trace_step`` event with its ``lag_ms``. Changes
+  are issued early by the lag recent ones showed (``LeadTimer``), so they land on time.
 - **Link/N shaping** (seeds/004). Whenever B(t) changes or the PS reports a new
   active set, ``LinkNShaper`` returns the caps that changed and the driver
   enforces each one, either with ``tc`` (the worker's egress HTB class) or with
@@ -26,6 +26,7 @@ pure; this is where their decisions become side effects:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from controller.policies import LinkNShaper
 from controller.policies.base import CapChange
 from topo.build import StarNetwork
 from traces.bandwidth import BandwidthTrace, load_trace
-from traces.replay import LeadTimer, TraceReplayer
+from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 
 def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
@@ -75,6 +76,12 @@ class NetworkDriver:
 
     def start(self) -> None:
         """Install the initial rates, then replay traces on a thread."""
+        if self.traces:
+            # Prime the lead with no-op changes (0.4 s), so the first steps land on time.
+            d, first = next(iter(self.traces.items()))
+            calibrate_lead(self.lead,
+                           lambda: self.net.set_bottleneck_rate(d, first.rates_mbps[0]),  # type: ignore[arg-type]
+                           clock_ns=now_ns, sleep_s=time.sleep)
         start_ns = now_ns()
         self.start_ns = start_ns
         self.replayers = {d: TraceReplayer(t, granularity_s=self.cfg.trace.granularity_ms / 1000,
@@ -96,11 +103,11 @@ class NetworkDriver:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            deadlines = [d for r in self.replayers.values()
+            deadlines = [d - self.lead.lead_ns for r in self.replayers.values()
                          if (d := r.next_deadline_ns()) is not None]
             if not deadlines:
                 return
-            wait_s = (min(deadlines) - self.lead.lead_ns - now_ns()) / 1e9
+            wait_s = (min(deadlines) - now_ns()) / 1e9
             if wait_s > 0 and self._stop.wait(wait_s):
                 return
             try:
@@ -112,11 +119,12 @@ class NetworkDriver:
 
     def _tick(self, now: int) -> None:
         for direction, rep in self.replayers.items():
-            for change in rep.due(now + self.lead.lead_ns):
+            ahead = self.lead.lead_ns
+            for change in rep.due(now + ahead):
                 self.net.set_bottleneck_rate(direction, change.rate_mbps)  # type: ignore[arg-type]
                 applied = now_ns()
                 if change.index or change.loop:  # the first rate is set as the clock starts
-                    self.lead.observe(change.t_ns, applied)
+                    self.lead.observe(change.t_ns, applied, ahead)
                 lag_ms = (applied - change.t_ns) / 1e6
                 self.events.emit("trace_step", direction=direction, rate_mbps=change.rate_mbps,
                                  index=change.index, loop=change.loop, lag_ms=lag_ms)

@@ -24,7 +24,7 @@ from topo.netlink import (
     tick_in_usec,
     xmit_ticks,
 )
-from traces.replay import LeadTimer
+from traces.replay import LeadTimer, calibrate_lead
 
 PSCHED = "000003e8 00000040 000f4240 3b9aca00\n"  # /proc/net/psched on these kernels
 
@@ -105,3 +105,20 @@ def test_netlink_change_installs_what_tc_installs() -> None:
                 via_tc = tc.tc("-d", "class", "show", "dev", dev, echo=False)
                 assert via_netlink == via_tc, (direction, rate)
                 assert took_s < 0.5
+
+
+def test_calibration_primes_the_lead_with_no_op_changes() -> None:
+    clock = [0]
+    applied: list[int] = []
+
+    def sleep_s(s: float) -> None:
+        clock[0] += round(s * 1e9)
+
+    def apply() -> None:  # every change lands 12 ms after the thread wakes
+        clock[0] += 12_000_000
+        applied.append(clock[0])
+
+    lead = LeadTimer()
+    calibrate_lead(lead, apply, clock_ns=lambda: clock[0], sleep_s=sleep_s)
+    assert len(applied) == 8
+    assert lead.lead_ns == pytest.approx(12_000_000, rel=0.005)
