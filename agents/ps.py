@@ -77,6 +77,7 @@ class _Conn:
     outbox: queue.Queue[tuple[int, int, int, list[torch.Tensor]] | None] = field(
         default_factory=queue.Queue)
     sender: threading.Thread | None = None
+    closed: bool = False  # the PS dropped it: its reader's errors are expected, not news
 
 
 class ParameterServer:
@@ -175,6 +176,8 @@ class ParameterServer:
         except wire.ConnectionClosed:
             self.events.put(("lost", conn, "connection closed"))
         except (codec.FrameError, OSError) as e:
+            if conn.closed:
+                return  # the PS closed this socket under the reader (a dropped worker)
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                           worker=conn.worker, error=str(e))
             self.events.put(("lost", conn, f"frame error: {e}"))
@@ -264,6 +267,7 @@ class ParameterServer:
             self.active.discard(conn.worker)
             self.pending.pop(conn.worker, None)
             del self.conns[conn.worker]
+            conn.closed = True
             conn.sock.close()
             reason = ev[2] if kind == "lost" else "left (BYE)"
             self.log.emit("worker_lost" if kind == "lost" else "worker_left",
@@ -302,6 +306,7 @@ class ParameterServer:
                 else f"worker {w} chunk {h.chunk}: {err}"
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, worker=w,
                           error=msg)
+            conn.closed = True
             with conn.send_lock:
                 self._reject(conn.sock, msg)  # tell the worker why before dropping it
             self._handle(("lost", conn, f"bad payload: {msg}"))
