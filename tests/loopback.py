@@ -23,6 +23,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def connect(port: int, timeout_s: float = 30.0) -> socket.socket:
+    """A client socket to the loopback PS, retrying while it starts listening."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+            s.settimeout(timeout_s)
+            return s
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def make_run_dir(tmp: Path, overrides: list[str], name: str = "run") -> tuple[Path, cfgmod.ExperimentConfig]:
     run_dir = tmp / name
     (run_dir / "events").mkdir(parents=True)

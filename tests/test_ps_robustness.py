@@ -15,9 +15,7 @@ The run must still complete every iteration with the two real workers.
 from __future__ import annotations
 
 import os
-import socket
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -27,22 +25,9 @@ from agents import codec, wire
 from agents.events import read_jsonl
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.loopback import make_run_dir, start_ps, start_worker
+from tests.loopback import connect, make_run_dir, start_ps, start_worker
 
 ITERATIONS = 30
-
-
-def _connect(port: int, timeout_s: float = 30) -> socket.socket:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-            s.settimeout(timeout_s)
-            return s
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 class FakeWorker(threading.Thread):
@@ -66,7 +51,7 @@ class FakeWorker(threading.Thread):
             self.error = e
 
     def _run(self) -> None:
-        s = _connect(self.port)
+        s = connect(self.port)
         reader = wire.FrameReader(s, expect_tag=self.tag)
         hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", self.worker),
                                           msg_type=codec.MsgType.HELLO, run_tag=self.tag,
@@ -103,7 +88,7 @@ class FakeWorker(threading.Thread):
 
 def _rejected(port: int, first_bytes: bytes) -> tuple[codec.FrameHeader, str]:
     """Send ``first_bytes`` as a new client; return the PS's reply frame and its text."""
-    s = _connect(port)
+    s = connect(port)
     try:
         s.sendall(first_bytes)
         reader = wire.FrameReader(s)  # no expect_tag: this client does not know the run's

@@ -12,33 +12,19 @@ this process that send dense (``none``) gradients of known values one chunk at a
 from __future__ import annotations
 
 import socket
-import time
 
 import torch
 
 from agents import codec, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.loopback import make_run_dir, start_ps
+from tests.loopback import connect, make_run_dir, start_ps
 
 LR, MOMENTUM = 0.1, 0.9
 
 
-def _connect(port: int, timeout_s: float = 30.0) -> socket.socket:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-            s.settimeout(timeout_s)
-            return s
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def _hello(port: int, tag: int, worker: int) -> tuple[socket.socket, wire.FrameReader]:
-    s = _connect(port)
+    s = connect(port)
     hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", worker),
                                       msg_type=codec.MsgType.HELLO, run_tag=tag,
                                       worker=worker, iteration=0)
