@@ -65,6 +65,11 @@ from agents.workloads.factory import make_workload
 from controller import config as cfgmod
 
 
+def _wire_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes one message of ``tensors`` takes on the wire: a header and a payload each."""
+    return sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+
+
 @dataclass
 class _Conn:
     """One worker's connection. Its downlink messages go through ``outbox`` to one
@@ -101,7 +106,6 @@ class ParameterServer:
         self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
         self.pacing_bps: dict[int, float] = {}  # link/N on the downlink, per worker
         self.iteration = 0
-        self.momentum_started = False  # SGD momentum: the first step copies the gradient
         self.bytes_in = 0
         self.bytes_out = 0
         self.agg_s = 0.0
@@ -216,7 +220,6 @@ class ParameterServer:
         acc = {c: SparseAccumulator(e - s, torch.float32) for c, (s, e) in enumerate(self.chunks)}
         got: dict[int, set[int]] = {}
         next_chunk = 0  # chunks before this one are stepped and on their way down
-        self.agg_s = 0.0
         while self.iteration < self.cfg.run.iterations:
             if not self.active:
                 if self.cfg.run.on_worker_death == "stop" or not self.pending:
@@ -312,7 +315,7 @@ class ParameterServer:
             self._handle(("lost", conn, f"bad payload: {msg}"))
             return False
         got.setdefault(h.chunk, set()).add(w)
-        self.bytes_in += sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+        self.bytes_in += _wire_bytes(tensors)
         return True
 
     def _step_chunk(self, c: int, acc: SparseAccumulator, n_workers: int) -> None:
@@ -334,10 +337,10 @@ class ParameterServer:
                 self.momentum_buf = torch.zeros_like(self.model.flat_params)
             buf = self.momentum_buf[s:e]
             # torch.optim.SGD semantics: the first step's buffer is the gradient itself.
-            if self.momentum_started:
-                buf.mul_(mom).add_(grad)
-            else:
+            if self.iteration == 0:
                 buf.copy_(grad)
+            else:
+                buf.mul_(mom).add_(grad)
             params.add_(buf, alpha=-lr)
         else:
             params.add_(grad, alpha=-lr)
@@ -348,12 +351,10 @@ class ParameterServer:
         self.agg_s += time.perf_counter() - t0
         for w in sorted(self.active):
             self.conns[w].outbox.put((msg_type, self.iteration, c, tensors))
-        self.bytes_out += len(self.active) * sum(
-            t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+        self.bytes_out += len(self.active) * _wire_bytes(tensors)
 
     def _end_iteration(self, start_ns: int) -> None:
         """Every chunk is stepped and queued: evaluate, admit joiners, report."""
-        self.momentum_started = True
         i = self.iteration
         metrics = None
         if (i + 1) % self.cfg.run.eval_every == 0 or i + 1 == self.cfg.run.iterations:

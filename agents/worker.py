@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,30 +54,6 @@ from traces import generate
 
 # TCP payload per byte on the wire (1448 of every 1514-byte Ethernet frame).
 GOODPUT = 1448 / 1514
-
-
-class _Receiver:
-    """Runs ``recv`` on its own thread; :meth:`result` joins it and returns its value
-    or raises what it raised."""
-
-    def __init__(self, recv: Callable[[], int]) -> None:
-        self._recv = recv
-        self._value: int = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="recv", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._recv()
-        except BaseException as e:  # handed to the caller's thread
-            self._error = e
-
-    def result(self) -> int:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class PSClosed(Exception):
@@ -158,6 +134,8 @@ class Worker:
         self.policy_lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.reader: wire.FrameReader | None = None
+        # One thread receives the new weights while this one uploads (see run()).
+        self.receiver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recv")
         self.iteration = 0
         self.pacing_bps: float | None = None
         self.sampler = RateSampler(self, cfg.adaptive.sample_ms / 1000.0)
@@ -399,11 +377,11 @@ class Worker:
             loss = self.compute()
             compute_s = time.perf_counter() - t0
             # Compute is done with the parameters: the new ones may land while we send.
-            receiver = _Receiver(self.recv_weights)
+            receiving = self.receiver.submit(self.recv_weights)
             compress_s, send_s, up = self.send_gradient()
             tw = time.perf_counter()
             try:
-                down = receiver.result()
+                down = receiving.result()
             except PSClosed:
                 break
             wait_s = time.perf_counter() - tw
@@ -420,6 +398,7 @@ class Worker:
         self.sampler.stopped = True
         if self.sock is not None:
             self.sock.close()
+        self.receiver.shutdown(wait=False, cancel_futures=True)
         self.log.close()
         self.ctl.close()
 
