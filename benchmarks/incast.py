@@ -11,7 +11,7 @@ summary.json and events:
 - drops on the up bottleneck; p50/p99 of every worker's iteration time;
 - per-iteration completion fairness: Jain over workers of 1/send_s, per iteration, median.
 
-Each gradient travels in 8 chunks, and the PS sends chunk c of the new weights back as soon as
+Each gradient travels in 16 chunks, and the PS sends chunk c of the new weights back as soon as
 every worker has sent it (``agents/ps.py``). That is where fairness pays in a synchronous
 iteration: under link/N every worker delivers chunk c at the same moment and the downlink runs
 one chunk behind the uplink, while under unfair TCP the slowest worker's chunks arrive late and
@@ -44,9 +44,9 @@ ITERATIONS = int(os.environ.get("GB_INCAST_ITERS", "8"))
 # Bytes per worker per iteration: ~3 s of a 16-way incast at either rate.
 REPLAY_BYTES = {100.0: 2_000_000, 1000.0: 20_000_000}
 QUEUES = {"deep": 10_000_000, "shallow": 100_000}
-# Every gradient travels in 8 chunks; the PS pipelines them (chunk c comes down once every
+# Every gradient travels in 16 chunks; the PS pipelines them (chunk c comes down once every
 # worker has sent it), which is where even progress across workers shortens an iteration.
-CHUNKS = 8
+CHUNKS = 16
 
 
 def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, Any]:
