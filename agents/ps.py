@@ -41,9 +41,12 @@ says so.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import queue
 import socket
+import struct
 import sys
+import termios
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +66,10 @@ from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from controller import config as cfgmod
+from controller.policies.backlog import backlog_shares
+
+# How often the downlink pacing is re-split by backlog (shaping.downlink = "backlog").
+REBALANCE_S = 0.02
 
 
 def _wire_bytes(tensors: list[torch.Tensor]) -> int:
@@ -83,6 +90,20 @@ class _Conn:
         default_factory=queue.Queue)
     sender: threading.Thread | None = None
     closed: bool = False  # the PS dropped it: its reader's errors are expected, not news
+    # Downlink bytes handed to the outbox (main thread) and written by the sender thread;
+    # each counter has one writer, so their difference is safe to read from any thread.
+    queued_bytes: int = 0
+    written_bytes: int = 0
+
+    def backlog_bytes(self) -> int:
+        """Downlink bytes not yet delivered: queued for the sender thread, plus what the
+        kernel still holds (unsent or unacknowledged, ``SIOCOUTQ``)."""
+        try:
+            buf = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            in_kernel = int(struct.unpack("i", buf)[0])
+        except (OSError, ValueError):
+            in_kernel = 0  # closed under us: the reader reports it
+        return max(0, self.queued_bytes - self.written_bytes) + in_kernel
 
 
 class ParameterServer:
@@ -105,6 +126,9 @@ class ParameterServer:
         self.active: set[int] = set()
         self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
         self.pacing_bps: dict[int, float] = {}  # link/N on the downlink, per worker
+        self.applied_bps: dict[int, float] = {}  # what each socket is paced at now
+        self.rebalanced = 0  # pacing changes the backlog split made this iteration
+        self.done = threading.Event()
         self.iteration = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -196,8 +220,9 @@ class ParameterServer:
             msg_type, iteration, chunk, tensors = item
             try:
                 with conn.send_lock:
-                    wire.send_message(conn.sock, tensors, msg_type=msg_type, run_tag=self.tag,
-                                      worker=conn.worker, iteration=iteration, chunk=chunk)
+                    conn.written_bytes += wire.send_message(
+                        conn.sock, tensors, msg_type=msg_type, run_tag=self.tag,
+                        worker=conn.worker, iteration=iteration, chunk=chunk)
             except OSError as e:
                 self.events.put(("lost", conn, f"send failed: {e}"))
                 return
@@ -206,6 +231,8 @@ class ParameterServer:
 
     def serve(self) -> int:
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        if self.cfg.shaping.downlink == "backlog":
+            threading.Thread(target=self._rebalance_loop, name="rebalance", daemon=True).start()
         self.ctl.send("ready", port=self.srv.getsockname()[1])
         self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
                       compressor=self.cfg.compress.name)
@@ -349,9 +376,12 @@ class ParameterServer:
         else:
             msg_type, tensors = codec.MsgType.UPDATE, self._delta(s, e)
         self.agg_s += time.perf_counter() - t0
+        n = _wire_bytes(tensors)
         for w in sorted(self.active):
-            self.conns[w].outbox.put((msg_type, self.iteration, c, tensors))
-        self.bytes_out += len(self.active) * _wire_bytes(tensors)
+            conn = self.conns[w]
+            conn.queued_bytes += n
+            conn.outbox.put((msg_type, self.iteration, c, tensors))
+        self.bytes_out += len(self.active) * n
 
     def _end_iteration(self, start_ns: int) -> None:
         """Every chunk is stepped and queued: evaluate, admit joiners, report."""
@@ -362,7 +392,7 @@ class ParameterServer:
             if metrics is not None:
                 self.log.emit("eval", iter=i, **metrics)
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
-                      bytes_out=self.bytes_out,
+                      bytes_out=self.bytes_out, rebalanced=self.rebalanced,
                       workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
         self.iteration += 1
         self._admit()
@@ -371,6 +401,7 @@ class ParameterServer:
                          if metrics else {}))
         self.bytes_in = self.bytes_out = 0
         self.agg_s = 0.0
+        self.rebalanced = 0
 
     def _admit(self) -> None:
         """Workers waiting to (re)join come in at an iteration boundary, with the weights.
@@ -430,13 +461,46 @@ class ParameterServer:
         try:
             if rate:
                 set_max_pacing_rate(conn.sock, rate)
+                self.applied_bps[w] = rate
             else:
                 clear_max_pacing_rate(conn.sock)
+                self.applied_bps.pop(w, None)
         except OSError as e:
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                           error=f"pacing failed: {e}")
             return
         self.log.emit("paced", iter=self.iteration, worker=w, rate_bps=rate or 0)
+
+    def _rebalance_loop(self) -> None:
+        while not self.done.wait(REBALANCE_S):
+            self.rebalance()
+
+    def rebalance(self) -> dict[int, float]:
+        """Downlink link/N with catch-up: re-split the controller's B_down (the sum of
+        the paced workers' B_down/N) among the active paced connections in proportion
+        to their undelivered bytes (``controller.policies.backlog``), so one that fell
+        behind catches up instead of holding the iteration back. Sockets are only
+        touched when their rate moves by more than 2 %. Returns the split (empty with
+        fewer than two paced connections). Runs on its own thread: it reads copies of
+        the main thread's dicts."""
+        paced = dict(self.pacing_bps)
+        conns = {w: c for w, c in dict(self.conns).items()
+                 if w in paced and w in self.active and not c.closed}
+        if len(conns) < 2:
+            return {}
+        rates = backlog_shares(sum(paced[w] for w in conns),
+                               {w: c.backlog_bytes() for w, c in conns.items()})
+        for w, rate in rates.items():
+            old = self.applied_bps.get(w)
+            if old is not None and abs(rate - old) <= 0.02 * old:
+                continue
+            try:
+                set_max_pacing_rate(conns[w].sock, rate)
+            except OSError:
+                continue  # closed under us: the reader reports it
+            self.applied_bps[w] = rate
+            self.rebalanced += 1
+        return rates
 
     def _report_membership(self) -> None:
         self.ctl.send("membership", iter=self.iteration, active=sorted(self.active))
@@ -473,6 +537,7 @@ class ParameterServer:
         if final is not None:
             self.log.emit("final_eval", iter=self.iteration, **final)
         torch.save(self.model.flat_params.clone(), self.run_dir / "ps_final_weights.pt")
+        self.done.set()
         for conn in list(self.conns.values()):  # the last chunks go out before BYE
             conn.outbox.put(None)
             if conn.sender is not None:

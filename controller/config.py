@@ -43,9 +43,14 @@ class RunConfig:
     timeout_s: float = 900.0          # hard limit for the whole run; the run stops cleanly
     on_worker_death: str = "continue" # "continue" re-shapes to B/(N-1); "stop" ends the run
     target_accuracy: float = 0.0      # summary reports time to reach it (0 = not reported)
+    # The first iterations (TCP slow start, first-touch allocations) left out of the
+    # summary's iteration-time percentiles and utilisation; the events keep them all.
+    warmup_iterations: int = 0
 
     def validate(self, p: str) -> None:
         _check(self.iterations >= 1, f"{p}.iterations", self.iterations, "must be >= 1")
+        _check(0 <= self.warmup_iterations < self.iterations, f"{p}.warmup_iterations",
+               self.warmup_iterations, f"must be in [0, iterations={self.iterations})")
         _check(self.eval_every >= 1, f"{p}.eval_every", self.eval_every, "must be >= 1")
         _check(self.device in ("auto", "cpu", "cuda"), f"{p}.device", self.device,
                "must be one of auto, cpu, cuda")
@@ -151,10 +156,16 @@ class CompressConfig:
 class ShapingConfig:
     method: str = "none"              # none, tc (HTB on worker egress) or pacing (SO_MAX_PACING_RATE)
     headroom: float = 1.0             # cap = headroom * B / N; < 1 leaves the queue empty
+    # The downlink (the PS paces each connection; on whenever method is not none):
+    # "backlog" re-splits B_down by each connection's undelivered bytes every 20 ms, so a
+    # connection that fell behind catches up; "equal" keeps a hard B_down / N each.
+    downlink: str = "backlog"
 
     def validate(self, p: str) -> None:
         _check(self.method in ("none", "tc", "pacing"), f"{p}.method", self.method,
                "must be one of none, tc, pacing")
+        _check(self.downlink in ("backlog", "equal"), f"{p}.downlink", self.downlink,
+               "must be backlog or equal")
         _check(0.1 <= self.headroom <= 2.0, f"{p}.headroom", self.headroom,
                "must be in [0.1, 2]")
 

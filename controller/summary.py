@@ -3,6 +3,9 @@
 Definitions:
 - ``iter_time_s_p50/p99``: percentiles of every worker's ``iter_done.iter_s``
   (compute + compress + send + wait for the weights), pooled over workers.
+- ``warmup_iterations`` (``run.warmup_iterations``): the first iterations, left out of
+  the iteration-time percentiles and mean and of ``bottleneck_utilization``
+  (TCP slow start and first-touch costs, not the steady state being measured).
 - ``bytes_up`` / ``bytes_down``: bytes the workers put on / took off the wire
   (frame headers included), summed over workers and iterations.
 - ``bottleneck_utilization``: the fraction of the *upload windows* during which
@@ -70,11 +73,14 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
     it = ev[ev["event"] == "iter_done"] if not ev.empty else ev
     psi = ev[ev["event"] == "ps_iter_done"] if not ev.empty else ev
     evals = ev[ev["event"].isin(["eval", "final_eval"])] if not ev.empty else ev
-    iter_s = it["iter_s"].dropna().to_numpy() if "iter_s" in it else np.array([])
+    warmup = int(cfg["run"].get("warmup_iterations", 0))
+    steady = it[it["iter"] >= warmup] if "iter" in it else it
+    iter_s = steady["iter_s"].dropna().to_numpy() if "iter_s" in steady else np.array([])
     out: dict[str, Any] = {
         "workers": int(cfg["net"]["workers"]),
         "iterations": int(len(psi)),
         "wall_s": round(wall_s, 3),
+        "warmup_iterations": warmup,
         "iter_time_s_p50": percentile(iter_s, 50),
         "iter_time_s_p99": percentile(iter_s, 99),
         "iter_time_s_mean": float(np.mean(iter_s)) if len(iter_s) else float("nan"),
@@ -102,7 +108,8 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
         if len(per):
             out["jain_fairness"] = jain((per["b"] / per["s"]).tolist())
     if not links.empty and not ev.empty:
-        out["bottleneck_utilization"] = window_utilization(links, upload_windows(ev))
+        windows = [w for w in upload_windows(ev) if w[0] >= warmup]
+        out["bottleneck_utilization"] = window_utilization(links, windows)
         up = links[links["direction"] == "up"]
         if len(up):
             out["drops_up"] = int(up["drops"].max() - up["drops"].min())
