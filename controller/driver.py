@@ -19,6 +19,9 @@ pure; this is where their decisions become side effects:
   N parallel weight transfers finish unevenly, the workers start their next upload up
   to a second apart, and a hard B/N uplink cap then leaves the early starters' spare
   share idle (measured: utilisation 0.74, p99 1.33x unshaped, N=16 at 100 Mbit/s).
+  The PS then re-splits the sum of these caps among its connections by backlog every
+  20 ms (``shaping.downlink = "backlog"``, ``controller/policies/backlog.py``), so a
+  connection that fell behind catches up.
 - **Bandwidth hints.** Every worker is told B(t) and N(t) (``bandwidth``
   command); the oracle ratio policy uses them, the others ignore them.
 """
