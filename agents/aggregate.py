@@ -115,14 +115,16 @@ class SparseAccumulator:
 
 def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
               workers: Sequence[str] | None = None, mean: bool = True,
-              acc: SparseAccumulator | None = None) -> Tensor:
+              acc: SparseAccumulator | None = None, out: Tensor | None = None) -> Tensor:
     """Mean (or sum, ``mean=False``) of the payloads' dense tensors, in the original shape.
 
     Sparse accumulation is used when the compressor has a sparse form and the total number
     of received elements is below ``SPARSE_FRACTION * numel``; otherwise each payload is
     decompressed and added densely. ``workers`` names the senders for error messages.
-    ``acc``: a persistent accumulator to reuse (it is reset first); the result is a new
-    tensor either way."""
+    ``acc``: a persistent accumulator to reuse (it is reset first). ``out``: a buffer of
+    ``numel`` elements to write the result into (what the PS does with its gradient
+    buffer: no 4n-byte allocation and its page faults); otherwise the result is a new
+    tensor."""
     if not payloads:
         raise ValueError("aggregate: no payloads")
     names = list(workers) if workers is not None else [f"worker {i}" for i in
@@ -167,5 +169,9 @@ def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
                 raise PayloadError(f"{who}: {exc}") from exc
         for d in dense:
             acc.add_dense(d)
-    out = acc.result(len(payloads) if mean else 1)
-    return out.reshape(first.shape)
+    if out is not None and (out.numel() != first.numel or out.dtype != first.dtype):
+        raise ValueError(f"aggregate: out is {out.numel()} x {out.dtype}, payloads are "
+                         f"{first.numel} x {first.dtype}")
+    result = acc.result(len(payloads) if mean else 1,
+                        out=None if out is None else out.reshape(-1))
+    return result.reshape(first.shape)

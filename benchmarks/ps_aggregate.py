@@ -8,10 +8,13 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 - ``validated_add``: the per-element work of sparse aggregation: decode each payload's
   indices, validate them (:func:`validate_sparse`) and ``index_add_`` them into the PS's
   persistent accumulator. This is the headline, at W = 16 (target >= 50 M elements/s).
-- ``end_to_end``: :func:`agents.aggregate.aggregate` on the W payloads with the PS's
-  persistent accumulator, everything included: also zeroing the 25 M sum and dividing it
-  by W into a new tensor, two O(n) passes per iteration that do not depend on how many
-  elements arrive (a dense aggregation pays them too).
+- ``end_to_end``: :func:`agents.aggregate.aggregate` on the W payloads the way the PS
+  runs it, everything included: its persistent accumulator, zeroing the 25 M sum, and
+  the mean written into its persistent gradient buffer (``out=``). Those are two O(n)
+  passes per iteration that do not depend on how many elements arrive (a dense
+  aggregation pays them too).
+- ``end_to_end_new_tensor``: the same with the mean in a new 100 MB tensor (the page
+  faults of a fresh allocation cost more than the division).
 - ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
 - ``validate``: :func:`validate_sparse` alone, to show the cost of the checks.
 - ``index_add``: the adds alone into a persistent, pre-zeroed accumulator.
@@ -82,14 +85,18 @@ def bench(workers: int) -> dict[str, Any]:
 
     res: dict[str, Any] = {"workers": workers, "k_per_worker": k, "elements": elems}
     persistent = SparseAccumulator(N)
+    grad_buffer = torch.empty(N)
 
     def validated_add() -> None:
         for who, p in zip(names, payloads, strict=True):
             sp = topk.decompress_sparse(p)
             acc.add_sparse(sp[0], sp[1], who=who)
 
-    for name, fn, reps in (("validated_add", validated_add, 7), ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
-                                                            acc=persistent), 7),
+    for name, fn, reps in (("validated_add", validated_add, 7),
+                           ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
+                                                            acc=persistent, out=grad_buffer), 7),
+                           ("end_to_end_new_tensor",
+                            lambda: aggregate(payloads, topk, workers=names, acc=persistent), 5),
                            ("one_shot", lambda: aggregate(payloads, topk, workers=names), 5),
                            ("validate", validate, 7), ("index_add", index_add, 7),
                            ("sorted_index_add", sorted_add, 5), ("dense_reference", dense, 3)):

@@ -30,6 +30,14 @@ def test_sparse_aggregate_equals_dense_reference(name: str, encoding: str) -> No
     got = aggregate(payloads, c)
     assert got.shape == (100, 1000)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    # Into a persistent buffer and accumulator (the PS's path), twice: same result.
+    acc, buf = SparseAccumulator(100_000), torch.full((100_000,), float("nan"))
+    for _ in range(2):
+        into = aggregate(payloads, c, acc=acc, out=buf)
+        assert into.data_ptr() == buf.data_ptr()
+        torch.testing.assert_close(into, ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="out is 10 x"):
+        aggregate(payloads, c, out=torch.empty(10))
 
 
 def test_dense_path_for_dense_compressors_and_high_ratio() -> None:
