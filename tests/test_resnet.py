@@ -58,3 +58,28 @@ def test_resnet50_matches_astra_sim_trace() -> None:
     omitted = {name: n for name, n in ours.items() if ".bn" in name or name.startswith("bn")
                or "downsample.1" in name or name == "fc.bias"}
     assert sum(omitted.values()) == 54_120 == sum(ours.values()) - sum(weights)
+
+
+def test_replay_draws_its_gradient_before_the_first_iteration() -> None:
+    """``prepare`` (called by the worker before it connects) draws the same gradient the
+    first ``fill_grad`` would, so iteration 0's compute is ``compute_ms`` alone."""
+    import time
+
+    from agents.workloads.base import FlatModel
+    from agents.workloads.replay import Replay
+
+    grads = []
+    for early in (False, True):
+        w = Replay(compute_ms=20.0, replay_bytes=4_000_000)
+        m = FlatModel(w.build_model(0))
+        if early:
+            w.prepare(m.module, worker=3, seed=0)
+            drawn = w._grad[3]
+        t0 = time.perf_counter()
+        w.fill_grad(m.module, worker=3, seed=0)
+        assert time.perf_counter() - t0 >= 0.02  # the compute time is still slept
+        if early:
+            assert w._grad[3] is drawn  # nothing drawn again in the iteration
+        grads.append(m.flat_grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert grads[0].abs().sum() > 0
