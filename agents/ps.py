@@ -97,7 +97,9 @@ class _Conn:
 
     def backlog_bytes(self) -> int:
         """Downlink bytes not yet delivered: queued for the sender thread, plus what the
-        kernel still holds (unsent or unacknowledged, ``SIOCOUTQ``)."""
+        kernel still holds (unsent or unacknowledged, ``SIOCOUTQ``). A message being
+        written counts in both until its last byte is in the kernel, so this can
+        overstate by up to the socket's send buffer."""
         try:
             buf = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             in_kernel = int(struct.unpack("i", buf)[0])

@@ -27,18 +27,16 @@ whole 16-point sweep (about 10-15 min on 2 cores); the default is the 100 Mbit/s
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from _common import emit, log
 
-from analysis.load import load_events
-from analysis.metrics import jain, percentile
+from analysis.load import load_run
+from analysis.metrics import iteration_time_percentiles, jain
 from controller.summary import upload_windows, window_utilization
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,22 +75,20 @@ def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, A
     if res.returncode != 0:
         raise RuntimeError(f"gradbed run {' '.join(overrides)} failed:\n{res.stderr[-2000:]}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])
-    s = json.loads((run_dir / "summary.json").read_text())
-    ev = load_events(run_dir)
+    run = load_run(run_dir)
+    s, ev = run.summary, run.events
     sends = ev[(ev["event"] == "send_done") & (ev["iter"] >= 1)]
     per_iter = [jain((1.0 / g["send_s"]).tolist()) for _, g in sends.groupby("iter")
                 if (g["send_s"] > 0).all() and len(g) > 1]
     per_iter.sort()
-    all_iter_s = ev.loc[ev["event"] == "iter_done", "iter_s"].astype(float)
-    links = pd.read_parquet(run_dir / "links.parquet")
     return {"rate_mbps": rate_mbps, "queue": queue, "queue_bytes": QUEUES[queue], "cc": cc,
             "offload": OFFLOAD[rate_mbps],
             "shaping": method, "jain": s["jain_fairness"],
             "jain_per_iter_median": per_iter[len(per_iter) // 2] if per_iter else None,
             "utilization": s["bottleneck_utilization"], "drops": s.get("drops_up"),
             "iter_p50_s": s["iter_time_s_p50"], "iter_p99_s": s["iter_time_s_p99"],
-            "utilization_all": window_utilization(links, upload_windows(ev)),
-            "iter_p99_all_s": percentile(all_iter_s, 99),
+            "utilization_all": window_utilization(run.links, upload_windows(ev)),
+            "iter_p99_all_s": iteration_time_percentiles(ev, (99,))["p99"],
             "iterations": s["iterations"], "stop_reason": s["stop_reason"],
             "run_dir": str(run_dir)}
 

@@ -36,15 +36,11 @@ def backlog_shares(total_bps: float, backlog_bytes: Mapping[int, int], *,
     for conn, b in backlog_bytes.items():
         if b < 0:
             raise ValueError(f"backlog_bytes[{conn}]={b}: must be >= 0")
-    n = len(backlog_bytes)
-    equal = total_bps / n
-    total_backlog = sum(backlog_bytes.values())
-    if total_backlog == 0:
-        return {c: equal for c in backlog_bytes}
+    equal = total_bps / len(backlog_bytes)
     floor = min_fraction * equal
-    raw = {c: total_bps * b / total_backlog for c, b in backlog_bytes.items()}
-    low = {c for c, r in raw.items() if r < floor}
     # The floored connections take floor each; the rest share what is left by backlog.
+    # The first pass floors nobody; each pass floors those that fell under the floor.
+    low: set[int] = set()
     while True:
         rest = total_bps - floor * len(low)
         high_backlog = sum(b for c, b in backlog_bytes.items() if c not in low)
