@@ -90,16 +90,21 @@ class _Conn:
         default_factory=queue.Queue)
     sender: threading.Thread | None = None
     closed: bool = False  # the PS dropped it: its reader's errors are expected, not news
-    # Downlink bytes handed to the outbox (main thread) and written by the sender thread;
-    # each counter has one writer, so their difference is safe to read from any thread.
+    # Downlink bytes handed to the outbox (main thread) and taken by the kernel (the
+    # sender thread, after every sendmsg, so a message half written counts half); each
+    # counter has one writer, so their difference is safe to read from any thread.
     queued_bytes: int = 0
     written_bytes: int = 0
 
+    def wrote(self, n_bytes: int) -> None:
+        """The kernel took ``n_bytes`` more of this connection's downlink."""
+        self.written_bytes += n_bytes
+
     def backlog_bytes(self) -> int:
-        """Downlink bytes not yet delivered: queued for the sender thread, plus what the
-        kernel still holds (unsent or unacknowledged, ``SIOCOUTQ``). A message being
-        written counts in both until its last byte is in the kernel, so this can
-        overstate by up to the socket's send buffer."""
+        """Downlink bytes not yet delivered: still in user space (queued for the sender
+        thread, or the unsent rest of the message it is writing), plus what the kernel
+        holds (unsent or unacknowledged, ``SIOCOUTQ``). Every byte counts in exactly one
+        of the two."""
         try:
             buf = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             in_kernel = int(struct.unpack("i", buf)[0])
@@ -222,9 +227,9 @@ class ParameterServer:
             msg_type, iteration, chunk, tensors = item
             try:
                 with conn.send_lock:
-                    conn.written_bytes += wire.send_message(
-                        conn.sock, tensors, msg_type=msg_type, run_tag=self.tag,
-                        worker=conn.worker, iteration=iteration, chunk=chunk)
+                    wire.send_message(conn.sock, tensors, msg_type=msg_type,
+                                      run_tag=self.tag, worker=conn.worker,
+                                      iteration=iteration, chunk=chunk, progress=conn.wrote)
             except OSError as e:
                 self.events.put(("lost", conn, f"send failed: {e}"))
                 return

@@ -19,9 +19,10 @@ section 4: the PS logs a ``frame_error`` event and keeps serving the others).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,21 +58,36 @@ def peer_name(sock: socket.socket) -> str:
 
 
 def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview | bytes,
-               *, peer: str | None = None) -> int:
+               *, peer: str | None = None, progress: Callable[[int], None] | None = None) -> int:
     """Send one frame (header + payload) with scatter-gather ``sendmsg``; returns bytes sent.
 
     Partial sends (a full socket buffer, a signal) are resumed by slicing the
-    memoryviews, which never copies the payload. OSErrors propagate with a note
-    naming the peer and how far the frame got.
+    memoryviews, which never copies the payload. With ``progress``, every ``sendmsg``
+    takes only what fits in the socket buffer now (``MSG_DONTWAIT``, then poll for
+    room) and ``progress(n)`` is told the n bytes the kernel just took, so a caller can
+    count exactly what is still in user space while a large frame is being written (a
+    blocking ``sendmsg`` returns only once the whole frame is in). OSErrors propagate
+    with a note naming the peer and how far the frame got.
     """
     bufs = [memoryview(header_bytes).cast("B"), memoryview(payload_mv).cast("B")]
     total = len(bufs[0]) + len(bufs[1])
     bufs = [b for b in bufs if len(b)]
     sent = 0
+    flags = socket.MSG_DONTWAIT if progress is not None else 0
+    room: select.poll | None = None
     try:
         while bufs:
-            n = sock.sendmsg(bufs)
+            try:
+                n = sock.sendmsg(bufs, (), flags) if flags else sock.sendmsg(bufs)
+            except BlockingIOError:
+                if room is None:
+                    room = select.poll()
+                    room.register(sock, select.POLLOUT)
+                room.poll()  # also wakes on an error, which the next sendmsg raises
+                continue
             sent += n
+            if progress is not None:
+                progress(n)
             while n and bufs:
                 if n >= len(bufs[0]):
                     n -= len(bufs[0])
@@ -88,21 +104,25 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
 
 def send_tensor(sock: socket.socket, tensor: torch.Tensor, *, msg_type: MsgType | int,
                 run_tag: int, worker: int, iteration: int, chunk: int, part: int = 0,
-                nparts: int = 1, crc: bool = True, peer: str | None = None) -> int:
-    """Frame and send one tensor (flattened); returns bytes sent (header included)."""
+                nparts: int = 1, crc: bool = True, peer: str | None = None,
+                progress: Callable[[int], None] | None = None) -> int:
+    """Frame and send one tensor (flattened); returns bytes sent (header included).
+    ``progress``: see :func:`send_frame`."""
     header, payload = frame_for_tensor(tensor, msg_type=msg_type, run_tag=run_tag,
                                        worker=worker, iteration=iteration, chunk=chunk,
                                        part=part, nparts=nparts, crc=crc)
-    return send_frame(sock, header, payload, peer=peer)
+    return send_frame(sock, header, payload, peer=peer, progress=progress)
 
 
 def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
                  msg_type: MsgType | int, run_tag: int, worker: int, iteration: int,
-                 chunk: int, crc: bool = True, peer: str | None = None) -> int:
+                 chunk: int, crc: bool = True, peer: str | None = None,
+                 progress: Callable[[int], None] | None = None) -> int:
     """Send one chunk's message: ``len(tensors)`` frames, parts 0..n-1 in order.
 
     A compressed chunk is several tensors (values, indices, scales, ...); the
     receiver gets them back together with :meth:`FrameReader.read_message`.
+    ``progress``: see :func:`send_frame`.
     """
     if not 1 <= len(tensors) <= 0xFFFF:
         raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
@@ -110,7 +130,7 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
     for i, t in enumerate(tensors):
         total += send_tensor(sock, t, msg_type=msg_type, run_tag=run_tag, worker=worker,
                              iteration=iteration, chunk=chunk, part=i, nparts=len(tensors),
-                             crc=crc, peer=peer)
+                             crc=crc, peer=peer, progress=progress)
     return total
 
 

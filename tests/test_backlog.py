@@ -138,3 +138,53 @@ def test_no_rebalance_without_downlink_pacing(tmp_path) -> None:
         b.close()
         ps.srv.close()
         ps.log.close()
+
+
+def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
+    """The sender thread blocks in the middle of a 32 MB message (its peer reads nothing).
+    Every byte not yet in the peer's receive queue is then backlog, exactly once: the
+    unsent rest of the message in user space plus the sender kernel's SIOCOUTQ."""
+    import fcntl
+    import struct
+    import termios
+    import threading
+    import time
+
+    import torch
+
+    from agents import codec
+
+    run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
+    ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
+    cli, peer = _pair()
+    conn = _Conn(0, cli, "test:0")
+    sender = threading.Thread(target=ps._send_loop, args=(conn,), daemon=True)
+    try:
+        sender.start()
+        payload = torch.ones(8_000_000)  # 32 MB, far more than both socket buffers hold
+        total = payload.numel() * 4 + codec.HEADER_SIZE
+        conn.queued_bytes += total
+        conn.outbox.put((codec.MsgType.WEIGHTS, 0, 0, [payload]))
+        last, deadline = -1, time.monotonic() + 10
+        while conn.written_bytes != last and time.monotonic() < deadline:
+            last = conn.written_bytes
+            time.sleep(0.2)  # the sender has stalled when nothing moved for 200 ms
+        assert 0 < conn.written_bytes < total, "the message should be half written"
+        in_peer = struct.unpack("i", fcntl.ioctl(peer.fileno(), termios.FIONREAD,
+                                                 b"\0\0\0\0"))[0]
+        assert conn.backlog_bytes() + in_peer == total
+        # Reading everything drains the backlog to zero.
+        got = 0
+        while got < total:
+            got += len(peer.recv(1 << 20))
+        sender_done = time.monotonic() + 10
+        while conn.backlog_bytes() and time.monotonic() < sender_done:
+            time.sleep(0.01)
+        assert conn.backlog_bytes() == 0
+    finally:
+        conn.outbox.put(None)
+        sender.join(timeout=5)
+        cli.close()
+        peer.close()
+        ps.srv.close()
+        ps.log.close()

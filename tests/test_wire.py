@@ -380,3 +380,19 @@ def test_read_message_into_caller_tensors() -> None:
                      chunk=0)
         with pytest.raises(FrameError, match="out: torch.float16 tensor of 128 elements"):
             reader.read_message(out=[torch.zeros(128).half()])
+
+
+def test_send_frame_reports_progress_as_the_kernel_takes_bytes() -> None:
+    """With ``progress``, a frame larger than the socket buffers is reported piece by
+    piece as the reader drains it, and the pieces add up to the frame."""
+    t = torch.randn(2_000_000)  # 8 MB
+    hb, mv = frame_for_tensor(t, msg_type=MsgType.WEIGHTS, run_tag=TAG, worker=0,
+                              iteration=0, chunk=0)
+    pieces: list[int] = []
+    with unix_pair() as (a, b):
+        join = in_thread(lambda: send_frame(a, hb, mv, progress=pieces.append))
+        h, payload = FrameReader(b).read_frame(TAG)
+        join()
+    assert bytes(payload) == bits(t) and h.numel == t.numel()
+    assert sum(pieces) == HEADER_SIZE + t.numel() * 4
+    assert len(pieces) > 1 and all(p > 0 for p in pieces)
