@@ -11,7 +11,11 @@ summary.json and events:
 - drops on the up bottleneck; p50/p99 of every worker's iteration time;
 - p99 and utilisation over the steady state (iteration 0, the warm-up, left out through
   ``run.warmup_iterations``) and over all iterations, side by side;
-- per-iteration completion fairness: Jain over workers of 1/send_s, per iteration, median.
+- per-iteration completion fairness: Jain over workers of 1/send_s, per iteration, median;
+- the floor (``analysis.bounds.sync_iteration_floor_s``): the least time a synchronous,
+  chunk-pipelined iteration can take on that link, whatever the policy. floor / unshaped
+  p99 is the smallest p99 ratio any policy could reach in that row, so the 0.7 target is
+  reachable only where it is below 0.7.
 
 Each gradient travels in 16 chunks, and the PS sends chunk c of the new weights back as soon as
 every worker has sent it (``agents/ps.py``). That is where fairness pays in a synchronous
@@ -35,8 +39,10 @@ from typing import Any
 
 from _common import emit, log
 
+from analysis.bounds import sync_iteration_floor_s
 from analysis.load import load_run
 from analysis.metrics import iteration_time_percentiles, jain
+from controller import config as cfgmod
 from controller.summary import upload_windows, window_utilization
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +63,16 @@ OFFLOAD = {100.0: False, 1000.0: True}
 # Every gradient travels in 16 chunks; the PS pipelines them (chunk c comes down once every
 # worker has sent it), which is where even progress across workers shortens an iteration.
 CHUNKS = 16
+_BASE = cfgmod.load(CONFIG)
+WORKERS = _BASE.net.workers
+COMPUTE_S = _BASE.workload.compute_ms / 1e3
+
+
+def floor_s(rate_mbps: float) -> float:
+    """The least time one iteration of this row can take (analysis.bounds)."""
+    return sync_iteration_floor_s(workers=WORKERS, gradient_bytes=REPLAY_BYTES[rate_mbps],
+                                  chunks=CHUNKS, up_bps=rate_mbps * 1e6,
+                                  down_bps=rate_mbps * 1e6, compute_s=COMPUTE_S)
 
 
 def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, Any]:
@@ -128,13 +144,18 @@ def main() -> int:
                            / sel["none"]["iter_p99_s"],
                            "p99_all_shaped_over_unshaped": sel["tc"]["iter_p99_all_s"]
                            / sel["none"]["iter_p99_all_s"],
+                           "floor_s": floor_s(rate),
+                           "floor_over_unshaped_p99": floor_s(rate) / sel["none"]["iter_p99_s"],
+                           "shaped_p99_over_floor": sel["tc"]["iter_p99_s"] / floor_s(rate),
                            "jain_shaped": sel["tc"]["jain"], "jain_unshaped": sel["none"]["jain"],
                            "util_shaped": sel["tc"]["utilization"],
                            "util_all_shaped": sel["tc"]["utilization_all"]})
             r = ratios[-1]
             log(f"{rate:6g} Mbit/s {queue:7s} {cc:5s} p99 shaped/unshaped "
                 f"{r['p99_shaped_over_unshaped']:.2f} (all iterations "
-                f"{r['p99_all_shaped_over_unshaped']:.2f})")
+                f"{r['p99_all_shaped_over_unshaped']:.2f}); floor {r['floor_s']:.3f} s, "
+                f"the best any policy could reach {r['floor_over_unshaped_p99']:.2f}, "
+                f"shaped p99 {r['shaped_p99_over_floor']:.3f}x the floor")
     # The headline point, or (for a GB_INCAST_POINTS subset without it) the first
     # link/N row, named in the unit so the number is never mistaken for the headline.
     head = next((p for p in points if (p["rate_mbps"], p["queue"], p["cc"], p["shaping"])
@@ -145,8 +166,9 @@ def main() -> int:
         label = f"{head['rate_mbps']:g} Mbit/s, {head['queue']}, {head['cc']}"
     emit("incast", round(head["jain"], 4), f"Jain index (link/N, N=16, {label})",
          ">= 0.99 (and utilisation >= 0.95, p99 shaped/unshaped <= 0.7)",
-         {"points": points, "ratios": ratios, "workers": 16, "iterations": ITERATIONS,
-          "replay_bytes": REPLAY_BYTES, "offload": OFFLOAD, "chunks": CHUNKS, "compute_ms": 50,
+         {"points": points, "ratios": ratios, "workers": WORKERS, "iterations": ITERATIONS,
+          "replay_bytes": REPLAY_BYTES, "offload": OFFLOAD, "chunks": CHUNKS,
+          "compute_ms": COMPUTE_S * 1e3,
           "warmup_iterations": WARMUP, "full_sweep": full})
     return 0
 
