@@ -74,6 +74,10 @@ class NetConfig:
     loss_pct: float = 0.0             # random loss on the bottleneck (needs netem)
     congestion: str = "cubic"         # TCP congestion control in every host: reno, cubic, bbr
     offload: bool = False             # GSO/TSO/GRO; off gives packet-exact queues
+    # Every host's own egress sends pure ACKs ahead of its queued data, within the same
+    # rate. Under a link/N cap a worker's upload queues there (90-200 KB measured at 6.25
+    # Mbit/s with bbr: 0.1-0.25 s), and the ACKs of its download would wait behind it.
+    ack_first: bool = True
     background_hosts: int = 0         # extra hosts on the worker side for cross traffic
     ps_port: int = 5000
 

@@ -47,7 +47,8 @@ def star_spec(cfg: cfgmod.ExperimentConfig) -> StarSpec:
                     worker_link=LinkSpec(rate_mbps=n.worker_link_mbps),
                     bottleneck_up=bottleneck(n.bottleneck_mbps),
                     bottleneck_down=bottleneck(n.down_mbps),
-                    offload=n.offload, extra_hosts=n.background_hosts)
+                    offload=n.offload, extra_hosts=n.background_hosts,
+                    ack_first=n.ack_first)
 
 
 def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[str]:
@@ -60,18 +61,18 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
     sw = spec.switch_name
     out = [f"# star: {spec.workers} workers on {sw}, ps at {spec.ip('ps')}",
            f"# congestion control in every host: {cfg.net.congestion}"]
-    where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down, 1),
+    where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down, 1, False),
              (f"{sw}-eth{spec.switch_port('ps')}", f"{sw}-eth{spec.switch_port('ps')}",
-              spec.bottleneck_up, 1)]
+              spec.bottleneck_up, 1, False)]
     for w in spec.worker_names() + spec.extra_host_names():
         where.append((f"{w}-eth0 (in {w})", f"{w}-eth0", spec.worker_link,
-                      spec.sender_gso_segs(w)))
+                      spec.sender_gso_segs(w), spec.ack_first))
         port = f"{sw}-eth{spec.switch_port(w)}"
-        where.append((port, port, spec.worker_link, 1))
-    for label, dev, link, segs in where:
+        where.append((port, port, spec.worker_link, 1, False))
+    for label, dev, link, segs, ack_first in where:
         out.append(f"# {label}")
         for argv in qdisc.offload_commands(dev, spec.offload, segs) + qdisc.shaping_commands(
-                dev, link, caps, offload=spec.offload):
+                dev, link, caps, offload=spec.offload, ack_first=ack_first):
             out.append("$ " + " ".join(argv))
     py = "python"
     out.append(f"$ {py} -m agents.ps --run-dir RUN   # in ps")

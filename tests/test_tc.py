@@ -207,3 +207,27 @@ def test_cleanup_matches_only_gradbed_names():
     assert is_gradbed_process(["bash", "--norc", "--noediting", "-is", "mininet:w3"])
     assert is_gradbed_process(["bash", "--norc", "-is", "mininet:h1"]) is None
     assert is_gradbed_process(["python", "-m", "pytest"]) is None
+
+
+def test_ack_first_layout_puts_pure_acks_ahead_under_the_same_cap():
+    link = LinkSpec(rate_mbps=1000.0, queue_bytes=50_000)
+    cmds = qdisc.shaping_commands("w0-eth0", link, NO_NETEM, ack_first=True)
+    text = [" ".join(c) for c in cmds]
+    assert text[0].endswith("root handle 1: htb default 11")  # unclassified -> data
+    assert "classid 1:1 htb rate 1000000000bit ceil 1000000000bit" in text[1]  # the cap
+    ack, data = text[2], text[3]
+    assert "parent 1:1 classid 1:10 htb rate 8000bit" in ack and "prio 0" in ack
+    assert "parent 1:1 classid 1:11 htb rate 8000bit" in data and "prio 1" in data
+    assert "parent 1:10 handle 21: pfifo" in text[4]
+    assert text[5].startswith("tc filter replace dev w0-eth0 parent 1: protocol ip")
+    assert text[5].endswith("match u8 0x10 0xff at 33 flowid 1:10")
+    assert text[6].endswith("parent 1:11 handle 20: bfifo limit 50000")
+    assert qdisc.change_queue_commands("w0-eth0", 9000, ack_first=True)[0][6] == "1:11"
+    # Rate changes touch only the cap (1:1): the children borrow all they send from it.
+    assert qdisc.change_rate_commands("w0-eth0", 6.25)[0][8] == "1:1"
+    # Without the flag, or with netem (the ACKs would skip its delay), the plain layout.
+    assert qdisc.shaping_commands("w0-eth0", link, NO_NETEM) == qdisc.shaping_commands(
+        "w0-eth0", link, NO_NETEM, ack_first=False)
+    delayed = LinkSpec(rate_mbps=10.0, delay_ms=5)
+    assert not any("1:10" in " ".join(c) for c in qdisc.shaping_commands(
+        "w0-eth0", delayed, {"netem": True}, ack_first=True))

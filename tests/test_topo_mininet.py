@@ -216,3 +216,49 @@ def test_congestion_control_is_set_per_host_and_validated():
         assert out.strip() == "cubic"
         with pytest.raises(ValueError, match="'dctcp' is not available.*allowed"):
             net.set_congestion_control("dctcp")
+
+
+
+def class_counters(classes: str, classid: str) -> tuple[int, int]:
+    """(bytes, packets) sent by HTB class ``classid`` in ``tc -s class show`` output."""
+    m = re.search(rf"class htb {classid} .*?Sent (\d+) bytes (\d+) pkt", classes, re.S)
+    assert m, classes
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_acks_first_classifies_pure_acks_and_keeps_the_cap():
+    """A worker capped at 2 Mbit/s uploads while it downloads at 10 Mbit/s. With
+    ack_first its pure ACKs take class 1:10, its data 1:11, and the two together stay
+    within the cap on 1:1 (the ACKs borrow from it, they do not add to it)."""
+    spec = star(ack_first=True, bottleneck_up=LinkSpec(rate_mbps=100.0),
+                bottleneck_down=LinkSpec(rate_mbps=10.0))
+    with StarNetwork(spec) as net:
+        net.set_worker_cap("w0", 2.0)
+        ps_ip, w0_ip = net.ip("ps"), net.ip("w0")
+        net.popen("ps", ["iperf3", "-s", "-1", "-p", "5201", "-B", ps_ip],
+                  stdout=subprocess.DEVNULL)
+        net.popen("w0", ["iperf3", "-s", "-1", "-p", "5202", "-B", w0_ip],
+                  stdout=subprocess.DEVNULL)
+        time.sleep(0.3)
+        up = net.popen("w0", ["iperf3", "-c", ps_ip, "-p", "5201", "-t", "8", "-P", "2"],
+                       stdout=subprocess.DEVNULL)
+        down = net.popen("ps", ["iperf3", "-c", w0_ip, "-p", "5202", "-t", "6"],
+                         stdout=subprocess.DEVNULL)
+        time.sleep(1.5)  # both flows at their rates
+        t0 = time.monotonic()
+        before = net.run("w0", ["tc", "-s", "class", "show", "dev", "w0-eth0"]).stdout
+        time.sleep(3.0)
+        after = net.run("w0", ["tc", "-s", "class", "show", "dev", "w0-eth0"]).stdout
+        elapsed = time.monotonic() - t0
+        down.wait(timeout=30)
+        up.wait(timeout=30)
+    delta = {c: tuple(a - b for a, b in zip(class_counters(after, c),
+                                            class_counters(before, c), strict=True))
+             for c in ("1:1", "1:10", "1:11")}
+    ack_bytes, ack_pkts = delta["1:10"]
+    data_bytes, data_pkts = delta["1:11"]
+    assert ack_pkts > 1000 and ack_bytes / ack_pkts < 128, delta  # pure ACKs only
+    assert data_pkts > 100 and data_bytes / data_pkts > 1000, delta  # full data segments
+    assert delta["1:1"][1] == ack_pkts + data_pkts, delta
+    # Both children together at the 2 Mbit/s cap (HTB counts whole frames).
+    assert delta["1:1"][0] * 8 / elapsed == pytest.approx(2e6, rel=0.06), delta

@@ -63,6 +63,7 @@ class StarNetwork:
         self._rates: dict[str, float | None] = {}
         self._netlink: dict[str | None, RtNetlink] = {}
         self._auto_queue: dict[str, bool] = {}
+        self._ack_first: dict[str, bool] = {}  # dev -> built with the ACKs-first layout
         self.removed_at_start: list[str] = []
         self.lock_wait_s = 0.0
         self.build_s = 0.0
@@ -129,7 +130,7 @@ class StarNetwork:
         for d in DIRECTIONS:
             self._shape(d, self._link(d))
         for w in spec.worker_names() + spec.extra_host_names():
-            self._shape_dev(w, f"{w}-eth0", spec.worker_link)
+            self._shape_dev(w, f"{w}-eth0", spec.worker_link, ack_first=spec.ack_first)
             self._shape_dev(None, self._switch_port_dev(w), spec.worker_link)
 
     def _teardown(self) -> None:
@@ -188,11 +189,14 @@ class StarNetwork:
     def _dev_tc(self, host: str | None) -> Tc:
         return self.tc if host is None else self._host_tc(host)
 
-    def _shape_dev(self, host: str | None, dev: str, link: LinkSpec) -> None:
-        cmds = qdisc.shaping_commands(dev, link, self.caps or {}, offload=self.spec.offload)
+    def _shape_dev(self, host: str | None, dev: str, link: LinkSpec, *,
+                   ack_first: bool = False) -> None:
+        cmds = qdisc.shaping_commands(dev, link, self.caps or {}, offload=self.spec.offload,
+                                      ack_first=ack_first)
         self._dev_tc(host).run_all(cmds)
         self._rates[dev] = link.rate_mbps
         self._auto_queue[dev] = link.queue_bytes is None
+        self._ack_first[dev] = qdisc.acks_first(link, ack_first)
 
     def _shape(self, direction: Direction, link: LinkSpec) -> None:
         host, dev = self._bottleneck_where(direction)
@@ -233,7 +237,8 @@ class StarNetwork:
             except OSError as e:
                 raise TcError(argv, e.errno or -1, f"netlink: {e}", tc.where) from e
         if queue_bytes is not None:
-            tc.run_all(qdisc.change_queue_commands(dev, queue_bytes, netem=netem))
+            tc.run_all(qdisc.change_queue_commands(dev, queue_bytes, netem=netem,
+                                                   ack_first=self._ack_first.get(dev, False)))
         self._rates[dev] = rate_mbps
 
     def _rtnetlink(self, host: str | None) -> RtNetlink:

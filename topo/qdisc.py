@@ -6,6 +6,15 @@ on these kernels), caps rates at 1000 Mbit/s, and changes a rate by deleting the
 
     root htb 1: (default 1) -> class 1:1 rate=ceil=R -> [netem 10: delay/loss ->] bfifo
 
+A host's own access link (where a link/N cap queues the host's upload) can send its pure
+ACKs first (``ack_first``): under the same class 1:1, so the cap still bounds everything,
+two children borrow all of their rate from it, the ACKs' (prio 0, pfifo) ahead of the
+data's (prio 1, the bfifo)::
+
+    root htb 1: (default 11) -> class 1:1 rate=ceil=R -+- class 1:10 prio 0 -> pfifo 21:
+        u32: IPv4 TCP, no IP options, length < 128,    '- class 1:11 prio 1 -> bfifo 20:
+             flags exactly ACK -> 1:10
+
 and changes rates only with ``tc class change`` (seeds/004: link/N shaping must never
 drop the queue). The command builders are pure (argv lists) so they are unit-tested and
 printable in a dry run; ``parse_tc_stats`` turns ``tc -s [-j] qdisc show`` into counters.
@@ -28,6 +37,21 @@ NETEM_HANDLE = "10:"
 # The bfifo sits directly under the HTB class, or under netem's single class when delay
 # or loss is asked for; either way it is the queue whose counters describe the bottleneck.
 LEAF_HANDLE = "20:"
+# ack_first: the children of 1:1 and the ACKs' own queue.
+ACK_CLASS_ID = "1:10"
+DATA_CLASS_ID = "1:11"
+ACK_LEAF_HANDLE = "21:"
+# The children's own (guaranteed) rate: a token, so everything they send is borrowed from
+# 1:1 and the cap holds. A class under its own rate may send past its parent's, so this is
+# also the most the pair can add to R: 8 kbit/s, one frame every 1.5 s.
+CHILD_RATE = "8000bit"
+ACK_QUEUE_PKTS = 1000
+# A pure ACK: IPv4 TCP, no IP options, total length < 128 bytes (timestamps and SACK blocks
+# fit), TCP flags exactly ACK (offset 20 + 13). Data with a piggybacked ACK is longer.
+PURE_ACK_MATCH = ["match", "ip", "protocol", "6", "0xff",
+                  "match", "u8", "0x05", "0x0f", "at", "0",
+                  "match", "u16", "0x0000", "0xff80", "at", "2",
+                  "match", "u8", "0x10", "0xff", "at", "33"]
 
 # Largest skb HTB sees with GSO/TSO on: a 64 KiB super-packet plus headers.
 GSO_FRAME_BYTES = 65_536 + 1514
@@ -122,25 +146,50 @@ def require_netem(link: LinkSpec, caps: Mapping[str, Any], where: str) -> None:
             f"use a kernel with sch_netem or set them to 0")
 
 
+def acks_first(link: LinkSpec, ack_first: bool) -> bool:
+    """Whether ``link`` gets the ACKs-first layout: asked for, shaped, and without netem
+    (the ACKs would skip its delay and loss)."""
+    return ack_first and link.shaped and not link.needs_netem
+
+
+def data_class_id(ack_first: bool) -> str:
+    """The HTB class whose leaf is the bfifo (the data's queue)."""
+    return DATA_CLASS_ID if ack_first else CLASS_ID
+
+
 def shaping_commands(dev: str, link: LinkSpec, caps: Mapping[str, Any], *,
-                     offload: bool = False) -> list[list[str]]:
+                     offload: bool = False, ack_first: bool = False) -> list[list[str]]:
     """argv lists that install ``link`` on the egress of ``dev`` (empty if unshaped).
 
     An unshaped rate (None) with a queue or netem still gets an HTB at the 10 Gbit/s
     maximum, so the qdisc layout (and the counters' location) is the same on every link.
+    ``ack_first``: pure ACKs leave ahead of the queued data, within the same rate
+    (module docstring; not on a link with netem, see :func:`acks_first`).
     Raises CapabilityError before building anything the kernel cannot do.
     """
     require_netem(link, caps, f"link on {dev}")
     if not link.shaped:
         return []
     rate_mbps = link.rate_mbps if link.rate_mbps is not None else RATE_MAX_MBPS
+    split = acks_first(link, ack_first)
     cmds = [
         ["tc", "qdisc", "replace", "dev", dev, "root", "handle", ROOT_HANDLE, "htb",
-         "default", "1"],
+         "default", data_class_id(split).split(":")[1]],
         ["tc", "class", "replace", "dev", dev, "parent", ROOT_HANDLE, "classid", CLASS_ID,
          *htb_class_args(rate_mbps, offload)],
     ]
-    leaf_parent = CLASS_ID
+    if split:
+        for classid, prio in ((ACK_CLASS_ID, "0"), (DATA_CLASS_ID, "1")):
+            cmds.append(["tc", "class", "replace", "dev", dev, "parent", CLASS_ID,
+                         "classid", classid, "htb", "rate", CHILD_RATE,
+                         "ceil", rate_arg(RATE_MAX_MBPS), "cburst", str(GSO_FRAME_BYTES),
+                         "prio", prio, "quantum", str(HTB_QUANTUM_BYTES)])
+        cmds.append(["tc", "qdisc", "replace", "dev", dev, "parent", ACK_CLASS_ID, "handle",
+                     ACK_LEAF_HANDLE, "pfifo", "limit", str(ACK_QUEUE_PKTS)])
+        cmds.append(["tc", "filter", "replace", "dev", dev, "parent", ROOT_HANDLE,
+                     "protocol", "ip", "prio", "1", "u32", *PURE_ACK_MATCH,
+                     "flowid", ACK_CLASS_ID])
+    leaf_parent = data_class_id(split)
     if link.needs_netem:
         cmds.append(["tc", "qdisc", "replace", "dev", dev, "parent", CLASS_ID, "handle",
                      NETEM_HANDLE, *netem_args(link)])
@@ -157,9 +206,12 @@ def change_rate_commands(dev: str, rate_mbps: float, *, offload: bool = False,
              *htb_class_args(rate_mbps, offload, burst_bytes)]]
 
 
-def change_queue_commands(dev: str, queue_bytes: int, *, netem: bool = False) -> list[list[str]]:
-    """Resize the bfifo leaf in place (``qdisc change`` keeps the queued packets)."""
-    parent = "10:1" if netem else CLASS_ID
+def change_queue_commands(dev: str, queue_bytes: int, *, netem: bool = False,
+                          ack_first: bool = False) -> list[list[str]]:
+    """Resize the bfifo leaf in place (``qdisc change`` keeps the queued packets).
+    ``ack_first``: the link was built with the ACKs-first layout (its bfifo is under
+    1:11)."""
+    parent = "10:1" if netem else data_class_id(ack_first)
     return [["tc", "qdisc", "change", "dev", dev, "parent", parent, "handle", LEAF_HANDLE,
              "bfifo", "limit", str(queue_bytes)]]
 

@@ -136,6 +136,9 @@ class StarSpec:
     offload: GSO/TSO/GRO on every interface. Off (default) keeps queues packet-exact and
         qdisc counters in wire frames; on lowers CPU per byte.
     extra_hosts: background-traffic hosts bg0.. on the worker side, 0..64.
+    ack_first: each host's own egress (wI-eth0, bgI-eth0) sends pure ACKs ahead of its
+        queued data, within the same HTB rate (``topo.qdisc``). Under a link/N cap the
+        host's upload queues there, and the ACKs of its download would wait behind it.
     """
 
     workers: int
@@ -144,6 +147,7 @@ class StarSpec:
     bottleneck_down: LinkSpec = LinkSpec(rate_mbps=100.0)
     offload: bool = False
     extra_hosts: int = 0
+    ack_first: bool = False
 
     kind: ClassVar[str] = "star"
     switch_name: ClassVar[str] = "gbsw0"  # never relies on Mininet's "s" prefix magic
@@ -154,8 +158,10 @@ class StarSpec:
         _link("topo.worker_link", self.worker_link)
         _link("topo.bottleneck_up", self.bottleneck_up)
         _link("topo.bottleneck_down", self.bottleneck_down)
-        if not isinstance(self.offload, bool):
-            raise SpecError(f"topo.offload={self.offload!r} is not a bool; allowed true/false")
+        for name in ("offload", "ack_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"topo.{name}={getattr(self, name)!r} is not a bool; "
+                                "allowed true/false")
 
     def worker_names(self) -> list[str]:
         return [f"w{i}" for i in range(self.workers)]
@@ -220,6 +226,7 @@ class StarSpec:
             "workers": self.workers,
             "extra_hosts": self.extra_hosts,
             "offload": self.offload,
+            "ack_first": self.ack_first,
             "hosts": {h: self.ip(h) for h in self.host_names()},
             "worker_link": self.worker_link.describe(),
             "bottleneck_up": self.bottleneck_up.describe(),
