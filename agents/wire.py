@@ -78,7 +78,7 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
     try:
         while bufs:
             try:
-                n = sock.sendmsg(bufs, (), flags) if flags else sock.sendmsg(bufs)
+                n = sock.sendmsg(bufs, (), flags)
             except BlockingIOError:
                 if room is None:
                     room = select.poll()

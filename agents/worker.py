@@ -50,11 +50,10 @@ from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 from controller import config as cfgmod
 from controller.policies import make_ratio_policy
-from topo.spec import TCP_MSS_BYTES, WIRE_FRAME_BYTES
+from topo.spec import TCP_GOODPUT_FRACTION
 from traces import generate
 
-# TCP payload per byte on the wire (1448 of every 1514-byte Ethernet frame).
-GOODPUT = TCP_MSS_BYTES / WIRE_FRAME_BYTES
+GOODPUT = TCP_GOODPUT_FRACTION
 
 
 class PSClosed(Exception):

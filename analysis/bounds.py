@@ -20,14 +20,14 @@ only where floor / unshaped p99 < 0.7.
 
 from __future__ import annotations
 
-from topo.spec import TCP_MSS_BYTES, WIRE_FRAME_BYTES
+from topo.spec import TCP_GOODPUT_FRACTION
 
 __all__ = ["sync_iteration_floor_s"]
 
 
 def sync_iteration_floor_s(*, workers: int, gradient_bytes: int, chunks: int,
                            up_bps: float, down_bps: float, compute_s: float = 0.0,
-                           wire_per_payload: float = WIRE_FRAME_BYTES / TCP_MSS_BYTES) -> float:
+                           wire_per_payload: float = 1 / TCP_GOODPUT_FRACTION) -> float:
     """Seconds a synchronous, chunk-pipelined PS iteration takes at the least (module
     docstring). Raises ValueError naming the argument that is out of range."""
     checks = [("workers", workers, workers >= 1, ">= 1"),

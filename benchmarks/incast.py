@@ -139,14 +139,15 @@ def main() -> int:
         sel = {p["shaping"]: p for p in points
                if (p["rate_mbps"], p["queue"], p["cc"]) == (rate, queue, cc)}
         if "tc" in sel and "none" in sel:
+            floor = floor_s(rate)
             ratios.append({"rate_mbps": rate, "queue": queue, "cc": cc,
                            "p99_shaped_over_unshaped": sel["tc"]["iter_p99_s"]
                            / sel["none"]["iter_p99_s"],
                            "p99_all_shaped_over_unshaped": sel["tc"]["iter_p99_all_s"]
                            / sel["none"]["iter_p99_all_s"],
-                           "floor_s": floor_s(rate),
-                           "floor_over_unshaped_p99": floor_s(rate) / sel["none"]["iter_p99_s"],
-                           "shaped_p99_over_floor": sel["tc"]["iter_p99_s"] / floor_s(rate),
+                           "floor_s": floor,
+                           "floor_over_unshaped_p99": floor / sel["none"]["iter_p99_s"],
+                           "shaped_p99_over_floor": sel["tc"]["iter_p99_s"] / floor,
                            "jain_shaped": sel["tc"]["jain"], "jain_unshaped": sel["none"]["jain"],
                            "util_shaped": sel["tc"]["utilization"],
                            "util_all_shaped": sel["tc"]["utilization_all"]})

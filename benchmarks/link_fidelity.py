@@ -21,12 +21,12 @@ from _common import emit, log
 
 from topo import qdisc
 from topo.build import StarNetwork
-from topo.spec import LinkSpec, StarSpec, default_queue_bytes
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec, default_queue_bytes
 
 RATES_MBPS = [1.0, 10.0, 100.0, 1000.0]
 DURATION_S = int(os.environ.get("GB_LF_DURATION_S", "6"))
 OMIT_S = 2
-CEILING_FRACTION = 1448 / 1514
+CEILING_FRACTION = TCP_GOODPUT_FRACTION
 
 
 def receiver_goodput_bps(client_end: dict) -> tuple[float, float]:

@@ -22,9 +22,10 @@ from _common import emit, log
 
 from analysis.load import load_events
 from controller.summary import upload_windows, window_utilization
+from topo.spec import TCP_GOODPUT_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
-GOODPUT = 1448 / 1514
+GOODPUT = TCP_GOODPUT_FRACTION
 
 
 def main() -> None:

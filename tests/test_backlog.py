@@ -3,10 +3,17 @@ real sockets (``SO_MAX_PACING_RATE`` read back from the kernel, backlog from SIO
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
+import threading
+import time
 
 import pytest
+import torch
 
+from agents import codec
 from agents.pacing import get_max_pacing_rate
 from agents.ps import ParameterServer, _Conn
 from controller.policies.backlog import backlog_shares
@@ -144,16 +151,6 @@ def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
     """The sender thread blocks in the middle of a 32 MB message (its peer reads nothing).
     Every byte not yet in the peer's receive queue is then backlog, exactly once: the
     unsent rest of the message in user space plus the sender kernel's SIOCOUTQ."""
-    import fcntl
-    import struct
-    import termios
-    import threading
-    import time
-
-    import torch
-
-    from agents import codec
-
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
     ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
     cli, peer = _pair()

@@ -19,12 +19,12 @@ from topo.cleanup import cleanup, is_gradbed_link
 from topo.lock import NetLock
 from topo.probe import probe
 from topo.qdisc import CapabilityError
-from topo.spec import LinkSpec, StarSpec
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec
 from topo.tc import TcError
 
 pytestmark = pytest.mark.mininet
 
-CEILING = 1448 / 1514
+CEILING = TCP_GOODPUT_FRACTION
 
 
 def star(**kw) -> StarSpec:
@@ -216,7 +216,6 @@ def test_congestion_control_is_set_per_host_and_validated():
         assert out.strip() == "cubic"
         with pytest.raises(ValueError, match="'dctcp' is not available.*allowed"):
             net.set_congestion_control("dctcp")
-
 
 
 def class_counters(classes: str, classid: str) -> tuple[int, int]:

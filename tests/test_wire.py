@@ -157,8 +157,8 @@ class Counting:
         self.sock = sock
         self.partial = 0
 
-    def sendmsg(self, bufs: list[memoryview]) -> int:
-        n = self.sock.sendmsg(bufs)
+    def sendmsg(self, bufs: list[memoryview], *rest: Any) -> int:
+        n = self.sock.sendmsg(bufs, *rest)
         self.partial += n < sum(len(b) for b in bufs)
         return n
 
@@ -186,7 +186,7 @@ class Dribble:
         self.calls = 0
         self.addrs: list[int] = []
 
-    def sendmsg(self, bufs: list[memoryview]) -> int:
+    def sendmsg(self, bufs: list[memoryview], *rest: Any) -> int:
         self.calls += 1
         out, left = [], self.step
         for b in bufs:
@@ -194,7 +194,7 @@ class Dribble:
                 break
             out.append(b[:left])
             left -= len(out[-1])
-        return self.sock.sendmsg(out)
+        return self.sock.sendmsg(out, *rest)
 
     def recv_into(self, mv: memoryview, n: int = 0) -> int:
         self.calls += 1

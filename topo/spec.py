@@ -117,8 +117,10 @@ def _link(name: str, link: LinkSpec) -> LinkSpec:
 # Ethernet frame of a 1500-byte MTU as qdiscs count it (the 14-byte header included); a
 # 64 KB GSO packet holds 43 of them.
 WIRE_FRAME_BYTES = 1514
-# TCP payload of one such frame (IPv4, TCP with timestamps: 1514 - 14 - 20 - 32).
+# TCP payload of one such frame (IPv4, TCP with timestamps: 1514 - 14 - 20 - 32), and the
+# TCP payload per byte on the wire: a shaped link's goodput ceiling is rate x this.
 TCP_MSS_BYTES = 1448
+TCP_GOODPUT_FRACTION = TCP_MSS_BYTES / WIRE_FRAME_BYTES
 GSO_SEGS_MAX = 65_536 // WIRE_FRAME_BYTES
 # A sender's GSO packet holds at most this long of its B/N share (StarSpec.sender_gso_segs).
 SENDER_BURST_S = 0.001
