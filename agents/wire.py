@@ -323,10 +323,13 @@ def available_congestion_controls() -> list[str]:
 
 
 def set_socket_options(sock: socket.socket, *, nodelay: bool = True, sndbuf: int | None = None,
-                       rcvbuf: int | None = None, congestion: str | None = None) -> None:
+                       rcvbuf: int | None = None, congestion: str | None = None,
+                       notsent_lowat: int | None = None) -> None:
     """Apply the per-connection knobs. Set buffers before connect()/listen(): the TCP
     window scale is negotiated at the handshake. ``nodelay`` is ignored on non-TCP
-    sockets (Unix socketpairs in tests); ``congestion`` is an error there."""
+    sockets (Unix socketpairs in tests); ``congestion`` and ``notsent_lowat`` are errors
+    there. ``notsent_lowat`` (TCP_NOTSENT_LOWAT, bytes): a blocking send waits while the
+    kernel holds this many bytes not yet sent."""
     is_tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
     if nodelay and is_tcp:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -336,6 +339,11 @@ def set_socket_options(sock: socket.socket, *, nodelay: bool = True, sndbuf: int
             if value <= 0:
                 raise ValueError(f"{name}: {value} bytes, must be > 0")
             sock.setsockopt(socket.SOL_SOCKET, opt, value)
+    if notsent_lowat is not None:
+        if not is_tcp or notsent_lowat <= 0:
+            raise ValueError(f"notsent_lowat: {notsent_lowat} bytes needs a TCP socket and "
+                             f"a value > 0, got {sock!r}")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
     if congestion is not None:
         if not is_tcp:
             raise ValueError(f"congestion: {congestion!r} needs a TCP socket, got {sock!r}")

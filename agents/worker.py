@@ -56,6 +56,12 @@ from traces import generate
 GOODPUT = TCP_GOODPUT_FRACTION
 
 
+def notsent_lowat(a: cfgmod.AdaptiveConfig) -> int | None:
+    """TCP_NOTSENT_LOWAT for the worker's socket: bounded where keep ratios are decided
+    during the transfer (adaptive, oracle), the kernel's default (no bound) otherwise."""
+    return a.notsent_lowat_bytes if a.policy in ("adaptive", "oracle") else None
+
+
 class PSClosed(Exception):
     """The PS ended the run (BYE) or went away."""
 
@@ -176,7 +182,8 @@ class Worker:
         deadline = time.monotonic() + 60
         while True:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            wire.set_socket_options(s, nodelay=True, congestion=self.cfg.net.congestion)
+            wire.set_socket_options(s, nodelay=True, congestion=self.cfg.net.congestion,
+                                    notsent_lowat=notsent_lowat(self.cfg.adaptive))
             try:
                 s.connect(self.ps_addr)
                 break

@@ -199,6 +199,13 @@ class AdaptiveConfig:
     # The keep planned at r0 (a fraction of the dense bytes): the adaptive policy scales it
     # by rt / r0, the oracle fits plan_keep x the dense time. 1 = plan the dense gradient.
     plan_keep: float = 1.0
+    # Under the adaptive and oracle policies the worker's kernel holds at most about this
+    # many unsent bytes (TCP_NOTSENT_LOWAT): a write returns only once the data before it
+    # is on its way, so DESIGN 1.1's "sent" is bytes the kernel has sent and the TCP_INFO
+    # rate is sampled for the whole transfer. Without it the autotuned send buffer (up to
+    # tcp_wmem's 16 MB) swallows a whole gradient in a few ms, before any rate sample, and
+    # every keep is decided blind.
+    notsent_lowat_bytes: int = 16_384
 
     def validate(self, p: str) -> None:
         _check(self.policy in ("fixed", "adaptive", "oracle"), f"{p}.policy", self.policy,
@@ -213,6 +220,8 @@ class AdaptiveConfig:
         _check(0 < self.ewma_alpha <= 1, f"{p}.ewma_alpha", self.ewma_alpha, "must be in (0, 1]")
         _check(self.budget in ("bytes", "elements"), f"{p}.budget", self.budget,
                "must be bytes or elements")
+        _check(1024 <= self.notsent_lowat_bytes <= 64 << 20, f"{p}.notsent_lowat_bytes",
+               self.notsent_lowat_bytes, "must be in [1024, 67108864] bytes")
         _check(0 < self.plan_keep <= 1, f"{p}.plan_keep", self.plan_keep, "must be in (0, 1]")
 
 

@@ -71,3 +71,8 @@ def test_keep_ratio_follows_100_20_100_step_within_3_iterations(tmp_path: Path) 
     drop_phase = per[(per["ts_ns"] > t_drop) & (per["ts_ns"] < t_up)]
     assert 0.12 <= drop_phase["keep"].median() <= 0.5, drop_phase
     assert settle_iters(per, t_up, 0.85, 1.0) <= 3
+    # The kernel's rate is sampled through each whole transfer (TCP_NOTSENT_LOWAT keeps
+    # the send buffer from swallowing a 2 MB gradient in a few ms, before any sample).
+    samples = ev[ev["event"] == "tcp_info"].groupby(["node", "iter"]).size()
+    for node, per_iter in samples.groupby(level="node"):
+        assert per_iter.median() >= 3, (node, per_iter.describe())

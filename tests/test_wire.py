@@ -396,3 +396,44 @@ def test_send_frame_reports_progress_as_the_kernel_takes_bytes() -> None:
     assert bytes(payload) == bits(t) and h.numel == t.numel()
     assert sum(pieces) == HEADER_SIZE + t.numel() * 4
     assert len(pieces) > 1 and all(p > 0 for p in pieces)
+
+
+SIOCOUTQNSD = 0x894B  # linux/sockios.h: bytes in the send queue not yet sent
+
+
+@pytest.mark.parametrize("lowat", [None, 16_384])
+def test_notsent_lowat_bounds_what_a_blocked_write_parks_in_the_kernel(lowat: int | None
+                                                                        ) -> None:
+    """With TCP_NOTSENT_LOWAT a blocking write waits while the kernel holds that many
+    unsent bytes; without it an 8 MB send buffer takes megabytes the peer cannot yet
+    accept. The worker relies on this under the adaptive policy (controller/config.py
+    ``adaptive.notsent_lowat_bytes``): "sent" must mean sent, not buffered."""
+    import fcntl
+    import struct
+    import time
+
+    total = 6 << 20
+    with tcp_pair(sndbuf=4 << 20, rcvbuf=65_536) as (a, b):
+        set_socket_options(a, notsent_lowat=lowat)
+        writer = threading.Thread(target=a.sendall, args=(bytes(total),))
+        writer.start()
+        time.sleep(0.5)  # the peer reads nothing: its window closes, the writer blocks
+        unsent = struct.unpack("i", fcntl.ioctl(a.fileno(), SIOCOUTQNSD, b"\0" * 4))[0]
+        got = 0
+        while got < total:
+            got += len(b.recv(1 << 20))
+        writer.join(TIMEOUT_S)
+    assert got == total
+    if lowat is None:
+        assert unsent > 1 << 20
+    else:
+        assert unsent <= lowat + 65_536 + 4096, unsent  # the bound plus one GSO segment
+
+
+def test_notsent_lowat_rejected_off_tcp() -> None:
+    with unix_pair() as (u, _):
+        with pytest.raises(ValueError, match="notsent_lowat.*needs a TCP socket"):
+            set_socket_options(u, notsent_lowat=16_384)
+    with tcp_pair() as (a, _):
+        with pytest.raises(ValueError, match="notsent_lowat: 0 bytes"):
+            set_socket_options(a, notsent_lowat=0)
