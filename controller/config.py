@@ -77,8 +77,7 @@ class NetConfig:
     # Every host's own egress sends pure ACKs ahead of its queued data, within the same
     # rate. Under a link/N cap a worker's upload queues there (90-200 KB measured at 6.25
     # Mbit/s with bbr: 0.1-0.25 s), and the ACKs of its download would wait behind it.
-    # Off by default: with it on, the adaptive keep did not settle in adaptive_step.
-    ack_first: bool = False
+    ack_first: bool = True
     background_hosts: int = 0         # extra hosts on the worker side for cross traffic
     ps_port: int = 5000
 
