@@ -24,6 +24,11 @@ reached"); it is never extrapolated.
 Headline: ``1 - TTA_adaptive / TTA_best_fixed`` (target >= 0.20); -1.0 when adaptive did not
 reach the target (then there is no honest ratio). Also: ``TTA_dense / TTA_adaptive`` at 1 Gbit/s
 (target >= 0.95) and adaptive against the oracle.
+
+``details.model`` (analysis/tta_model.py) reads the result against what any keep schedule
+could reach on this trace: from the fixed runs' iterations to the target and fixed 0.01's
+keep-independent time per iteration, the best schedule's modelled TTA and its gain over the
+best modelled fixed ratio.
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ from typing import Any
 import pandas as pd
 from _common import emit, gradbed_run, log
 
+from agents.workloads.factory import make_workload
 from analysis.load import load_events
-from traces.bandwidth import load_trace
+from analysis.tta_model import best_schedule_tta_s, schedule_tta_s, topk_wire_bytes
+from controller import config as cfgmod
+from topo.spec import TCP_GOODPUT_FRACTION
+from traces.bandwidth import BandwidthTrace, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 CELLULAR = REPO / "configs" / "cellular.toml"
@@ -96,6 +105,37 @@ def describe(run_dir: Path) -> dict[str, Any]:
             "stop_reason": s.get("stop_reason"), "run_dir": str(run_dir)}
 
 
+# The fixed runs' keep ratios (top-k element fractions; 1 = dense).
+FIXED_KEEP = {"fixed_1": 1.0, "fixed_0.1": 0.1, "fixed_0.01": 0.01}
+
+
+def modelled_best(cell: dict[str, dict[str, Any]], trace: BandwidthTrace,
+                  mean_mbps: float) -> dict[str, Any]:
+    """What the best keep schedule could gain over the best fixed ratio on this trace
+    (analysis/tta_model.py), from the fixed runs' measured iterations to the target and
+    the keep-independent part of an iteration (fixed 0.01's mean iteration time less its
+    modelled upload at the trace's mean rate)."""
+    iters = {FIXED_KEEP[n]: float(cell[n]["iterations_to_target"]) for n in FIXED_KEEP
+             if cell[n]["iterations_to_target"]}
+    if len(iters) < 2 or not cell["fixed_0.01"]["iter_s_mean"]:
+        return {"skipped": "fewer than two fixed ratios reached the target"}
+    cfg = cfgmod.load(CELLULAR)
+    model = make_workload(cfg.workload).build_model(cfg.run.seed)
+    dense = 4 * sum(p.numel() for p in model.parameters())
+    workers = cfg.net.workers
+    up_s = workers * topk_wire_bytes(0.01, dense) * 8 / (mean_mbps * 1e6 * TCP_GOODPUT_FRACTION)
+    overhead = max(0.0, float(cell["fixed_0.01"]["iter_s_mean"]) - up_s)
+    common: dict[str, Any] = dict(bytes_between=trace.bytes_between, iterations=iters,
+                                  dense_bytes=dense, workers=workers, overhead_s=overhead)
+    fixed = {f"{k:g}": schedule_tta_s(choose=lambda _t, k=k: k, **common)[0] for k in iters}
+    best, n = best_schedule_tta_s(**common)
+    return {"iterations_to_target": {f"{k:g}": v for k, v in iters.items()},
+            "dense_bytes": dense, "overhead_s": round(overhead, 4),
+            "fixed_tta_s": {k: round(v, 2) for k, v in fixed.items()},
+            "best_schedule_tta_s": round(best, 2), "best_schedule_iterations": n,
+            "best_schedule_gain": round(1 - best / min(fixed.values()), 4)}
+
+
 def main() -> int:
     if os.geteuid() != 0:
         log("cellular_tta needs root (Mininet)")
@@ -132,6 +172,8 @@ def main() -> int:
         headline = 1.0  # adaptive reached the target and no fixed ratio did
     else:
         headline = 1.0 - ad / reached[best_fixed]
+    model = modelled_best(cell, trace, mean_mbps)
+    log(f"model: {model}")
     orc = cell["oracle"]["tta_s"]
     d1, a1 = high["dense"]["tta_s"], high["adaptive"]["tta_s"]
     emit("cellular_tta", round(headline, 4), "fraction faster than the best fixed ratio",
@@ -145,6 +187,7 @@ def main() -> int:
           "headline_rule": "1 - tta_adaptive/tta_best_fixed; -1 = adaptive did not reach "
                            "the target",
           "cellular": cell,
+          "model": model,
           "high_bandwidth": {"rate_mbps": 1000, "runs": high,
                              "dense_over_adaptive_tta": (d1 / a1) if d1 and a1 else None,
                              "target": ">= 0.95"}})
