@@ -123,6 +123,7 @@ class ParameterServer:
         self.ctl = ControlClient(control_path(run_dir), "ps")
         self.workload = make_workload(cfg.workload)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
+        self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
         self.compressor: Compressor = make(cfg.compress.name, **self._compressor_params())
         self.momentum_buf: torch.Tensor | None = None

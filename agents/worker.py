@@ -125,8 +125,7 @@ class Worker:
         self.device = device
         self.workload = make_workload(cfg.workload)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
-        if isinstance(self.workload, Replay):
-            self.workload.prepare(self.model.module, worker, cfg.run.seed)
+        self.workload.prepare(self.model.module, worker, cfg.run.seed)
         # Weights arrive into host memory; on a GPU they are copied up chunk by chunk.
         self.host_params = (self.model.flat_params if device.type == "cpu"
                             else torch.empty(self.model.numel, dtype=torch.float32))

@@ -83,3 +83,6 @@ def test_replay_draws_its_gradient_before_the_first_iteration() -> None:
         grads.append(m.flat_grad.clone())
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
     assert grads[0].abs().sum() > 0
+    # The PS prepares its copy of the workload as worker -1: it needs no gradient.
+    w.prepare(m.module, worker=-1, seed=0)
+    assert -1 not in w._grad

@@ -11,6 +11,7 @@ import torch
 
 from agents.workloads.base import FlatModel
 from agents.workloads.digits import DigitsMLP
+from analysis.load import load_events
 from tests.loopback import run_loopback
 
 
@@ -39,6 +40,11 @@ def test_dense_workers_match_single_process(tmp_path):
     # And the test can fail: one extra step moves the weights well past the tolerance.
     moved = reference_weights(n, iters + 1, 0.2, 0.9, 64, 32)
     assert (moved - want).abs().max() > 1e-3
+    # The data loads before the workers connect (Workload.prepare), not in iteration 0:
+    # scikit-learn's import and the data set made iteration 0's compute 2 s.
+    ev = load_events(run_dir)
+    first = ev[(ev["event"] == "compute_done") & (ev["iter"] == 0)]
+    assert len(first) == n and first["compute_s"].max() < 0.5, first
 
 
 def test_sparse_delta_downlink_keeps_workers_identical(tmp_path):

@@ -78,6 +78,11 @@ class Workload(ABC):
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
 
+    def prepare(self, model: nn.Module, worker: int, seed: int) -> None:
+        """Whatever must not be paid inside iteration 0 (loading data, drawing synthetic
+        gradients). Agents call it before they connect; the default does nothing."""
+        return None
+
     def evaluate(self, model: nn.Module) -> dict[str, float] | None:
         """Held-out loss and accuracy, or None when the workload has no data."""
         return None

@@ -65,7 +65,7 @@ class Replay(Workload):
         """Draw this worker's synthetic gradient now (the worker calls it before it
         connects). Drawn lazily instead, iteration 0's "compute" would also hold 16
         workers drawing 20 MB each on two cores: about 0.9 s instead of ``compute_ms``."""
-        if worker not in self._grad:
+        if worker >= 0 and worker not in self._grad:  # the PS (-1) needs none
             gen = torch.Generator().manual_seed(seed * 1_000_003 + worker)
             self._grad[worker] = [torch.randn(p.shape, generator=gen) * 1e-3
                                   for p in model.parameters()]
