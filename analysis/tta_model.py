@@ -82,6 +82,15 @@ def _upload_s(bytes_between: Callable[[float, float], float], t0_s: float,
     return hi
 
 
+def _iteration_s(keep: float, t0_s: float, *, bytes_between: Callable[[float, float], float],
+                 dense_bytes: int, workers: int, overhead_s: float,
+                 goodput_fraction: float) -> float:
+    """An iteration at ``keep`` started at trace time t0: the keep-independent part, then
+    every worker's upload through the shared bottleneck."""
+    wire = workers * topk_wire_bytes(keep, dense_bytes) / goodput_fraction
+    return overhead_s + _upload_s(bytes_between, t0_s + overhead_s, wire)
+
+
 def schedule_tta_s(*, choose: Callable[[float], float],
                    bytes_between: Callable[[float, float], float],
                    iterations: Mapping[float, float], dense_bytes: int, workers: int,
@@ -97,8 +106,9 @@ def schedule_tta_s(*, choose: Callable[[float], float],
         if t > limit_s:
             raise ValueError(f"the target is not reached within limit_s={limit_s}")
         k = choose(t)
-        wire = workers * topk_wire_bytes(k, dense_bytes) / goodput_fraction
-        t += overhead_s + _upload_s(bytes_between, t + overhead_s, wire)
+        t += _iteration_s(k, t, bytes_between=bytes_between, dense_bytes=dense_bytes,
+                          workers=workers, overhead_s=overhead_s,
+                          goodput_fraction=goodput_fraction)
         progress += 1.0 / iterations_at(k, iterations)
         n += 1
     return t, n
@@ -118,8 +128,9 @@ def best_schedule_tta_s(*, bytes_between: Callable[[float, float], float],
 
     def choose(t0: float) -> float:
         def rate(k: float) -> float:
-            wire = workers * topk_wire_bytes(k, dense_bytes) / goodput_fraction
-            s = overhead_s + _upload_s(bytes_between, t0 + overhead_s, wire)
+            s = _iteration_s(k, t0, bytes_between=bytes_between, dense_bytes=dense_bytes,
+                             workers=workers, overhead_s=overhead_s,
+                             goodput_fraction=goodput_fraction)
             return 1.0 / (iterations_at(k, iterations) * s)
         return max(cands, key=rate)
 

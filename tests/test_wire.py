@@ -4,8 +4,11 @@ reads resume correctly, truncation and clean closes raise the right errors."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -408,10 +411,6 @@ def test_notsent_lowat_bounds_what_a_blocked_write_parks_in_the_kernel(lowat: in
     unsent bytes; without it an 8 MB send buffer takes megabytes the peer cannot yet
     accept. The worker relies on this under the adaptive policy (controller/config.py
     ``adaptive.notsent_lowat_bytes``): "sent" must mean sent, not buffered."""
-    import fcntl
-    import struct
-    import time
-
     total = 6 << 20
     with tcp_pair(sndbuf=4 << 20, rcvbuf=65_536) as (a, b):
         set_socket_options(a, notsent_lowat=lowat)
