@@ -264,13 +264,13 @@ class ParameterServer:
                                   f"gradients of iteration {self.iteration}")
             if ev[0] == "grad":
                 _, conn, h, tensors = ev
-                if not self._accumulate(conn, h, tensors, acc, got):
-                    continue
+                self._accumulate(conn, h, tensors, acc, got)
             else:
                 self._handle(ev)
-                if self.stop_reason:
-                    break
-            # Chunks go down in order, each as soon as every active worker has sent it.
+            if self.stop_reason:
+                break
+            # Chunks go down in order, each as soon as every active worker has sent it --
+            # also when the event just dropped the last worker a chunk was waiting for.
             while (self.active and next_chunk < len(self.chunks)
                    and got.get(next_chunk, set()) >= self.active):
                 self._step_chunk(next_chunk, acc[next_chunk], len(got[next_chunk]))
@@ -316,7 +316,7 @@ class ParameterServer:
                 self.stop_reason = f"worker {conn.worker} died: {reason}"
 
     def _accumulate(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor],
-                    acc: dict[int, SparseAccumulator], got: dict[int, set[int]]) -> bool:
+                    acc: dict[int, SparseAccumulator], got: dict[int, set[int]]) -> None:
         """Add one worker's chunk. A bad payload drops that worker, not the run."""
         w = conn.worker
         try:
@@ -348,10 +348,9 @@ class ParameterServer:
             with conn.send_lock:
                 self._reject(conn.sock, msg)  # tell the worker why before dropping it
             self._handle(("lost", conn, f"bad payload: {msg}"))
-            return False
+            return
         got.setdefault(h.chunk, set()).add(w)
         self.bytes_in += _wire_bytes(tensors)
-        return True
 
     def _step_chunk(self, c: int, acc: SparseAccumulator, n_workers: int) -> None:
         """Mean, SGD step and downlink of one chunk (SGD is elementwise, so chunk-wise
