@@ -260,8 +260,10 @@ def test_varint_round_trip_and_errors() -> None:
 
 def test_from_parts_rejects_malformed() -> None:
     c = make("topk")
-    with pytest.raises(PayloadError, match="2 tensor parts"):
+    with pytest.raises(PayloadError, match="dense part has 3 values, expected 10"):
         c.from_parts([torch.zeros(3)], 10, (10,), torch.float32)
+    with pytest.raises(PayloadError, match="2 tensor parts .* or 1 .*got 3"):
+        c.from_parts([torch.zeros(2)] * 3, 10, (10,), torch.float32)
     with pytest.raises(PayloadError, match="3 indices but 2 values"):
         c.from_parts([torch.zeros(2), torch.zeros(3, dtype=torch.int32)], 10, (10,),
                      torch.float32)
@@ -292,20 +294,29 @@ def test_powersgd_compresses_flat_buckets_and_round_trips_shape():
     torch.testing.assert_close(rec, flat, rtol=1e-3, atol=1e-3)
 
 
+def rng0() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
 @pytest.mark.parametrize("name", ["topk", "dgc", "randomk"])
 @pytest.mark.parametrize("encoding", ["int32", "delta"])
 def test_sparse_never_sends_more_than_dense(name: str, encoding: str) -> None:
     """At keep >= 0.5, values + int32 indices would be >= the dense tensor: the payload
-    falls back to dense (empty index part), round-trips exactly, and EF keeps nothing."""
+    falls back to dense (one part, the bytes ``none`` sends), round-trips exactly, has no
+    sparse form (the PS adds it densely), and EF keeps nothing."""
     g = torch.randn(50_000, generator=torch.Generator().manual_seed(7))
     c = make(name, index_encoding=encoding)
     dense_bytes = g.numel() * 4
     for ratio in (1.0, 0.9, 0.6, 0.5):
         p = c.compress(g, "k", ratio, torch.Generator().manual_seed(8))
         assert p.buffer_bytes() <= dense_bytes, (ratio, p.buffer_bytes())
-        back = c.decompress(c.from_parts(p.tensors, p.numel, p.shape, p.dtype))
-        if p.tensors[1].numel() == 0:
+        q = c.from_parts(p.tensors, p.numel, p.shape, p.dtype)
+        back = c.decompress(q)
+        if len(p.tensors) == 1:
+            assert p.wire_bytes() == make("none").compress(g, "k", 1.0, rng0()).wire_bytes()
+            assert c.decompress_sparse(q) is None
             torch.testing.assert_close(back, g, rtol=0, atol=0)
+    assert len(c.compress(g, "k", 1.0, rng0()).tensors) == 1
     ef = ErrorFeedback(make(name, index_encoding=encoding))
     _, stats = ef.step(g, "k", 1.0, torch.Generator().manual_seed(9))
     assert stats["residual_norm"] == 0.0

@@ -8,10 +8,12 @@ Two index encodings, chosen per compressor instance with ``index_encoding``:
   Tensors up to 2**31 - 1 elements.
 
 Dense fallback: when the sparse encoding would be no smaller than the tensor itself (with
-int32 indices, from keep ratio 0.5 up for float32), the payload carries every value in
-order and an empty index part, so a sparse compressor never sends more than ``none``
-(values + indices at keep 1 would be twice the dense size). Wire bytes are then
-``n * value_bytes + 2 * header_bytes``, and error feedback's residual becomes zero.
+int32 indices, from keep ratio 0.5 up for float32), the payload is one part carrying every
+value in order, exactly what ``none`` sends, so a sparse compressor never sends more than
+``none`` (values + indices at keep 1 would be twice the dense size). Wire bytes are then
+``n * value_bytes + header_bytes``; :meth:`SparseCompressor.decompress_sparse` returns None
+for it, so the PS adds it densely (no index arithmetic), and error feedback's residual
+becomes zero.
 - ``"delta"``: indices sorted ascending, replaced by their gaps (the first gap is the first
   index), and each gap written as an unsigned LEB128 varint (7 bits per byte, high bit =
   "more bytes follow") into a uint8 buffer. A gap below 128 costs 1 byte, below 16384 costs
@@ -127,11 +129,9 @@ class SparseCompressor(Compressor):
         return n > 0 and k * (value_bytes + index_bytes) >= n * value_bytes
 
     def pack_dense(self, flat: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Payload:
-        """Every value, in order, and an empty index part (see the module docstring)."""
-        empty = torch.empty(0, dtype=torch.int32 if self.index_encoding == "int32"
-                            else torch.uint8)
-        return Payload(self.name, (flat.cpu().contiguous().clone(), empty), flat.numel(),
-                       shape, dtype)
+        """Every value, in order, as one part (see the module docstring)."""
+        return Payload(self.name, (flat.cpu().contiguous().clone(),), flat.numel(), shape,
+                       dtype)
 
     def pack(self, idx: Tensor, flat: Tensor, shape: tuple[int, ...],
              dtype: torch.dtype) -> Payload:
@@ -151,19 +151,23 @@ class SparseCompressor(Compressor):
 
     @staticmethod
     def is_dense(payload: Payload) -> bool:
-        values, enc = payload.tensors
-        return enc.numel() == 0 and values.numel() == payload.numel > 0
-
-    def expected_parts(self) -> int | None:
-        return 2
+        """True for the one-part dense fallback."""
+        return len(payload.tensors) == 1
 
     def check_parts(self, payload: Payload) -> None:
-        values, enc = payload.tensors
+        if len(payload.tensors) not in (1, 2):
+            raise PayloadError(f"{self.name}: expected 2 tensor parts (values, indices) or 1 "
+                               f"(dense), got {len(payload.tensors)}")
+        values = payload.tensors[0]
         if values.dtype != payload.dtype:
             raise PayloadError(f"{self.name}: values dtype {values.dtype} != tensor dtype "
                                f"{payload.dtype}")
         if self.is_dense(payload):
+            if values.numel() != payload.numel:
+                raise PayloadError(f"{self.name}: dense part has {values.numel()} values, "
+                                   f"expected {payload.numel}")
             return
+        enc = payload.tensors[1]
         if self.index_encoding == "int32":
             if enc.dtype != torch.int32:
                 raise PayloadError(f"{self.name}: indices must be int32, got {enc.dtype}")
@@ -173,10 +177,11 @@ class SparseCompressor(Compressor):
         elif enc.dtype != torch.uint8:
             raise PayloadError(f"{self.name}: delta indices must be uint8, got {enc.dtype}")
 
-    def decompress_sparse(self, payload: Payload) -> tuple[Tensor, Tensor]:
-        values, enc = payload.tensors
+    def decompress_sparse(self, payload: Payload) -> tuple[Tensor, Tensor] | None:
+        """None for the dense fallback (the caller adds :meth:`decompress` densely)."""
         if self.is_dense(payload):
-            return torch.arange(payload.numel, dtype=torch.int64), values
+            return None
+        values, enc = payload.tensors
         if self.index_encoding == "delta":
             idx = varint_decode(enc, values.numel())
         else:
@@ -184,7 +189,10 @@ class SparseCompressor(Compressor):
         return idx, values
 
     def decompress(self, payload: Payload) -> Tensor:
-        idx, values = self.decompress_sparse(payload)
+        sparse = self.decompress_sparse(payload)
+        if sparse is None:
+            return payload.tensors[0].reshape(payload.shape)
+        idx, values = sparse
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= payload.numel):
             raise PayloadError(f"{self.name}: index out of range [0, {payload.numel})")
         out = torch.zeros(payload.numel, dtype=payload.dtype)

@@ -4,7 +4,8 @@ Follows Aji & Heafield, "Sparse Communication for Distributed Gradient Descent" 
 and the selection step of DESIGN 1.2 / seeds/000 (top-m by magnitude). Selection is exact:
 ``torch.topk`` on ``|x|``. ``k`` comes from :func:`agents.compress.base.k_for`. With the
 default int32 index encoding the wire bytes are exactly
-``k * (value_bytes + 4) + 2 * FRAME_HEADER_BYTES``. Ties at the k-th magnitude are broken by
+``k * (value_bytes + 4) + 2 * FRAME_HEADER_BYTES`` (below the dense fallback of
+:mod:`agents.compress.sparse`). Ties at the k-th magnitude are broken by
 ``torch.topk``'s internal order.
 """
 
