@@ -14,7 +14,10 @@ fixed 0.01 sends, ``adaptive.plan_keep``) and oracle (knows the trace). The best
 is the one with the lowest time to accuracy (TTA); the headline uses the better adaptive plan.
 
 Part 2, high bandwidth: ``configs/cellular_dense_1g.toml``, a constant 1 Gbit/s bottleneck,
-dense against adaptive (top-k).
+dense against adaptive (top-k). A TTA there is about 1 s (80 iterations of ~12 ms), and one
+slow moment of the 2-core machine moves it by 15 %, so the pair runs ``GB_CELL_1G_REPS``
+times (default 5), interleaved, and the ratio reported is the median of the pairs' ratios
+(each pair's ratio is listed too).
 
 TTA (seconds): from the start of the first iteration (the earliest ``iter_done.ts_ns -
 iter_s`` of iteration 0) to the first PS ``eval`` whose accuracy reaches the target. A run that
@@ -23,7 +26,7 @@ reached"); it is never extrapolated.
 
 Headline: ``1 - TTA_adaptive / TTA_best_fixed`` (target >= 0.20); -1.0 when adaptive did not
 reach the target (then there is no honest ratio). Also: ``TTA_dense / TTA_adaptive`` at 1 Gbit/s
-(target >= 0.95) and adaptive against the oracle.
+(median of the interleaved pairs; target >= 0.95) and adaptive against the oracle.
 
 ``details.model`` (analysis/tta_model.py) reads the result against what any keep schedule
 could reach on this trace: from the fixed runs' iterations to the target and fixed 0.01's
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -56,6 +60,7 @@ HIGH_BW = REPO / "configs" / "cellular_dense_1g.toml"
 VERIZON = REPO.parent / "shared" / "traces" / "mahimahi" / "Verizon-LTE-short.up"
 SHIPPED = REPO / "traces" / "data" / "cellular_like.log"
 OUT = Path(os.environ.get("GB_CELL_OUT", str(REPO / "runs" / "bench-cellular-tta")))
+HIGH_BW_REPS = int(os.environ.get("GB_CELL_1G_REPS", "5"))
 TARGET = 0.9
 TOPK = ['compress.name="topk"']
 POLICIES: dict[str, list[str]] = {
@@ -153,10 +158,11 @@ def main() -> int:
         log(f"cellular {name}: tta={r['tta_s']} it={r['iterations_to_target']} "
             f"acc={r['final_accuracy']} iter_s={r['iter_s_mean']} "
             f"sent={r['mean_sent_fraction']:.3f}")
-    high = {name: describe(gradbed_run(HIGH_BW, f"1g-{name}", [*TTA, *extra], out))
-            for name, extra in HIGH_BW_POLICIES.items()}
-    for name, r in high.items():
-        log(f"1 Gbit/s {name}: tta={r['tta_s']} acc={r['final_accuracy']}")
+    pairs = [{name: describe(gradbed_run(HIGH_BW, f"1g-{name}-{rep}", [*TTA, *extra], out))
+              for name, extra in HIGH_BW_POLICIES.items()} for rep in range(HIGH_BW_REPS)]
+    for rep, high in enumerate(pairs):
+        for name, r in high.items():
+            log(f"1 Gbit/s {name} #{rep}: tta={r['tta_s']} acc={r['final_accuracy']}")
 
     fixed = {n: r["tta_s"] for n, r in cell.items() if n.startswith("fixed_")}
     reached = {n: t for n, t in fixed.items() if t is not None}
@@ -175,7 +181,8 @@ def main() -> int:
     model = modelled_best(cell, trace, mean_mbps)
     log(f"model: {model}")
     orc = cell["oracle"]["tta_s"]
-    d1, a1 = high["dense"]["tta_s"], high["adaptive"]["tta_s"]
+    ratios = [p["dense"]["tta_s"] / p["adaptive"]["tta_s"] for p in pairs
+              if p["dense"]["tta_s"] and p["adaptive"]["tta_s"]]
     emit("cellular_tta", round(headline, 4), "fraction faster than the best fixed ratio",
          ">= 0.20 (adaptive TTA at least 20 % below the best fixed ratio's); "
          "and at 1 Gbit/s dense_tta/adaptive_tta >= 0.95",
@@ -188,9 +195,12 @@ def main() -> int:
                            "the target",
           "cellular": cell,
           "model": model,
-          "high_bandwidth": {"rate_mbps": 1000, "runs": high,
-                             "dense_over_adaptive_tta": (d1 / a1) if d1 and a1 else None,
-                             "target": ">= 0.95"}})
+          "high_bandwidth": {"rate_mbps": 1000, "runs": pairs,
+                             "dense_over_adaptive_tta": (float(statistics.median(ratios))
+                                                         if len(ratios) == len(pairs)
+                                                         else None),
+                             "pair_ratios": [round(r, 4) for r in ratios],
+                             "target": ">= 0.95 (median of the interleaved pairs)"}})
     return 0
 
 
