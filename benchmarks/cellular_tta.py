@@ -10,7 +10,8 @@ rate the adaptive policy plans against, r0 = B0/N) is set to the mean of the tra
 computed here from the file. Policies, side by side: fixed keep 1 (plain dense float32),
 fixed 0.1 and 0.01 (top-k + error feedback), adaptive (DESIGN 1.1, r0 = planned, planning the
 dense gradient), adaptive_plan_0.02 (the same rule planning 0.02 of the dense bytes, what
-fixed 0.01 sends, ``adaptive.plan_keep``) and oracle (knows the trace). The best fixed ratio
+fixed 0.01 sends, ``adaptive.plan_keep``) and the oracle (knows the trace) with each of the two
+plans: the adaptive run is compared with the oracle of its own plan. The best fixed ratio
 is the one with the lowest time to accuracy (TTA); the headline uses the better adaptive plan.
 
 Part 2, high bandwidth: ``configs/cellular_dense_1g.toml``, a constant 1 Gbit/s bottleneck,
@@ -73,6 +74,8 @@ POLICIES: dict[str, list[str]] = {
     "adaptive_plan_0.02": ['adaptive.policy="adaptive"', *TOPK, "compress.ratio=1.0",
                            "adaptive.plan_keep=0.02"],
     "oracle": ['adaptive.policy="oracle"', *TOPK, "compress.ratio=1.0"],
+    "oracle_plan_0.02": ['adaptive.policy="oracle"', *TOPK, "compress.ratio=1.0",
+                         "adaptive.plan_keep=0.02"],
 }
 # Every run reports its time to the target in summary.json.
 TTA = [f"run.target_accuracy={TARGET}"]
@@ -180,7 +183,8 @@ def main() -> int:
         headline = 1.0 - ad / reached[best_fixed]
     model = modelled_best(cell, trace, mean_mbps)
     log(f"model: {model}")
-    orc = cell["oracle"]["tta_s"]
+    # The oracle of the headline adaptive run's own plan.
+    orc = cell[best_adaptive.replace("adaptive", "oracle")]["tta_s"]
     ratios = [p["dense"]["tta_s"] / p["adaptive"]["tta_s"] for p in pairs
               if p["dense"]["tta_s"] and p["adaptive"]["tta_s"]]
     emit("cellular_tta", round(headline, 4), "fraction faster than the best fixed ratio",
@@ -190,6 +194,7 @@ def main() -> int:
           "b0_mbps": mean_mbps, "best_fixed": best_fixed,
           "best_fixed_tta_s": reached.get(best_fixed) if best_fixed else None,
           "best_adaptive": best_adaptive, "adaptive_tta_s": ad, "oracle_tta_s": orc,
+          "oracle_plan_tta_s": {n: cell[n]["tta_s"] for n in ("oracle", "oracle_plan_0.02")},
           "adaptive_vs_oracle_tta": (ad / orc) if ad and orc else None,
           "headline_rule": "1 - tta_adaptive/tta_best_fixed; -1 = adaptive did not reach "
                            "the target",
