@@ -53,8 +53,6 @@ from controller.policies import make_ratio_policy
 from topo.spec import TCP_GOODPUT_FRACTION
 from traces import generate
 
-GOODPUT = TCP_GOODPUT_FRACTION
-
 
 def notsent_lowat(a: cfgmod.AdaptiveConfig) -> int | None:
     """TCP_NOTSENT_LOWAT for the worker's socket: bounded where keep ratios are decided
@@ -136,7 +134,8 @@ class Worker:
         self.compressor: Compressor = make(cfg.compress.name, **params)
         self.ef = ErrorFeedback(self.compressor) if cfg.compress.error_feedback else None
         self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
-        self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers) * GOODPUT
+        self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers
+                            * TCP_GOODPUT_FRACTION)
         self.policy: Any = self._make_policy()
         self.policy_lock = threading.Lock()
         self.sock: socket.socket | None = None
@@ -171,7 +170,8 @@ class Worker:
         return make_ratio_policy("oracle", trace=trace,
                                  n_workers=workers or self.cfg.net.workers,
                                  planned_s=planned_s, trace_start_ns=trace_start_ns,
-                                 keep_min=a.keep_min, goodput_fraction=GOODPUT)
+                                 keep_min=a.keep_min,
+                                 goodput_fraction=TCP_GOODPUT_FRACTION)
 
     # -- connection -----------------------------------------------------------------
 

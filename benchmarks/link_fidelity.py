@@ -26,7 +26,6 @@ from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec, default_queue_by
 RATES_MBPS = [1.0, 10.0, 100.0, 1000.0]
 DURATION_S = int(os.environ.get("GB_LF_DURATION_S", "6"))
 OMIT_S = 2
-CEILING_FRACTION = TCP_GOODPUT_FRACTION
 
 
 def receiver_goodput_bps(client_end: dict) -> tuple[float, float]:
@@ -52,7 +51,7 @@ def measure(net: StarNetwork, rate_mbps: float) -> dict[str, float]:
     server.wait(timeout=10)
     end = json.loads(res.stdout)["end"]
     goodput_bps, measured_s = receiver_goodput_bps(end)
-    ceiling_bps = rate_mbps * 1e6 * CEILING_FRACTION
+    ceiling_bps = rate_mbps * 1e6 * TCP_GOODPUT_FRACTION
     return {
         "rate_mbps": rate_mbps,
         "goodput_mbps": goodput_bps / 1e6,

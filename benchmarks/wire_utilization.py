@@ -25,7 +25,6 @@ from controller.summary import upload_windows, window_utilization
 from topo.spec import TCP_GOODPUT_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
-GOODPUT = TCP_GOODPUT_FRACTION
 
 
 def main() -> None:
@@ -52,9 +51,10 @@ def main() -> None:
         payload_util = up_bytes / (rate_mbps * 1e6 / 8 * (e - s) / 1e9)
         per_iter.append({"iter": it, "window_s": (e - s) / 1e9, "link_busy": util,
                          "payload_bytes": up_bytes, "payload_util": payload_util,
-                         "payload_vs_tcp_ceiling": payload_util / GOODPUT})
+                         "payload_vs_tcp_ceiling": payload_util / TCP_GOODPUT_FRACTION})
         log(f"iter {it}: window {(e - s) / 1e9:.2f} s, link busy {util:.4f}, "
-            f"payload {payload_util:.4f} of rate ({payload_util / GOODPUT:.4f} of TCP ceiling)")
+            f"payload {payload_util:.4f} of rate "
+            f"({payload_util / TCP_GOODPUT_FRACTION:.4f} of TCP ceiling)")
     overall = window_utilization(links, windows)
     summary = json.loads((run_dir / "summary.json").read_text())
     emit("wire_utilization", round(overall, 4), "fraction of upload-window time the up "
@@ -62,7 +62,7 @@ def main() -> None:
          {"run_dir": str(run_dir), "rate_mbps": rate_mbps, "workers": summary["workers"],
           "gradient_bytes_per_worker": 25_557_032 * 4, "per_iteration": per_iter,
           "payload_util_mean": sum(p["payload_util"] for p in per_iter) / max(1, len(per_iter)),
-          "tcp_payload_ceiling": GOODPUT, "summary": summary})
+          "tcp_payload_ceiling": TCP_GOODPUT_FRACTION, "summary": summary})
 
 
 if __name__ == "__main__":
