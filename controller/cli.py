@@ -42,6 +42,16 @@ def run_main(argv: Sequence[str]) -> int:
     except cfgmod.ConfigError as e:
         print(f"gradbed run: config error: {e}", file=sys.stderr)
         return 2
+    from traces.bandwidth import TraceError, load_trace
+
+    # A bad trace file is named (file:line) before any network is built.
+    for field, path in (("trace.up", cfg.trace.up), ("trace.down", cfg.trace.down)):
+        try:
+            if path:
+                load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+        except TraceError as e:
+            print(f"gradbed run: {args.config}: {field}: {e}", file=sys.stderr)
+            return 2
     if args.dry_run:
         from controller.run import plan_commands
         from topo.probe import probe

@@ -310,3 +310,28 @@ def test_malformed_profiles(tmp_path: Path, text: str, line: int, words: str) ->
         load_profile(path)
     assert str(err.value).startswith(f"{path}:{line}:") and words in str(err.value)
 
+
+
+@pytest.mark.parametrize("field", ["up", "down"])
+def test_gradbed_run_names_a_bad_trace_before_building_anything(
+        tmp_path: Path, field: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gradbed run` loads the config's traces first: a malformed one is an error naming
+    the config, the field, the file and the line, and no run directory is made (the same
+    check runs with --dry-run)."""
+    from controller import cli
+
+    bad = tmp_path / "bad.log"
+    bad.write_text("0 5\n1 abc\n")
+    repo = Path(__file__).resolve().parents[1]
+    config = repo / "configs" / "test_tiny.toml"
+    for extra in (["--dry-run"], []):
+        rc = cli.main(["run", str(config), "--out", str(tmp_path / "runs"),
+                       "--set", f'trace.{field}="{bad}"', *extra])
+        assert rc == 2
+        err = capsys.readouterr().err
+        assert f"test_tiny.toml: trace.{field}: {bad}:2: rate_mbps 'abc' is not a number" in err
+    missing = tmp_path / "missing.log"
+    assert cli.main(["run", str(config), "--dry-run", "--set",
+                     f'trace.{field}="{missing}"']) == 2
+    assert f"{missing}: cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
