@@ -50,9 +50,8 @@ from _common import emit, gradbed_run, log
 
 from agents.workloads.factory import make_workload
 from analysis.load import load_events
-from analysis.tta_model import best_schedule_tta_s, schedule_tta_s, topk_wire_bytes
+from analysis.tta_model import best_schedule_tta_s, keep_independent_s, schedule_tta_s
 from controller import config as cfgmod
-from topo.spec import TCP_GOODPUT_FRACTION
 from traces.bandwidth import BandwidthTrace, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,9 +132,9 @@ def modelled_best(cell: dict[str, dict[str, Any]], trace: BandwidthTrace,
     model = make_workload(cfg.workload).build_model(cfg.run.seed)
     dense = 4 * sum(p.numel() for p in model.parameters())
     workers = cfg.net.workers
-    up_s = workers * topk_wire_bytes(0.01, dense) * 8 / (mean_mbps * 1e6 * TCP_GOODPUT_FRACTION)
-    overhead = max(0.0, float(cell["fixed_0.01"]["iter_s_mean"]) - up_s)
-    common: dict[str, Any] = dict(bytes_between=trace.bytes_between, iterations=iters,
+    overhead = keep_independent_s(float(cell["fixed_0.01"]["iter_s_mean"]), 0.01,
+                                  mean_rate_mbps=mean_mbps, dense_bytes=dense, workers=workers)
+    common: dict[str, Any] = dict(trace=trace, iterations=iters,
                                   dense_bytes=dense, workers=workers, overhead_s=overhead)
     fixed = {f"{k:g}": schedule_tta_s(choose=lambda _t, k=k: k, **common)[0] for k in iters}
     best, n = best_schedule_tta_s(**common)

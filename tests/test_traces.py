@@ -161,6 +161,29 @@ def test_bytes_between_matches_integration_of_rate() -> None:
         tr.bytes_between(2.0, 1.0)
 
 
+def test_seconds_to_carry_inverts_bytes_between() -> None:
+    rng = random.Random(11)
+    # A zero-rate step, and one at the end of the period, so the inverse must skip both.
+    tr = generate.steps([(0.0, 10.0), (0.3, 50.0), (1.1, 0.0), (1.5, 25.0), (1.9, 0.0)], 2.0)
+    for _ in range(200):
+        t0 = rng.uniform(0.0, 7.0)
+        n = rng.uniform(1.0, 40_000.0)
+        s = tr.seconds_to_carry(t0, n)
+        assert tr.bytes_between(t0, t0 + s) == pytest.approx(n, rel=1e-9, abs=1e-6)
+        # ... and it is the least such time: a hair earlier carries less.
+        assert s == 0.0 or tr.bytes_between(t0, t0 + max(0.0, s - 1e-6)) < n
+    # Starting inside the zero-rate step waits for the next step.
+    assert tr.seconds_to_carry(1.2, 1.0) == pytest.approx(0.3, abs=1e-6)
+    # Spanning several loops: each period carries the mean rate's bytes.
+    period_bytes = tr.bytes_between(0.0, 2.0)
+    assert tr.seconds_to_carry(0.0, 3 * period_bytes) == pytest.approx(2 * 2.0 + 1.9, abs=1e-6)
+    assert tr.bytes_between(0.0, tr.seconds_to_carry(0.0, 3 * period_bytes)) == \
+        pytest.approx(3 * period_bytes)
+    assert tr.seconds_to_carry(0.5, 0.0) == 0.0
+    with pytest.raises(ValueError, match="allows no bytes"):
+        generate.steps([(0.0, 0.0)], 1.0).seconds_to_carry(0.0, 1.0)
+
+
 def test_rate_at_loops_and_steps_merge() -> None:
     tr = generate.steps([(0.0, 100.0), (20.0, 20.0), (40.0, 100.0)], 60.0)
     assert tr.rate_at(19.99) == 100.0 and tr.rate_at(20.0) == 20.0

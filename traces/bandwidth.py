@@ -22,6 +22,7 @@ import bisect
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 # Mahimahi's fixed packet size: one delivery opportunity drains one MTU-sized packet.
@@ -91,19 +92,25 @@ class BandwidthTrace:
     def _end(self, i: int) -> float:
         return self.times_s[i + 1] if i + 1 < len(self.times_s) else self.period_s
 
+    @cached_property
+    def _cum_bits(self) -> tuple[float, ...]:
+        """Bits allowed from 0 to the start of each step, then to ``period_s`` (prefix sums,
+        so a query costs a binary search instead of a walk over every step)."""
+        cum = [0.0]
+        for i, r in enumerate(self.rates_mbps):
+            cum.append(cum[-1] + r * 1e6 * (self._end(i) - self.times_s[i]))
+        return tuple(cum)
+
+    def _bits_to(self, phase_s: float) -> float:
+        """Bits allowed in [0, phase] with 0 <= phase <= period."""
+        i = self._index(phase_s)
+        return self._cum_bits[i] + self.rates_mbps[i] * 1e6 * (phase_s - self.times_s[i])
+
     def _bits_in_period(self, a_s: float, b_s: float) -> float:
         """Megabit-seconds * 1e6 (i.e. bits) allowed in [a, b] with 0 <= a <= b <= period."""
         if b_s <= a_s:
             return 0.0
-        i = self._index(a_s)
-        bits = 0.0
-        while i < len(self.times_s) and self.times_s[i] < b_s:
-            lo = max(a_s, self.times_s[i])
-            hi = min(b_s, self._end(i))
-            if hi > lo:
-                bits += self.rates_mbps[i] * 1e6 * (hi - lo)
-            i += 1
-        return bits
+        return max(0.0, self._bits_to(b_s) - self._bits_to(a_s))
 
     def bytes_between(self, t0_s: float, t1_s: float) -> float:
         """Exact integral of the allowed rate over [t0, t1], in bytes, looping as needed."""
@@ -111,7 +118,7 @@ class BandwidthTrace:
             raise ValueError(f"bytes_between: t1_s={t1_s} is before t0_s={t0_s}")
         if t1_s == t0_s:
             return 0.0
-        period_bits = self._bits_in_period(0.0, self.period_s)
+        period_bits = self._cum_bits[-1]
         loop0 = math.floor(t0_s / self.period_s)
         loop1 = math.floor(t1_s / self.period_s)
         a = t0_s - loop0 * self.period_s
@@ -124,6 +131,25 @@ class BandwidthTrace:
             bits = (self._bits_in_period(a, self.period_s) + (loop1 - loop0 - 1) * period_bits
                     + self._bits_in_period(0.0, b))
         return bits / 8.0
+
+    def seconds_to_carry(self, t0_s: float, n_bytes: float) -> float:
+        """The least s >= 0 with ``bytes_between(t0_s, t0_s + s) >= n_bytes`` (the inverse of
+        :meth:`bytes_between`, exact). ValueError when the trace carries nothing at all."""
+        if n_bytes <= 0:
+            return 0.0
+        period_bits = self._cum_bits[-1]
+        if period_bits <= 0:
+            raise ValueError(f"{self.source}: the trace allows no bytes at all")
+        loop0 = math.floor(t0_s / self.period_s)
+        a = min(max(t0_s - loop0 * self.period_s, 0.0), self.period_s)
+        target = self._bits_to(a) + n_bytes * 8.0
+        loops = math.ceil(target / period_bits) - 1  # whole periods before the one it ends in
+        rem = target - loops * period_bits  # in (0, period_bits]
+        # cum[j-1] < rem <= cum[j]; the clamp only absorbs rounding at the period's ends.
+        j = min(max(bisect.bisect_left(self._cum_bits, rem), 1), len(self.times_s))
+        k = j - 1
+        phase = self.times_s[k] + (rem - self._cum_bits[k]) / (self.rates_mbps[k] * 1e6)
+        return max(0.0, (loop0 + loops) * self.period_s + min(phase, self._end(k)) - t0_s)
 
     def steps(self, granularity_s: float = 0.1) -> list[tuple[float, float]]:
         """One period as (start_s, rate_mbps) steps on a ``granularity_s`` grid.
