@@ -20,7 +20,7 @@ The best schedule picks, for each iteration, the k with the most progress per se
 the bandwidth it meets. The bandwidth does not depend on the choice, but an iteration's
 length decides where on the trace the next one starts, so the greedy choice is close to
 the best under the model, not exactly it: on the real traces of
-``benchmarks/tta_headroom.py`` it lands within 2 % of the best fixed keep where no
+``benchmarks/tta_headroom.py`` it lands within 2.5 % of the best fixed keep where no
 schedule can do better. The model ignores that a keep's effect on training depends on what
 came before (error feedback carries the unsent part along), so it is an estimate of the
 achievable gain, not a bound.
