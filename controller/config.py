@@ -250,6 +250,30 @@ class MembershipConfig:
 
 
 @dataclass(frozen=True)
+class BackgroundConfig:
+    # iperf3 TCP flows between each of net.background_hosts and the PS (controller/background.py)
+    flows: int = 0                    # flows per background host (iperf3 -P); 0 = none
+    direction: str = "up"             # up: host -> PS, with the gradients; down: PS -> host
+    rate_mbps: float = 0.0            # per flow (iperf3 -b); 0 = as fast as TCP goes
+    start_s: float = 0.0              # after the workers start
+    duration_s: float = 0.0           # 0 = until the run ends
+    congestion: str = ""              # "" = net.congestion
+
+    def validate(self, p: str) -> None:
+        _check(0 <= self.flows <= 16, f"{p}.flows", self.flows, "must be in [0, 16]")
+        _check(self.direction in ("up", "down"), f"{p}.direction", self.direction,
+               "must be up or down")
+        _check(0 <= self.rate_mbps <= 10_000, f"{p}.rate_mbps", self.rate_mbps,
+               "must be in [0, 10000] Mbit/s (0 = unlimited)")
+        _check(0 <= self.start_s <= 86_400, f"{p}.start_s", self.start_s,
+               "must be in [0, 86400] s")
+        _check(0 <= self.duration_s <= 86_400, f"{p}.duration_s", self.duration_s,
+               "must be in [0, 86400] s (0 = until the run ends)")
+        _check(self.congestion in ("", "reno", "cubic", "bbr"), f"{p}.congestion",
+               self.congestion, "must be empty (net.congestion), reno, cubic or bbr")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     net: NetConfig = field(default_factory=NetConfig)
@@ -259,6 +283,7 @@ class ExperimentConfig:
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    background: BackgroundConfig = field(default_factory=BackgroundConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -266,6 +291,9 @@ class ExperimentConfig:
         for i, entry in enumerate(self.membership.schedule):
             _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
                    f"must name a worker in [0, {self.net.workers - 1}]")
+        _check(self.background.flows == 0 or self.net.background_hosts >= 1,
+               "background.flows", self.background.flows,
+               "needs net.background_hosts >= 1 (the hosts the flows start from)")
         # A compressor that is not registered is a config error, not a crash in a host.
         import agents.compress  # noqa: F401  (registers every compressor)
         from agents.compress.base import names

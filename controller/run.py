@@ -27,6 +27,7 @@ from agents.events import EventLog, now_ns
 from analysis.load import load_events
 from controller import config as cfgmod
 from controller import rundir
+from controller.background import BackgroundTraffic, commands
 from controller.control import ControlServer
 from controller.summary import summarize
 from topo.build import StarNetwork
@@ -79,6 +80,8 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
     for k in range(spec.workers):
         out.append(f"$ {py} -m agents.worker --run-dir RUN --worker {k} --ps {spec.ip('ps')} "
                    f"--port {cfg.net.ps_port}   # in w{k}")
+    for c in commands(cfg, spec, Path("RUN") / "background"):
+        out.append(f"$ {' '.join(c.argv)}   # in {c.host}, background traffic")
     if cfg.trace.up or cfg.trace.down:
         out.append(f"# then trace replay: up={cfg.trace.up or '-'} down={cfg.trace.down or '-'}"
                    f" every {cfg.trace.granularity_ms} ms with tc class change")
@@ -147,6 +150,7 @@ class Experiment:
         self._bar: Any = None
         self._ps_state: dict[str, Any] = {"iter": -1, "done": False}
         self.driver: Any = None
+        self.background: BackgroundTraffic | None = None
 
     # -- logging --------------------------------------------------------------------
 
@@ -220,7 +224,11 @@ class Experiment:
                 from controller.driver import NetworkDriver
 
                 self.driver = NetworkDriver(cfg, net, ctl, self.events, self.say)
-                stop_reason = self._run_agents(net, run_dir)
+                self.background = BackgroundTraffic(cfg, star_spec(cfg), run_dir, self.say)
+                try:
+                    stop_reason = self._run_agents(net, run_dir)
+                finally:
+                    self._stop_background()
         except KeyboardInterrupt:
             interrupted = True
             stop_reason = "interrupted"
@@ -282,6 +290,8 @@ class Experiment:
                              dynamic_ncols=True, file=sys.stderr)
         assert self.driver is not None
         self.driver.start()
+        if self.background is not None:
+            self.background.start(net)
         deadline = time.monotonic() + cfg.run.timeout_s
         reported: set[int] = set()
         while ps.poll() is None:
@@ -304,6 +314,19 @@ class Experiment:
         if ps.returncode != 0:
             return f"PS exited with status {ps.returncode}; see logs/ps.log"
         return str(self._ps_state.get("reason") or "completed")
+
+    def _stop_background(self) -> None:
+        """End the background flows and log one ``background`` event per host."""
+        if self.background is None or not self.background.cmds:
+            return
+        for report in self.background.stop():
+            assert self.events is not None
+            self.events.emit("background", **report)
+            if "error" in report:
+                self.say(f"background {report['host']}: {report['error']}")
+            else:
+                self.say(f"background {report['host']}: {report['bytes'] / 1e6:.1f} MB, "
+                         f"{report['mbps']:.1f} Mbit/s over {report['seconds']:.1f} s")
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:

@@ -95,6 +95,10 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
     }
     if len(psi):
         out["bytes_up_per_iter"] = out["bytes_up"] / len(psi)
+    bg = ev[ev["event"] == "background"] if not ev.empty else ev
+    if len(bg) and "bytes" in bg:
+        out["background_bytes"] = int(bg["bytes"].fillna(0).sum())
+        out["background_mbps"] = float(bg["mbps"].fillna(0).sum())
     if not evals.empty and "accuracy" in evals:
         last = evals.sort_values("ts_ns").iloc[-1]
         out["final_accuracy"] = float(last["accuracy"])

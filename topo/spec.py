@@ -1,4 +1,5 @@
-"""Topologies as pure, validated data: links, the star and the dumbbell.
+"""Topologies as pure, validated data: links and the star (workers and background hosts on
+one switch, the switch->PS link the bottleneck).
 
 This is the "describe first" half of Mininet's split (``mininet/topo.py``): nothing here
 needs root or touches the OS. ``topo.build`` turns a spec into namespaces, veths, a Linux

@@ -1,0 +1,130 @@
+"""Background traffic (controller/background.py): the config is checked, the iperf3
+commands are what a run starts, a real iperf3 report is read, and in Mininet the flows
+share the bottleneck with the training and slow it down."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from controller import config as cfgmod
+from controller.background import BASE_PORT, commands, read_report
+from controller.run import plan_commands, star_spec
+from tests.mininet_run import events, gradbed_run, leftovers, summary
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "test_tiny.toml"
+
+
+def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
+    return cfgmod.load(TINY, list(overrides))
+
+
+def test_flows_need_background_hosts():
+    with pytest.raises(cfgmod.ConfigError, match=r"background.flows = 2: needs "
+                                                 r"net.background_hosts >= 1"):
+        cfg("background.flows=2")
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("flows", "17", "must be in \\[0, 16\\]"),
+    ("direction", '"sideways"', "must be up or down"),
+    ("rate_mbps", "-1", "must be in \\[0, 10000\\]"),
+    ("congestion", '"dctcp"', "must be empty"),
+    ("start_s", "-2", "must be in \\[0, 86400\\]"),
+])
+def test_bad_background_fields_name_the_field(field, value, allowed):
+    with pytest.raises(cfgmod.ConfigError, match=f"test_tiny.toml: background.{field} = .*"
+                                                 f"{allowed}"):
+        cfg("net.background_hosts=1", f"background.{field}={value}")
+
+
+def test_commands_one_server_per_host_then_the_clients(tmp_path):
+    c = cfg("net.background_hosts=2", "background.flows=3", "background.rate_mbps=5",
+            "background.direction=\"down\"", "background.duration_s=4")
+    cmds = commands(c, star_spec(c), tmp_path)
+    assert [x.host for x in cmds] == ["ps", "ps", "bg0", "bg1"]
+    assert cmds[0].argv == ("iperf3", "-s", "-1", "-B", "10.0.0.1", "-p", str(BASE_PORT))
+    bg1 = list(cmds[3].argv)
+    assert bg1[bg1.index("-p") + 1] == str(BASE_PORT + 1)
+    assert bg1[bg1.index("-B") + 1] == star_spec(c).ip("bg1")
+    assert bg1[bg1.index("-P") + 1] == "3" and bg1[bg1.index("-t") + 1] == "4"
+    assert bg1[bg1.index("-b") + 1] == "5M" and "-R" in bg1
+    assert bg1[bg1.index("-C") + 1] == "cubic"  # net.congestion when not given
+    assert cmds[3].report == str(tmp_path / "bg1.json")
+
+
+def test_open_ended_flows_outlast_the_run_and_are_in_the_dry_run(tmp_path):
+    c = cfg("net.background_hosts=1", "background.flows=1", "background.congestion=\"bbr\"")
+    argv = list(commands(c, star_spec(c), tmp_path)[1].argv)
+    assert float(argv[argv.index("-t") + 1]) > c.run.timeout_s
+    assert "-b" not in argv and "-R" not in argv and argv[argv.index("-C") + 1] == "bbr"
+    plan = "\n".join(plan_commands(c, {"netem": False}))
+    assert "iperf3 -c 10.0.0.1" in plan and "# in bg0, background traffic" in plan
+    assert commands(cfg(), star_spec(cfg()), tmp_path) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 is not installed")
+def test_reads_a_real_iperf3_report_also_when_interrupted(tmp_path):
+    port = str(_free_port())
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", port],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        report = tmp_path / "bg0.json"
+        client = subprocess.Popen(["iperf3", "-c", "127.0.0.1", "-p", port, "-t", "30",
+                                   "-b", "200M", "-J", "--logfile", str(report)])
+        time.sleep(1.5)
+        client.send_signal(signal.SIGINT)
+        client.wait(timeout=10)
+    finally:
+        server.kill()
+        server.wait()
+    r = read_report(report)
+    assert 0.8 < r["seconds"] < 3.0, r
+    assert 100 < r["mbps"] < 260, r  # paced at 200 Mbit/s
+    assert r["bytes"] == pytest.approx(r["mbps"] * 1e6 / 8 * r["seconds"], rel=0.05)
+    assert "interrupt" in r["note"]
+
+
+def test_missing_or_bad_report_is_an_error_field(tmp_path):
+    assert "No such file" in read_report(tmp_path / "nope.json")["error"]
+    (tmp_path / "bad.json").write_text("{not json")
+    assert "bad.json" in read_report(tmp_path / "bad.json")["error"]
+
+
+@pytest.mark.mininet
+def test_background_flows_share_the_bottleneck(tmp_path):
+    base = ["run.iterations=12", "run.eval_every=12"]
+    quiet_dir, p0 = gradbed_run("configs/test_tiny.toml", base, tmp_path)
+    assert p0.returncode == 0, p0.stderr[-3000:]
+    busy_dir, p1 = gradbed_run("configs/test_tiny.toml",
+                               [*base, "net.background_hosts=1", "background.flows=2"],
+                               tmp_path)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    s, quiet = summary(busy_dir), summary(quiet_dir)
+    bg = events(busy_dir)
+    bg = bg[bg["event"] == "background"]
+    assert list(bg["host"]) == ["bg0"] and bg["bytes"].iloc[0] > 1_000_000
+    # Two greedy flows against two workers on a 50 Mbit/s link: they take a real share...
+    assert 5 < s["background_mbps"] < 50, s
+    # ... the link carried both (up direction, wire bytes >= payload bytes) ...
+    links = pd.read_parquet(busy_dir / "links.parquet")
+    up = links[links["direction"] == "up"]["sent_bytes"]
+    assert up.max() - up.min() > 0.8 * (s["background_bytes"] + s["bytes_up"])
+    # ... and the training is slower for it.
+    assert s["iter_time_s_mean"] > 1.3 * quiet["iter_time_s_mean"], (s, quiet)
+    assert (busy_dir / "background" / "bg0.json").exists()
+    assert leftovers() == []
