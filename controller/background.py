@@ -1,24 +1,29 @@
-"""Background (cross) traffic: iperf3 TCP flows between the background hosts and the PS
-that share the bottleneck with the training (DESIGN.md section 3: iperf3 serves as the
-background-traffic source).
+"""Background (cross) traffic between the background hosts and the PS, sharing the
+bottleneck with the training (DESIGN.md sections 2-3: iperf3 as a background-traffic
+source, flow-size CDFs and background-flow generators).
 
-``[background]`` in a config asks for ``flows`` TCP flows from each of the star's
-``net.background_hosts`` hosts (``bg0``, ``bg1``, ...): ``direction = "up"`` sends from the
-host to the PS through the up bottleneck, with the workers' gradients; ``"down"`` sends from
-the PS to the host (iperf3 ``-R``), with the weights. Each host has its own iperf3 server in
-the PS host, on ``BASE_PORT + j``.
+``[background]`` in a config, for each of the star's ``net.background_hosts`` hosts (``bg0``,
+``bg1``, ...), with a server for each in the PS host on ``BASE_PORT + j``:
+- ``kind = "bulk"``: ``flows`` long iperf3 TCP flows. ``direction = "up"`` sends from the
+  host to the PS through the up bottleneck, with the workers' gradients; ``"down"`` from
+  the PS to the host (iperf3 ``-R``), with the weights. Each client's JSON report
+  (``background/bgJ.json``, kept) becomes one ``background`` event: bytes, mean rate,
+  retransmits and the seconds it ran.
+- ``kind = "flows"``: flows drawn from the flow-size CDF ``flow_cdf`` at an offered load
+  of ``load_mbps``, each a new connection to a sink (``agents/flowgen.py``), logged as
+  ``flow_done`` events with their completion times, and a ``background`` event at the end.
 
 :func:`commands` is pure (it is also what ``gradbed run --dry-run`` prints);
-:class:`BackgroundTraffic` starts the processes, stops them when the run ends, and reads
-each client's JSON report (``background/bgJ.json`` in the run directory, kept) into one
-``background`` event per host: bytes, mean rate, retransmits and the seconds it ran.
+:class:`BackgroundTraffic` starts the processes and stops them when the run ends.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from controller import config as cfgmod
+from controller import rundir
 from topo.spec import StarSpec
 
 __all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report"]
@@ -40,30 +46,44 @@ _OPEN_ENDED_EXTRA_S = 60
 class FlowCommand:
     host: str
     argv: tuple[str, ...]
-    report: str = ""  # the client's JSON report file ("" for a server)
+    role: str  # "server" (stopped with SIGTERM) or "client" (SIGINT: it reports, then exits)
+    report: str = ""  # a bulk client's iperf3 JSON report
 
 
-def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, out_dir: Path) -> list[FlowCommand]:
-    """The iperf3 servers (in the PS host) and clients (one per background host), servers
-    first. Empty when ``background.flows`` is 0."""
+def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> list[FlowCommand]:
+    """The servers (in the PS host: an iperf3 server, or a flowgen sink, per background
+    host) and the clients (one per background host), servers first. Empty when the config
+    asks for no background traffic."""
     bg = cfg.background
-    if bg.flows == 0:
+    if not bg.active:
         return []
     seconds = bg.duration_s if bg.duration_s > 0 else cfg.run.timeout_s + _OPEN_ENDED_EXTRA_S
     cc = bg.congestion or cfg.net.congestion
     ps_ip = spec.ip("ps")
+    py = sys.executable
     servers, clients = [], []
     for j, host in enumerate(spec.extra_host_names()):
         port = str(BASE_PORT + j)
-        servers.append(FlowCommand("ps", ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port)))
-        report = str(out_dir / f"{host}.json")
+        if bg.kind == "flows":
+            servers.append(FlowCommand("ps", (py, "-m", "agents.flowgen", "sink", "--bind",
+                                              ps_ip, "--port", port), "server"))
+            clients.append(FlowCommand(host, (
+                py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
+                "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
+                "--cdf", str(Path(bg.flow_cdf).resolve()), "--load-mbps", f"{bg.load_mbps:g}",
+                "--duration-s", f"{seconds:g}", "--seed", str(cfg.run.seed * 1000 + j),
+                "--congestion", cc), "client"))
+            continue
+        servers.append(FlowCommand("ps", ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port),
+                                   "server"))
+        report = str(run_dir / "background" / f"{host}.json")
         argv = ["iperf3", "-c", ps_ip, "-p", port, "-B", spec.ip(host), "-P", str(bg.flows),
                 "-t", f"{seconds:g}", "-C", cc, "-J", "--logfile", report]
         if bg.rate_mbps > 0:
             argv += ["-b", f"{bg.rate_mbps:g}M"]
         if bg.direction == "down":
             argv.append("-R")
-        clients.append(FlowCommand(host, tuple(argv), report))
+        clients.append(FlowCommand(host, tuple(argv), "client", report))
     return servers + clients
 
 
@@ -101,7 +121,7 @@ class BackgroundTraffic:
                  say: Any) -> None:
         self.cfg = cfg
         self.out_dir = run_dir / "background"
-        self.cmds = commands(cfg, spec, self.out_dir)
+        self.cmds = commands(cfg, spec, run_dir)
         self.say = say
         self.procs: list[tuple[FlowCommand, subprocess.Popen[Any]]] = []
         self._timer: threading.Timer | None = None
@@ -121,43 +141,46 @@ class BackgroundTraffic:
             if self._stopped:
                 return
             for c in self.cmds:
-                if not c.report:
+                if c.role == "server":
                     self._popen(net, c)
-            # An iperf3 server listens within milliseconds; the client retries nothing.
-            threading.Event().wait(0.3)
+            # A server listens within milliseconds (a flowgen sink once Python has started);
+            # the clients retry nothing.
+            threading.Event().wait(0.3 if self.cfg.background.kind == "bulk" else 1.0)
             for c in self.cmds:
-                if c.report:
+                if c.role == "client":
                     self._popen(net, c)
 
     def _popen(self, net: _Net, c: FlowCommand) -> None:
         self.say(f"start background in {c.host}: {' '.join(c.argv)}")
         log = open(self.out_dir / f"{c.host}-{len(self.procs)}.log", "ab")
         try:
+            env = {**os.environ, "PYTHONPATH": str(rundir.REPO_ROOT), "PYTHONUNBUFFERED": "1"}
             p = net.popen(c.host, list(c.argv), stdout=log, stderr=subprocess.STDOUT,
-                          start_new_session=True)
+                          cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
         finally:
             log.close()  # the child holds its own copy
         self.procs.append((c, p))
 
     def stop(self) -> list[dict[str, Any]]:
-        """Interrupt every client (iperf3 then writes its report), stop the servers, and
-        return one report per client host."""
+        """Interrupt every client (iperf3 then writes its report; a flowgen source logs
+        its own), stop the servers, and return one report per bulk client host."""
         if self._timer is not None:
             self._timer.cancel()
         with self._lock:
             self._stopped = True
-            clients = [(c, p) for c, p in self.procs if c.report]
+            clients = [(c, p) for c, p in self.procs if c.role == "client"]
             for _, p in clients:
                 if p.poll() is None:
                     p.send_signal(signal.SIGINT)
             for _, p in clients:
                 _reap(p, 5.0)
             for c, p in self.procs:
-                if not c.report:
+                if c.role == "server":
                     if p.poll() is None:
                         p.terminate()
                     _reap(p, 2.0)
-            return [{"host": c.host, **read_report(Path(c.report))} for c, _ in clients]
+            return [{"host": c.host, **read_report(Path(c.report))} for c, _ in clients
+                    if c.report]
 
 
 def _reap(p: subprocess.Popen[Any], timeout_s: float) -> None:

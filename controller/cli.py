@@ -43,12 +43,19 @@ def run_main(argv: Sequence[str]) -> int:
         print(f"gradbed run: config error: {e}", file=sys.stderr)
         return 2
     from traces.bandwidth import TraceError, load_trace
+    from traces.flowsize import load_flow_cdf
 
-    # A bad trace file is named (file:line) before any network is built.
-    for field, path in (("trace.up", cfg.trace.up), ("trace.down", cfg.trace.down)):
+    # A bad trace or flow-size file is named (file:line) before any network is built.
+    files = [("trace.up", cfg.trace.up, lambda p: load_trace(
+                 p, granularity_s=cfg.trace.granularity_ms / 1000.0)),
+             ("trace.down", cfg.trace.down, lambda p: load_trace(
+                 p, granularity_s=cfg.trace.granularity_ms / 1000.0)),
+             ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
+              else "", load_flow_cdf)]
+    for field, path, loader in files:
         try:
             if path:
-                load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+                loader(path)
         except TraceError as e:
             print(f"gradbed run: {args.config}: {field}: {e}", file=sys.stderr)
             return 2

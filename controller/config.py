@@ -251,16 +251,38 @@ class MembershipConfig:
 
 @dataclass(frozen=True)
 class BackgroundConfig:
-    # iperf3 TCP flows between each of net.background_hosts and the PS (controller/background.py)
-    flows: int = 0                    # flows per background host (iperf3 -P); 0 = none
-    direction: str = "up"             # up: host -> PS, with the gradients; down: PS -> host
-    rate_mbps: float = 0.0            # per flow (iperf3 -b); 0 = as fast as TCP goes
+    # Cross traffic between each of net.background_hosts and the PS (controller/background.py):
+    # "bulk" = long iperf3 TCP flows; "flows" = flows drawn from a flow-size CDF
+    # (agents/flowgen.py), each a new connection, with their completion times.
+    kind: str = "bulk"
+    flows: int = 0                    # bulk: flows per background host (iperf3 -P); 0 = none
+    direction: str = "up"             # bulk: up = host -> PS, with the gradients; down = PS -> host
+    rate_mbps: float = 0.0            # bulk: per flow (iperf3 -b); 0 = as fast as TCP goes
+    flow_cdf: str = ""                # flows: size_bytes cdf_percent file (traces/flowsize.py)
+    load_mbps: float = 0.0            # flows: offered load per background host; 0 = none
     start_s: float = 0.0              # after the workers start
     duration_s: float = 0.0           # 0 = until the run ends
     congestion: str = ""              # "" = net.congestion
 
+    @property
+    def active(self) -> bool:
+        return self.flows > 0 if self.kind == "bulk" else self.load_mbps > 0
+
     def validate(self, p: str) -> None:
+        _check(self.kind in ("bulk", "flows"), f"{p}.kind", self.kind, "must be bulk or flows")
         _check(0 <= self.flows <= 16, f"{p}.flows", self.flows, "must be in [0, 16]")
+        _check(0 <= self.load_mbps <= 10_000, f"{p}.load_mbps", self.load_mbps,
+               "must be in [0, 10000] Mbit/s")
+        if self.kind == "flows":
+            _check(self.flows == 0, f"{p}.flows", self.flows,
+                   'is for kind = "bulk"; kind = "flows" sets load_mbps')
+            _check(self.load_mbps == 0 or bool(self.flow_cdf), f"{p}.flow_cdf",
+                   self.flow_cdf, 'must name a flow-size CDF file for kind = "flows"')
+            _check(self.direction == "up", f"{p}.direction", self.direction,
+                   'must be up for kind = "flows" (the sink is the PS host)')
+        else:
+            _check(self.load_mbps == 0, f"{p}.load_mbps", self.load_mbps,
+                   'is for kind = "flows"; kind = "bulk" sets flows')
         _check(self.direction in ("up", "down"), f"{p}.direction", self.direction,
                "must be up or down")
         _check(0 <= self.rate_mbps <= 10_000, f"{p}.rate_mbps", self.rate_mbps,
@@ -291,9 +313,12 @@ class ExperimentConfig:
         for i, entry in enumerate(self.membership.schedule):
             _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
                    f"must name a worker in [0, {self.net.workers - 1}]")
-        _check(self.background.flows == 0 or self.net.background_hosts >= 1,
-               "background.flows", self.background.flows,
-               "needs net.background_hosts >= 1 (the hosts the flows start from)")
+        bg = self.background
+        if bg.active and self.net.background_hosts < 1:
+            field_, value = (("background.flows", bg.flows) if bg.kind == "bulk"
+                             else ("background.load_mbps", bg.load_mbps))
+            _check(False, field_, value,
+                   "needs net.background_hosts >= 1 (the hosts the flows start from)")
         # A compressor that is not registered is a config error, not a crash in a host.
         import agents.compress  # noqa: F401  (registers every compressor)
         from agents.compress.base import names

@@ -80,7 +80,7 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
     for k in range(spec.workers):
         out.append(f"$ {py} -m agents.worker --run-dir RUN --worker {k} --ps {spec.ip('ps')} "
                    f"--port {cfg.net.ps_port}   # in w{k}")
-    for c in commands(cfg, spec, Path("RUN") / "background"):
+    for c in commands(cfg, spec, Path("RUN")):
         out.append(f"$ {' '.join(c.argv)}   # in {c.host}, background traffic")
     if cfg.trace.up or cfg.trace.down:
         out.append(f"# then trace replay: up={cfg.trace.up or '-'} down={cfg.trace.down or '-'}"
@@ -319,7 +319,7 @@ class Experiment:
         """End the background flows and log one ``background`` event per host."""
         if self.background is None or not self.background.cmds:
             return
-        for report in self.background.stop():
+        for report in self.background.stop():  # bulk flows; a flowgen source logs its own
             assert self.events is not None
             self.events.emit("background", **report)
             if "error" in report:

@@ -99,6 +99,12 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
     if len(bg) and "bytes" in bg:
         out["background_bytes"] = int(bg["bytes"].fillna(0).sum())
         out["background_mbps"] = float(bg["mbps"].fillna(0).sum())
+    fl = ev[ev["event"] == "flow_done"] if not ev.empty else ev
+    if len(fl) and "fct_s" in fl:
+        fct = fl["fct_s"].to_numpy(dtype=float)
+        out["background_flows"] = int(len(fl))
+        out["fct_s_p50"] = percentile(fct, 50)
+        out["fct_s_p99"] = percentile(fct, 99)
     if not evals.empty and "accuracy" in evals:
         last = evals.sort_values("ts_ns").iloc[-1]
         out["final_accuracy"] = float(last["accuracy"])

@@ -18,6 +18,7 @@ from controller import config as cfgmod
 from controller.background import BASE_PORT, commands, read_report
 from controller.run import plan_commands, star_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary
+from topo.qdisc import htb_burst_bytes
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "test_tiny.toml"
 
@@ -57,7 +58,7 @@ def test_commands_one_server_per_host_then_the_clients(tmp_path):
     assert bg1[bg1.index("-P") + 1] == "3" and bg1[bg1.index("-t") + 1] == "4"
     assert bg1[bg1.index("-b") + 1] == "5M" and "-R" in bg1
     assert bg1[bg1.index("-C") + 1] == "cubic"  # net.congestion when not given
-    assert cmds[3].report == str(tmp_path / "bg1.json")
+    assert cmds[3].report == str(tmp_path / "background" / "bg1.json")
 
 
 def test_open_ended_flows_outlast_the_run_and_are_in_the_dry_run(tmp_path):
@@ -127,4 +128,26 @@ def test_background_flows_share_the_bottleneck(tmp_path):
     # ... and the training is slower for it.
     assert s["iter_time_s_mean"] > 1.3 * quiet["iter_time_s_mean"], (s, quiet)
     assert (busy_dir / "background" / "bg0.json").exists()
+    assert leftovers() == []
+
+
+@pytest.mark.mininet
+def test_flows_from_a_cdf_report_completion_times(tmp_path):
+    run_dir, proc = gradbed_run("configs/test_tiny.toml", [
+        "run.iterations=20", "run.eval_every=20", "net.background_hosts=1",
+        'background.kind="flows"', "background.load_mbps=10",
+        'background.flow_cdf="traces/data/pareto_flows.cdf"'], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ev = events(run_dir)
+    done = ev[ev["event"] == "flow_done"]
+    planned = ev[ev["event"] == "flows_planned"]
+    assert len(planned) == 1 and len(done) > 50, ev["event"].value_counts()
+    # No flow beats the 50 Mbit/s bottleneck: beyond the HTB bucket's burst its bytes need
+    # at least (size - burst) x 8 / rate (short flows fit in the bucket and cross at once).
+    burst = htb_burst_bytes(50.0)
+    assert (done["fct_s"] >= (done["size_bytes"] - burst).clip(lower=0) * 8 / 50e6).all()
+    assert (done["fct_s"] > 0).all()
+    s = summary(run_dir)
+    assert s["background_flows"] == len(done) and 0 < s["fct_s_p50"] <= s["fct_s_p99"]
+    assert s["iterations"] == 20
     assert leftovers() == []

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from traces.bandwidth import MAHIMAHI_PACKET_BYTES, BandwidthTrace, TraceError
+from traces.flowsize import FlowSizeCDF, load_flow_cdf, write_flow_cdf
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -102,7 +103,8 @@ def random_walk(mean_mbps: float, sigma_mbps: float, step_s: float, duration_s: 
 # -- writers -------------------------------------------------------------------------------
 
 
-def _atomic_write(path: str | os.PathLike[str], text: str) -> None:
+def atomic_write(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
@@ -162,7 +164,7 @@ def mahimahi_timestamps(trace: BandwidthTrace) -> list[int]:
 
 def write_mahimahi(trace: BandwidthTrace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` as a Mahimahi delivery-opportunity file (atomically)."""
-    _atomic_write(path, "".join(f"{ms}\n" for ms in mahimahi_timestamps(trace)))
+    atomic_write(path, "".join(f"{ms}\n" for ms in mahimahi_timestamps(trace)))
 
 
 def write_rate_log(trace: BandwidthTrace, path: str | os.PathLike[str]) -> None:
@@ -170,7 +172,7 @@ def write_rate_log(trace: BandwidthTrace, path: str | os.PathLike[str]) -> None:
     period, and :func:`traces.bandwidth.load_rate_log` accepts ``period_s`` to restore it."""
     lines = [f"# {trace.source}\n", f"# period_s {trace.period_s!r}\n"]
     lines += [f"{t!r} {r!r}\n" for t, r in zip(trace.times_s, trace.rates_mbps, strict=True)]
-    _atomic_write(path, "".join(lines))
+    atomic_write(path, "".join(lines))
 
 
 # -- the project's shipped traces ----------------------------------------------------------
@@ -192,6 +194,19 @@ def shipped_traces() -> dict[str, BandwidthTrace]:
     }
 
 
+def pareto_flow_cdf(alpha: float = 1.1, lo_bytes: float = 1e3, hi_bytes: float = 1e7
+                    ) -> FlowSizeCDF:
+    """A bounded-Pareto flow-size CDF (heavy-tailed, as data-centre flow sizes are) at
+    log-spaced sizes 1, 3, 10, 30 ... KB up to ``hi_bytes``."""
+    sizes = [lo_bytes]
+    while sizes[-1] < hi_bytes:
+        sizes.append(min(hi_bytes, sizes[-1] * (3 if len(sizes) % 2 else 10 / 3)))
+    norm = 1 - (lo_bytes / hi_bytes) ** alpha
+    cdf = [(1 - (lo_bytes / s) ** alpha) / norm for s in sizes]
+    cdf[-1] = 1.0
+    return FlowSizeCDF(tuple(round(s) for s in sizes), tuple(cdf), source="pareto")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m traces.generate", description=__doc__)
     ap.add_argument("--out", type=Path, default=DATA_DIR, help="output folder")
@@ -203,6 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # packet, and a replay of the .log changes the rate only where the trace does.
         write_rate_log(trace, path.with_suffix(".log"))
         print(f"{path}: mean {trace.mean_mbps():.3f} Mbit/s over {trace.period_s:g} s")
+    # Background flows for [background] kind = "flows" (the real data-centre CDFs are in
+    # ../shared/traces/flowsize/).
+    cdf_path = args.out / "pareto_flows.cdf"
+    write_flow_cdf(pareto_flow_cdf(), cdf_path)
+    print(f"{cdf_path}: mean {load_flow_cdf(cdf_path).mean_bytes() / 1e3:.1f} KB per flow")
     return 0
 
 
