@@ -32,11 +32,12 @@ from typing import Any, Protocol
 
 from controller import config as cfgmod
 from controller import rundir
+from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import StarSpec
 
 __all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report"]
 
-BASE_PORT = 15201
+BASE_PORT = BACKGROUND_PORTS[0]  # topo.cleanup recognises leftovers by these ports
 # With duration_s = 0 the flows run until the run ends; iperf3 needs a length, so it gets
 # the run's own timeout plus this, and is interrupted when the run is over.
 _OPEN_ENDED_EXTRA_S = 60

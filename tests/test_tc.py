@@ -207,6 +207,12 @@ def test_cleanup_matches_only_gradbed_names():
     assert is_gradbed_process(["bash", "--norc", "--noediting", "-is", "mininet:w3"])
     assert is_gradbed_process(["bash", "--norc", "-is", "mininet:h1"]) is None
     assert is_gradbed_process(["python", "-m", "pytest"]) is None
+    # Background iperf3 on gradbed's ports counts as an agent (only inside a host's
+    # namespace, see leftover_processes); anyone else's iperf3 never does.
+    assert is_gradbed_process(["iperf3", "-s", "-1", "-B", "10.0.0.1", "-p", "15201"]) == (
+        "agent iperf3 (background, port 15201)")
+    assert is_gradbed_process(["iperf3", "-s", "-p", "5201"]) is None
+    assert is_gradbed_process(["iperf3", "-c", "10.0.0.1", "-p"]) is None
 
 
 def test_ack_first_layout_puts_pure_acks_ahead_under_the_same_cap():

@@ -39,11 +39,21 @@ def _cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
+# The background-traffic servers' ports: controller.background.BASE_PORT + host index.
+BACKGROUND_PORTS = (15201, 15201 + 64)
+
+
 def is_gradbed_process(argv: list[str]) -> str | None:
     """Why ``argv`` is a gradbed leftover (a short description), or None."""
     for i, arg in enumerate(argv[:-1]):
         if arg == "-m" and argv[i + 1].startswith("agents."):
             return f"agent {argv[i + 1]}"
+    if argv and os.path.basename(argv[0]) == "iperf3" and "-p" in argv[:-1]:
+        # Background traffic (controller/background.py) uses ports from BASE_PORT; like an
+        # agent, one is ours only inside an emulated host (leftover_processes checks).
+        port = argv[argv.index("-p") + 1]
+        if port.isdigit() and BACKGROUND_PORTS[0] <= int(port) < BACKGROUND_PORTS[1]:
+            return f"agent iperf3 (background, port {port})"
     if argv and os.path.basename(argv[0]) == "bash" and any(_SHELL_RE.match(a) for a in argv):
         return "mininet host shell " + next(a for a in argv if _SHELL_RE.match(a))
     return None
