@@ -202,6 +202,19 @@ def _read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
     return name, text.splitlines()
 
 
+def split_pair(name: str, lineno: int, raw: str, what: str) -> tuple[str, str] | None:
+    """The two whitespace-separated fields of one line of a two-column file (``#`` starts
+    a comment); None for a blank or comment-only line. ``what`` names the columns in the
+    error a line with another number of fields gets."""
+    s = raw.split("#", 1)[0].strip()
+    if not s:
+        return None
+    parts = s.split()
+    if len(parts) != 2:
+        raise TraceError(f"{name}:{lineno}: expected '{what}', got {len(parts)} fields: {s!r}")
+    return parts[0], parts[1]
+
+
 def _parse_float(name: str, lineno: int, field: str, token: str) -> float:
     try:
         value = float(token)
@@ -324,14 +337,9 @@ def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -
             if period_s is None:
                 period_s = _parse_float(name, lineno, "period_s", directive[1])
             continue
-        s = raw.split("#", 1)[0].strip()
-        if not s:
-            continue
-        parts = s.split()
-        if len(parts) != 2:
-            raise TraceError(f"{name}:{lineno}: expected 'time_s Mbps', got {len(parts)} "
-                             f"fields: {s!r}")
-        _append_point(name, lineno, parts[0], parts[1], points)
+        pair = split_pair(name, lineno, raw, "time_s Mbps")
+        if pair is not None:
+            _append_point(name, lineno, pair[0], pair[1], points)
     if not points:
         raise TraceError(f"{name}:1: empty trace: no 'time_s Mbps' lines")
     return _from_points(name, points, period_s)

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from traces.bandwidth import TraceError
+from traces.bandwidth import TraceError, split_pair
 
 __all__ = ["FlowSizeCDF", "flow_arrivals", "load_flow_cdf", "write_flow_cdf"]
 
@@ -81,17 +81,14 @@ def load_flow_cdf(path: str | os.PathLike[str]) -> FlowSizeCDF:
     cdf: list[float] = []
     last_line = 0
     for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        fields = split_pair(name, lineno, raw, "size_bytes cdf_percent")
+        if fields is None:
             continue
-        fields = line.split()
-        if len(fields) != 2:
-            raise TraceError(f"{name}:{lineno}: expected 'size_bytes cdf_percent', "
-                             f"got {len(fields)} fields")
         try:
             size, pct = float(fields[0]), float(fields[1])
         except ValueError:
-            raise TraceError(f"{name}:{lineno}: {line!r} is not two numbers") from None
+            raise TraceError(f"{name}:{lineno}: '{' '.join(fields)}' is not two "
+                             "numbers") from None
         if not (math.isfinite(size) and size >= 0):
             raise TraceError(f"{name}:{lineno}: size_bytes {fields[0]} must be >= 0")
         if not 0.0 <= pct <= 100.0:
