@@ -113,6 +113,8 @@ def read_report(path: Path) -> dict[str, Any]:
 class _Net(Protocol):
     def popen(self, name: str, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]: ...
 
+    def wait_listening(self, name: str, port: int, timeout_s: float = 10.0) -> bool: ...
+
 
 class BackgroundTraffic:
     """Starts the flows ``start_s`` after :meth:`start`; :meth:`stop` ends them and returns
@@ -144,9 +146,14 @@ class BackgroundTraffic:
             for c in self.cmds:
                 if c.role == "server":
                     self._popen(net, c)
-            # A server listens within milliseconds (a flowgen sink once Python has started);
-            # the clients retry nothing.
-            threading.Event().wait(0.3 if self.cfg.background.kind == "bulk" else 1.0)
+            # The clients retry nothing: wait until every server listens.
+            for c in self.cmds:
+                if c.role == "server":
+                    port = int(c.argv[c.argv.index("--port" if "--port" in c.argv
+                                                   else "-p") + 1])
+                    if not net.wait_listening(c.host, port):
+                        self.say(f"background server in {c.host} on port {port} is not "
+                                 "listening after 10 s; see background/*.log")
             for c in self.cmds:
                 if c.role == "client":
                     self._popen(net, c)

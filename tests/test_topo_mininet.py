@@ -56,7 +56,7 @@ def iperf_goodput_bps(net: StarNetwork, seconds: int = 5) -> float:
     """Receiver goodput from iperf3's end summary, the first second omitted."""
     server = net.popen("ps", ["iperf3", "-s", "-1", "-B", net.ip("ps")],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.3)
+    assert net.wait_listening("ps", 5201)
     res = net.run("w0", ["iperf3", "-c", net.ip("ps"), "-t", str(seconds), "-O", "1", "-J"],
                   timeout_s=seconds + 30)
     server.wait(timeout=10)
@@ -238,7 +238,9 @@ def test_acks_first_classifies_pure_acks_and_keeps_the_cap():
                   stdout=subprocess.DEVNULL)
         net.popen("w0", ["iperf3", "-s", "-1", "-p", "5202", "-B", w0_ip],
                   stdout=subprocess.DEVNULL)
-        time.sleep(0.3)
+        # A client started before its server listens fails at once and the test then
+        # measures a direction with no traffic.
+        assert net.wait_listening("ps", 5201) and net.wait_listening("w0", 5202)
         up = net.popen("w0", ["iperf3", "-c", ps_ip, "-p", "5201", "-t", "8", "-P", "2"],
                        stdout=subprocess.DEVNULL)
         down = net.popen("ps", ["iperf3", "-c", w0_ip, "-p", "5202", "-t", "6"],

@@ -339,6 +339,18 @@ class StarNetwork:
         self._procs.append(proc)
         return proc
 
+    def wait_listening(self, name: str, port: int, timeout_s: float = 10.0) -> bool:
+        """Wait until a TCP socket listens on ``port`` in host ``name`` (a server started
+        with :meth:`popen` is not listening yet when it returns). False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self.run(name, ["ss", "-ltnH", f"sport = :{port}"]).stdout
+            if out.strip():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
     def run(self, name: str, argv: Sequence[str], timeout_s: float = 60.0,
             ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` in host ``name`` to completion; raise on a non-zero exit."""
