@@ -133,8 +133,9 @@ class Compressor(ABC):
         return None
 
     def decompress_sparse(self, payload: Payload) -> tuple[Tensor, Tensor] | None:
-        """``(indices int64, values)`` into the flattened tensor, for compressors whose
-        output is sparse, so the PS can aggregate without densifying; None otherwise."""
+        """``(indices, values)`` into the flattened tensor, for compressors whose output is
+        sparse, so the PS can aggregate without densifying; None otherwise. Indices are an
+        integer tensor (int32 as they came off the wire, or int64)."""
         return None
 
 

@@ -185,7 +185,9 @@ class SparseCompressor(Compressor):
         if self.index_encoding == "delta":
             idx = varint_decode(enc, values.numel())
         else:
-            idx = enc.to(torch.int64)
+            # As received: index_add_ and indexing take int32, and widening 250 k indices
+            # per payload to int64 cost the PS a copy per worker (benchmarks/ps_aggregate.py).
+            idx = enc
         return idx, values
 
     def decompress(self, payload: Payload) -> Tensor:
