@@ -12,6 +12,9 @@ source, flow-size CDFs and background-flow generators).
 - ``kind = "flows"``: flows drawn from the flow-size CDF ``flow_cdf`` at an offered load
   of ``load_mbps``, each a new connection to a sink (``agents/flowgen.py``), logged as
   ``flow_done`` events with their completion times, and a ``background`` event at the end.
+- ``kind = "pcap"``: the capture ``pcap``, readdressed from the host to the PS
+  (``traces/pcap.py``) and looped by ``tcpreplay`` at its own timing or at ``pcap_mbps``;
+  tcpreplay's totals become the ``background`` event (bytes, packets, seconds, Mbit/s).
 
 :func:`commands` is pure (it is also what ``gradbed run --dry-run`` prints);
 :class:`BackgroundTraffic` starts the processes and stops them when the run ends.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,8 +38,10 @@ from controller import config as cfgmod
 from controller import rundir
 from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import StarSpec
+from traces.pcap import rewrite_pcap
 
-__all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report"]
+__all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report",
+           "read_tcpreplay"]
 
 BASE_PORT = BACKGROUND_PORTS[0]  # topo.cleanup recognises leftovers by these ports
 # With duration_s = 0 the flows run until the run ends; iperf3 needs a length, so it gets
@@ -48,7 +54,8 @@ class FlowCommand:
     host: str
     argv: tuple[str, ...]
     role: str  # "server" (stopped with SIGTERM) or "client" (SIGINT: it reports, then exits)
-    report: str = ""  # a bulk client's iperf3 JSON report
+    log: str  # its stdout and stderr, in the run's background/ folder
+    report: str = ""  # where a client's totals are read from (iperf3 JSON, tcpreplay's log)
 
 
 def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> list[FlowCommand]:
@@ -63,29 +70,61 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> lis
     ps_ip = spec.ip("ps")
     py = sys.executable
     servers, clients = [], []
+    out = run_dir / "background"
     for j, host in enumerate(spec.extra_host_names()):
         port = str(BASE_PORT + j)
+        log = str(out / f"{host}.log")
+        if bg.kind == "pcap":
+            # The capture, readdressed from this host to the PS when the flows start.
+            argv = ["tcpreplay", "-i", f"{host}-eth0", "--loop=0", str(out / f"{host}.pcap")]
+            if bg.duration_s > 0:
+                argv.insert(-1, f"--duration={bg.duration_s:g}")
+            if bg.pcap_mbps > 0:
+                argv.insert(-1, f"--mbps={bg.pcap_mbps:g}")
+            clients.append(FlowCommand(host, tuple(argv), "client", log, report=log))
+            continue
         if bg.kind == "flows":
             servers.append(FlowCommand("ps", (py, "-m", "agents.flowgen", "sink", "--bind",
-                                              ps_ip, "--port", port), "server"))
+                                              ps_ip, "--port", port), "server",
+                                       str(out / f"ps-{port}.log")))
             clients.append(FlowCommand(host, (
                 py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
                 "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
                 "--cdf", str(Path(bg.flow_cdf).resolve()), "--load-mbps", f"{bg.load_mbps:g}",
                 "--duration-s", f"{seconds:g}", "--seed", str(cfg.run.seed * 1000 + j),
-                "--congestion", cc), "client"))
+                "--congestion", cc), "client", log))
             continue
         servers.append(FlowCommand("ps", ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port),
-                                   "server"))
-        report = str(run_dir / "background" / f"{host}.json")
+                                   "server", str(out / f"ps-{port}.log")))
+        report = str(out / f"{host}.json")
         argv = ["iperf3", "-c", ps_ip, "-p", port, "-B", spec.ip(host), "-P", str(bg.flows),
                 "-t", f"{seconds:g}", "-C", cc, "-J", "--logfile", report]
         if bg.rate_mbps > 0:
             argv += ["-b", f"{bg.rate_mbps:g}M"]
         if bg.direction == "down":
             argv.append("-R")
-        clients.append(FlowCommand(host, tuple(argv), "client", report))
+        clients.append(FlowCommand(host, tuple(argv), "client", log, report))
     return servers + clients
+
+
+_TCPREPLAY_ACTUAL = re.compile(
+    r"Actual: (\d+) packets \((\d+) bytes\) sent in ([0-9.]+) seconds")
+
+
+def read_tcpreplay(path: Path) -> dict[str, Any]:
+    """tcpreplay's totals (it prints them on exit, also when interrupted) as the fields of
+    a ``background`` event; ``error`` when the log has none."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        return {"error": f"{path}: {e}"}
+    found = _TCPREPLAY_ACTUAL.findall(text)
+    if not found:
+        return {"error": f"{path}: no 'Actual: ... packets' line from tcpreplay"}
+    packets, n_bytes, seconds = found[-1]
+    secs = float(seconds)
+    return {"bytes": int(n_bytes), "packets": int(packets), "seconds": secs,
+            "mbps": int(n_bytes) * 8 / secs / 1e6 if secs > 0 else 0.0}
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -115,6 +154,9 @@ class _Net(Protocol):
 
     def wait_listening(self, name: str, port: int, timeout_s: float = 10.0) -> bool: ...
 
+    def run(self, name: str, argv: Sequence[str], timeout_s: float = 60.0
+            ) -> subprocess.CompletedProcess[str]: ...
+
 
 class BackgroundTraffic:
     """Starts the flows ``start_s`` after :meth:`start`; :meth:`stop` ends them and returns
@@ -124,6 +166,7 @@ class BackgroundTraffic:
                  say: Any) -> None:
         self.cfg = cfg
         self.out_dir = run_dir / "background"
+        self.spec = spec
         self.cmds = commands(cfg, spec, run_dir)
         self.say = say
         self.procs: list[tuple[FlowCommand, subprocess.Popen[Any]]] = []
@@ -140,6 +183,12 @@ class BackgroundTraffic:
         self._timer.start()
 
     def _launch(self, net: _Net) -> None:
+        try:
+            self._launch_locked(net)
+        except Exception as e:  # a timer thread: say it, or nobody ever hears of it
+            self.say(f"background traffic did not start: {e}")
+
+    def _launch_locked(self, net: _Net) -> None:
         with self._lock:
             if self._stopped:
                 return
@@ -154,13 +203,30 @@ class BackgroundTraffic:
                     if not net.wait_listening(c.host, port):
                         self.say(f"background server in {c.host} on port {port} is not "
                                  "listening after 10 s; see background/*.log")
+            if self.cfg.background.kind == "pcap":
+                self._readdress(net)
             for c in self.cmds:
                 if c.role == "client":
                     self._popen(net, c)
 
+    def _readdress(self, net: _Net) -> None:
+        """Write each host's copy of the capture, from its addresses to the PS's."""
+        def mac(host: str) -> str:
+            # Inside the host's network namespace (/sys still shows the root's interfaces).
+            out = net.run(host, ["ip", "-o", "link", "show", "dev", f"{host}-eth0"]).stdout
+            return out.split("link/ether", 1)[1].split()[0]
+
+        ps_mac = mac("ps")
+        for c in self.cmds:
+            s = rewrite_pcap(self.cfg.background.pcap, c.argv[-1], src_mac=mac(c.host),
+                             dst_mac=ps_mac, src_ip=self.spec.ip(c.host),
+                             dst_ip=self.spec.ip("ps"))
+            self.say(f"background {c.host}: {s.ipv4_packets} packets of "
+                     f"{self.cfg.background.pcap}, {s.mean_mbps:.2f} Mbit/s at its own timing")
+
     def _popen(self, net: _Net, c: FlowCommand) -> None:
         self.say(f"start background in {c.host}: {' '.join(c.argv)}")
-        log = open(self.out_dir / f"{c.host}-{len(self.procs)}.log", "ab")
+        log = open(c.log, "ab")
         try:
             env = {**os.environ, "PYTHONPATH": str(rundir.REPO_ROOT), "PYTHONUNBUFFERED": "1"}
             p = net.popen(c.host, list(c.argv), stdout=log, stderr=subprocess.STDOUT,
@@ -187,8 +253,8 @@ class BackgroundTraffic:
                     if p.poll() is None:
                         p.terminate()
                     _reap(p, 2.0)
-            return [{"host": c.host, **read_report(Path(c.report))} for c, _ in clients
-                    if c.report]
+            read = read_tcpreplay if self.cfg.background.kind == "pcap" else read_report
+            return [{"host": c.host, **read(Path(c.report))} for c, _ in clients if c.report]
 
 
 def _reap(p: subprocess.Popen[Any], timeout_s: float) -> None:

@@ -44,6 +44,7 @@ def run_main(argv: Sequence[str]) -> int:
         return 2
     from traces.bandwidth import TraceError, load_trace
     from traces.flowsize import load_flow_cdf
+    from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.
     files = [("trace.up", cfg.trace.up, lambda p: load_trace(
@@ -51,7 +52,8 @@ def run_main(argv: Sequence[str]) -> int:
              ("trace.down", cfg.trace.down, lambda p: load_trace(
                  p, granularity_s=cfg.trace.granularity_ms / 1000.0)),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
-              else "", load_flow_cdf)]
+              else "", load_flow_cdf),
+             ("background.pcap", cfg.background.pcap, pcap_summary)]
     for field, path, loader in files:
         try:
             if path:

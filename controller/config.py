@@ -260,29 +260,26 @@ class BackgroundConfig:
     rate_mbps: float = 0.0            # bulk: per flow (iperf3 -b); 0 = as fast as TCP goes
     flow_cdf: str = ""                # flows: size_bytes cdf_percent file (traces/flowsize.py)
     load_mbps: float = 0.0            # flows: offered load per background host; 0 = none
+    pcap: str = ""                    # pcap: capture replayed by every background host, looped
+    pcap_mbps: float = 0.0            # pcap: tcpreplay --mbps; 0 = the capture's own timing
     start_s: float = 0.0              # after the workers start
     duration_s: float = 0.0           # 0 = until the run ends
     congestion: str = ""              # "" = net.congestion
 
     @property
     def active(self) -> bool:
+        if self.kind == "pcap":
+            return bool(self.pcap)
         return self.flows > 0 if self.kind == "bulk" else self.load_mbps > 0
 
     def validate(self, p: str) -> None:
-        _check(self.kind in ("bulk", "flows"), f"{p}.kind", self.kind, "must be bulk or flows")
+        _check(self.kind in ("bulk", "flows", "pcap"), f"{p}.kind", self.kind,
+               "must be bulk, flows or pcap")
         _check(0 <= self.flows <= 16, f"{p}.flows", self.flows, "must be in [0, 16]")
         _check(0 <= self.load_mbps <= 10_000, f"{p}.load_mbps", self.load_mbps,
                "must be in [0, 10000] Mbit/s")
-        if self.kind == "flows":
-            _check(self.flows == 0, f"{p}.flows", self.flows,
-                   'is for kind = "bulk"; kind = "flows" sets load_mbps')
-            _check(self.load_mbps == 0 or bool(self.flow_cdf), f"{p}.flow_cdf",
-                   self.flow_cdf, 'must name a flow-size CDF file for kind = "flows"')
-            _check(self.direction == "up", f"{p}.direction", self.direction,
-                   'must be up for kind = "flows" (the sink is the PS host)')
-        else:
-            _check(self.load_mbps == 0, f"{p}.load_mbps", self.load_mbps,
-                   'is for kind = "flows"; kind = "bulk" sets flows')
+        _check(0 <= self.pcap_mbps <= 10_000, f"{p}.pcap_mbps", self.pcap_mbps,
+               "must be in [0, 10000] Mbit/s (0 = the capture's timing)")
         _check(self.direction in ("up", "down"), f"{p}.direction", self.direction,
                "must be up or down")
         _check(0 <= self.rate_mbps <= 10_000, f"{p}.rate_mbps", self.rate_mbps,
@@ -293,6 +290,19 @@ class BackgroundConfig:
                "must be in [0, 86400] s (0 = until the run ends)")
         _check(self.congestion in ("", "reno", "cubic", "bbr"), f"{p}.congestion",
                self.congestion, "must be empty (net.congestion), reno, cubic or bbr")
+        # Each kind has its own fields; one set for another kind is a mistake, not a no-op.
+        _check(self.kind == "bulk" or self.flows == 0, f"{p}.flows", self.flows,
+               f'is for kind = "bulk", not "{self.kind}"')
+        _check(self.kind == "flows" or self.load_mbps == 0, f"{p}.load_mbps", self.load_mbps,
+               f'is for kind = "flows", not "{self.kind}"')
+        _check(self.kind == "pcap" or not self.pcap, f"{p}.pcap", self.pcap,
+               f'is for kind = "pcap", not "{self.kind}"')
+        if self.kind == "flows":
+            _check(self.load_mbps == 0 or bool(self.flow_cdf), f"{p}.flow_cdf",
+                   self.flow_cdf, 'must name a flow-size CDF file for kind = "flows"')
+        if self.kind != "bulk":
+            _check(self.direction == "up", f"{p}.direction", self.direction,
+                   f'must be up for kind = "{self.kind}" (from the host to the PS)')
 
 
 @dataclass(frozen=True)
@@ -315,8 +325,9 @@ class ExperimentConfig:
                    f"must name a worker in [0, {self.net.workers - 1}]")
         bg = self.background
         if bg.active and self.net.background_hosts < 1:
-            field_, value = (("background.flows", bg.flows) if bg.kind == "bulk"
-                             else ("background.load_mbps", bg.load_mbps))
+            field_, value = {"bulk": ("background.flows", bg.flows),
+                             "flows": ("background.load_mbps", bg.load_mbps),
+                             "pcap": ("background.pcap", bg.pcap)}[bg.kind]
             _check(False, field_, value,
                    "needs net.background_hosts >= 1 (the hosts the flows start from)")
         # A compressor that is not registered is a config error, not a crash in a host.

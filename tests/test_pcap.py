@@ -1,0 +1,153 @@
+"""pcap replay as background traffic (traces/pcap.py, controller/background.py): captures
+are readdressed with valid checksums and their timing kept, bad files are named before a
+network exists, tcpreplay's totals are read, and in Mininet the replayed frames cross the
+bottleneck at the rate asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import ARP, Ether
+from scapy.packet import Raw
+from scapy.utils import rdpcap, wrpcap
+
+from controller import config as cfgmod
+from controller.background import commands, read_tcpreplay
+from controller.run import star_spec
+from tests.mininet_run import events, gradbed_run, leftovers, summary
+from traces.bandwidth import TraceError
+from traces.pcap import pcap_summary, rewrite_pcap
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_PCAP = REPO.parent / "shared" / "traces" / "pcap" / "test.pcap"
+ADDR = dict(src_mac="02:00:00:00:00:64", dst_mac="02:00:00:00:00:01", src_ip="10.0.0.100",
+            dst_ip="10.0.0.1")
+
+
+def capture(path: Path, n_udp: int = 20, gap_s: float = 0.001, size: int = 1000) -> Path:
+    """A capture with UDP and TCP frames, plus frames replay must leave out: ARP, IPv6
+    and one above the 1514-byte MTU."""
+    pkts = []
+    for i in range(n_udp):
+        p = Ether(src="aa:aa:aa:aa:aa:aa", dst="bb:bb:bb:bb:bb:bb") / IP(
+            src="192.168.1.2", dst="192.168.1.3") / UDP(sport=4000, dport=5000) / Raw(
+            b"x" * (size - 42))
+        p.time = 100.0 + i * gap_s
+        pkts.append(p)
+    extra = [Ether() / IP(src="192.168.1.2", dst="8.8.8.8") / TCP(dport=443, flags="S"),
+             Ether() / ARP(), Ether() / IPv6() / UDP(),
+             Ether() / IP() / UDP() / Raw(b"y" * 3000)]
+    for j, p in enumerate(extra):
+        p.time = 100.0 + n_udp * gap_s + j * gap_s
+        pkts.append(p)
+    wrpcap(str(path), pkts)
+    return path
+
+
+def test_rewrite_readdresses_keeps_timing_and_leaves_out_what_cannot_cross(tmp_path):
+    src = capture(tmp_path / "in.pcap")
+    s = rewrite_pcap(src, tmp_path / "out.pcap", **ADDR)
+    assert s.packets == 21 and s.ipv4_packets == 21  # 20 UDP + 1 TCP; ARP, IPv6, jumbo out
+    out = rdpcap(str(tmp_path / "out.pcap"))
+    assert len(out) == 21
+    for p in out:
+        assert (p[Ether].src, p[Ether].dst) == (ADDR["src_mac"], ADDR["dst_mac"])
+        assert (p[IP].src, p[IP].dst) == (ADDR["src_ip"], ADDR["dst_ip"])
+        # The checksums are those of the new addresses: rebuilding gives the same bytes.
+        fresh = p.copy()
+        del fresh[IP].chksum
+        layer = TCP if fresh.haslayer(TCP) else UDP
+        del fresh[layer].chksum
+        assert bytes(Ether(bytes(fresh))) == bytes(p)
+    times = [float(p.time) for p in out]
+    assert times[1] - times[0] == pytest.approx(0.001, abs=1e-6)
+    assert pcap_summary(src).ipv4_packets == 21 and pcap_summary(src).packets == 24
+
+
+@pytest.mark.skipif(not SHARED_PCAP.exists(), reason=f"{SHARED_PCAP} is absent")
+def test_real_capture_summary():
+    s = pcap_summary(SHARED_PCAP)
+    assert s.packets == 179 and s.ipv4_packets == 150
+    assert s.duration_s == pytest.approx(3.26, abs=0.01)
+
+
+def test_bad_captures_are_named(tmp_path):
+    with pytest.raises(TraceError, match="nope.pcap: cannot read"):
+        pcap_summary(tmp_path / "nope.pcap")
+    (tmp_path / "text.pcap").write_text("this is not a capture\n")
+    with pytest.raises(TraceError, match="text.pcap: not a pcap capture"):
+        pcap_summary(tmp_path / "text.pcap")
+    wrpcap(str(tmp_path / "arp.pcap"), [Ether() / ARP()])
+    with pytest.raises(TraceError, match="arp.pcap: none of its 1 packets is an IPv4"):
+        pcap_summary(tmp_path / "arp.pcap")
+
+
+def test_tcpreplay_totals_are_read(tmp_path):
+    log = tmp_path / "bg0.log"
+    log.write_text(" User interrupt...\nsendpacket_abort\n"
+                   "Actual: 31935 packets (13545540 bytes) sent in 5.41 seconds\n"
+                   "Rated: 2499952.9 Bps, 19.99 Mbps, 5893.89 pps\n")
+    r = read_tcpreplay(log)
+    assert r["packets"] == 31935 and r["bytes"] == 13545540 and r["seconds"] == 5.41
+    assert r["mbps"] == pytest.approx(13545540 * 8 / 5.41 / 1e6)
+    log.write_text("Fatal Error: bad interface\n")
+    assert "no 'Actual" in read_tcpreplay(log)["error"]
+
+
+def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
+    return cfgmod.load(REPO / "configs" / "test_tiny.toml", list(overrides))
+
+
+def test_pcap_commands_and_config_errors(tmp_path):
+    c = cfg("net.background_hosts=2", 'background.kind="pcap"', 'background.pcap="x.pcap"',
+            "background.pcap_mbps=5", "background.duration_s=3")
+    cmds = commands(c, star_spec(c), tmp_path)
+    assert [x.host for x in cmds] == ["bg0", "bg1"]
+    assert cmds[1].argv == ("tcpreplay", "-i", "bg1-eth0", "--loop=0", "--duration=3",
+                            "--mbps=5", str(tmp_path / "background" / "bg1.pcap"))
+    with pytest.raises(cfgmod.ConfigError, match='background.flows = 2: is for kind = "bulk", '
+                                                 'not "pcap"'):
+        cfg("net.background_hosts=1", 'background.kind="pcap"', 'background.pcap="x"',
+            "background.flows=2")
+    with pytest.raises(cfgmod.ConfigError, match="background.direction = 'down': must be up"):
+        cfg("net.background_hosts=1", 'background.kind="pcap"', 'background.pcap="x"',
+            'background.direction="down"')
+    with pytest.raises(cfgmod.ConfigError, match="background.pcap = 'x': needs "
+                                                 "net.background_hosts >= 1"):
+        cfg('background.kind="pcap"', 'background.pcap="x"')
+
+
+def test_gradbed_run_names_a_bad_capture(tmp_path, capsys):
+    from controller import cli
+
+    bad = tmp_path / "bad.pcap"
+    bad.write_text("not a capture")
+    rc = cli.main(["run", str(REPO / "configs" / "test_tiny.toml"), "--dry-run", "--set",
+                   "net.background_hosts=1", "--set", 'background.kind="pcap"', "--set",
+                   f'background.pcap="{bad}"'])
+    assert rc == 2
+    assert f"test_tiny.toml: background.pcap: {bad}: not a pcap capture" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.mininet
+def test_replayed_capture_crosses_the_bottleneck(tmp_path):
+    src = capture(tmp_path / "udp.pcap", n_udp=200)
+    run_dir, proc = gradbed_run("configs/test_tiny.toml", [
+        "run.iterations=20", "run.eval_every=20", "net.background_hosts=1",
+        'background.kind="pcap"', f'background.pcap="{src}"', "background.pcap_mbps=10"],
+        tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(run_dir)
+    ev = events(run_dir)
+    bg = ev[ev["event"] == "background"]
+    assert list(bg["host"]) == ["bg0"] and bg["packets"].iloc[0] > 1000
+    assert s["background_mbps"] == pytest.approx(10.0, rel=0.1)
+    links = pd.read_parquet(run_dir / "links.parquet")
+    up = links[links["direction"] == "up"]["sent_bytes"]
+    assert up.max() - up.min() > s["background_bytes"] + 0.8 * s["bytes_up"]
+    assert leftovers() == []
