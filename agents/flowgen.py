@@ -124,7 +124,6 @@ class Source:
 
     def run(self) -> None:
         t_start = time.monotonic()
-        threads = []
         for i, (start_s, size) in enumerate(self.flows):
             if self.stop.wait(max(0.0, t_start + start_s - time.monotonic())):
                 break
@@ -136,9 +135,7 @@ class Source:
                 self.skipped += 1
                 self.log.emit("flow_skipped", flow=i, start_s=start_s, size_bytes=size)
                 continue
-            th = threading.Thread(target=self._flow, args=(i, start_s, size), daemon=True)
-            th.start()
-            threads.append(th)
+            threading.Thread(target=self._flow, args=(i, start_s, size), daemon=True).start()
         self.stop.wait()  # the flows are over; stay until the run ends
         elapsed = time.monotonic() - t_start
         with self._lock:
