@@ -111,23 +111,27 @@ def test_background_flows_share_the_bottleneck(tmp_path):
     base = ["run.iterations=12", "run.eval_every=12"]
     quiet_dir, p0 = gradbed_run("configs/test_tiny.toml", base, tmp_path)
     assert p0.returncode == 0, p0.stderr[-3000:]
-    busy_dir, p1 = gradbed_run("configs/test_tiny.toml",
-                               [*base, "net.background_hosts=1", "background.flows=2"],
-                               tmp_path)
-    assert p1.returncode == 0, p1.stderr[-3000:]
-    s, quiet = summary(busy_dir), summary(quiet_dir)
-    bg = events(busy_dir)
-    bg = bg[bg["event"] == "background"]
-    assert list(bg["host"]) == ["bg0"] and bg["bytes"].iloc[0] > 1_000_000
-    # Two greedy flows against two workers on a 50 Mbit/s link: they take a real share...
-    assert 5 < s["background_mbps"] < 50, s
-    # ... the link carried both (up direction, wire bytes >= payload bytes) ...
-    links = pd.read_parquet(busy_dir / "links.parquet")
-    up = links[links["direction"] == "up"]["sent_bytes"]
-    assert up.max() - up.min() > 0.8 * (s["background_bytes"] + s["bytes_up"])
-    # ... and the training is slower for it.
-    assert s["iter_time_s_mean"] > 1.3 * quiet["iter_time_s_mean"], (s, quiet)
-    assert (busy_dir / "background" / "bg0.json").exists()
+    quiet = summary(quiet_dir)
+    for direction in ("up", "down"):
+        busy_dir, p1 = gradbed_run("configs/test_tiny.toml", [
+            *base, "net.background_hosts=1", "background.flows=2",
+            f'background.direction="{direction}"'], tmp_path)
+        assert p1.returncode == 0, p1.stderr[-3000:]
+        s = summary(busy_dir)
+        bg = events(busy_dir)
+        bg = bg[bg["event"] == "background"]
+        assert list(bg["host"]) == ["bg0"] and bg["bytes"].iloc[0] > 1_000_000
+        # Two greedy flows against two workers on a 50 Mbit/s link take a real share...
+        assert 5 < s["background_mbps"] < 50, (direction, s)
+        # ... the link carried both (wire bytes >= payload bytes) in the flows' direction...
+        links = pd.read_parquet(busy_dir / "links.parquet")
+        sent = links[links["direction"] == direction]["sent_bytes"]
+        training = s["bytes_up"] if direction == "up" else s["bytes_down"]
+        assert sent.max() - sent.min() > 0.8 * (s["background_bytes"] + training), direction
+        # ... and the training is slower for it: uploads wait behind the flows one way,
+        # the weights the other.
+        assert s["iter_time_s_mean"] > 1.3 * quiet["iter_time_s_mean"], (direction, s, quiet)
+        assert (busy_dir / "background" / "bg0.json").exists()
     assert leftovers() == []
 
 
