@@ -51,17 +51,43 @@ def validate_sparse(idx: Tensor, values: Tensor, numel: int, *, who: str) -> Non
 class SparseAccumulator:
     """Sum of sparse and dense contributions to one tensor of ``numel`` elements.
 
+    ``into``: accumulate in this 1-D buffer instead of one of its own (the PS passes the
+    slice of its gradient buffer): :meth:`result` with ``out=into`` then costs no pass
+    over the tensor, when :meth:`expect` announced the number of contributions first (each
+    is scaled by 1/n as it is added, so the sum is already the mean). The buffer is zeroed
+    here and by every :meth:`reset`.
+
     Not thread-safe: the PS feeds it from one aggregation thread."""
 
-    def __init__(self, numel: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype = torch.float32, *,
+                 into: Tensor | None = None) -> None:
         if numel < 0:
             raise ValueError(f"SparseAccumulator numel must be >= 0, got {numel}")
         self.numel = numel
         self.dtype = dtype
-        self._sum = torch.zeros(numel, dtype=dtype)
+        if into is None:
+            self._sum = torch.zeros(numel, dtype=dtype)
+        else:
+            if into.dim() != 1 or into.numel() != numel or into.dtype != dtype \
+                    or not into.is_contiguous():
+                raise ValueError(f"SparseAccumulator into: needs a contiguous 1-D {dtype} "
+                                 f"tensor of {numel} elements, got {tuple(into.shape)} "
+                                 f"{into.dtype}")
+            self._sum = into
+            self._sum.zero_()
+        self._scale = 1.0  # each contribution is added times this (1/n after expect(n))
         self._touched: list[Tensor] = []  # indices of sparse adds, for result_sparse()
         self._dense_added = False
         self.added = 0  # contributions so far
+
+    def expect(self, n: int) -> None:
+        """Announce ``n`` contributions before the first: each is added times 1/n, so a
+        :meth:`result` over n into the accumulator's own buffer needs no division pass."""
+        if n < 1:
+            raise ValueError(f"expect: n must be >= 1, got {n}")
+        if self.added:
+            raise ValueError(f"expect: {self.added} contributions were added already")
+        self._scale = 1.0 / n
 
     def add_sparse(self, idx: Tensor, values: Tensor, *, who: str = "worker",
                    validate: bool = True) -> None:
@@ -70,7 +96,7 @@ class SparseAccumulator:
             validate_sparse(idx, values, self.numel, who=who)
         if idx.dtype not in (torch.int32, torch.int64):
             idx = idx.to(torch.int64)
-        self._sum.index_add_(0, idx, values.to(self.dtype))
+        self._sum.index_add_(0, idx, values.to(self.dtype), alpha=self._scale)
         self._touched.append(idx)
         self.added += 1
 
@@ -78,18 +104,29 @@ class SparseAccumulator:
         if t.numel() != self.numel:
             raise PayloadError(f"{who}: dense tensor has {t.numel()} elements, expected "
                                f"{self.numel}")
-        self._sum.add_(t.reshape(-1).to(self.dtype))
+        self._sum.add_(t.reshape(-1).to(self.dtype), alpha=self._scale)
         self._dense_added = True
         self.added += 1
 
     def result(self, mean_over: int, *, out: Tensor | None = None) -> Tensor:
         """The sum divided by ``mean_over`` (the number of workers): a new tensor, or
-        written into ``out`` (a PS that reuses its buffers avoids a 4n-byte allocation)."""
+        written into ``out`` (a PS that reuses its buffers avoids a 4n-byte allocation).
+        With ``out`` the accumulator's own buffer and ``mean_over`` the number announced
+        by :meth:`expect`, nothing is left to do."""
         if mean_over < 1:
             raise ValueError(f"mean_over must be >= 1, got {mean_over}")
+        if self._scale == 1.0:
+            if out is None:
+                return self._sum / mean_over
+            return torch.div(self._sum, mean_over, out=out)
+        factor = 1.0 / (self._scale * mean_over)  # 1 when mean_over is what was expected
         if out is None:
-            return self._sum / mean_over
-        return torch.div(self._sum, mean_over, out=out)
+            return self._sum * factor
+        if out.data_ptr() == self._sum.data_ptr() and out.numel() == self.numel:
+            if factor != 1.0:  # a contribution expected did not come
+                out.mul_(factor)
+            return out
+        return torch.mul(self._sum, factor, out=out)
 
     def reset(self) -> None:
         """Zero the sum in place for the next iteration. Reusing one accumulator avoids
@@ -98,6 +135,7 @@ class SparseAccumulator:
         self._sum.zero_()
         self._touched.clear()
         self._dense_added = False
+        self._scale = 1.0
         self.added = 0
 
     def result_sparse(self, mean_over: int) -> tuple[Tensor, Tensor]:
@@ -110,7 +148,7 @@ class SparseAccumulator:
         if not self._touched:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=self.dtype)
         idx = torch.unique(torch.cat([t.to(torch.int64) for t in self._touched]))
-        return idx, self._sum[idx] / mean_over
+        return idx, self._sum[idx] / (self._scale * mean_over)
 
 
 def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
@@ -124,7 +162,8 @@ def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
     ``acc``: a persistent accumulator to reuse (it is reset first). ``out``: a buffer of
     ``numel`` elements to write the result into (what the PS does with its gradient
     buffer: no 4n-byte allocation and its page faults); otherwise the result is a new
-    tensor."""
+    tensor. An ``acc`` made ``into=out`` saves the pass that writes the mean, as the PS's
+    accumulators do."""
     if not payloads:
         raise ValueError("aggregate: no payloads")
     names = list(workers) if workers is not None else [f"worker {i}" for i in
@@ -151,6 +190,8 @@ def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
                          f"{first.numel} x {first.dtype}")
     else:
         acc.reset()
+    if mean:
+        acc.expect(len(payloads))
     nnz = sum(s[0].numel() for s in sparse if s is not None)
     if all(s is not None for s in sparse) and nnz < SPARSE_FRACTION * first.numel:
         checked = []

@@ -252,7 +252,10 @@ class ParameterServer:
         self._admit()
         start_ns = now_ns()
         # One accumulator per chunk for the whole run: reset in place, never reallocated.
-        acc = {c: SparseAccumulator(e - s, torch.float32) for c, (s, e) in enumerate(self.chunks)}
+        # Each sums straight into its slice of the gradient buffer, already divided by the
+        # workers expected, so stepping a chunk needs no pass to write the mean.
+        acc = {c: SparseAccumulator(e - s, torch.float32, into=self.model.flat_grad[s:e])
+               for c, (s, e) in enumerate(self.chunks)}
         got: dict[int, set[int]] = {}
         next_chunk = 0  # chunks before this one are stepped and on their way down
         while self.iteration < self.cfg.run.iterations:
@@ -334,6 +337,8 @@ class ParameterServer:
             payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
             sparse = self.compressor.decompress_sparse(payload)
             a = acc[h.chunk]
+            if a.added == 0:
+                a.expect(len(self.active))
             who = f"worker {w} chunk {h.chunk}"
             if sparse is not None:
                 a.add_sparse(*sparse, who=who)  # validates indices and lengths first

@@ -9,10 +9,12 @@ short. Timed, side by side, best of several repeats (the machine is shared):
   indices, validate them (:func:`validate_sparse`) and ``index_add_`` them into the PS's
   persistent accumulator. This is the headline, at W = 16 (target >= 50 M elements/s).
 - ``end_to_end``: :func:`agents.aggregate.aggregate` on the W payloads the way the PS
-  runs it, everything included: its persistent accumulator, zeroing the 25 M sum, and
-  the mean written into its persistent gradient buffer (``out=``). Those are two O(n)
-  passes per iteration that do not depend on how many elements arrive (a dense
-  aggregation pays them too).
+  runs it, everything included: its persistent accumulator summing straight into its
+  gradient buffer, each contribution scaled by 1/W as it is added (so the sum is the
+  mean), and zeroing that 25 M buffer for the next iteration: one O(n) pass per
+  iteration that does not depend on how many elements arrive.
+- ``end_to_end_separate_sum``: the same with the accumulator's own sum and the mean
+  written into the gradient buffer (``out=``): a second O(n) pass, what the PS did before.
 - ``end_to_end_new_tensor``: the same with the mean in a new 100 MB tensor (the page
   faults of a fresh allocation cost more than the division).
 - ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
@@ -86,6 +88,7 @@ def bench(workers: int) -> dict[str, Any]:
     res: dict[str, Any] = {"workers": workers, "k_per_worker": k, "elements": elems}
     persistent = SparseAccumulator(N)
     grad_buffer = torch.empty(N)
+    bound = SparseAccumulator(N, into=grad_buffer)  # the PS's: sums in its gradient buffer
 
     def validated_add() -> None:
         for who, p in zip(names, payloads, strict=True):
@@ -94,7 +97,10 @@ def bench(workers: int) -> dict[str, Any]:
 
     for name, fn, reps in (("validated_add", validated_add, 7),
                            ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
-                                                            acc=persistent, out=grad_buffer), 7),
+                                                            acc=bound, out=grad_buffer), 7),
+                           ("end_to_end_separate_sum",
+                            lambda: aggregate(payloads, topk, workers=names, acc=persistent,
+                                              out=grad_buffer), 7),
                            ("end_to_end_new_tensor",
                             lambda: aggregate(payloads, topk, workers=names, acc=persistent), 5),
                            ("one_shot", lambda: aggregate(payloads, topk, workers=names), 5),

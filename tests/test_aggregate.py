@@ -38,6 +38,48 @@ def test_sparse_aggregate_equals_dense_reference(name: str, encoding: str) -> No
         torch.testing.assert_close(into, ref, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="out is 10 x"):
         aggregate(payloads, c, out=torch.empty(10))
+    # An accumulator that sums in the output buffer itself, as the PS's do: the mean is
+    # there with no pass to write it, and it stays right when reused.
+    buf = torch.full((100_000,), float("nan"))
+    bound = SparseAccumulator(100_000, into=buf)
+    for _ in range(2):
+        into = aggregate(payloads, c, acc=bound, out=buf)
+        assert into.data_ptr() == buf.data_ptr()
+        torch.testing.assert_close(into, ref, rtol=0, atol=1e-6)
+
+
+def test_expected_contributions_are_scaled_as_added_and_corrected_when_short() -> None:
+    buf = torch.full((6,), float("nan"))
+    acc = SparseAccumulator(6, into=buf)
+    assert torch.equal(buf, torch.zeros(6))  # zeroed when bound
+    acc.expect(3)
+    acc.add_sparse(torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3.0, 6.0]))
+    acc.add_dense(torch.full((6,), 3.0))
+    assert buf[0] == pytest.approx(2.0)  # (3 + 3) / 3 already
+    with pytest.raises(ValueError, match="2 contributions were added already"):
+        acc.expect(2)
+    # Only 2 of the 3 expected came: the mean is over 2, corrected in place.
+    out = acc.result(2, out=buf)
+    assert out.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf, torch.tensor([3.0, 1.5, 4.5, 1.5, 1.5, 1.5]))
+    acc.reset()
+    assert torch.equal(buf, torch.zeros(6))
+    acc.add_sparse(torch.tensor([5]), torch.tensor([4.0]))  # reset forgets the scale
+    torch.testing.assert_close(acc.result(2), torch.tensor([0, 0, 0, 0, 0, 2.0]))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        SparseAccumulator(6, into=torch.zeros(12)[::2])
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SparseAccumulator(3).expect(0)
+
+
+def test_sparse_result_of_a_scaled_accumulator() -> None:
+    acc = SparseAccumulator(10)
+    acc.expect(2)
+    acc.add_sparse(torch.tensor([4, 1]), torch.tensor([2.0, 4.0]))
+    acc.add_sparse(torch.tensor([4]), torch.tensor([6.0]))
+    idx, vals = acc.result_sparse(2)
+    assert idx.tolist() == [1, 4]
+    torch.testing.assert_close(vals, torch.tensor([2.0, 4.0]))
 
 
 def test_dense_path_for_dense_compressors_and_high_ratio() -> None:
