@@ -63,7 +63,7 @@ from agents.compress.base import Compressor, PayloadError, make
 from agents.control import ControlClient, control_path
 from agents.events import EventLog, now_ns
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
-from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
 from agents.workloads.factory import make_workload
 from controller import config as cfgmod
 from controller.policies.backlog import backlog_shares
@@ -370,19 +370,11 @@ class ParameterServer:
         grad = self.model.flat_grad[s:e]
         params = self.model.flat_params[s:e]
         acc.result(mean_over=n_workers, out=grad)
-        lr, mom = self.cfg.workload.lr, self.cfg.workload.momentum
-        if mom > 0:
-            if self.momentum_buf is None:
-                self.momentum_buf = torch.zeros_like(self.model.flat_params)
-            buf = self.momentum_buf[s:e]
-            # torch.optim.SGD semantics: the first step's buffer is the gradient itself.
-            if self.iteration == 0:
-                buf.copy_(grad)
-            else:
-                buf.mul_(mom).add_(grad)
-            params.add_(buf, alpha=-lr)
-        else:
-            params.add_(grad, alpha=-lr)
+        mom = self.cfg.workload.momentum
+        if mom > 0 and self.momentum_buf is None:
+            self.momentum_buf = torch.zeros_like(self.model.flat_params)
+        sgd_step_(params, grad, None if self.momentum_buf is None else self.momentum_buf[s:e],
+                  lr=self.cfg.workload.lr, momentum=mom, first=self.iteration == 0)
         if self.shadow is None:
             msg_type, tensors = codec.MsgType.WEIGHTS, [params]
         else:

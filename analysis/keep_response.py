@@ -9,7 +9,7 @@ It runs the same mathematics as a synchronous data-parallel run, with the projec
 - per worker and chunk, the registered compressor wrapped in ``ErrorFeedback`` (DESIGN
   1.2), with the worker's seeded generator;
 - at the PS the mean over workers and SGD with ``torch.optim.SGD``'s momentum semantics
-  (the first step's buffer is the gradient itself), evaluated after every
+  (``agents.workloads.base.sgd_step_``, the PS's own step), evaluated after every
   ``eval_every``-th iteration, as ``agents/ps.py`` does.
 
 What it leaves out is time: the network decides how long an iteration takes, not what it
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from agents.compress import ErrorFeedback, make
-from agents.workloads.base import FlatModel, Workload, chunk_ranges
+from agents.workloads.base import FlatModel, Workload, chunk_ranges, sgd_step_
 
 __all__ = ["TrainingSpec", "iterations_to_target", "train"]
 
@@ -76,11 +76,8 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
                 payload, _ = feedback[w].step(model.flat_grad[s:e], f"c{c}", keep, rngs[w])
                 total[s:e] += feedback[w].inner.decompress(payload).view(-1)
         grad = total / spec.workers
-        if spec.momentum > 0:
-            momentum_buf = grad.clone() if i == 0 else momentum_buf.mul_(spec.momentum).add_(grad)
-            ps.flat_params.add_(momentum_buf, alpha=-spec.lr)
-        else:
-            ps.flat_params.add_(grad, alpha=-spec.lr)
+        sgd_step_(ps.flat_params, grad, momentum_buf, lr=spec.lr, momentum=spec.momentum,
+                  first=i == 0)
         if (i + 1) % spec.eval_every == 0:
             metrics = workload.evaluate(ps.module)
             if metrics is None:

@@ -46,6 +46,23 @@ class FlatModel:
         self.flat_grad.zero_()
 
 
+def sgd_step_(params: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None,
+              *, lr: float, momentum: float, first: bool) -> None:
+    """The PS's optimizer step, in place, with ``torch.optim.SGD``'s semantics: with
+    momentum the buffer becomes the gradient itself on the ``first`` step, then
+    ``momentum * buf + grad``; ``params -= lr * buf`` (or ``lr * grad`` without momentum).
+    SGD is elementwise, so a chunk's slices step exactly as the whole model would."""
+    if momentum > 0:
+        assert momentum_buf is not None, "momentum needs a buffer"
+        if first:
+            momentum_buf.copy_(grad)
+        else:
+            momentum_buf.mul_(momentum).add_(grad)
+        params.add_(momentum_buf, alpha=-lr)
+    else:
+        params.add_(grad, alpha=-lr)
+
+
 def chunk_ranges(numel: int, chunk_bytes: int, itemsize: int = 4) -> list[tuple[int, int]]:
     """Contiguous [start, end) element ranges of at most ``chunk_bytes`` each, in send
     order. Chunks are the unit of compression, framing and adaptive-ratio decisions."""
