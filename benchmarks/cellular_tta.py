@@ -153,7 +153,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     trace_path = VERIZON if VERIZON.exists() else SHIPPED
     trace = load_trace(str(trace_path), granularity_s=0.1)
-    mean_mbps = round(trace.bytes_between(0.0, trace.period_s) * 8 / trace.period_s / 1e6, 3)
+    mean_mbps = round(trace.mean_mbps(), 3)
     log(f"trace {trace_path} (mean {mean_mbps} Mbit/s over {trace.period_s:g} s)")
     base = [f'trace.up="{trace_path}"', f"net.bottleneck_mbps={mean_mbps}"]
     cell = {name: describe(gradbed_run(CELLULAR, f"cell-{name}", [*TTA, *base, *extra], out))

@@ -38,7 +38,7 @@ from controller import config as cfgmod
 from controller import rundir
 from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import StarSpec
-from traces.pcap import rewrite_pcap
+from traces.pcap import read_capture, rewrite_pcap
 
 __all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report",
            "read_tcpreplay"]
@@ -56,6 +56,7 @@ class FlowCommand:
     role: str  # "server" (stopped with SIGTERM) or "client" (SIGINT: it reports, then exits)
     log: str  # its stdout and stderr, in the run's background/ folder
     report: str = ""  # where a client's totals are read from (iperf3 JSON, tcpreplay's log)
+    port: int = 0  # a server's listening port
 
 
 def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> list[FlowCommand]:
@@ -86,7 +87,7 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> lis
         if bg.kind == "flows":
             servers.append(FlowCommand("ps", (py, "-m", "agents.flowgen", "sink", "--bind",
                                               ps_ip, "--port", port), "server",
-                                       str(out / f"ps-{port}.log")))
+                                       str(out / f"ps-{port}.log"), port=int(port)))
             clients.append(FlowCommand(host, (
                 py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
                 "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
@@ -95,7 +96,7 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> lis
                 "--congestion", cc), "client", log))
             continue
         servers.append(FlowCommand("ps", ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port),
-                                   "server", str(out / f"ps-{port}.log")))
+                                   "server", str(out / f"ps-{port}.log"), port=int(port)))
         report = str(out / f"{host}.json")
         argv = ["iperf3", "-c", ps_ip, "-p", port, "-B", spec.ip(host), "-P", str(bg.flows),
                 "-t", f"{seconds:g}", "-C", cc, "-J", "--logfile", report]
@@ -197,12 +198,9 @@ class BackgroundTraffic:
                     self._popen(net, c)
             # The clients retry nothing: wait until every server listens.
             for c in self.cmds:
-                if c.role == "server":
-                    port = int(c.argv[c.argv.index("--port" if "--port" in c.argv
-                                                   else "-p") + 1])
-                    if not net.wait_listening(c.host, port):
-                        self.say(f"background server in {c.host} on port {port} is not "
-                                 "listening after 10 s; see background/*.log")
+                if c.role == "server" and not net.wait_listening(c.host, c.port):
+                    self.say(f"background server in {c.host} on port {c.port} is not "
+                             f"listening after 10 s; see {c.log}")
             if self.cfg.background.kind == "pcap":
                 self._readdress(net)
             for c in self.cmds:
@@ -217,8 +215,9 @@ class BackgroundTraffic:
             return out.split("link/ether", 1)[1].split()[0]
 
         ps_mac = mac("ps")
+        packets = read_capture(self.cfg.background.pcap)
         for c in self.cmds:
-            s = rewrite_pcap(self.cfg.background.pcap, c.argv[-1], src_mac=mac(c.host),
+            s = rewrite_pcap(packets, c.argv[-1], src_mac=mac(c.host),
                              dst_mac=ps_mac, src_ip=self.spec.ip(c.host),
                              dst_ip=self.spec.ip("ps"))
             self.say(f"background {c.host}: {s.ipv4_packets} packets of "

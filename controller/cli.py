@@ -47,10 +47,10 @@ def run_main(argv: Sequence[str]) -> int:
     from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.
-    files = [("trace.up", cfg.trace.up, lambda p: load_trace(
-                 p, granularity_s=cfg.trace.granularity_ms / 1000.0)),
-             ("trace.down", cfg.trace.down, lambda p: load_trace(
-                 p, granularity_s=cfg.trace.granularity_ms / 1000.0)),
+    def trace(path: str) -> object:
+        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+
+    files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
               else "", load_flow_cdf),
              ("background.pcap", cfg.background.pcap, pcap_summary)]

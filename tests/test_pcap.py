@@ -20,7 +20,7 @@ from controller.background import commands, read_tcpreplay
 from controller.run import star_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary
 from traces.bandwidth import TraceError
-from traces.pcap import pcap_summary, rewrite_pcap
+from traces.pcap import pcap_summary, read_capture, rewrite_pcap
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_PCAP = REPO.parent / "shared" / "traces" / "pcap" / "test.pcap"
@@ -50,7 +50,7 @@ def capture(path: Path, n_udp: int = 20, gap_s: float = 0.001, size: int = 1000)
 
 def test_rewrite_readdresses_keeps_timing_and_leaves_out_what_cannot_cross(tmp_path):
     src = capture(tmp_path / "in.pcap")
-    s = rewrite_pcap(src, tmp_path / "out.pcap", **ADDR)
+    s = rewrite_pcap(read_capture(src), tmp_path / "out.pcap", **ADDR)
     assert s.packets == 21 and s.ipv4_packets == 21  # 20 UDP + 1 TCP; ARP, IPv6, jumbo out
     out = rdpcap(str(tmp_path / "out.pcap"))
     assert len(out) == 21

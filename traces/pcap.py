@@ -21,7 +21,7 @@ from pathlib import Path
 
 from traces.bandwidth import TraceError
 
-__all__ = ["MAX_FRAME_BYTES", "PcapSummary", "pcap_summary", "rewrite_pcap"]
+__all__ = ["MAX_FRAME_BYTES", "PcapSummary", "pcap_summary", "read_capture", "rewrite_pcap"]
 
 MAX_FRAME_BYTES = 1514
 
@@ -38,7 +38,9 @@ class PcapSummary:
         return self.ipv4_bytes * 8 / self.duration_s / 1e6 if self.duration_s > 0 else 0.0
 
 
-def _read(path: str | os.PathLike[str]) -> list:  # type: ignore[type-arg]
+def read_capture(path: str | os.PathLike[str]) -> list:  # type: ignore[type-arg]
+    """Every frame of the capture at ``path``. TraceError naming the file when it is
+    missing, not a capture, empty, or holds no IPv4 frame to replay."""
     import scapy.layers.inet  # noqa: F401  (registers IP/TCP/UDP, and Ethernet as link type 1)
     import scapy.layers.l2  # noqa: F401
     from scapy.error import Scapy_Exception
@@ -52,6 +54,9 @@ def _read(path: str | os.PathLike[str]) -> list:  # type: ignore[type-arg]
         raise TraceError(f"{path}: not a pcap capture: {e}") from None
     if not packets:
         raise TraceError(f"{path}: the capture holds no packets")
+    if not any(_replayable(p) for p in packets):
+        raise TraceError(f"{path}: none of its {len(packets)} packets is an IPv4 frame of "
+                         f"at most {MAX_FRAME_BYTES} bytes; nothing to replay")
     return packets
 
 
@@ -72,25 +77,20 @@ def _summary(packets: list) -> PcapSummary:  # type: ignore[type-arg]
 
 
 def pcap_summary(path: str | os.PathLike[str]) -> PcapSummary:
-    """What replaying ``path`` would send. TraceError naming the file when it is missing,
-    not a capture, empty, or holds no IPv4 packet to replay."""
-    s = _summary(_read(path))
-    if s.ipv4_packets == 0:
-        raise TraceError(f"{path}: none of its {s.packets} packets is an IPv4 frame of at "
-                         f"most {MAX_FRAME_BYTES} bytes; nothing to replay")
-    return s
+    """What replaying ``path`` would send (errors as :func:`read_capture`)."""
+    return _summary(read_capture(path))
 
 
-def rewrite_pcap(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_mac: str,
-                 dst_mac: str, src_ip: str, dst_ip: str) -> PcapSummary:
-    """Write the replayable packets of ``src`` to ``dst``, readdressed from
-    (``src_mac``, ``src_ip``) to (``dst_mac``, ``dst_ip``), timestamps kept. Returns the
-    summary of what was written."""
+def rewrite_pcap(packets: list, dst: str | os.PathLike[str], *,  # type: ignore[type-arg]
+                 src_mac: str, dst_mac: str, src_ip: str, dst_ip: str) -> PcapSummary:
+    """Write the replayable ones of ``packets`` (from :func:`read_capture`, which is read
+    once for every host that replays it) to ``dst``, readdressed from (``src_mac``,
+    ``src_ip``) to (``dst_mac``, ``dst_ip``), timestamps kept. Returns the summary of what
+    was written."""
     from scapy.layers.inet import IP, TCP, UDP
     from scapy.layers.l2 import Ether
     from scapy.utils import wrpcap
 
-    packets = _read(src)
     out = []
     for p in packets:
         if not _replayable(p):
@@ -106,8 +106,7 @@ def rewrite_pcap(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, sr
         q.time = p.time
         out.append(q)
     if not out:
-        raise TraceError(f"{src}: none of its {len(packets)} packets is an IPv4 frame of at "
-                         f"most {MAX_FRAME_BYTES} bytes; nothing to replay")
+        raise ValueError(f"rewrite_pcap: none of {len(packets)} packets is replayable")
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(dst).with_name(f".{Path(dst).name}.tmp")
     wrpcap(str(tmp), out)
