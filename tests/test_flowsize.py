@@ -166,3 +166,36 @@ def test_gradbed_run_names_a_bad_flow_cdf(tmp_path, capsys):
     assert rc == 2
     assert (f"test_tiny.toml: background.flow_cdf: {bad}:2: '1000 x' is not two numbers"
             in capsys.readouterr().err)
+
+
+def test_fct_runs_until_the_sink_answers(tmp_path):
+    # A sink that reads the whole flow, then waits 0.4 s before its answer: the completion
+    # time must include the wait, not end when the bytes were handed to the kernel.
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def slow_sink() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            header = conn.recv(8, socket.MSG_WAITALL)
+            left = int.from_bytes(header, "big")
+            while left > 0:
+                left -= len(conn.recv(min(left, 1 << 16)))
+            time.sleep(0.4)
+            conn.sendall(b"\x01")
+
+    th_sink = threading.Thread(target=slow_sink, daemon=True)
+    th_sink.start()
+    log = EventLog.for_node(tmp_path, "t", "bg0")
+    src = Source([(0.0, 200_000)], ("127.0.0.1", port), "127.0.0.1", log)
+    th = threading.Thread(target=src.run)
+    th.start()
+    deadline = time.monotonic() + 10
+    while src.done + src.failed < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    src.stop.set()
+    th.join(timeout=5)
+    log.close()
+    srv.close()
+    done = [r for r in read_jsonl(tmp_path / "events" / "bg0.jsonl") if r["event"] == "flow_done"]
+    assert len(done) == 1 and 0.4 <= done[0]["fct_s"] < 2.0, done
