@@ -225,6 +225,17 @@ def class_counters(classes: str, classid: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def wait_for_acks(net: StarNetwork, timeout_s: float, n_pkts: int = 200) -> bool:
+    """Whether w0's ACK class (1:10) sends ``n_pkts`` packets within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        classes = net.run("w0", ["tc", "-s", "class", "show", "dev", "w0-eth0"]).stdout
+        if class_counters(classes, "1:10")[1] >= n_pkts:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_acks_first_classifies_pure_acks_and_keeps_the_cap():
     """A worker capped at 2 Mbit/s uploads while it downloads at 10 Mbit/s. With
     ack_first its pure ACKs take class 1:10, its data 1:11, and the two together stay
@@ -241,10 +252,13 @@ def test_acks_first_classifies_pure_acks_and_keeps_the_cap():
         # A client started before its server listens fails at once and the test then
         # measures a direction with no traffic.
         assert net.wait_listening("ps", 5201) and net.wait_listening("w0", 5202)
-        up = net.popen("w0", ["iperf3", "-c", ps_ip, "-p", "5201", "-t", "8", "-P", "2"],
-                       stdout=subprocess.DEVNULL)
-        down = net.popen("ps", ["iperf3", "-c", w0_ip, "-p", "5202", "-t", "6"],
+        # The download starts first: its setup needs messages from w0, and once the
+        # capped upload has filled w0's queue those wait seconds behind its data.
+        down = net.popen("ps", ["iperf3", "-c", w0_ip, "-p", "5202", "-t", "9"],
                          stdout=subprocess.DEVNULL)
+        assert wait_for_acks(net, timeout_s=10.0), "the download never started"
+        up = net.popen("w0", ["iperf3", "-c", ps_ip, "-p", "5201", "-t", "7", "-P", "2"],
+                       stdout=subprocess.DEVNULL)
         time.sleep(1.5)  # both flows at their rates
         t0 = time.monotonic()
         before = net.run("w0", ["tc", "-s", "class", "show", "dev", "w0-eth0"]).stdout
