@@ -77,13 +77,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_listening_here(port: int, timeout_s: float = 10.0) -> bool:
+    """Whether a TCP socket listens on ``port`` in this namespace within ``timeout_s``
+    (probing with a connection would use up a one-off iperf3 server's test)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ss = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True,
+                            text=True, check=True)
+        if ss.stdout.strip():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 is not installed")
 def test_reads_a_real_iperf3_report_also_when_interrupted(tmp_path):
     port = str(_free_port())
     server = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", port],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(0.3)
+        assert wait_listening_here(int(port)), "iperf3 server never listened"
         report = tmp_path / "bg0.json"
         client = subprocess.Popen(["iperf3", "-c", "127.0.0.1", "-p", port, "-t", "30",
                                    "-b", "200M", "-J", "--logfile", str(report)])
