@@ -15,10 +15,13 @@ downlink, round trips; ``cellular_tta`` measures 38.5 ms for its config). For ea
 - ``rule_tta_s``: DESIGN 1.1's rule with a perfect rate estimate, the oracle's: keep =
   plan x B(t) / mean(B), clamped to the measured keeps, for each plan.
 
-Workloads: the digits MLP (``configs/cellular.toml``'s, 2 workers, batch 32, 32 KB
-chunks) at hidden 32, 64, 128 and 256 (14 KB to 340 KB of gradient), with plain SGD (lr
-0.3, the config's) and with momentum 0.9 (lr 0.1), where the keep matters more.
-``GB_HEADROOM_HIDDEN`` (comma-separated) and ``GB_HEADROOM_TRACES`` narrow the sweep.
+Workloads (2 workers, batch 32, 32 KB chunks, as ``configs/cellular.toml``): the digits
+MLP at hidden 32, 64, 128 and 256 (14 KB to 340 KB of gradient) and the digits CNN at
+channels 16, 32 and 64 (40 KB to 380 KB), each with plain SGD (lr 0.3, the config's) and
+with momentum 0.9 (lr 0.1), where the keep matters more (``width`` in the JSON is the
+MLP's hidden size or the CNN's first channels). ``GB_HEADROOM_HIDDEN``,
+``GB_HEADROOM_CHANNELS`` (comma-separated; empty for none) and ``GB_HEADROOM_TRACES``
+narrow the sweep.
 
 Traces: ``../shared/traces/mahimahi/Verizon-LTE-short.up`` when present, and the shipped
 ``traces/data/cellular_like.log`` (random walk) and ``square_10_50.log`` (10/50 Mbit/s).
@@ -39,7 +42,8 @@ from typing import Any
 
 from _common import emit, log
 
-from agents.workloads.digits import DigitsMLP
+from agents.workloads.base import Workload
+from agents.workloads.digits import DigitsCNN, DigitsMLP
 from analysis.keep_response import TrainingSpec, iterations_to_target
 from analysis.tta_model import best_schedule_tta_s, schedule_tta_s
 from traces.bandwidth import BandwidthTrace, load_trace
@@ -52,7 +56,15 @@ TARGET = 0.9
 KEEPS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003)
 OVERHEADS_S = (0.003, 0.01, 0.02, 0.0385)
 OPTIMIZERS = {"sgd": (0.0, 0.3), "momentum": (0.9, 0.1)}  # (momentum, lr)
-HIDDEN = [int(h) for h in os.environ.get("GB_HEADROOM_HIDDEN", "32,64,128,256").split(",")]
+
+
+def _widths(var: str, default: str) -> list[int]:
+    return [int(x) for x in os.environ.get(var, default).split(",") if x.strip()]
+
+
+MODELS: list[tuple[str, int, Workload]] = (
+    [("mlp", h, DigitsMLP(h)) for h in _widths("GB_HEADROOM_HIDDEN", "32,64,128,256")]
+    + [("cnn", c, DigitsCNN(c)) for c in _widths("GB_HEADROOM_CHANNELS", "16,32,64")])
 WORKERS = 2
 START_POINTS = int(os.environ.get("GB_HEADROOM_STARTS", "8"))
 
@@ -64,9 +76,8 @@ def traces() -> dict[str, Path]:
     return {n: p for n, p in found.items() if not wanted or n in wanted.split(",")}
 
 
-def measure_iterations(hidden: int, momentum: float, lr: float) -> dict[float, int]:
+def measure_iterations(workload: Workload, momentum: float, lr: float) -> dict[float, int]:
     """Iterations to TARGET per keep (keeps that never reach it are left out)."""
-    workload = DigitsMLP(hidden)
     workload.prepare(workload.build_model(0), 0, 0)
     spec = TrainingSpec(workers=WORKERS, lr=lr, momentum=momentum)
     out = {}
@@ -114,14 +125,15 @@ def main() -> int:
     t_start = time.monotonic()
     loaded = {n: load_trace(str(p), granularity_s=0.1) for n, p in traces().items()}
     workloads = []
-    for hidden in HIDDEN:
-        params = sum(p.numel() for p in DigitsMLP(hidden).build_model(0).parameters())
+    for model, width, workload in MODELS:
+        params = sum(p.numel() for p in workload.build_model(0).parameters())
         for opt, (momentum, lr) in OPTIMIZERS.items():
             t0 = time.monotonic()
-            iters = measure_iterations(hidden, momentum, lr)
-            log(f"hidden {hidden} {opt}: iterations to {TARGET} {iters} "
+            iters = measure_iterations(workload, momentum, lr)
+            log(f"{model} {width} {opt}: iterations to {TARGET} {iters} "
                 f"({time.monotonic() - t0:.0f} s)")
-            workloads.append({"hidden": hidden, "optimizer": opt, "momentum": momentum,
+            workloads.append({"model": model, "width": width, "optimizer": opt,
+                              "momentum": momentum,
                               "lr": lr, "dense_bytes": 4 * params,
                               "iterations_to_target": {f"{k:g}": v for k, v in iters.items()},
                               "_iters": iters})
@@ -130,13 +142,14 @@ def main() -> int:
         rows = results[name] = []
         for w in workloads:
             if len(w["_iters"]) < 2:
-                log(f"{name} hidden {w['hidden']} {w['optimizer']}: fewer than two keeps "
+                log(f"{name} {w['model']} {w['width']} {w['optimizer']}: fewer than two keeps "
                     "reach the target; skipped")
                 continue
             for ov in OVERHEADS_S:
                 r = case(trace, w["_iters"], w["dense_bytes"], ov)
-                rows.append({"hidden": w["hidden"], "optimizer": w["optimizer"], **r})
-                log(f"{name} hidden {w['hidden']:>3} {w['optimizer']:<8} overhead "
+                rows.append({"model": w["model"], "width": w["width"],
+                             "optimizer": w["optimizer"], **r})
+                log(f"{name} {w['model']} {w['width']:>3} {w['optimizer']:<8} overhead "
                     f"{ov * 1e3:4.1f} ms: best fixed {r['best_fixed_keep']:g} "
                     f"{min(r['fixed_tta_s'].values()):.2f} s, best schedule "
                     f"{r['best_tta_s']:.2f} s (gain {r['best_gain']:+.3f}), rule gain "

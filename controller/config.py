@@ -109,24 +109,27 @@ class NetConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    name: str = "digits_mlp"          # digits_mlp (real training) or replay (gradient sizes only)
+    name: str = "digits_mlp"          # digits_mlp or digits_cnn (real training), or replay
     batch_size: int = 32              # per-worker batch; the global batch is N times this
     lr: float = 0.1                   # SGD learning rate at the PS
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
+    channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
     replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
     chunk_bytes: int = 4_000_000      # gradients travel in buckets of at most this many bytes
 
     def validate(self, p: str) -> None:
-        _check(self.name in ("digits_mlp", "replay"), f"{p}.name", self.name,
-               "must be one of digits_mlp, replay")
+        _check(self.name in ("digits_mlp", "digits_cnn", "replay"), f"{p}.name", self.name,
+               "must be one of digits_mlp, digits_cnn, replay")
         _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
                "must be in [1, 4096]")
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(1 <= self.channels <= 1024, f"{p}.channels", self.channels,
+               "must be in [1, 1024]")
         _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
                "must be one of resnet50, resnet18")
         _check(0 <= self.compute_ms <= 600_000, f"{p}.compute_ms", self.compute_ms,

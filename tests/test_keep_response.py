@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.workloads.digits import DigitsMLP
+from agents.workloads.digits import DigitsCNN, DigitsMLP
 from analysis.keep_response import TrainingSpec, iterations_to_target, train
 from tests.test_transparency import reference_weights
 
@@ -74,3 +74,16 @@ def test_bad_spec_names_the_field(field, value):
 def test_bad_keep(keep):
     with pytest.raises(ValueError, match="keep = "):
         train(DigitsMLP(32), TrainingSpec(), keep, 1)
+
+
+def test_cnn_learns_and_its_lossless_keep_matches_one_process():
+    """The convolutional workload through the same mathematics: lossless top-k lands on
+    the one-process weights, and it reaches 0.9 held-out accuracy (in 40 iterations at
+    channels 16 when measured; 80 is the bound here)."""
+    spec = TrainingSpec(workers=2, lr=0.2, momentum=0.9, chunk_bytes=4096)
+    got, _ = train(DigitsCNN(8), spec, 1.0, 4)
+    want = reference_weights(2, 4, 0.2, 0.9, 0, 32, DigitsCNN(8))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    n = iterations_to_target(DigitsCNN(16), TrainingSpec(workers=2, lr=0.3), 1.0, 0.9,
+                             max_iterations=80)
+    assert n is not None

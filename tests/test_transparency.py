@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from agents.workloads.base import FlatModel
-from agents.workloads.digits import DigitsMLP
+from agents.workloads.base import FlatModel, Workload
+from agents.workloads.digits import DigitsCNN, DigitsMLP
 from analysis.load import load_events
 from tests.loopback import run_loopback
 
 
 def reference_weights(n_workers: int, iterations: int, lr: float, momentum: float,
-                      hidden: int, batch: int) -> torch.Tensor:
-    w = DigitsMLP(hidden)
+                      hidden: int, batch: int, workload: Workload | None = None,
+                      ) -> torch.Tensor:
+    """One process training ``workload`` (the digits MLP at ``hidden`` by default) on
+    the concatenated batch of every worker: the weights a transparent run must reach."""
+    w = workload if workload is not None else DigitsMLP(hidden)
     model = w.build_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for i in range(iterations):
@@ -58,3 +61,18 @@ def test_sparse_delta_downlink_keeps_workers_identical(tmp_path):
     got = torch.load(run_dir / "ps_final_weights.pt")
     want = reference_weights(n, iters, 0.1, 0.0, 64, 32)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_cnn_workers_match_single_process(tmp_path):
+    """The convolutional workload through the same agents: chunks cut across its conv
+    and linear parameters, reassembled and stepped at the PS."""
+    n, iters = 2, 5
+    run_dir, rc = run_loopback(tmp_path, [f"net.workers={n}", f"run.iterations={iters}",
+                                          "workload.name='digits_cnn'", "workload.channels=8",
+                                          "workload.lr=0.2", "workload.momentum=0.9",
+                                          "workload.chunk_bytes=4096"])
+    assert rc == 0, (run_dir / "ps.log").read_text()
+    got = torch.load(run_dir / "ps_final_weights.pt")
+    want = reference_weights(n, iters, 0.2, 0.9, 0, 32, DigitsCNN(8))
+    assert got.shape == want.shape == (3818,)  # 80 + 1168 conv, 2570 linear
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

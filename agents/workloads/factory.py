@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from agents.workloads.base import Workload
-from agents.workloads.digits import DigitsMLP
+from agents.workloads.digits import DigitsCNN, DigitsMLP
 from agents.workloads.replay import Replay
 
-WORKLOADS = {"digits_mlp": DigitsMLP, "replay": Replay}
+WORKLOADS = {"digits_mlp": DigitsMLP, "digits_cnn": DigitsCNN, "replay": Replay}
 
 
 def make_workload(cfg: Any) -> Workload:
     """``cfg`` is a ``controller.config.WorkloadConfig`` (or anything with its fields)."""
     if cfg.name == "digits_mlp":
         return DigitsMLP(hidden=int(cfg.hidden))
+    if cfg.name == "digits_cnn":
+        return DigitsCNN(channels=int(cfg.channels))
     if cfg.name == "replay":
         return Replay(model=str(cfg.model), compute_ms=float(cfg.compute_ms),
                       replay_bytes=int(cfg.replay_bytes))
