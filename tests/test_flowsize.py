@@ -78,6 +78,9 @@ def test_empty_or_missing_cdf(tmp_path):
         load_flow_cdf(tmp_path / "empty.cdf")
     with pytest.raises(TraceError, match="nope.cdf: cannot read"):
         load_flow_cdf(tmp_path / "nope.cdf")
+    (tmp_path / "binary.cdf").write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(TraceError, match="binary.cdf:1: not a text file"):
+        load_flow_cdf(tmp_path / "binary.cdf")
 
 
 def test_arrivals_offer_the_load_and_repeat_with_the_seed():

@@ -191,7 +191,9 @@ def _same_rate(a: float, b: float) -> bool:
 # -- loaders -------------------------------------------------------------------------------
 
 
-def _read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+def read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """``(name, lines)`` of a text file; TraceError naming it when it is missing,
+    unreadable or not text."""
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -276,7 +278,7 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> B
     """
     if not (math.isfinite(granularity_s) and granularity_s > 0.0):
         raise ValueError(f"granularity_s={granularity_s} must be a positive number")
-    name, lines = _read_lines(path)
+    name, lines = read_lines(path)
     stamps_ms: list[int] = []
     prev_ms = -1
     prev_line = 0
@@ -328,7 +330,7 @@ def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -
     The last rate lasts one median step unless ``period_s`` is given, either as the argument
     or as a ``# period_s X`` comment line.
     """
-    name, lines = _read_lines(path)
+    name, lines = read_lines(path)
     points: list[tuple[int, float, float]] = []
     for lineno, raw in enumerate(lines, start=1):
         directive = raw.strip().lstrip("#").split()
@@ -347,7 +349,7 @@ def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -
 
 def load_csv(path: str | os.PathLike[str], period_s: float | None = None) -> BandwidthTrace:
     """Load a CSV whose header is ``time_s,rate_mbps``."""
-    name, lines = _read_lines(path)
+    name, lines = read_lines(path)
     points: list[tuple[int, float, float]] = []
     header_seen = False
     for lineno, raw in enumerate(lines, start=1):
@@ -381,7 +383,7 @@ def load_trace(path: str | os.PathLike[str], granularity_s: float = 0.1) -> Band
         return load_mahimahi(p, granularity_s)
     if suffix == ".csv":
         return load_csv(p)
-    name, lines = _read_lines(p)
+    name, lines = read_lines(p)
     for raw in lines:
         s = raw.split("#", 1)[0].strip()
         if not s:

@@ -20,9 +20,8 @@ import math
 import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
-from traces.bandwidth import TraceError, split_pair
+from traces.bandwidth import TraceError, read_lines, split_pair
 
 __all__ = ["FlowSizeCDF", "flow_arrivals", "load_flow_cdf", "write_flow_cdf"]
 
@@ -71,16 +70,13 @@ class FlowSizeCDF:
 def load_flow_cdf(path: str | os.PathLike[str]) -> FlowSizeCDF:
     """Read ``size_bytes cdf_percent`` lines. Errors name ``file:line``: a missing or
     empty file, a wrong number of fields, a non-number, a percentage outside [0, 100], a
-    point below the one before it, or a last point that is not 100 %."""
-    name = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise TraceError(f"{name}: cannot read: {e.strerror or e}") from e
+    point below the one before it, or a last point that is not 100 %; a file that is not
+    text names line 1."""
+    name, lines = read_lines(path)
     sizes: list[float] = []
     cdf: list[float] = []
     last_line = 0
-    for lineno, raw in enumerate(text.splitlines(), 1):
+    for lineno, raw in enumerate(lines, 1):
         fields = split_pair(name, lineno, raw, "size_bytes cdf_percent")
         if fields is None:
             continue
