@@ -224,7 +224,7 @@ class Experiment:
                 from controller.driver import NetworkDriver
 
                 self.driver = NetworkDriver(cfg, net, ctl, self.events, self.say)
-                self.background = BackgroundTraffic(cfg, star_spec(cfg), run_dir, self.say)
+                self.background = BackgroundTraffic(cfg, net.spec, run_dir, self.say)
                 try:
                     stop_reason = self._run_agents(net, run_dir)
                 finally:
