@@ -214,6 +214,8 @@ class ParameterServer:
         except (codec.FrameError, OSError) as e:
             if conn.closed:
                 return  # the PS closed this socket under the reader (a dropped worker)
+            if self.done.is_set() and isinstance(e, OSError):
+                return  # the run is over: a worker tearing down after BYE may reset
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                           worker=conn.worker, error=str(e))
             self.events.put(("lost", conn, f"frame error: {e}"))

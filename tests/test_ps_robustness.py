@@ -15,6 +15,8 @@ The run must still complete every iteration with the two real workers.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import threading
 from typing import Any
 
@@ -205,3 +207,37 @@ def test_run_completes_with_the_real_workers(hostile_run: dict[str, Any]) -> Non
     assert done and done[-1]["reason"] == "completed"
     # Every frame_error is one of the four hostile peers: the real workers never hit one.
     assert len(_ps(hostile_run, "frame_error")) == 4
+
+
+@pytest.mark.parametrize("run_over", [False, True])
+def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
+        tmp_path, run_over: bool) -> None:
+    """A worker that hangs up with a reset after the PS has finished (its BYE crossed the
+    worker's teardown) is the end of the run, not a frame error; during the run the same
+    reset is logged and the worker reported lost."""
+    from agents.ps import ParameterServer, _Conn
+    from tests.test_backlog import _pair
+
+    run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
+    ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
+    worker_end, ps_end = _pair()
+    try:
+        conn = _Conn(0, ps_end, "test:0")
+        if run_over:
+            ps.done.set()
+        # SO_LINGER 0: close() sends a reset, so the PS's recv fails with ECONNRESET.
+        worker_end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        worker_end.close()
+        ps._read_loop(conn, wire.FrameReader(ps_end, expect_tag=ps.tag))
+    finally:
+        ps_end.close()
+        ps.srv.close()
+        ps.log.close()
+    errors = [e for e in read_jsonl(run_dir / "events" / "ps.jsonl")
+              if e["event"] == "frame_error"]
+    lost = [] if ps.events.empty() else [ps.events.get_nowait()]
+    if run_over:
+        assert errors == [] and lost == []
+    else:
+        assert len(errors) == 1 and "reset" in errors[0]["error"].lower(), errors
+        assert lost and lost[0][0] == "lost"
