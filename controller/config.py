@@ -107,6 +107,10 @@ class NetConfig:
                "must be in [1024, 65535]")
 
 
+# The workloads agents.workloads.factory builds (named here so loading a config needs no torch).
+WORKLOAD_NAMES = ("digits_mlp", "digits_cnn", "replay")
+
+
 @dataclass(frozen=True)
 class WorkloadConfig:
     name: str = "digits_mlp"          # digits_mlp or digits_cnn (real training), or replay
@@ -121,8 +125,8 @@ class WorkloadConfig:
     chunk_bytes: int = 4_000_000      # gradients travel in buckets of at most this many bytes
 
     def validate(self, p: str) -> None:
-        _check(self.name in ("digits_mlp", "digits_cnn", "replay"), f"{p}.name", self.name,
-               "must be one of digits_mlp, digits_cnn, replay")
+        _check(self.name in WORKLOAD_NAMES, f"{p}.name", self.name,
+               f"must be one of {', '.join(WORKLOAD_NAMES)}")
         _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
                "must be in [1, 4096]")
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")

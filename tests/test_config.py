@@ -96,3 +96,19 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
     # This kernel has no netem: the error names it. (Where netem exists, it plans it.)
     assert (p.returncode == 2 and "netem" in p.stderr) or (p.returncode == 0 and
                                                            "netem" in p.stdout)
+
+
+@pytest.mark.parametrize("name", cfgmod.WORKLOAD_NAMES)
+def test_every_workload_the_config_accepts_is_built(name: str) -> None:
+    from agents.workloads.factory import make_workload
+
+    wl = cfgmod.WorkloadConfig(name=name, hidden=8, channels=4, replay_bytes=4096)
+    wl.validate("workload")
+    assert make_workload(wl).name == name
+
+
+def test_an_unknown_workload_name_lists_the_known_ones() -> None:
+    from agents.workloads.factory import make_workload
+
+    with pytest.raises(ValueError, match="digits_mlp, digits_cnn, replay"):
+        make_workload(cfgmod.WorkloadConfig(name="gpt"))

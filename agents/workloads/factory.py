@@ -7,8 +7,7 @@ from typing import Any
 from agents.workloads.base import Workload
 from agents.workloads.digits import DigitsCNN, DigitsMLP
 from agents.workloads.replay import Replay
-
-WORKLOADS = {"digits_mlp": DigitsMLP, "digits_cnn": DigitsCNN, "replay": Replay}
+from controller.config import WORKLOAD_NAMES
 
 
 def make_workload(cfg: Any) -> Workload:
@@ -20,4 +19,4 @@ def make_workload(cfg: Any) -> Workload:
     if cfg.name == "replay":
         return Replay(model=str(cfg.model), compute_ms=float(cfg.compute_ms),
                       replay_bytes=int(cfg.replay_bytes))
-    raise ValueError(f"workload.name = {cfg.name!r}: must be one of {', '.join(WORKLOADS)}")
+    raise ValueError(f"workload.name = {cfg.name!r}: must be one of {', '.join(WORKLOAD_NAMES)}")
