@@ -46,6 +46,10 @@ class RunConfig:
     # The first iterations (TCP slow start, first-touch allocations) left out of the
     # summary's iteration-time percentiles and utilisation; the events keep them all.
     warmup_iterations: int = 0
+    # The agents' glibc malloc: "steady" fixes its thresholds (controller.agent_env), so an
+    # iteration reuses the pages the last one freed instead of faulting in fresh ones;
+    # "default" leaves glibc's adaptive thresholds as they are.
+    allocator: str = "steady"
 
     def validate(self, p: str) -> None:
         _check(self.iterations >= 1, f"{p}.iterations", self.iterations, "must be >= 1")
@@ -61,6 +65,8 @@ class RunConfig:
                self.target_accuracy, "must be in [0, 1]")
         _check(bool(self.name) and "/" not in self.name, f"{p}.name", self.name,
                "must be a non-empty name without '/'")
+        _check(self.allocator in ("steady", "default"), f"{p}.allocator", self.allocator,
+               "must be steady or default")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from agents.events import EventLog, now_ns
 from analysis.load import load_events
 from controller import config as cfgmod
 from controller import rundir
+from controller.agent_env import agent_environment
 from controller.background import BackgroundTraffic, commands
 from controller.control import ControlServer
 from controller.summary import summarize
@@ -258,8 +259,7 @@ class Experiment:
     def _start(self, net: StarNetwork, host: str, argv: list[str], run_dir: Path
                ) -> subprocess.Popen[Any]:
         log = open(run_dir / "logs" / f"{host}.log", "ab")
-        env = {**os.environ, "PYTHONPATH": str(rundir.REPO_ROOT), "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": "1"}
+        env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
         self.say(f"start {host}: {' '.join(argv)}")
         # A new session: a terminal's Ctrl-C reaches only the controller, which then
         # stops the agents itself and keeps their last events.

@@ -30,6 +30,7 @@ DEMO = REPO / "configs" / "demo.toml"
     ("adaptive.formula='other'", "adaptive.formula", "literal"),
     ("adaptive.notsent_lowat_bytes=10", "adaptive.notsent_lowat_bytes", "[1024, 67108864]"),
     ("run.iterations=0", "run.iterations", ">= 1"),
+    ("run.allocator='tcmalloc'", "run.allocator", "steady or default"),
     ("membership.schedule=[[9, 2, -1]]", "membership.schedule[0][0]", "[0, 3]"),
     ("membership.schedule=[[1, 5, 3]]", "membership.schedule[0]", "rejoin_iter"),
 ])
