@@ -177,6 +177,10 @@ class ShapingConfig:
     # "backlog" re-splits B_down by each connection's undelivered bytes every 20 ms, so a
     # connection that fell behind catches up; "equal" keeps a hard B_down / N each.
     downlink: str = "backlog"
+    # With method tc, also cap each worker socket's pacing (SO_MAX_PACING_RATE) at
+    # pace_guard x its tc cap, so a sender that overestimates its rate cannot flood the
+    # cap's queue; 0 = off.
+    pace_guard: float = 0.0
 
     def validate(self, p: str) -> None:
         _check(self.method in ("none", "tc", "pacing"), f"{p}.method", self.method,
@@ -185,6 +189,8 @@ class ShapingConfig:
                "must be backlog or equal")
         _check(0.1 <= self.headroom <= 2.0, f"{p}.headroom", self.headroom,
                "must be in [0.1, 2]")
+        _check(self.pace_guard == 0 or 1.0 <= self.pace_guard <= 4.0, f"{p}.pace_guard",
+               self.pace_guard, "must be 0 (off) or in [1, 4]")
 
 
 @dataclass(frozen=True)

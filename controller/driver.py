@@ -11,7 +11,9 @@ pure; this is where their decisions become side effects:
   active set, ``LinkNShaper`` returns the caps that changed and the driver
   enforces each one, either with ``tc`` (the worker's egress HTB class) or with
   ``SO_MAX_PACING_RATE`` on the worker's socket (a ``pace`` command over the
-  control socket), and logs a ``shape`` event.
+  control socket), and logs a ``shape`` event. With ``tc`` and ``shaping.pace_guard``,
+  the socket is also paced at pace_guard x the cap, so a sender that overestimates its
+  rate (bbr) cannot overflow the queue in front of its own cap.
   The same rule runs on the downlink: each worker receives at most B_down/N, enforced
   by pacing the PS's socket to it (whatever ``shaping.method`` says: a ``tc`` cap on
   the switch port facing the worker would be a remote queue, and its drops turned the
@@ -166,9 +168,10 @@ class NetworkDriver:
         pacing cap and the bandwidth hint now."""
         with self.lock:
             cap = self.shapers["up"].caps().get(worker)
-            if self.cfg.shaping.method == "pacing" and cap is not None:
-                ok = self.ctl.send(f"w{worker}", "pace", rate_bps=cap * 1e6)
-                self.events.emit("shape", worker=worker, rate_mbps=cap, method="pacing",
+            pace = self._socket_pacing_mbps(cap)
+            if pace is not None:
+                ok = self.ctl.send(f"w{worker}", "pace", rate_bps=pace * 1e6)
+                self.events.emit("shape", worker=worker, rate_mbps=pace, method="pacing",
                                  delivered=ok, reason="hello")
             if worker in self.active:
                 self._hint_worker(worker)
@@ -188,6 +191,12 @@ class NetworkDriver:
             tc_rate = cap_mbps if cap_mbps is not None else self.cfg.net.worker_link_mbps
             if method == "tc" and direction == "up":
                 self.net.set_worker_cap(node, tc_rate)
+                if self.cfg.shaping.pace_guard:
+                    pace = self._socket_pacing_mbps(cap_mbps) or 0.0
+                    ok = self.ctl.send(node, "pace", rate_bps=pace * 1e6)
+                    self.events.emit("shape", worker=ch.worker, rate_mbps=pace or None,
+                                     method="pacing", direction=direction, delivered=ok,
+                                     reason="pace_guard")
             elif direction == "up":
                 # False when the worker has no control connection yet: it gets the cap
                 # again on its hello (_on_worker_hello).
@@ -199,6 +208,16 @@ class NetworkDriver:
                                           rate_bps=(cap_mbps or 0.0) * 1e6)
             self.events.emit("shape", worker=ch.worker, rate_mbps=cap_mbps, method=method,
                              direction=direction, delivered=delivered, reason="cap")
+
+    def _socket_pacing_mbps(self, cap_mbps: float | None) -> float | None:
+        """The SO_MAX_PACING_RATE a worker's socket gets for uplink cap ``cap_mbps``."""
+        if cap_mbps is None:
+            return None
+        if self.cfg.shaping.method == "pacing":
+            return cap_mbps
+        if self.cfg.shaping.method == "tc" and self.cfg.shaping.pace_guard:
+            return cap_mbps * self.cfg.shaping.pace_guard
+        return None
 
     @property
     def bandwidth_mbps(self) -> float:

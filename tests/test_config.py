@@ -27,6 +27,7 @@ DEMO = REPO / "configs" / "demo.toml"
     ("workload.name='gpt'", "workload.name", "digits_cnn"),
     ("workload.channels=0", "workload.channels", "[1, 1024]"),
     ("shaping.method='magic'", "shaping.method", "pacing"),
+    ("shaping.pace_guard=0.5", "shaping.pace_guard", "0 (off) or in [1, 4]"),
     ("adaptive.formula='other'", "adaptive.formula", "literal"),
     ("adaptive.notsent_lowat_bytes=10", "adaptive.notsent_lowat_bytes", "[1024, 67108864]"),
     ("run.iterations=0", "run.iterations", ">= 1"),

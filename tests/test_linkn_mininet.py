@@ -35,18 +35,19 @@ def gradbed_run(tmp_path: Path, *overrides: str) -> Path:
     return Path(res.stdout.strip().splitlines()[-1])
 
 
-def run_leave(tmp_path: Path, method: str) -> tuple[pd.DataFrame, dict]:
+def run_leave(tmp_path: Path, method: str, pace_guard: float) -> tuple[pd.DataFrame, dict]:
     run_dir = gradbed_run(
         tmp_path, "net.workers=4", "net.bottleneck_mbps=100", "net.queue_bytes=1000000",
         "workload.replay_bytes=1000000", "workload.compute_ms=50", "run.iterations=8",
-        f'shaping.method="{method}"', f"membership.schedule=[[3, {LEAVE_ITER}, -1]]")
+        f'shaping.method="{method}"', f"shaping.pace_guard={pace_guard}",
+        f"membership.schedule=[[3, {LEAVE_ITER}, -1]]")
     return load_events(run_dir), json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("method", ["tc", "pacing"])
-def test_caps_recomputed_on_leave_and_remaining_workers_speed_up(tmp_path: Path,
-                                                                 method: str) -> None:
-    ev, summary = run_leave(tmp_path, method)
+@pytest.mark.parametrize("method, pace_guard", [("tc", 0.0), ("pacing", 0.0), ("tc", 1.1)])
+def test_caps_recomputed_on_leave_and_remaining_workers_speed_up(tmp_path: Path, method: str,
+                                                                 pace_guard: float) -> None:
+    ev, summary = run_leave(tmp_path, method, pace_guard)
     assert summary["stop_reason"] == "completed", summary
     assert not (ev["event"] == "worker_error").any(), ev[ev["event"] == "worker_error"]
     shape = ev[(ev["event"] == "shape") & (ev["reason"] == "cap")
@@ -64,12 +65,16 @@ def test_caps_recomputed_on_leave_and_remaining_workers_speed_up(tmp_path: Path,
     assert sorted(down[down["ts_ns"] < leave_ts]["worker"].astype(int)) == [0, 1, 2, 3]
     assert sorted(down[down["ts_ns"] >= leave_ts]["rate_mbps"].round(3)) == [33.333] * 3
 
-    if method == "pacing":
-        # Every remaining worker really applied its B/3 pacing rate on its socket.
-        paced = ev[(ev["event"] == "paced") & (ev["iter"] >= LEAVE_ITER)
-                   & ev["node"].str.startswith("w")]
+    paced = ev[(ev["event"] == "paced") & (ev["iter"] >= LEAVE_ITER)
+               & ev["node"].str.startswith("w")]
+    if method == "pacing" or pace_guard:
+        # Every remaining worker really applied its pacing rate on its socket: B/3, or
+        # pace_guard x B/3 above its tc cap.
         assert sorted(set(paced["node"])) == ["w0", "w1", "w2"], paced
-        assert paced["rate_bps"].to_numpy() == pytest.approx([100e6 / 3] * len(paced))
+        rate = 100e6 / 3 * (pace_guard or 1.0)
+        assert paced["rate_bps"].to_numpy() == pytest.approx([rate] * len(paced))
+    else:
+        assert paced.empty, paced
     sends = ev[(ev["event"] == "send_done") & ev["node"].isin(["w0", "w1", "w2"])]
     # Skip iteration 0 (connection warm-up) and the iteration of the change itself.
     t_before = sends[sends["iter"].between(1, LEAVE_ITER - 1)]["send_s"].median()
