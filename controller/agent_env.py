@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from controller.config import ALLOCATORS
+
 # Buffers up to 64 MB from the heap; the heap is never trimmed (2 GiB - 1).
 STEADY_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=2147483647"
 
@@ -28,6 +30,6 @@ def agent_environment(base: Mapping[str, str], repo_root: str, allocator: str) -
     env = {**base, "PYTHONPATH": repo_root, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if allocator == "steady" and "GLIBC_TUNABLES" not in base:
         env["GLIBC_TUNABLES"] = STEADY_TUNABLES
-    elif allocator not in ("steady", "default"):
-        raise ValueError(f"run.allocator = {allocator!r}: must be steady or default")
+    elif allocator not in ALLOCATORS:
+        raise ValueError(f"run.allocator = {allocator!r}: must be {' or '.join(ALLOCATORS)}")
     return env

@@ -33,6 +33,10 @@ def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{path} = {value!r}: {allowed}")
 
 
+# The agents' allocator settings (controller.agent_env).
+ALLOCATORS = ("steady", "default")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"                 # prefix of the run directory name
@@ -65,8 +69,8 @@ class RunConfig:
                self.target_accuracy, "must be in [0, 1]")
         _check(bool(self.name) and "/" not in self.name, f"{p}.name", self.name,
                "must be a non-empty name without '/'")
-        _check(self.allocator in ("steady", "default"), f"{p}.allocator", self.allocator,
-               "must be steady or default")
+        _check(self.allocator in ALLOCATORS, f"{p}.allocator", self.allocator,
+               f"must be {' or '.join(ALLOCATORS)}")
 
 
 @dataclass(frozen=True)
