@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agents.events import EventLog
+from agents.core.events import EventLog
 from traces.flowsize import flow_arrivals, load_flow_cdf
 
 HEADER = struct.Struct("!Q")

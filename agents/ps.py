@@ -61,12 +61,12 @@ from agents import codec, wire
 from agents.aggregate import SparseAccumulator
 from agents.compress.base import Compressor, PayloadError, make
 from agents.control import ControlClient, control_path
-from agents.events import EventLog, now_ns
+from agents.core import config as cfgmod
+from agents.core.events import EventLog, now_ns
+from agents.core.policies.backlog import backlog_shares
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
 from agents.workloads.factory import make_workload
-from controller import config as cfgmod
-from controller.policies.backlog import backlog_shares
 
 # How often the downlink pacing is re-split by backlog (shaping.downlink = "backlog").
 REBALANCE_S = 0.02
@@ -484,7 +484,7 @@ class ParameterServer:
     def rebalance(self) -> dict[int, float]:
         """Downlink link/N with catch-up: re-split the controller's B_down (the sum of
         the paced workers' B_down/N) among the active paced connections in proportion
-        to their undelivered bytes (``controller.policies.backlog``), so one that fell
+        to their undelivered bytes (``agents.core.policies.backlog``), so one that fell
         behind catches up instead of holding the iteration back. Sockets are only
         touched when their rate moves by more than 2 %. Returns the split (empty with
         fewer than two paced connections). Runs on its own thread: it reads copies of

@@ -170,7 +170,7 @@ class TcpInfo:
         return bool(self.app_limited_flags & 1)
 
     def as_event(self) -> dict[str, object]:
-        """The ``tcp_info`` event's fields (agents/events.py schema)."""
+        """The ``tcp_info`` event's fields (agents/core/events.py schema)."""
         return {"bytes_acked": self.bytes_acked, "delivery_rate_bps": self.delivery_rate_bps,
                 "rtt_us": self.rtt_us, "cwnd": self.snd_cwnd_pkts,
                 "pacing_rate_bps": self.pacing_rate_bps, "total_retrans": self.total_retrans}

@@ -42,14 +42,14 @@ from agents import codec, wire
 from agents.compress.base import Compressor, Payload, make
 from agents.compress.feedback import ErrorFeedback
 from agents.control import ControlClient, control_path
-from agents.events import EventLog, now_ns
+from agents.core import config as cfgmod
+from agents.core.events import EventLog, now_ns
+from agents.core.policies import make_ratio_policy
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
-from controller import config as cfgmod
-from controller.policies import make_ratio_policy
 from topo.spec import TCP_GOODPUT_FRACTION
 from traces import generate
 

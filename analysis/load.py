@@ -5,7 +5,7 @@ replot a run years later). This module reads one back:
 
 - ``config.toml``       the resolved config (required);
 - ``meta.json``         git SHA, command, versions, kernel capabilities, ``schema_version``
-                        (required; must match :data:`agents.events.SCHEMA_VERSION`);
+                        (required; must match :data:`agents.core.events.SCHEMA_VERSION`);
 - ``events/NODE.parquet`` or ``events/NODE.jsonl`` one per node (at least one required). A run
                         killed before the JSONL to Parquet conversion has only JSONL; those are
                         read too, skipping a truncated final line;
@@ -30,9 +30,9 @@ from typing import Any
 
 import pandas as pd
 
-from agents.events import SCHEMA_VERSION, read_jsonl
+from agents.core.events import SCHEMA_VERSION, read_jsonl
 
-#: Columns every event row carries (agents/events.py).
+#: Columns every event row carries (agents/core/events.py).
 EVENT_COLUMNS = ("ts_ns", "run_id", "node", "iter", "event")
 #: Columns every links.parquet row carries.
 LINK_COLUMNS = ("ts_ns", "direction", "dev", "sent_bytes", "sent_pkts", "drops",

@@ -39,10 +39,10 @@ from typing import Any
 
 from _common import emit, log
 
+from agents.core import config as cfgmod
 from analysis.bounds import sync_iteration_floor_s
 from analysis.load import load_run
 from analysis.metrics import iteration_time_percentiles, jain
-from controller import config as cfgmod
 from controller.summary import upload_windows, window_utilization
 
 REPO = Path(__file__).resolve().parents[1]

@@ -43,7 +43,7 @@ from typing import Any
 
 from _common import emit, log
 
-from agents.events import now_ns
+from agents.core.events import now_ns
 from topo.build import StarNetwork
 from topo.spec import LinkSpec, StarSpec
 from traces.bandwidth import BandwidthTrace, load_trace

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from controller.config import ALLOCATORS
+from agents.core.config import ALLOCATORS
 
 # Buffers up to 64 MB from the heap; the heap is never trimmed (2 GiB - 1).
 STEADY_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=2147483647"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 from controller import rundir
 from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import StarSpec

@@ -26,7 +26,7 @@ def _need_root(what: str) -> None:
 
 
 def run_main(argv: Sequence[str]) -> int:
-    from controller import config as cfgmod
+    from agents.core import config as cfgmod
 
     ap = argparse.ArgumentParser(prog="gradbed run", description="Run one experiment.")
     ap.add_argument("config", type=Path)

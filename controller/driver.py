@@ -1,6 +1,6 @@
 """Drives the emulated network during a run: trace replay and link/N rate shaping.
 
-The policies (``controller.policies``) and the replayer (``traces.replay``) are
+The policies (``agents.core.policies``) and the replayer (``traces.replay``) are
 pure; this is where their decisions become side effects:
 
 - **Trace replay.** A ``TraceReplayer`` per direction says which HTB rate is due;
@@ -22,7 +22,7 @@ pure; this is where their decisions become side effects:
   to a second apart, and a hard B/N uplink cap then leaves the early starters' spare
   share idle (measured: utilisation 0.74, p99 1.33x unshaped, N=16 at 100 Mbit/s).
   The PS then re-splits the sum of these caps among its connections by backlog every
-  20 ms (``shaping.downlink = "backlog"``, ``controller/policies/backlog.py``), so a
+  20 ms (``shaping.downlink = "backlog"``, ``agents/core/policies/backlog.py``), so a
   connection that fell behind catches up.
 - **Bandwidth hints.** Every worker is told B(t) and N(t) (``bandwidth``
   command); the oracle ratio policy uses them, the others ignore them.
@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents.events import EventLog, now_ns
-from controller import config as cfgmod
+from agents.core import config as cfgmod
+from agents.core.events import EventLog, now_ns
+from agents.core.policies import LinkNShaper
+from agents.core.policies.base import CapChange
 from controller.control import ControlServer
-from controller.policies import LinkNShaper
-from controller.policies.base import CapChange
 from topo.build import StarNetwork
 from traces.bandwidth import BandwidthTrace, load_trace
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead

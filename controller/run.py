@@ -23,9 +23,9 @@ from typing import IO, Any
 import pandas as pd
 
 from agents.control import control_path
-from agents.events import EventLog, now_ns
+from agents.core import config as cfgmod
+from agents.core.events import EventLog, now_ns
 from analysis.load import load_events
-from controller import config as cfgmod
 from controller import rundir
 from controller.agent_env import agent_environment
 from controller.background import BackgroundTraffic, commands

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agents.events import SCHEMA_VERSION, jsonl_to_parquet
+from agents.core.events import SCHEMA_VERSION, jsonl_to_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ the bandwidth and the model). One sweep is::
         --grid net.bottleneck_mbps=10,100,1000 [--set k=v ...] [--out DIR] [--repeat R]
 
 **Sweep file format.** ``CONFIG.toml`` is an ordinary experiment config plus an optional
-``[sweep]`` table, which is *not* part of :class:`controller.config.ExperimentConfig`; it is
+``[sweep]`` table, which is *not* part of :class:`agents.core.config.ExperimentConfig`; it is
 read here and stripped before the config is validated::
 
     [sweep]
@@ -57,7 +57,7 @@ from typing import Any
 
 import tomli_w
 
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 from controller.rundir import REPO_ROOT, write_atomic
 
 #: Seconds a run may take beyond its own ``run.timeout_s`` (Mininet build and teardown,

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 from controller.background import BASE_PORT, commands, read_report
 from controller.run import plan_commands, star_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from agents import codec
+from agents.core.policies.backlog import backlog_shares
 from agents.pacing import get_max_pacing_rate
 from agents.ps import ParameterServer, _Conn
-from controller.policies.backlog import backlog_shares
 from tests.loopback import make_run_dir
 
 CASES = [

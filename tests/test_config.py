@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 from controller.run import plan_commands, star_spec
 
 REPO = Path(__file__).resolve().parents[1]

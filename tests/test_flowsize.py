@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.events import EventLog, read_jsonl
+from agents.core.events import EventLog, read_jsonl
 from agents.flowgen import Source
 from traces.bandwidth import TraceError
 from traces.flowsize import FlowSizeCDF, flow_arrivals, load_flow_cdf

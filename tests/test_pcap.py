@@ -15,7 +15,7 @@ from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Raw
 from scapy.utils import rdpcap, wrpcap
 
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 from controller.background import commands, read_tcpreplay
 from controller.run import star_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from controller.policies import (
+from agents.core.policies import (
     AdaptiveConfig,
     AdaptiveRatio,
     CapChange,
@@ -340,7 +340,7 @@ def test_rate_report_prefers_the_acked_delta_rate() -> None:
 
 
 def test_adaptive_carries_the_stable_rate_into_the_next_iteration_when_asked() -> None:
-    from controller.policies import AdaptiveRatio
+    from agents.core.policies import AdaptiveRatio
 
     for carry, first_keep in ((False, 1.0), (True, 0.5)):
         p = AdaptiveRatio(carry_rt=carry)
@@ -353,7 +353,7 @@ def test_adaptive_carries_the_stable_rate_into_the_next_iteration_when_asked() -
 
 
 def test_adaptive_ewma_smooths_bursty_samples_into_a_stable_rate() -> None:
-    from controller.policies import AdaptiveRatio
+    from agents.core.policies import AdaptiveRatio
 
     raw, smooth = AdaptiveRatio(eps=0.1), AdaptiveRatio(eps=0.1, ewma_alpha=0.2)
     for p in (raw, smooth):

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from agents import codec, wire
-from agents.events import read_jsonl
+from agents.core.events import read_jsonl
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from tests.loopback import connect, make_run_dir, start_ps, start_worker

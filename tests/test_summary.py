@@ -66,6 +66,6 @@ def test_warmup_iterations_are_left_out_of_times_and_utilisation(warmup) -> None
 
 
 def test_a_run_config_rejects_warmup_at_or_past_its_iterations() -> None:
-    from controller import config as cfgmod
+    from agents.core import config as cfgmod
     with pytest.raises(cfgmod.ConfigError, match="run.warmup_iterations"):
         cfgmod.from_dict({"run": {"iterations": 3, "warmup_iterations": 3}})

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agents.control import control_path
-from controller import config as cfgmod
+from agents.core import config as cfgmod
 from controller import sweep
 
 REPO = Path(__file__).resolve().parents[1]

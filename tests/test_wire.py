@@ -409,7 +409,7 @@ def test_notsent_lowat_bounds_what_a_blocked_write_parks_in_the_kernel(lowat: in
                                                                         ) -> None:
     """With TCP_NOTSENT_LOWAT a blocking write waits while the kernel holds that many
     unsent bytes; without it an 8 MB send buffer takes megabytes the peer cannot yet
-    accept. The worker relies on this under the adaptive policy (controller/config.py
+    accept. The worker relies on this under the adaptive policy (agents/core/config.py
     ``adaptive.notsent_lowat_bytes``): "sent" must mean sent, not buffered."""
     total = 6 << 20
     with tcp_pair(sndbuf=4 << 20, rcvbuf=65_536) as (a, b):

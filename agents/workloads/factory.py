@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from agents.core.config import WORKLOAD_NAMES
 from agents.workloads.base import Workload
 from agents.workloads.digits import DigitsCNN, DigitsMLP
 from agents.workloads.replay import Replay
-from controller.config import WORKLOAD_NAMES
 
 
 def make_workload(cfg: Any) -> Workload:
-    """``cfg`` is a ``controller.config.WorkloadConfig`` (or anything with its fields)."""
+    """``cfg`` is a ``agents.core.config.WorkloadConfig`` (or anything with its fields)."""
     if cfg.name == "digits_mlp":
         return DigitsMLP(hidden=int(cfg.hidden))
     if cfg.name == "digits_cnn":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controller.policies.base import CapChange, register_rate_policy
+from agents.core.policies.base import CapChange, register_rate_policy
 
 
 def linkn_caps(bottleneck_mbps: float, active_workers: Iterable[int], *,

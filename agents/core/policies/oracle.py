@@ -9,7 +9,7 @@ what rate estimation costs.
 
 from __future__ import annotations
 
-from controller.policies.base import Decision, check_sent, register_ratio_policy
+from agents.core.policies.base import Decision, check_sent, register_ratio_policy
 from traces.bandwidth import BandwidthTrace
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.policies import adaptive, fixed, linkn, oracle  # noqa: F401  (registration)
-from controller.policies.adaptive import (
+from agents.core.policies import adaptive, fixed, linkn, oracle  # noqa: F401  (registration)
+from agents.core.policies.adaptive import (
     AdaptiveConfig,
     AdaptiveRatio,
     chunk_keep,
     keep_ratio,
     overall_keep,
 )
-from controller.policies.base import (
+from agents.core.policies.base import (
     RATE_POLICIES,
     RATIO_POLICIES,
     CapChange,
@@ -27,9 +27,9 @@ from controller.policies.base import (
     RatioPolicy,
     build,
 )
-from controller.policies.fixed import FixedRatio
-from controller.policies.linkn import LinkNShaper, NoShaper, linkn_caps, membership_at
-from controller.policies.oracle import OracleRatio, oracle_keep
+from agents.core.policies.fixed import FixedRatio
+from agents.core.policies.linkn import LinkNShaper, NoShaper, linkn_caps, membership_at
+from agents.core.policies.oracle import OracleRatio, oracle_keep
 
 
 def make_ratio_policy(name: str, **params: Any) -> RatioPolicy:

@@ -7,7 +7,7 @@ the adaptive and oracle policies so a config swaps them by name.
 
 from __future__ import annotations
 
-from controller.policies.base import Decision, check_sent, register_ratio_policy
+from agents.core.policies.base import Decision, check_sent, register_ratio_policy
 
 
 @register_ratio_policy("fixed")

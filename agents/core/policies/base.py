@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-# Registries filled by each policy module's decorator; controller.policies builds by name.
+# Registries filled by each policy module's decorator; agents.core.policies builds by name.
 RATIO_POLICIES: dict[str, Callable[..., Any]] = {}
 RATE_POLICIES: dict[str, Callable[..., Any]] = {}
 
@@ -111,7 +111,7 @@ class Decision:
     ts_ns: int | None = None
 
     def as_event(self) -> dict[str, object]:
-        """The ``decision`` event's fields (agents/events.py schema)."""
+        """The ``decision`` event's fields (agents/core/events.py schema)."""
         return {"r0_bps": self.r0_bps, "rt_bps": self.rt_bps, "sent_bytes": self.sent_bytes,
                 "remaining_bytes": self.remaining_bytes, "keep": self.keep,
                 "overall_keep": self.overall_keep, "reason": self.reason}

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from controller.policies.base import Decision, register_ratio_policy
+from agents.core.policies.base import Decision, register_ratio_policy
 
 FORMULAS = ("consistent", "literal")
 
