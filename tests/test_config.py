@@ -112,5 +112,5 @@ def test_every_workload_the_config_accepts_is_built(name: str) -> None:
 def test_an_unknown_workload_name_lists_the_known_ones() -> None:
     from agents.workloads.factory import make_workload
 
-    with pytest.raises(ValueError, match="digits_mlp, digits_cnn, replay"):
+    with pytest.raises(ValueError, match="digits_mlp, digits_cnn, digits_deep, replay"):
         make_workload(cfgmod.WorkloadConfig(name="gpt"))

@@ -23,6 +23,8 @@ from typing import Any
 
 import tomli_w
 
+from agents.core.pipeline_config import PipelineConfig
+
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or out of range."""
@@ -118,7 +120,7 @@ class NetConfig:
 
 
 # The workloads agents.workloads.factory builds (named here so loading a config needs no torch).
-WORKLOAD_NAMES = ("digits_mlp", "digits_cnn", "replay")
+WORKLOAD_NAMES = ("digits_mlp", "digits_cnn", "digits_deep", "replay")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class WorkloadConfig:
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
+    depth: int = 8                    # digits_deep: hidden Linear+ReLU blocks (pipeline stages)
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
     replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
@@ -142,6 +145,7 @@ class WorkloadConfig:
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(1 <= self.depth <= 256, f"{p}.depth", self.depth, "must be in [1, 256]")
         _check(1 <= self.channels <= 1024, f"{p}.channels", self.channels,
                "must be in [1, 1024]")
         _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
@@ -339,6 +343,7 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
