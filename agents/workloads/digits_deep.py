@@ -12,15 +12,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from agents.core.config import WorkloadConfig
+from agents.workloads.base import register_workload
 from agents.workloads.digits import Digits
 
 
+@register_workload("digits_deep")
 class DigitsDeep(Digits):
     name = "digits_deep"
 
     def __init__(self, hidden: int = 256, depth: int = 8) -> None:
         self.hidden = hidden
         self.depth = depth
+
+    @classmethod
+    def from_config(cls, cfg: WorkloadConfig) -> DigitsDeep:
+        return cls(hidden=int(cfg.hidden), depth=int(cfg.depth))
 
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)
