@@ -57,6 +57,7 @@ from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.schedules import Action, Kind, Schedule, validate
 from agents.core.schedules import make as make_schedule
+from agents.pacing import set_max_pacing_rate
 from agents.partition import balance_by_params, boundary_shapes, split
 from agents.workloads.base import Batch, FlatModel, sgd_step_
 from agents.workloads.factory import make_workload
@@ -86,6 +87,23 @@ def micro_batch(workload: Any, pc: Any, mb: int, replica: int) -> Batch:
 
 def make_pipeline_compressor(name: str, ratio: float) -> Compressor | None:
     return None if name == "none" else make(name)
+
+
+class _LockedLog:
+    """The stage's event log, shared by its main and sender threads (EventLog is not)."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self.path = log.path
+
+    def emit(self, event: str, iter: int = -1, **fields: Any) -> None:
+        with self._lock:
+            self._log.emit(event, iter, **fields)
+
+    def close(self) -> None:
+        with self._lock:
+            self._log.close()
 
 
 class _SavedBytes:
@@ -134,7 +152,7 @@ class Stage:
         self.cfg, self.pc = cfg, pc
         self.s, self.p, self.replica = stage, pc.stages, replica
         self.node = f"s{stage}" if pc.replicas == 1 else f"r{replica}s{stage}"
-        self.log = EventLog.for_node(run_dir, run_id, self.node)
+        self.log = _LockedLog(EventLog.for_node(run_dir, run_id, self.node))
         self.tag = codec.run_tag(run_id, secret)
         self.peers_addr, self.hub_addr = peers, hub
         if len(peers) != self.p:
@@ -269,6 +287,8 @@ class Stage:
         for peer in (self.down, self.up):
             if peer is None:
                 continue
+            if self.pc.pace_mbps > 0:  # the pacing shaping method, per stage-to-stage link
+                set_max_pacing_rate(peer.sock, self.pc.pace_mbps * 1e6)
             reader = wire.FrameReader(peer.sock, expect_tag=self.tag, peer=peer.peer)
             for target, name in ((self._read_loop, "read"), (self._send_loop, "send")):
                 args = (peer, reader) if name == "read" else (peer,)
@@ -406,7 +426,11 @@ class Stage:
         return vs[(mb // self.pc.micro_batches) % len(vs)]
 
     def _pad(self, t0: float) -> None:
-        pad = self.pc.compute_pad_ms / 1000.0 - (time.perf_counter() - t0)
+        """Sleep out the rest of ``compute_pad_ms`` (per stage share of the layers: a
+        stage with two chunks pads each action to half of it, so every schedule does the
+        same work per stage and step)."""
+        want_s = self.pc.compute_pad_ms / 1000.0 / self.schedule.chunks
+        pad = want_s - (time.perf_counter() - t0)
         if pad > 0:
             time.sleep(pad)
 

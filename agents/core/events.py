@@ -30,6 +30,15 @@ ps      ``ps_iter_done``  agg_s, bytes_in, bytes_out, workers
         ``eval``          loss, accuracy
         ``frame_error``   peer, error
         ``worker_lost``   worker, reason
+stage   ``stage_ready``   stage, replica, chunks, schedule, params, actions
+        ``pp_action``     kind (F B R SA RA SG RG OPT), mb, chunk, start_ns, end_ns, bytes,
+                          held_bytes: every schedule action of a pipeline stage (iter = the
+                          micro-batch's step; for OPT, mb is the step)
+        ``pp_send``       kind (SA, SG), mb, chunk, to, bytes, start_ns, end_ns: a message
+                          written to the kernel by the stage's sender thread
+        ``pp_step_done``  step_s, loss, peak_held_bytes, bytes_down, bytes_up
+        ``pp_done``       stage, replica, peak_held_bytes, bytes_down, bytes_up
+        ``stage_error``   error
 ctrl    ``run_start``, ``run_end`` (reason), ``trace_step`` (direction, rate_mbps),
         ``shape`` (worker, rate_mbps, method), ``tc`` (cmd)
 """

@@ -36,6 +36,9 @@ class PipelineConfig:
     # Each forward/backward takes at least this long (the rest is slept): makes compute
     # dominate on a shared CPU without burning it, for the bubble benchmark.
     compute_pad_ms: float = 0.0
+    # Pace every stage-to-stage socket at this rate (SO_MAX_PACING_RATE, the pacing shaping
+    # method), e.g. on loopback where no tc link exists; 0 = off (the fabric's tc shapes).
+    pace_mbps: float = 0.0
     base_port: int = 6000             # stage s of replica r listens on base_port + r*p + s
 
     @property
@@ -69,5 +72,7 @@ class PipelineConfig:
         _check(0 < self.ratio <= 1, f"{p}.ratio", self.ratio, "must be in (0, 1]")
         _check(0 <= self.compute_pad_ms <= 60_000, f"{p}.compute_pad_ms",
                self.compute_pad_ms, "must be in [0, 60000] ms")
+        _check(0 <= self.pace_mbps <= 100_000, f"{p}.pace_mbps", self.pace_mbps,
+               "must be in [0, 100000] Mbit/s (0 = off)")
         _check(1024 <= self.base_port <= 65535 - 512, f"{p}.base_port", self.base_port,
                "must be in [1024, 65023]")
