@@ -57,11 +57,12 @@ def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_si
     steps = steps_all - skip
     snd = events[events["event"] == "pp_send"]
     links: dict[tuple[str, str], float] = {}
-    for (node, to), g in snd.groupby(["node", "to"]):
-        prefix = str(node)[: str(node).rfind("s")]  # replica prefix ("" or "rK")
-        links[(str(node), f"{prefix}s{int(to)}")] = float(g["bytes"].sum()) / steps_all
+    for key, total in snd.groupby(["node", "to"])["bytes"].sum().items():
+        node, to = str(key[0]), int(key[1])  # type: ignore[index]
+        prefix = node[: node.rfind("s")]  # replica prefix ("" or "rK")
+        links[(node, f"{prefix}s{to}")] = float(total) / steps_all
     done = events[events["event"] == "pp_done"]
-    peak = {str(r.node): int(r.peak_held_bytes) for r in done.itertuples(index=False)}
+    peak = {str(r["node"]): int(r["peak_held_bytes"]) for r in done.to_dict("records")}
     return PipelineMetrics(
         steps=steps, wall_s=wall, busy_s=busy, bubble=bubble,
         bubble_ideal=bubble / (1 - bubble) if bubble < 1 else float("inf"),

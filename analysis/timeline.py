@@ -35,21 +35,22 @@ COLUMNS = ["node", "lane", "category", "label", "iter", "start_ns", "end_ns"]
 def _rows_pipeline(ev: pd.DataFrame) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     act = ev[ev["event"] == "pp_action"]
-    for r in act.itertuples(index=False):
-        cat = _PP_KIND.get(str(r.kind))
+    for r in act.to_dict("records"):
+        cat = _PP_KIND.get(str(r["kind"]))
         if cat is None:
             continue  # SA/SG on the main thread only queue the message
-        chunk = int(r.chunk)
-        label = f"{r.kind}{int(r.mb)}" + (f".{chunk}" if chunk else "")
-        rows.append({"node": r.node, "lane": "compute", "category": cat, "label": label,
-                     "iter": int(r.iter), "start_ns": int(r.start_ns), "end_ns": int(r.end_ns)})
+        chunk = int(r["chunk"])
+        label = f"{r['kind']}{int(r['mb'])}" + (f".{chunk}" if chunk else "")
+        rows.append({"node": r["node"], "lane": "compute", "category": cat, "label": label,
+                     "iter": int(r["iter"]), "start_ns": int(r["start_ns"]),
+                     "end_ns": int(r["end_ns"])})
     snd = ev[ev["event"] == "pp_send"]
-    for r in snd.itertuples(index=False):
-        chunk = int(r.chunk)
-        rows.append({"node": r.node, "lane": "send", "category": "send",
-                     "label": f"{r.kind}{int(r.mb)}" + (f".{chunk}" if chunk else ""),
-                     "iter": int(r.iter), "start_ns": int(r.start_ns),
-                     "end_ns": int(r.end_ns)})
+    for r in snd.to_dict("records"):
+        chunk = int(r["chunk"])
+        rows.append({"node": r["node"], "lane": "send", "category": "send",
+                     "label": f"{r['kind']}{int(r['mb'])}" + (f".{chunk}" if chunk else ""),
+                     "iter": int(r["iter"]), "start_ns": int(r["start_ns"]),
+                     "end_ns": int(r["end_ns"])})
     return rows
 
 
@@ -60,16 +61,17 @@ def _rows_workers(ev: pd.DataFrame) -> list[dict[str, object]]:
     for name, (cat, col) in spec.items():
         if col not in ev:
             continue
-        for r in ev[ev["event"] == name].itertuples(index=False):
-            end = int(r.ts_ns)
-            dur = float(getattr(r, col))
-            rows.append({"node": r.node, "lane": "compute", "category": cat, "label": cat,
-                         "iter": int(r.iter), "start_ns": end - int(dur * 1e9), "end_ns": end})
+        for r in ev[ev["event"] == name].to_dict("records"):
+            end = int(r["ts_ns"])
+            dur = float(r[col])
+            rows.append({"node": r["node"], "lane": "compute", "category": cat, "label": cat,
+                         "iter": int(r["iter"]), "start_ns": end - int(dur * 1e9),
+                         "end_ns": end})
     if "start_ns" in ev:
-        for r in ev[ev["event"] == "send_done"].itertuples(index=False):
-            rows.append({"node": r.node, "lane": "send", "category": "send", "label": "send",
-                         "iter": int(r.iter), "start_ns": int(r.start_ns),
-                         "end_ns": int(r.ts_ns)})
+        for r in ev[ev["event"] == "send_done"].to_dict("records"):
+            rows.append({"node": r["node"], "lane": "send", "category": "send",
+                         "label": "send", "iter": int(r["iter"]),
+                         "start_ns": int(r["start_ns"]), "end_ns": int(r["ts_ns"])})
     return rows
 
 
