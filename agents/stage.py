@@ -107,13 +107,16 @@ class _LockedLog:
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves for backward during a forward."""
+    """Counts the bytes autograd saves for backward during a forward. Weights are not
+    activations: a saved tensor living in a weight buffer (a parameter, or a view of one
+    such as ``weight.t()`` that ``addmm`` saves) is not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight_storages: set[int]) -> None:
         self.bytes = 0
+        self.weights = weight_storages
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):  # weights are not activations
+        if t.untyped_storage().data_ptr() not in self.weights:
             self.bytes += t.numel() * t.element_size()
         return t
 
@@ -181,6 +184,8 @@ class Stage:
                 self.versions[c] = [flat, twin]
             else:
                 self.versions[c] = [flat]
+        self._weight_storages = {fm.flat_params.untyped_storage().data_ptr()
+                                 for vs in self.versions.values() for fm in vs}
         self.momentum: dict[int, torch.Tensor] = {}
         self.opt_count: dict[int, int] = {}
         self.act_comp = make_pipeline_compressor(pc.act_compress, pc.ratio)
@@ -445,7 +450,7 @@ class Stage:
         held = _Held(x=x)
         self.held_bytes += x.numel() * x.element_size()
         if grad:
-            counter = _SavedBytes()
+            counter = _SavedBytes(self._weight_storages)
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 out = module(x)
                 if last:

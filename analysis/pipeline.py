@@ -3,7 +3,11 @@
 Over the measured steps (``skip`` warm-up steps left out; a step's actions are those of
 its micro-batches, and its optimizer steps):
 
-- ``wall_s`` = last compute end - first compute start over all stages;
+- ``wall_s`` = the sum over measured steps of (last compute end - first compute start of
+  the step, over all stages) when the steps do not overlap (GPipe and 1F1B flush at every
+  step, so the optimizer steps between them are left out); when they overlap (the
+  two-group schedule runs the next step's A forwards during this step's drain), the
+  whole window from the first measured compute start to the last end;
 - ``busy_s[stage]`` = seconds the stage spent in forward, backward and recompute;
 - ``bubble`` (bubble/total) = ``1 - sum(busy_s) / (p * wall_s)``: GPipe's
   ``(p-1)/(m+p-1)`` for equal costs and free links (Huang et al. 2019);
@@ -47,8 +51,12 @@ def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_si
     steps_all = int(act.loc[act["kind"] == "OPT", "iter"].max()) + 1
     skip = min(skip, steps_all - 1)
     comp = act[act["kind"].isin(COMPUTE) & (act["iter"] >= skip)]
-    t0, t1 = int(comp["start_ns"].min()), int(comp["end_ns"].max())
-    wall = (t1 - t0) / 1e9
+    win = comp.groupby("iter").agg(t0=("start_ns", "min"), t1=("end_ns", "max")).sort_index()
+    disjoint = bool((win["t0"].to_numpy()[1:] >= win["t1"].to_numpy()[:-1]).all())
+    if disjoint:
+        wall = float((win["t1"] - win["t0"]).sum()) / 1e9
+    else:
+        wall = (int(win["t1"].max()) - int(win["t0"].min())) / 1e9
     dur = (comp["end_ns"] - comp["start_ns"]) / 1e9
     busy = {str(k): float(v) for k, v in dur.groupby(comp["node"]).sum().items()}
     p = len(busy)
