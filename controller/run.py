@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import pandas as pd
 
+from agents import auth
 from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
@@ -152,6 +153,8 @@ class Experiment:
         self._ps_state: dict[str, Any] = {"iter": -1, "done": False}
         self.driver: Any = None
         self.background: BackgroundTraffic | None = None
+        # The run's master key lives in this process only; agents get theirs on stdin.
+        self._master = auth.new_master()
 
     # -- logging --------------------------------------------------------------------
 
@@ -209,7 +212,7 @@ class Experiment:
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
-        ctl = ControlServer(control_path(run_dir), self._on_report)
+        ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
         self.say("building the network")
@@ -256,15 +259,28 @@ class Experiment:
                     self._logf.close()
         return run_dir
 
+    def _control_key(self, node: str) -> bytes | None:
+        """The key a control-socket peer must prove: agents of this run only."""
+        known = node == "ps" or (node.startswith("w") and node[1:].isdigit()
+                                 and int(node[1:]) < self.cfg.net.workers)
+        return auth.node_key(self._master, node) if known else None
+
     def _start(self, net: StarNetwork, host: str, argv: list[str], run_dir: Path
                ) -> subprocess.Popen[Any]:
         log = open(run_dir / "logs" / f"{host}.log", "ab")
         env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
         self.say(f"start {host}: {' '.join(argv)}")
         # A new session: a terminal's Ctrl-C reaches only the controller, which then
-        # stops the agents itself and keeps their last events.
-        return net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
-                         cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
+        # stops the agents itself and keeps their last events. Its key goes down its
+        # stdin, a pipe only we hold: the pipe stays open, and when this process dies
+        # the agent sees EOF and ends too (agents.auth).
+        p = net.popen(host, argv, stdin=subprocess.PIPE, stdout=log,
+                      stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
+                      start_new_session=True)
+        assert p.stdin is not None
+        p.stdin.write(auth.bundle_for(self._master, host).encode())
+        p.stdin.flush()
+        return p
 
     def _run_agents(self, net: StarNetwork, run_dir: Path) -> str:
         cfg = self.cfg
@@ -341,9 +357,6 @@ class Experiment:
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}
         rundir.write_json(run_dir / "meta.json", meta)
-        secret = run_dir / "secret"
-        if secret.exists():
-            secret.unlink()  # the run is over: nobody else may join it
         try:
             from analysis.report import write_report
 

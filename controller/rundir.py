@@ -36,10 +36,7 @@ def create(out_root: Path, name: str) -> Path:
     path = out_root / f"{name}-{stamp}-{secrets.token_hex(2)}"
     (path / "events").mkdir(parents=True)
     (path / "logs").mkdir()
-    secret = path / "secret"
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
+    # No key is written here: every host can read this directory (agents.auth).
     return path
 
 

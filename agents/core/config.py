@@ -24,6 +24,7 @@ from typing import Any
 import tomli_w
 
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
+from agents.core.guard_config import GuardConfig
 
 
 class ConfigError(ValueError):
@@ -362,6 +363,7 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
