@@ -97,6 +97,12 @@ class MsgType(IntEnum):
     COUNTS = 10  # MoE dispatch phase 1: per-expert token counts
     TOKENS = 11  # MoE dispatch phase 2: token payloads
     CONTROL = 12  # small JSON control message
+    # MoE (agents/moe/exchange.py). Codes from 40 up, away from other appenders.
+    EXPERT_OUT = 40  # MoE: expert outputs back to the tokens' hosts, in dispatch order
+    EXPERT_OUT_GRAD = 41  # MoE backward: gradients of the expert outputs, to the experts
+    TOKENS_GRAD = 42  # MoE backward: gradients of the dispatched tokens, to their hosts
+    REDUCE_SCATTER = 43  # ZeRO: one shard of a shared class's gradients
+    ALL_GATHER = 44  # ZeRO: one host's shard of a shared class's parameters
 
 
 class DType(IntEnum):

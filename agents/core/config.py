@@ -23,6 +23,8 @@ from typing import Any
 
 import tomli_w
 
+from agents.core.moe_config import MoEConfig
+
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or out of range."""
@@ -339,6 +341,7 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

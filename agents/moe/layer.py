@@ -100,6 +100,7 @@ class MoELayer(nn.Module):
         self.runner: Runner = local_experts
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.stats: MoEStats | None = None
+        self.capacity = 0  # of the forward in progress (a runner checks counts against it)
 
     def keep_experts(self, owned: Sequence[int]) -> None:
         """Drop every expert not in ``owned`` (a host keeps only its own)."""
@@ -115,6 +116,7 @@ class MoELayer(nn.Module):
         per_group = tokens // self.groups
         cap = expert_capacity(per_group, self.k, self.num_experts, self.capacity_factor,
                               self.min_capacity)
+        self.capacity = cap
         xs = torch.split(x, per_group)
         plans, weights, inputs, aux = [], [], [], []
         kept_n = torch.zeros(self.num_experts, dtype=torch.int64)
