@@ -25,6 +25,7 @@ import tomli_w
 
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.guard_config import GuardConfig
+from agents.core.moe_config import MoEConfig
 
 
 class ConfigError(ValueError):
@@ -364,6 +365,7 @@ class ExperimentConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
