@@ -96,9 +96,11 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
     p = subprocess.run([sys.executable, "-m", "controller.cli", "run", str(DEMO), "--set",
                         "net.delay_ms=5", "--dry-run"], cwd=REPO, capture_output=True,
                        text=True)
-    # This kernel has no netem: the error names it. (Where netem exists, it plans it.)
-    assert (p.returncode == 2 and "netem" in p.stderr) or (p.returncode == 0 and
-                                                           "netem" in p.stdout)
+    # netem where the kernel has it, else the NFQUEUE delay line in the receiving hosts;
+    # the dry run names the mechanism either way.
+    assert p.returncode == 0, p.stderr
+    assert "netem" in p.stdout or ("# delay by nfqueue" in p.stdout
+                                   and "-m topo.delayline --queue 100:5" in p.stdout)
 
 
 @pytest.mark.parametrize("name", WORKLOAD.declared())

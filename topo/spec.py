@@ -64,8 +64,9 @@ class LinkSpec:
     queue_bytes: bfifo drop-tail limit in bytes (bytes, not packets: with GSO a pfifo
         "1000 packets" held 5-7 MB). None picks ``default_queue_bytes(rate_mbps)``.
         Bigger queue, fewer drops, more queueing delay.
-    delay_ms, loss_pct: one-way delay and random loss; need the netem qdisc (absent on
-        some kernels: asking for them there is an error, never silently ignored).
+    delay_ms, loss_pct: one-way delay and random loss: netem on the same egress where the
+        kernel has it, else netfilter on the receiving host (``topo.netfilter``); where
+        neither exists, asking for them is an error, never silently ignored.
     """
 
     rate_mbps: float | None

@@ -92,8 +92,8 @@ class NetConfig:
     bottleneck_mbps: float = 100.0    # switch -> PS (gradients go up through it)
     bottleneck_down_mbps: float = 0.0 # PS -> switch; 0 = same as bottleneck_mbps
     queue_bytes: int = 1_000_000      # bfifo limit on the bottleneck; deeper = more delay, fewer drops
-    delay_ms: float = 0.0             # one-way delay on the bottleneck (needs netem)
-    loss_pct: float = 0.0             # random loss on the bottleneck (needs netem)
+    delay_ms: float = 0.0             # one-way delay on the bottleneck (netem, else NFQUEUE)
+    loss_pct: float = 0.0             # random loss on the bottleneck (netem, else statistic)
     congestion: str = "cubic"         # TCP congestion control in every host: reno, cubic, bbr
     offload: bool = False             # GSO/TSO/GRO; off gives packet-exact queues
     # Every host's own egress sends pure ACKs ahead of its queued data, within the same
