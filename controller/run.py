@@ -26,6 +26,7 @@ from agents import auth
 from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.links import LINK_COLUMNS
 from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
@@ -149,12 +150,9 @@ class LinkSampler(threading.Thread):
         return links_frame(list(self.rows))
 
 
-LINK_COLUMNS = ["ts_ns", "direction", "dev", "sent_bytes", "sent_pkts", "drops", "overlimits",
-                "backlog_bytes", "backlog_pkts", "rate_mbps"]
-
-
 def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(rows, columns=LINK_COLUMNS)
+    """The link samples as ``links.parquet`` holds them (agents/core/links.py's columns)."""
+    return pd.DataFrame(rows, columns=list(LINK_COLUMNS))
 
 
 class Experiment:

@@ -23,6 +23,7 @@ from agents.core.ethernet import (  # noqa: F401  (re-exported: topo's users rea
     TCP_MSS_BYTES,
     WIRE_FRAME_BYTES,
 )
+from agents.core.nodes import worker_node
 
 # HTB on these machines was measured up to 10 Gbit/s (DESIGN.md section 3); Mininet caps
 # at 1000 Mbit/s (bwParamMax) and silently drops anything higher, which we refuse to copy.
@@ -167,7 +168,7 @@ class StarSpec:
                                 "allowed true/false")
 
     def worker_names(self) -> list[str]:
-        return [f"w{i}" for i in range(self.workers)]
+        return [worker_node(i) for i in range(self.workers)]
 
     def extra_host_names(self) -> list[str]:
         return [f"bg{j}" for j in range(self.extra_hosts)]
