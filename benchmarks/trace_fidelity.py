@@ -45,7 +45,8 @@ from _common import emit, log
 
 from agents.core.events import now_ns
 from topo.build import StarNetwork
-from topo.spec import LinkSpec, StarSpec
+from topo.shapes.star import StarSpec
+from topo.spec import LinkSpec
 from traces.bandwidth import BandwidthTrace, load_trace
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 

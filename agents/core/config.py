@@ -328,6 +328,9 @@ class BackgroundConfig:
                    f'must be up for kind = "{self.kind}" (from the host to the PS)')
 
 
+from agents.core.topo_config import TopoConfig  # noqa: E402  (needs _check, defined above)
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
@@ -339,6 +342,7 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    topo: TopoConfig = field(default_factory=TopoConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
