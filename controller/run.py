@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import pandas as pd
 
+from agents import auth
 from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
@@ -35,7 +36,7 @@ from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.summary import summarize
 from topo.build import Network
-from topo.plan import build_plan, describe_plan
+from topo.plan import build_plan, describe_impairments, describe_plan
 from topo.probe import probe
 from topo.shapes import shape_spec
 from topo.shapes.star import star_spec
@@ -57,6 +58,7 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
     check_driver(cfg, spec)
     out = describe_plan(spec, build_plan(spec, caps))
     out.insert(1, f"# congestion control in every host: {cfg.net.congestion}")
+    out += describe_impairments(spec, caps)
     ctx = RoleContext(cfg, spec, Path("RUN"))
     for role, c in role_commands(ctx):
         out.append(f"$ {' '.join(c.argv)}   # in {c.host}, role {role.name}")
@@ -138,6 +140,9 @@ class Experiment:
         # A bad shape or trace placement is refused here, before any directory exists.
         self.spec: NetSpec = shape_spec(cfg)
         check_driver(cfg, self.spec)
+        # The run's master key lives in this process only; agents get theirs on stdin.
+        self._master = auth.new_master()
+        self._net: Network | None = None
 
     # -- logging --------------------------------------------------------------------
 
@@ -193,12 +198,15 @@ class Experiment:
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
-        ctl = ControlServer(control_path(run_dir), self._on_report)
+        ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
         self.say("building the network")
         try:
             with Network(self.spec, log=self.say, caps=caps) as net:
+                self._net = net  # its impairment record goes into meta.json at the end
+                meta["impairment"] = net.impairment_record()
+                rundir.write_json(run_dir / "meta.json", meta)
                 # Time zero of the experiment proper: after any wait for the network lock.
                 setup_s = time.monotonic() - t_start
                 t_start = time.monotonic()
@@ -242,6 +250,11 @@ class Experiment:
                     self._logf.close()
         return run_dir
 
+    def _control_key(self, node: str) -> bytes | None:
+        """The key a control-socket peer must prove: the agents of this run's roles only."""
+        known = any(h.name == node and h.role for h in self.spec.hosts)
+        return auth.node_key(self._master, node) if known else None
+
     def _start(self, net: Network, cmd: RoleCommand, run_dir: Path
                ) -> subprocess.Popen[Any]:
         path = cmd.log_path(run_dir)
@@ -250,9 +263,16 @@ class Experiment:
         self.say(f"start {cmd.host}: {' '.join(cmd.argv)}")
         with open(path, "ab") as log:  # the child keeps its own copy
             # A new session: a terminal's Ctrl-C reaches only the controller, which then
-            # stops the agents itself and keeps their last events.
-            return net.popen(cmd.host, list(cmd.argv), stdout=log, stderr=subprocess.STDOUT,
-                             cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
+            # stops the agents itself and keeps their last events. Its key goes down its
+            # stdin, a pipe only we hold: the pipe stays open, and when this process dies
+            # the agent sees EOF and ends too (agents.auth).
+            p = net.popen(cmd.host, list(cmd.argv), stdin=subprocess.PIPE, stdout=log,
+                          stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
+                          start_new_session=True)
+        assert p.stdin is not None
+        p.stdin.write(auth.bundle_for(self._master, cmd.host).encode())
+        p.stdin.flush()
+        return p
 
     def _run_agents(self, net: Network, runner: RoleRunner) -> str:
         """Every host's role, in phases; the driver; the session roles; then the wait
@@ -281,6 +301,14 @@ class Experiment:
         rundir.write_json(run_dir / "summary.json", summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}
+        if self._net is not None:
+            # Torn down by now: the record holds what each delay line did, and whether
+            # one died (its link then dropped every packet).
+            meta["impairment"] = self._net.impairment_record()
+            for host in meta["impairment"]["hosts"]:
+                if host.get("delay_line_died"):
+                    self.say(f"warning: the delay line in {host['host']} died "
+                             f"({host['delay_line_died']}); its link dropped every packet")
         rundir.write_json(run_dir / "meta.json", meta)
         secret = run_dir / "secret"
         if secret.exists():

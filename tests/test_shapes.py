@@ -9,7 +9,8 @@ from agents.core import config as cfgmod
 from controller.background import commands
 from controller.run import plan_commands
 from topo import qdisc
-from topo.plan import build_plan
+from topo.netfilter import Impairment
+from topo.plan import build_plan, impairments
 from topo.shapes import get, names, register, shape_spec
 from topo.shapes.star import StarSpec, star_spec
 from topo.spec import (
@@ -23,6 +24,7 @@ from topo.spec import (
 )
 
 CAPS = {"netem": False, "tcp_congestion_control": ["cubic"]}
+NFQ = {"netem": False, "nfqueue": True, "xt_statistic": True}
 
 
 def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
@@ -107,9 +109,25 @@ def test_fabric_shapes_every_access_link_both_ways_and_delays_once():
         assert spec.point(f"{h}.down").link.rate_mbps == 200
         assert spec.point(f"{h}.up").link.delay_ms == 5
         assert spec.point(f"{h}.down").link.delay_ms == 0
-    # This kernel's answer to delay: netem or a refusal naming the point; never silence.
-    with pytest.raises(qdisc.CapabilityError, match="point gbh0.up.*delay_ms"):
-        build_plan(spec, CAPS)
+    # A kernel with no way to delay refuses, naming the point; never silence.
+    with pytest.raises(qdisc.CapabilityError, match="point gbh0.up.delay_ms=5 needs"):
+        build_plan(spec, {"netem": False})
+    # Without netem the delay goes to the receivers: every path crosses one .up point.
+    imps = impairments(spec)
+    assert imps["gbh1"] == [Impairment("gbh1-eth0", delay_ms=5.0)]
+    assert not any("netem" in " ".join(s.argv) for s in build_plan(spec, NFQ))
+
+
+def test_dumbbell_paths_cross_the_trunk_once():
+    c = cfg("topo.shape=\"dumbbell\"", "net.workers=2", "net.background_hosts=1",
+            "net.delay_ms=10", "net.loss_pct=1")
+    imps = impairments(shape_spec(c))
+    # Into ps: every left host crosses the trunk (10 ms, 1 %); sink0 is on ps's side.
+    assert imps["ps"] == [Impairment("ps-eth0", delay_ms=10.0, loss_pct=1.0,
+                                     sources=("10.0.0.10", "10.0.0.11", "10.0.0.100"))]
+    # w0 hears w1 and bg0 undelayed (same switch), ps and sink0 through the trunk.
+    assert imps["w0"] == [Impairment("w0-eth0", delay_ms=10.0, loss_pct=1.0,
+                                     sources=("10.0.0.1", "10.0.0.200"))]
 
 
 def test_traces_go_on_their_points_and_unknown_points_are_named():

@@ -13,6 +13,11 @@ host's namespace for a host's own interface, in the root namespace for a switch 
 For the star: ``up`` is ``gbsw0-eth1``, ``down`` is ``ps-eth0``, ``wK.up`` is ``wK-eth0``
 (what ``set_worker_cap`` changes).
 
+Delay and loss go into netem on the same egress where the kernel has it; elsewhere
+(``topo.netfilter``) they are applied where the packets arrive, one ``HostImpairment``
+per receiving host with the figures of ``topo.plan.impairments`` (the sum over each
+path's shaping points).
+
 ``Network`` is a context manager: teardown (processes, ``net.stop()``, targeted cleanup,
 lock) runs in ``finally`` and also when the build fails halfway.
 """
@@ -22,15 +27,18 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
+from topo.netfilter import HostImpairment, Impairment
 from topo.netlink import RtNetlink
-from topo.plan import Step, build_plan
+from topo.plan import Step, build_plan, delay_loss
+from topo.plan import impairments as _impairments
+from topo.plan import require_impairments as _require_impairments
 from topo.probe import probe
 from topo.qdisc import QdiscStats
 from topo.spec import LinkSpec, NetSpec, SpecError, default_queue_bytes
@@ -46,6 +54,25 @@ class HasNetSpec(Protocol):
     def net_spec(self) -> NetSpec: ...
 
 
+def _net_spec(spec: NetSpec | HasNetSpec) -> NetSpec:
+    if isinstance(spec, NetSpec):
+        return spec
+    if not callable(getattr(spec, "net_spec", None)):
+        raise SpecError(f"spec={spec!r} is neither a NetSpec nor has net_spec()")
+    return spec.net_spec()
+
+
+def impairments(spec: NetSpec | HasNetSpec) -> dict[str, list[Impairment]]:
+    """``topo.plan.impairments`` of a NetSpec or of a shape's own spec (a StarSpec)."""
+    return _impairments(_net_spec(spec))
+
+
+def require_impairments(spec: NetSpec | HasNetSpec, caps: Mapping[str, Any]
+                        ) -> dict[str, str | None]:
+    """``topo.plan.require_impairments`` of a NetSpec or of a shape's own spec."""
+    return _require_impairments(_net_spec(spec), caps)
+
+
 class Network:
     """A running network: ``with Network(spec) as net: net.popen("w0", [...])``.
 
@@ -58,11 +85,7 @@ class Network:
     def __init__(self, spec: NetSpec | HasNetSpec, *, log: Callable[[str], None] | None = None,
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
                  caps: dict[str, Any] | None = None) -> None:
-        if not isinstance(spec, NetSpec):
-            if not callable(getattr(spec, "net_spec", None)):
-                raise SpecError(f"spec={spec!r} is neither a NetSpec nor has net_spec()")
-            spec = spec.net_spec()
-        self.spec: NetSpec = spec
+        self.spec: NetSpec = _net_spec(spec)
         self.log = log
         self.caps = caps
         self.tc = Tc(log=log)
@@ -74,6 +97,10 @@ class Network:
         self._auto_queue: dict[str, bool] = {}
         self._ack_first: dict[str, bool] = {}  # dev -> built with the ACKs-first layout
         self.removed_at_start: list[str] = []
+        # Delay and loss: the mechanisms in use, and the netfilter ones per host.
+        self.mechanisms: dict[str, str | None] = {"delay": None, "loss": None}
+        self.host_impairments: list[HostImpairment] = []
+        self.impairment_records: list[dict[str, Any]] = []
         self.lock_wait_s = 0.0
         self.build_s = 0.0
         self.removed_at_exit: list[str] = []
@@ -105,6 +132,7 @@ class Network:
         if self.caps is None:
             self.caps = probe()
         # The whole plan first: what the kernel cannot do is refused before anything exists.
+        self.mechanisms = _require_impairments(spec, self.caps)
         plan = build_plan(spec, self.caps)
         self.removed_at_start = cleanup()
         for line in self.removed_at_start:
@@ -133,11 +161,37 @@ class Network:
                   f"{', '.join(s.name for s in spec.switches)}")
         self._run_steps(plan)
         for place in spec.places():
-            link = place.point.link
+            link = delay_loss(place, self.caps)  # as its qdiscs have it
             if link.shaped:
                 self._rates[place.dev] = link.rate_mbps
                 self._auto_queue[place.dev] = link.queue_bytes is None
                 self._ack_first[place.dev] = qdisc.acks_first(link, place.point.ack_first)
+        if not self._netem:
+            for host, imps in _impairments(spec).items():
+                hi = HostImpairment(host, self.pid(host), imps, tc=self.tc)
+                # Appended first: a start that fails halfway is still torn down.
+                self.host_impairments.append(hi)
+                hi.__enter__()
+
+    @property
+    def _netem(self) -> bool:
+        return bool((self.caps or {}).get("netem"))
+
+    def check_impairments(self) -> None:
+        """Raise ImpairmentError if a delay line has died (its link drops everything)."""
+        for hi in self.host_impairments:
+            hi.check()
+
+    def impairment_record(self) -> dict[str, Any]:
+        """Which mechanism gave delay and loss, and (after teardown) what each host's
+        delay line did: for the run's meta.json."""
+        return {"delay_mechanism": self.mechanisms["delay"] if self._any("delay_ms") else None,
+                "loss_mechanism": self.mechanisms["loss"] if self._any("loss_pct") else None,
+                "hosts": self.impairment_records
+                or [hi.record() for hi in self.host_impairments]}
+
+    def _any(self, field: str) -> bool:
+        return any(getattr(p.point.link, field) > 0 for p in self.spec.places())
 
     def _run_steps(self, steps: Sequence[Step]) -> None:
         for step in steps:
@@ -148,6 +202,11 @@ class Network:
             nl.close()
         self._netlink.clear()
         try:
+            # While the namespaces exist: rules out, delay lines stopped, records kept.
+            for hi in reversed(self.host_impairments):
+                hi.__exit__(None, None, None)
+            self.impairment_records = [hi.record() for hi in self.host_impairments]
+            self.host_impairments.clear()
             for proc in self._procs:
                 if proc.poll() is None:
                     proc.terminate()
@@ -246,7 +305,7 @@ class Network:
         """
         place = self.spec.place(point)
         self._change_rate(place.host, place.dev, rate_mbps, f"point {point}", queue_bytes,
-                          place.point.link.needs_netem)
+                          delay_loss(place, self.caps or {}).needs_netem)
 
     def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
                             queue_bytes: int | None = None) -> None:

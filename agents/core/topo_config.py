@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-from agents.core.config import _check
+from typing import Any
 
 _POINT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -31,6 +30,12 @@ class TopoConfig:
     role: str = ""                    # fabric: the role every host runs ("" = none)
 
     def validate(self, p: str) -> None:
+        from agents.core.errors import ConfigError
+
+        def _check(ok: bool, path: str, value: Any, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(f"{path} = {value!r}: {allowed}")
+
         _check(bool(re.match(r"^[a-z][a-z0-9_]*$", self.shape)), f"{p}.shape", self.shape,
                "must be a registered shape name (star, dumbbell, fabric, ...)")
         for point, path in self.traces.items():

@@ -54,8 +54,8 @@ def dumbbell(cfg: ExperimentConfig) -> NetSpec:
     right += [HostSpec(f"sink{j}", "sink", "", f"10.0.0.{200 + j}", j, right_segs)
               for j in range(n.background_hosts)]
     edges = [EdgeSpec(LEFT, TRUNK_PORT, RIGHT, TRUNK_PORT,
-                      a_to_b=ShapingPoint("up", trunk_up, origin="net.bottleneck_mbps"),
-                      b_to_a=ShapingPoint("down", trunk_down, origin="net.bottleneck_down_mbps"))]
+                      a_to_b=ShapingPoint("up", trunk_up),
+                      b_to_a=ShapingPoint("down", trunk_down))]
     for sw, hosts in ((LEFT, left), (RIGHT, right)):
         for port, h in enumerate(hosts, start=TRUNK_PORT + 1):
             edges.append(EdgeSpec(h.name, 0, sw, port,

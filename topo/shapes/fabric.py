@@ -46,8 +46,7 @@ def fabric(cfg: ExperimentConfig) -> NetSpec:
     hosts = tuple(HostSpec(f"gbh{i}", kind, t.role, f"10.0.0.{10 + i}", i, segs)
                   for i in range(count))
     edges = tuple(EdgeSpec(h.name, 0, SWITCH, i + 1,
-                           a_to_b=ShapingPoint(f"{h.name}.up", up, ack_first=n.ack_first,
-                                               origin="net.worker_link_mbps"),
+                           a_to_b=ShapingPoint(f"{h.name}.up", up, ack_first=n.ack_first),
                            b_to_a=ShapingPoint(f"{h.name}.down", down))
                   for i, h in enumerate(hosts))
     return NetSpec(shape="fabric", hosts=hosts, switches=(SwitchSpec(SWITCH),), edges=edges,
