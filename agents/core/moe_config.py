@@ -13,7 +13,7 @@ MOE_OFFLOAD = ("none", "belady", "lru")
 
 
 def _check(cond: bool, path: str, value: object, allowed: str) -> None:
-    from agents.core.errors import ConfigError
+    from agents.core.checks import ConfigError
 
     if not cond:
         raise ConfigError(f"{path} = {value!r}: {allowed}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+
+from agents.core.checks import check as _check
 
 _POINT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -30,12 +31,6 @@ class TopoConfig:
     role: str = ""                    # fabric: the role every host runs ("" = none)
 
     def validate(self, p: str) -> None:
-        from agents.core.errors import ConfigError
-
-        def _check(ok: bool, path: str, value: Any, allowed: str) -> None:
-            if not ok:
-                raise ConfigError(f"{path} = {value!r}: {allowed}")
-
         _check(bool(re.match(r"^[a-z][a-z0-9_]*$", self.shape)), f"{p}.shape", self.shape,
                "must be a registered shape name (star, dumbbell, fabric, ...)")
         for point, path in self.traces.items():
