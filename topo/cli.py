@@ -23,6 +23,8 @@ def probe_main(argv: Sequence[str] | None = None) -> int:
     parser.parse_args(list(argv) if argv is not None else None)
     caps = probe()
     print(json.dumps(caps, indent=2, sort_keys=True))
+    for tool, consequence in caps.get("unchecked", {}).items():
+        print(f"gradbed probe: {tool} not found: {consequence}", file=sys.stderr)
     # Without root the qdisc trials cannot run: say so through the exit code too.
     return 0 if "qdisc_probe_error" not in caps else 2
 
