@@ -123,12 +123,16 @@ def check_out_dir(out: str | os.PathLike[str], flag: str = "--out") -> Path:
     import tempfile
 
     path = Path(out).expanduser().absolute()
-    if path.exists() and not path.is_dir():
+    try:
+        is_file = path.exists() and not path.is_dir()
+    except OSError as e:  # a folder on the way that this user may not enter
+        raise OutDirError(f"{flag} {out}: cannot reach it: {_why(e)}") from None
+    if is_file:
         raise OutDirError(f"{flag} {out}: is a file, not a directory")
     try:
         made = make_dirs(path)
     except OSError as e:
-        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        blocker = next((p for p in path.parents if _is_file(p)), None)
         if blocker is not None:
             raise OutDirError(f"{flag} {out}: {blocker} is a file, not a directory") from None
         raise OutDirError(f"{flag} {out}: cannot create it: {_why(e)}") from None
@@ -145,6 +149,13 @@ def check_out_dir(out: str | os.PathLike[str], flag: str = "--out") -> Path:
     for d in made:
         hand_over(d, recursive=False)
     return path
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.exists() and not p.is_dir()
+    except OSError:
+        return False
 
 
 def _why(e: OSError) -> str:

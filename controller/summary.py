@@ -19,6 +19,10 @@ Definitions:
   (bytes up / time spent sending).
 - ``time_to_target_s``: seconds from the first iteration until the PS's held-out
   accuracy first reaches ``run.target_accuracy`` (absent when never reached or unset).
+- ``workers_lost``: every worker the PS lost (its ``worker_lost`` events), in order, each
+  ``{"worker", "iter", "t_s", "reason"}``; ``t_s`` counts from the controller's
+  ``run_start`` (else the first event). Empty when none was lost; a worker that left by
+  the membership schedule (BYE) is not lost.
 """
 
 from __future__ import annotations
@@ -65,6 +69,20 @@ def window_utilization(links: pd.DataFrame, windows: list[tuple[int, int, int]],
         r = rate[np.clip(np.searchsorted(ts, grid, side="right") - 1, 0, len(ts) - 1)]
         allowed += float(np.mean(r) * 1e6 / 8 * (e - s) / 1e9)
     return delivered / allowed if allowed > 0 else float("nan")
+
+
+def workers_lost(events: pd.DataFrame) -> list[dict[str, Any]]:
+    """The ``workers_lost`` list of the summary (see the module docstring)."""
+    if events.empty:
+        return []
+    lost = events[events["event"] == "worker_lost"].sort_values("ts_ns")
+    if lost.empty:
+        return []
+    starts = events.loc[events["event"] == "run_start", "ts_ns"]
+    t0 = int(starts.min()) if len(starts) else int(events["ts_ns"].min())
+    return [{"worker": int(r["worker"]), "iter": int(r["iter"]),
+             "t_s": round((int(r["ts_ns"]) - t0) / 1e9, 3), "reason": str(r.get("reason", ""))}
+            for _, r in lost.iterrows()]
 
 
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
@@ -123,6 +141,7 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
         up = links[links["direction"] == "up"]
         if len(up):
             out["drops_up"] = int(up["drops"].max() - up["drops"].min())
+    out["workers_lost"] = workers_lost(ev)
     target = float(cfg["run"].get("target_accuracy", 0.0))
     if target > 0 and not evals.empty and len(psi):
         t0 = int(ev[ev["event"] == "ps_ready"]["ts_ns"].min()) if (ev["event"] == "ps_ready").any() \

@@ -13,6 +13,7 @@ names (``rate_mbps``, ``queue_bytes``, ``delay_ms``).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import tomllib
 import types
@@ -25,12 +26,31 @@ import tomli_w
 
 
 class ConfigError(ValueError):
-    """A config value is missing, of the wrong type, or out of range."""
+    """A config value is missing, of the wrong type, or out of range. ``errors`` lists every
+    error found (a config is checked whole, so its author fixes all of them in one go); the
+    message is those errors, one per line."""
+
+    def __init__(self, message: str | list[str]) -> None:
+        self.errors = [message] if isinstance(message, str) else list(message)
+        super().__init__("\n".join(self.errors))
+
+
+# While a config is checked (from_dict), every failed _check lands in this list instead of
+# raising, so one ConfigError can report them all; outside it, _check raises at once.
+_errors: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("_errors",
+                                                                          default=None)
 
 
 def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
     if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
+        _fail(f"{path} = {value!r}: {allowed}")
+
+
+def _fail(message: str) -> None:
+    errors = _errors.get()
+    if errors is None:
+        raise ConfigError(message)
+    errors.append(message)
 
 
 # The agents' allocator settings (controller.agent_env).
@@ -402,27 +422,48 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
+    kwargs = {}
+    for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"{prefix}.{key}: unknown field; known fields: "
-                              f"{', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+            _fail(f"{prefix}.{key}: unknown field; known fields: {', '.join(sorted(names))}")
+            continue
+        errors = _errors.get()
+        before = len(errors) if errors is not None else 0
+        try:
+            coerced = _coerce(value, hints[key], f"{prefix}.{key}")
+        except (TypeError, ValueError):  # converting a value already reported as wrong
+            if errors is None or len(errors) == before:
+                raise
+        if errors is None or len(errors) == before:  # a bad value keeps the default
+            kwargs[key] = coerced
     return cls(**kwargs)
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
-    sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in sections:
-            raise ConfigError(f"{key}: unknown section; known sections: "
-                              f"{', '.join(sorted(sections))}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: must be a table [{key}]")
+    """Build and validate a config; raises one ConfigError listing every error found."""
+    errors: list[str] = []
+    token = _errors.set(errors)
+    try:
+        sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
         hints = typing.get_type_hints(ExperimentConfig)
-        kwargs[key] = _build(hints[key], value, key)
-    cfg = ExperimentConfig(**kwargs)
-    cfg.validate()
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                _fail(f"{key}: unknown section; known sections: {', '.join(sorted(sections))}")
+            elif not isinstance(value, dict):
+                _fail(f"{key} = {value!r}: must be a table [{key}]")
+            else:
+                kwargs[key] = _build(hints[key], value, key)
+        cfg = ExperimentConfig(**kwargs)
+        try:
+            cfg.validate()
+        except (TypeError, KeyError, ValueError):
+            if not errors:  # a check that trips over an earlier bad value is not news
+                raise
+    finally:
+        _errors.reset(token)
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 
@@ -467,12 +508,18 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a directory, not a config file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (not UTF-8)") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {(e.strerror or str(e)).lower()}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError([f"{path}: {m}" for m in e.errors]) from None
 
 
 def dumps(cfg: ExperimentConfig) -> str:
