@@ -1,7 +1,9 @@
 """``gradbed probe`` and ``gradbed cleanup``: kernel capabilities as JSON, leftovers removed.
 
-The lead's console script dispatches to ``probe_main`` and ``cleanup_main``; both return
-a process exit code and never raise on expected failures.
+``gradbed probe`` dispatches to ``probe_main``; ``gradbed cleanup`` runs
+``controller.cleanup.cleanup_main``, which adds finishing killed runs' directories to the
+network cleanup that ``cleanup_main`` here does alone. Both return a process exit code and
+never raise on expected failures.
 """
 
 from __future__ import annotations
