@@ -93,7 +93,7 @@ def test_run_directories_made_under_sudo_belong_to_the_user(tmp_path: Path,
     assert run_dir.is_absolute() and run_dir.parent == tmp_path / "new" / "runs"
     (run_dir / "logs" / "ps.log").write_text("root wrote this during the run\n")
     rundir.hand_over(run_dir)
-    for p in (tmp_path / "new", tmp_path / "new" / "runs", run_dir, run_dir / "secret",
+    for p in (tmp_path / "new", tmp_path / "new" / "runs", run_dir, run_dir / "events",
               run_dir / "logs" / "ps.log"):
         st = p.stat()
         assert (st.st_uid, st.st_gid) == (65534, 65533), p
