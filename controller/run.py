@@ -32,6 +32,7 @@ from controller import rundir
 from controller.agent_env import agent_environment
 from controller.control import ControlServer
 from controller.driver import check_driver
+from controller.paths import resolve_paths
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
@@ -124,7 +125,9 @@ class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False) -> None:
-        self.cfg = cfg
+        # Relative file names in a config built in Python are the caller's; the agents run
+        # elsewhere (controller.paths).
+        self.cfg = resolve_paths(cfg, Path.cwd())
         self.out_root = out_root
         self.argv = argv
         self.progress = progress and not quiet
@@ -179,11 +182,25 @@ class Experiment:
     # -- the run --------------------------------------------------------------------
 
     def run(self) -> Path:
+        """Run the experiment; returns its directory. Whatever stops it (an error before or
+        after the start, Ctrl-C, SIGTERM), the directory loads and its summary says why."""
+        run_dir = rundir.create(self.out_root, self.cfg.run.name)
+        self.run_dir = run_dir
+        rundir.mark_active(run_dir)
+        try:
+            return self._run(run_dir)
+        except BaseException as e:
+            rundir.finish(run_dir, _stop_reason(e), error=f"{type(e).__name__}: {e}",
+                          cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
+            raise
+        finally:
+            rundir.mark_done(run_dir)
+            rundir.hand_over(run_dir)
+
+    def _run(self, run_dir: Path) -> Path:
         cfg = self.cfg
         started_ns = now_ns()
         t_start = time.monotonic()
-        run_dir = rundir.create(self.out_root, cfg.run.name)
-        self.run_dir = run_dir
         self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
         self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
         caps = probe()
@@ -225,6 +242,10 @@ class Experiment:
         except KeyboardInterrupt:
             interrupted = True
             stop_reason = "interrupted"
+        except Exception as e:
+            stop_reason = _stop_reason(e)
+            self.say(f"{stop_reason}: {type(e).__name__}: {e}")
+            raise
         finally:
             # Finish writing whatever happens: a second Ctrl-C must not cut this short.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -319,6 +340,13 @@ class Experiment:
             self.say(f"warning: report not written: {e}")
             if not self.quiet:
                 print(f"warning: report not written: {e}", file=sys.stderr)
+
+
+def _stop_reason(e: BaseException) -> str:
+    """The summary's ``stop_reason`` for a run that an exception ended."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return f"failed: {e}" if str(e) else f"failed: {type(e).__name__}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
