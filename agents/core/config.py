@@ -27,6 +27,7 @@ from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
+from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.topo_config import TopoConfig
 
@@ -133,6 +134,7 @@ class WorkloadConfig:
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
+    depth: int = 8                    # digits_deep: hidden Linear+ReLU blocks (pipeline stages)
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
     replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
@@ -145,6 +147,7 @@ class WorkloadConfig:
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(1 <= self.depth <= 256, f"{p}.depth", self.depth, "must be in [1, 256]")
         _check(1 <= self.channels <= 1024, f"{p}.channels", self.channels,
                "must be in [1, 1024]")
         _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
@@ -363,6 +366,7 @@ class ExperimentConfig:
     topo: TopoConfig = field(default_factory=TopoConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
