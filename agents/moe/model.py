@@ -11,6 +11,7 @@ collectives.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import cast
@@ -22,6 +23,7 @@ from torch import nn
 from agents.moe.layer import MoELayer
 
 N_CLASSES = 10
+_BUILD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -111,12 +113,17 @@ def build_model(cfg: object, data: TokenData, *, groups: int, seed: int) -> MoEC
     from agents.core.moe_config import MoEConfig
 
     assert isinstance(cfg, MoEConfig)
-    torch.manual_seed(seed)
-    return MoEClassifier(tokens=data.tokens, width=data.width, d_model=cfg.d_model,
-                         d_hidden=cfg.d_hidden, experts=cfg.experts, layers=cfg.layers,
-                         k=cfg.top_k, capacity_factor=cfg.capacity_factor,
-                         min_capacity=cfg.min_capacity, drop_policy=cfg.drop_policy,
-                         normalize=cfg.normalize_gates, residual=cfg.residual, groups=groups)
+    # The global generator is process-wide: hosts run as threads (tests) must not
+    # interleave their draws.
+    with _BUILD_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return MoEClassifier(tokens=data.tokens, width=data.width, d_model=cfg.d_model,
+                             d_hidden=cfg.d_hidden, experts=cfg.experts,
+                             layers=cfg.layers, k=cfg.top_k,
+                             capacity_factor=cfg.capacity_factor,
+                             min_capacity=cfg.min_capacity, drop_policy=cfg.drop_policy,
+                             normalize=cfg.normalize_gates, residual=cfg.residual,
+                             groups=groups)
 
 
 def loss_fn(model: MoEClassifier, logits: torch.Tensor, y: torch.Tensor, aux_coef: float
