@@ -42,8 +42,8 @@ def run_main(argv: Sequence[str]) -> int:
     except cfgmod.ConfigError as e:
         print(f"gradbed run: config error: {e}", file=sys.stderr)
         return 2
-    from traces.bandwidth import TraceError, load_trace
-    from traces.flowsize import load_flow_cdf
+    from agents.core.bandwidth import TraceError, load_trace
+    from agents.core.flowsize import load_flow_cdf
     from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.

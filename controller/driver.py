@@ -8,7 +8,8 @@ pure; this is where their decisions become side effects:
   sent over rtnetlink) and logs a ``trace_step`` event with its ``lag_ms``. Changes
   are issued early by the lag recent ones showed (``LeadTimer``), so they land on time.
 - **Link/N shaping** (seeds/004). Whenever B(t) changes or the PS reports a new
-  active set, ``LinkNShaper`` returns the caps that changed and the driver
+  active set, the rate policy ``shaping.policy`` names (``linkn``: ``LinkNShaper``)
+  returns the caps that changed and the driver
   enforces each one, either with ``tc`` (the worker's egress HTB class) or with
   ``SO_MAX_PACING_RATE`` on the worker's socket (a ``pace`` command over the
   control socket), and logs a ``shape`` event. With ``tc`` and ``shaping.pace_guard``,
@@ -36,23 +37,18 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.core import config as cfgmod
+from agents.core.bandwidth import BandwidthTrace, load_scaled_trace
 from agents.core.events import EventLog, now_ns
-from agents.core.policies import LinkNShaper
+from agents.core.policies import RatePolicy, make_rate_policy
 from agents.core.policies.base import CapChange
 from controller.control import ControlServer
 from topo.build import StarNetwork
-from traces.bandwidth import BandwidthTrace, load_trace
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 
 def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
     """Load a trace named in the config, scaled by ``trace.scale``."""
-    tr = load_trace(path, granularity_s=cfg.granularity_ms / 1000.0)
-    if cfg.scale != 1.0:
-        tr = BandwidthTrace(times_s=tr.times_s,
-                            rates_mbps=tuple(r * cfg.scale for r in tr.rates_mbps),
-                            period_s=tr.period_s, source=f"{tr.source} x{cfg.scale}")
-    return tr
+    return load_scaled_trace(path, cfg.granularity_ms, cfg.scale)
 
 
 class NetworkDriver:
@@ -67,11 +63,13 @@ class NetworkDriver:
         self.traces = {d: load_config_trace(p, cfg.trace)
                        for d, p in (("up", cfg.trace.up), ("down", cfg.trace.down)) if p}
         self.active = frozenset(range(cfg.net.workers))
-        self.shapers = {d: LinkNShaper(b, cfg.net.workers,
-                                       worker_link_mbps=cfg.net.worker_link_mbps,
-                                       headroom=cfg.shaping.headroom)
-                        for d, b in (("up", cfg.net.bottleneck_mbps),
-                                     ("down", cfg.net.down_mbps))}
+        # The rate policy shaping.policy names (agents/core/policies/), one per direction.
+        self.shapers: dict[str, RatePolicy] = {
+            d: make_rate_policy(cfg.shaping.policy, bottleneck_mbps=b, workers=cfg.net.workers,
+                                worker_link_mbps=cfg.net.worker_link_mbps,
+                                headroom=cfg.shaping.headroom)
+            for d, b in (("up", cfg.net.bottleneck_mbps), ("down", cfg.net.down_mbps))}
+        self.bottleneck_mbps = {"up": cfg.net.bottleneck_mbps, "down": cfg.net.down_mbps}
         self.start_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,6 +132,7 @@ class NetworkDriver:
                 self.events.emit("trace_step", direction=direction, rate_mbps=change.rate_mbps,
                                  index=change.index, loop=change.loop, lag_ms=lag_ms)
                 with self.lock:
+                    self.bottleneck_mbps[direction] = change.rate_mbps
                     self._enforce(self.shapers[direction].on_bandwidth(change.rate_mbps),
                                   direction)
                     if direction == "up":
@@ -221,8 +220,8 @@ class NetworkDriver:
 
     @property
     def bandwidth_mbps(self) -> float:
-        """B(t) of the up bottleneck: what its link/N shaper was last told."""
-        return self.shapers["up"].bottleneck_mbps
+        """B(t) of the up bottleneck: the configured rate or the trace's last step."""
+        return self.bottleneck_mbps["up"]
 
     def _hint(self) -> None:
         for w in sorted(self.active):

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import pandas as pd
 
+from agents import auth
 from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
@@ -57,12 +58,19 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
     """What ``gradbed run --dry-run`` prints: every qdisc command the build would run
     (the same builders ``StarNetwork`` uses) and every agent it would start. Pure: no
     root, nothing touched. Raises CapabilityError where the real run would."""
+    from dataclasses import replace
+
     from topo import qdisc
+    from topo.build import impairments, require_impairments
+    from topo.netfilter import delay_queues, rule_commands
 
     spec = star_spec(cfg)
     sw = spec.switch_name
+    mech = require_impairments(spec, caps)
+    netem = bool(caps.get("netem"))
     out = [f"# star: {spec.workers} workers on {sw}, ps at {spec.ip('ps')}",
-           f"# congestion control in every host: {cfg.net.congestion}"]
+           f"# congestion control in every host: {cfg.net.congestion}",
+           f"# delay by {mech['delay']}, loss by {mech['loss']}"]
     where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down, 1, False),
              (f"{sw}-eth{spec.switch_port('ps')}", f"{sw}-eth{spec.switch_port('ps')}",
               spec.bottleneck_up, 1, False)]
@@ -73,9 +81,21 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
         where.append((port, port, spec.worker_link, 1, False))
     for label, dev, link, segs, ack_first in where:
         out.append(f"# {label}")
+        if not netem:  # delay and loss go to the receiving hosts (below)
+            link = replace(link, delay_ms=0.0, loss_pct=0.0)
         for argv in qdisc.offload_commands(dev, spec.offload, segs) + qdisc.shaping_commands(
                 dev, link, caps, offload=spec.offload, ack_first=ack_first):
             out.append("$ " + " ".join(argv))
+    if not netem:
+        for host, imps in impairments(spec).items():
+            out.append(f"# delay and loss arriving at {host}")
+            queues = delay_queues(imps)
+            if queues:
+                out.append("$ python -m topo.delayline "
+                           + " ".join(f"--queue {q}:{d:g}" for q, d in queues)
+                           + f"   # in {host}")
+            for argv in rule_commands(imps):
+                out.append("$ " + " ".join(argv) + f"   # in {host}")
     py = "python"
     out.append(f"$ {py} -m agents.ps --run-dir RUN   # in ps")
     for k in range(spec.workers):
@@ -152,6 +172,9 @@ class Experiment:
         self._ps_state: dict[str, Any] = {"iter": -1, "done": False}
         self.driver: Any = None
         self.background: BackgroundTraffic | None = None
+        # The run's master key lives in this process only; agents get theirs on stdin.
+        self._master = auth.new_master()
+        self._net: StarNetwork | None = None
 
     # -- logging --------------------------------------------------------------------
 
@@ -209,12 +232,15 @@ class Experiment:
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
-        ctl = ControlServer(control_path(run_dir), self._on_report)
+        ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
         self.say("building the network")
         try:
             with StarNetwork(star_spec(cfg), log=self.say, caps=caps) as net:
+                self._net = net  # its impairment record goes into meta.json at the end
+                meta["impairment"] = net.impairment_record()
+                rundir.write_json(run_dir / "meta.json", meta)
                 # Time zero of the experiment proper: after any wait for the network lock.
                 setup_s = time.monotonic() - t_start
                 t_start = time.monotonic()
@@ -256,15 +282,28 @@ class Experiment:
                     self._logf.close()
         return run_dir
 
+    def _control_key(self, node: str) -> bytes | None:
+        """The key a control-socket peer must prove: agents of this run only."""
+        known = node == "ps" or (node.startswith("w") and node[1:].isdigit()
+                                 and int(node[1:]) < self.cfg.net.workers)
+        return auth.node_key(self._master, node) if known else None
+
     def _start(self, net: StarNetwork, host: str, argv: list[str], run_dir: Path
                ) -> subprocess.Popen[Any]:
         log = open(run_dir / "logs" / f"{host}.log", "ab")
         env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
         self.say(f"start {host}: {' '.join(argv)}")
         # A new session: a terminal's Ctrl-C reaches only the controller, which then
-        # stops the agents itself and keeps their last events.
-        return net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
-                         cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
+        # stops the agents itself and keeps their last events. Its key goes down its
+        # stdin, a pipe only we hold: the pipe stays open, and when this process dies
+        # the agent sees EOF and ends too (agents.auth).
+        p = net.popen(host, argv, stdin=subprocess.PIPE, stdout=log,
+                      stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
+                      start_new_session=True)
+        assert p.stdin is not None
+        p.stdin.write(auth.bundle_for(self._master, host).encode())
+        p.stdin.flush()
+        return p
 
     def _run_agents(self, net: StarNetwork, run_dir: Path) -> str:
         cfg = self.cfg
@@ -340,10 +379,15 @@ class Experiment:
         rundir.write_json(run_dir / "summary.json", summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}
+        if self._net is not None:
+            # Torn down by now: the record holds what each delay line did, and whether
+            # one died (its link then dropped every packet).
+            meta["impairment"] = self._net.impairment_record()
+            for host in meta["impairment"]["hosts"]:
+                if host.get("delay_line_died"):
+                    self.say(f"warning: the delay line in {host['host']} died "
+                             f"({host['delay_line_died']}); its link dropped every packet")
         rundir.write_json(run_dir / "meta.json", meta)
-        secret = run_dir / "secret"
-        if secret.exists():
-            secret.unlink()  # the run is over: nobody else may join it
         try:
             from analysis.report import write_report
 

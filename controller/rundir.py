@@ -21,19 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from agents.core.events import SCHEMA_VERSION, jsonl_to_parquet
+from agents.core.files import write_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    mode = "wb" if isinstance(data, bytes) else "w"
-    with open(tmp, mode) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -46,10 +36,7 @@ def create(out_root: Path, name: str) -> Path:
     path = out_root / f"{name}-{stamp}-{secrets.token_hex(2)}"
     (path / "events").mkdir(parents=True)
     (path / "logs").mkdir()
-    secret = path / "secret"
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
+    # No key is written here: every host can read this directory (agents.auth).
     return path
 
 

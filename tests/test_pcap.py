@@ -16,10 +16,10 @@ from scapy.packet import Raw
 from scapy.utils import rdpcap, wrpcap
 
 from agents.core import config as cfgmod
+from agents.core.bandwidth import TraceError
 from controller.background import commands, read_tcpreplay
 from controller.run import star_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary
-from traces.bandwidth import TraceError
 from traces.pcap import pcap_summary, read_capture, rewrite_pcap
 
 REPO = Path(__file__).resolve().parents[1]

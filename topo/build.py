@@ -14,6 +14,14 @@ Where each LinkSpec is enforced (all on egress, the only direction a qdisc shape
 - ``worker_link``: ``wI-eth0`` inside wI (its HTB is what ``set_worker_cap`` changes) and
   the switch port facing wI.
 
+Delay and loss (``delay_ms``, ``loss_pct``) go into netem on the same egress where the
+kernel has it. Elsewhere (``topo.netfilter``) they are applied where the packets arrive:
+``impairments`` sums, for each receiving host and source, the delays of the two links on
+the path (the sender's own access link, then the receiver's) and combines their losses,
+and one ``HostImpairment`` per host installs the rules and runs the delay line. The
+bottleneck's HTB and queue stay on the egress either way; for a constant delay the
+order of a FIFO rate limit and a delay line does not change what a single path sees.
+
 ``StarNetwork`` is a context manager: teardown (processes, ``net.stop()``, targeted
 cleanup, lock) runs in ``finally`` and also when the build fails halfway.
 """
@@ -23,13 +31,15 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal
 
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
+from topo.netfilter import HostImpairment, Impairment, mechanisms
 from topo.netlink import RtNetlink
 from topo.probe import probe
 from topo.qdisc import QdiscStats
@@ -38,6 +48,62 @@ from topo.tc import Tc, TcError
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down")
+
+
+def host_links(spec: StarSpec, host: str) -> tuple[LinkSpec, LinkSpec]:
+    """The (out, in) LinkSpecs of ``host``: the egress of its own interface, and the
+    egress of the switch port facing it. For ps these are the two bottleneck directions."""
+    spec.ip(host)  # raises SpecError naming an unknown host
+    if host == "ps":
+        return spec.bottleneck_down, spec.bottleneck_up
+    return spec.worker_link, spec.worker_link
+
+
+def impairments(spec: StarSpec) -> dict[str, list[Impairment]]:
+    """Per receiving host, the netfilter impairments that give every path of the star its
+    delay and loss (``topo.netfilter``): the path S -> H crosses out(S) then in(H)
+    (``host_links``), so H delays what S sends by out(S).delay_ms + in(H).delay_ms and
+    loses it with 1 - (1 - out(S).loss)(1 - in(H).loss). Sources with the same figures
+    share one rule group; a group of every other host matches any source."""
+    hosts = spec.host_names()
+    out: dict[str, list[Impairment]] = {}
+    for h in hosts:
+        groups: dict[tuple[float, float], list[str]] = {}
+        into = host_links(spec, h)[1]
+        for src in hosts:
+            if src == h:
+                continue
+            via = host_links(spec, src)[0]
+            delay_ms = via.delay_ms + into.delay_ms
+            keep = (1 - via.loss_pct / 100) * (1 - into.loss_pct / 100)
+            loss_pct = round(100 * (1 - keep), 9)
+            if delay_ms > 0 or loss_pct > 0:
+                groups.setdefault((delay_ms, loss_pct), []).append(spec.ip(src))
+        n_others = len(hosts) - 1
+        imps = [Impairment(dev=f"{h}-eth0", delay_ms=d, loss_pct=lp,
+                           sources=() if len(ips) == n_others else tuple(ips))
+                for (d, lp), ips in groups.items()]
+        if imps:
+            out[h] = imps
+    return out
+
+
+def require_impairments(spec: StarSpec, caps: Mapping[str, Any]) -> dict[str, str | None]:
+    """The delay and loss mechanisms this build will use (``topo.netfilter.mechanisms``);
+    raises CapabilityError naming the link when the spec asks for one the kernel lacks."""
+    mech = mechanisms(caps)
+    for name, link in (("bottleneck_up", spec.bottleneck_up),
+                       ("bottleneck_down", spec.bottleneck_down),
+                       ("worker_link", spec.worker_link)):
+        for field, value, kind, need in (("delay_ms", link.delay_ms, "delay",
+                                          "netem or NFQUEUE (iptables)"),
+                                         ("loss_pct", link.loss_pct, "loss",
+                                          "netem or the statistic match (iptables)")):
+            if value > 0 and mech[kind] is None:
+                raise qdisc.CapabilityError(
+                    f"topo.{name}.{field}={value:g} needs {need}, and this kernel has "
+                    f"neither (gradbed probe shows what it has)")
+    return mech
 
 
 class StarNetwork:
@@ -65,6 +131,10 @@ class StarNetwork:
         self._auto_queue: dict[str, bool] = {}
         self._ack_first: dict[str, bool] = {}  # dev -> built with the ACKs-first layout
         self.removed_at_start: list[str] = []
+        # Delay and loss: the mechanisms in use, and the netfilter ones per host.
+        self.mechanisms: dict[str, str | None] = {"delay": None, "loss": None}
+        self.host_impairments: list[HostImpairment] = []
+        self.impairment_records: list[dict[str, Any]] = []
         self.lock_wait_s = 0.0
         self.build_s = 0.0
         self.removed_at_exit: list[str] = []
@@ -96,10 +166,7 @@ class StarNetwork:
         if self.caps is None:
             self.caps = probe()
         # Refuse what the kernel cannot do before creating anything.
-        for name, link in (("bottleneck_up", spec.bottleneck_up),
-                           ("bottleneck_down", spec.bottleneck_down),
-                           ("worker_link", spec.worker_link)):
-            qdisc.require_netem(link, self.caps, f"topo.{name}")
+        self.mechanisms = require_impairments(spec, self.caps)
         self.removed_at_start = cleanup()
         for line in self.removed_at_start:
             self._say(f"cleanup before build: {line}")
@@ -132,12 +199,49 @@ class StarNetwork:
         for w in spec.worker_names() + spec.extra_host_names():
             self._shape_dev(w, f"{w}-eth0", spec.worker_link, ack_first=spec.ack_first)
             self._shape_dev(None, self._switch_port_dev(w), spec.worker_link)
+        if not self._netem:
+            for host, imps in impairments(spec).items():
+                hi = HostImpairment(host, self.pid(host), imps, tc=self.tc)
+                # Appended first: a start that fails halfway is still torn down.
+                self.host_impairments.append(hi)
+                hi.__enter__()
+
+    @property
+    def _netem(self) -> bool:
+        return bool((self.caps or {}).get("netem"))
+
+    def _qdisc_link(self, link: LinkSpec) -> LinkSpec:
+        """``link`` as its egress qdiscs see it: without netem, delay and loss live in
+        netfilter on the receiving side (``impairments``), not in the qdisc."""
+        return link if self._netem else replace(link, delay_ms=0.0, loss_pct=0.0)
+
+    def check_impairments(self) -> None:
+        """Raise ImpairmentError if a delay line has died (its link drops everything)."""
+        for hi in self.host_impairments:
+            hi.check()
+
+    def impairment_record(self) -> dict[str, Any]:
+        """Which mechanism gave delay and loss, and (after teardown) what each host's
+        delay line did: for the run's meta.json."""
+        return {"delay_mechanism": self.mechanisms["delay"] if self._any("delay_ms") else None,
+                "loss_mechanism": self.mechanisms["loss"] if self._any("loss_pct") else None,
+                "hosts": self.impairment_records
+                or [hi.record() for hi in self.host_impairments]}
+
+    def _any(self, field: str) -> bool:
+        return any(getattr(link, field) > 0 for link in (
+            self.spec.bottleneck_up, self.spec.bottleneck_down, self.spec.worker_link))
 
     def _teardown(self) -> None:
         for nl in self._netlink.values():
             nl.close()
         self._netlink.clear()
         try:
+            # While the namespaces exist: rules out, delay lines stopped, records kept.
+            for hi in reversed(self.host_impairments):
+                hi.__exit__(None, None, None)
+            self.impairment_records = [hi.record() for hi in self.host_impairments]
+            self.host_impairments.clear()
             for proc in self._procs:
                 if proc.poll() is None:
                     proc.terminate()
@@ -191,12 +295,12 @@ class StarNetwork:
 
     def _shape_dev(self, host: str | None, dev: str, link: LinkSpec, *,
                    ack_first: bool = False) -> None:
-        cmds = qdisc.shaping_commands(dev, link, self.caps or {}, offload=self.spec.offload,
-                                      ack_first=ack_first)
+        cmds = qdisc.shaping_commands(dev, self._qdisc_link(link), self.caps or {},
+                                      offload=self.spec.offload, ack_first=ack_first)
         self._dev_tc(host).run_all(cmds)
         self._rates[dev] = link.rate_mbps
         self._auto_queue[dev] = link.queue_bytes is None
-        self._ack_first[dev] = qdisc.acks_first(link, ack_first)
+        self._ack_first[dev] = qdisc.acks_first(self._qdisc_link(link), ack_first)
 
     def _shape(self, direction: Direction, link: LinkSpec) -> None:
         host, dev = self._bottleneck_where(direction)
@@ -256,7 +360,7 @@ class StarNetwork:
         """
         host, dev = self._bottleneck_where(direction)
         self._change_rate(host, dev, rate_mbps, f"bottleneck {direction}", queue_bytes,
-                          self._link(direction).needs_netem)
+                          self._qdisc_link(self._link(direction)).needs_netem)
 
     def set_worker_cap(self, worker: str, rate_mbps: float) -> None:
         """Cap a worker's sending rate (link/N shaping) on its egress HTB class.

@@ -69,10 +69,34 @@ def probe_qdiscs() -> dict[str, Any]:
                               "ifb"]).returncode == 0
         result["tc_json"] = _run([*tc, "-s", "-j", "qdisc", "show", "dev", "gbp0"]
                                  ).stdout.lstrip().startswith("[")
+        result.update(probe_netfilter(ns))
     finally:
         # Deleting the namespace deletes the veth and ifb created inside it.
         _run(["ip", "netns", "del", ns])
     return result
+
+
+# Netfilter pieces that give delay and loss without netem (topo.netfilter), each tried as
+# a rule in the throwaway namespace (the rules die with it).
+NETFILTER_TRIALS: dict[str, list[str]] = {
+    "nfqueue": ["-j", "NFQUEUE", "--queue-num", "0"],
+    "xt_statistic": ["-m", "statistic", "--mode", "random", "--probability", "0.01",
+                     "-j", "DROP"],
+}
+
+
+def probe_netfilter(ns: str) -> dict[str, Any]:
+    """``nfqueue`` and ``xt_statistic``: whether iptables can install each in ``ns``'s raw
+    table; ``iptables`` is the binary's version, None when it is missing."""
+    try:
+        version = _run(["iptables", "-V"]).stdout.strip() or None
+    except FileNotFoundError:
+        return {**dict.fromkeys(NETFILTER_TRIALS, False), "iptables": None}
+    out: dict[str, Any] = {"iptables": version}
+    for name, args in NETFILTER_TRIALS.items():
+        out[name] = _run(["ip", "netns", "exec", ns, "iptables", "-w", "-t", "raw", "-A",
+                          "PREROUTING", "-i", "gbp0", *args]).returncode == 0
+    return out
 
 
 def _mininet_version() -> str | None:
@@ -104,6 +128,8 @@ def probe(refresh: bool = False) -> dict[str, Any]:
 
     Keys: every qdisc in QDISC_TRIALS plus ``ingress``/``ifb`` (True/False, or None when
     the probe could not run, e.g. not root, with ``qdisc_probe_error`` saying why),
+    ``nfqueue``/``xt_statistic``/``iptables`` (``probe_netfilter``),
+    ``delay_mechanism``/``loss_mechanism`` (``topo.netfilter.mechanisms``),
     ``tcp_congestion_control`` (list), ``tcp_congestion_control_default``, ``kernel``,
     ``ovs``, ``mininet_version``, ``iproute2``, ``root``.
     """
@@ -118,5 +144,9 @@ def probe(refresh: bool = False) -> dict[str, Any]:
     caps["ovs"] = _ovs_datapath()
     caps["mininet_version"] = _mininet_version()
     caps["iproute2"] = _iproute2_version()
+    from topo.netfilter import mechanisms
+
+    mech = mechanisms(caps)
+    caps["delay_mechanism"], caps["loss_mechanism"] = mech["delay"], mech["loss"]
     _cache = caps
     return dict(caps)

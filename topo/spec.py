@@ -17,6 +17,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from agents.core.ethernet import (  # noqa: F401  (re-exported: topo's users read them here)
+    GSO_SEGS_MAX,
+    TCP_GOODPUT_FRACTION,
+    TCP_MSS_BYTES,
+    WIRE_FRAME_BYTES,
+)
+
 # HTB on these machines was measured up to 10 Gbit/s (DESIGN.md section 3); Mininet caps
 # at 1000 Mbit/s (bwParamMax) and silently drops anything higher, which we refuse to copy.
 RATE_MIN_MBPS = 0.01
@@ -57,8 +64,9 @@ class LinkSpec:
     queue_bytes: bfifo drop-tail limit in bytes (bytes, not packets: with GSO a pfifo
         "1000 packets" held 5-7 MB). None picks ``default_queue_bytes(rate_mbps)``.
         Bigger queue, fewer drops, more queueing delay.
-    delay_ms, loss_pct: one-way delay and random loss; need the netem qdisc (absent on
-        some kernels: asking for them there is an error, never silently ignored).
+    delay_ms, loss_pct: one-way delay and random loss: netem on the same egress where the
+        kernel has it, else netfilter on the receiving host (``topo.netfilter``); where
+        neither exists, asking for them is an error, never silently ignored.
     """
 
     rate_mbps: float | None
@@ -115,14 +123,6 @@ def _link(name: str, link: LinkSpec) -> LinkSpec:
     return link
 
 
-# Ethernet frame of a 1500-byte MTU as qdiscs count it (the 14-byte header included); a
-# 64 KB GSO packet holds 43 of them.
-WIRE_FRAME_BYTES = 1514
-# TCP payload of one such frame (IPv4, TCP with timestamps: 1514 - 14 - 20 - 32), and the
-# TCP payload per byte on the wire: a shaped link's goodput ceiling is rate x this.
-TCP_MSS_BYTES = 1448
-TCP_GOODPUT_FRACTION = TCP_MSS_BYTES / WIRE_FRAME_BYTES
-GSO_SEGS_MAX = 65_536 // WIRE_FRAME_BYTES
 # A sender's GSO packet holds at most this long of its B/N share (StarSpec.sender_gso_segs).
 SENDER_BURST_S = 0.001
 
