@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  for k, v in r["bytes_by_class"].items()},
                      **{f"{k}_formula_bytes": v for k, v in formula.items()})
             log.emit("moe_step", step, loss=r["loss"], ce=r["ce"], aux=r["aux"],
-                     step_s=r["step_s"])
+                     step_s=r["step_s"], expert_uses=[f"{lay}.{e}" for lay, e in
+                                                      r["expert_uses"]])
             if dump is not None:
                 host.opt.gather_before_use(mesh, step + 1)  # complete zero3 weights to dump
                 for n, w in host.weights().items():

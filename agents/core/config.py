@@ -23,9 +23,9 @@ from typing import Any
 
 import tomli_w
 
-from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
+from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 
 
 class ConfigError(ValueError):

@@ -28,13 +28,18 @@ _BUILD_LOCK = threading.Lock()
 
 @dataclass(frozen=True)
 class TokenData:
-    """Images as tokens: ``x`` [N, tokens, width] in [0, 1], ``y`` [N] labels."""
+    """Images as tokens: ``x`` [N, tokens, width] (float in [0, 1], or uint8 pixels that
+    :meth:`floats` scales per batch, so 60,000 images cost 47 MB, not 188), ``y`` [N]."""
 
     name: str
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+
+    @staticmethod
+    def floats(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x
 
     @property
     def tokens(self) -> int:
@@ -48,17 +53,17 @@ class TokenData:
 @lru_cache(maxsize=2)
 def load_data(name: str) -> TokenData:
     """``digits`` (scikit-learn's bundled UCI digits) or ``fashion_mnist`` (Debian's
-    dataset-fashion-mnist IDX files, through the workloads' loader)."""
+    dataset-fashion-mnist IDX files, read by agents.workloads.fashion_mnist)."""
     if name == "digits":
         from agents.workloads.digits import _data
 
         xtr, ytr, xte, yte = _data()
         return TokenData(name, xtr.reshape(-1, 8, 8), ytr, xte.reshape(-1, 8, 8), yte)
     if name == "fashion_mnist":
-        from agents.workloads import fashion  # type: ignore[attr-defined]
+        from agents.workloads.fashion_mnist import load
 
-        xtr, ytr, xte, yte = fashion.load_arrays()
-        return TokenData(name, xtr.reshape(-1, 28, 28), ytr, xte.reshape(-1, 28, 28), yte)
+        train, test = load()
+        return TokenData(name, train.images, train.labels, test.images, test.labels)
     raise ValueError(f"moe.dataset: {name!r} must be digits or fashion_mnist")
 
 
@@ -67,7 +72,7 @@ def global_batch(data: TokenData, step: int, hosts: int, batch_size: int
     """The step's global batch, ``hosts x batch_size`` images; host h takes slice h."""
     g = torch.Generator().manual_seed(10_007 * step + 29)
     idx = torch.randint(0, len(data.y_train), (hosts * batch_size,), generator=g)
-    return data.x_train[idx], data.y_train[idx]
+    return data.floats(data.x_train[idx]), data.y_train[idx]
 
 
 def host_batch(data: TokenData, step: int, hosts: int, batch_size: int, h: int
