@@ -30,6 +30,18 @@ ps      ``ps_iter_done``  agg_s, bytes_in, bytes_out, workers
         ``eval``          loss, accuracy
         ``frame_error``   peer, error
         ``worker_lost``   worker, reason
+expert  ``moe_start``       hosts, experts, owned, expert_numel, zero3_numel, zero2_numel,
+        (eN, agents.expert)     max_frame_bytes
+        ``moe_phase``       phase (forward, backward, dispatch_counts, dispatch_tokens,
+                            expert, combine, combine_grad, tokens_grad, all_gather_zero3,
+                            reduce_scatter_and_update), layer, start_ns, end_ns, dur_s,
+                            bytes_up, bytes_down (frames), payload_up, payload_down
+        ``moe_route``       layer, capacity, tokens, kept, dropped (lists per expert, this
+                            host's tokens), imbalance
+        ``moe_class_bytes`` expert_bytes, zero3_bytes, zero2_bytes (uplink, this step) and
+                            zero3_formula_bytes, zero2_formula_bytes
+        ``moe_step``        loss, ce, aux, step_s, expert_uses ("layer.expert", in order)
+        ``moe_done``; ``eval`` (host 0: loss, accuracy)
 ctrl    ``run_start``, ``run_end`` (reason), ``trace_step`` (direction, rate_mbps),
         ``shape`` (worker, rate_mbps, method), ``tc`` (cmd)
 """
