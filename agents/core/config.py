@@ -23,18 +23,13 @@ from typing import Any
 
 import tomli_w
 
+from agents.core.checks import ConfigError
+from agents.core.checks import check as _check
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 
-
-class ConfigError(ValueError):
-    """A config value is missing, of the wrong type, or out of range."""
-
-
-def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
+__all__ = ["ConfigError"]
 
 
 def _check_name(kind: Kind, path: str, value: str) -> None:

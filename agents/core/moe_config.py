@@ -7,15 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agents.core.checks import check as _check
+
 MOE_DATASETS = ("digits", "fashion_mnist")
 MOE_DROP_POLICIES = ("position", "probability")
-
-
-def _check(cond: bool, path: str, value: object, allowed: str) -> None:
-    from agents.core.config import ConfigError
-
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
 
 
 @dataclass(frozen=True)
