@@ -61,14 +61,32 @@ def run_main(argv: Sequence[str]) -> int:
         except TraceError as e:
             print(f"gradbed run: {args.config}: {field}: {e}", file=sys.stderr)
             return 2
+    from controller.roles import RoleError
+    from topo.qdisc import CapabilityError
+    from topo.shapes import shape_spec
+    from topo.spec import SpecError
+
+    try:
+        spec = shape_spec(cfg)
+    except SpecError as e:
+        print(f"gradbed run: {args.config}: {e}", file=sys.stderr)
+        return 2
+    # Every shaping point's trace, named in the error when it is bad.
+    for place in spec.places():
+        if place.point.trace and place.point.name not in ("up", "down"):
+            try:
+                trace(place.point.trace)
+            except TraceError as e:
+                print(f"gradbed run: {args.config}: topo.traces[{place.point.name!r}]: {e}",
+                      file=sys.stderr)
+                return 2
     if args.dry_run:
         from controller.run import plan_commands
         from topo.probe import probe
-        from topo.qdisc import CapabilityError
 
         try:
-            print("\n".join(plan_commands(cfg, probe())))
-        except CapabilityError as e:
+            print("\n".join(plan_commands(cfg, probe(), spec)))
+        except (CapabilityError, SpecError, RoleError) as e:
             print(f"gradbed run: {e}", file=sys.stderr)
             return 2
         return 0

@@ -28,6 +28,7 @@ from agents.core.checks import check as _check
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
+from agents.core.topo_config import TopoConfig
 
 __all__ = ["ConfigError"]
 
@@ -359,6 +360,7 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    topo: TopoConfig = field(default_factory=TopoConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
