@@ -139,7 +139,7 @@ _declare("frame_error", "ps", "a malformed or unauthenticated frame, or a failed
          peer="address:port", worker="index when known", error="the message")
 _declare("grads_in", "ps", "the last chunk of an iteration's gradients is in from every "
          "active worker (the end of the upload window)", workers="active workers")
-_declare("eval", "ps", "held-out evaluation after an optimizer step",
+_declare("eval", "ps, expert host 0", "held-out evaluation after an optimizer step",
          loss="held-out loss", accuracy="held-out accuracy (fraction)")
 _declare("final_eval", "ps", "held-out evaluation of the final weights",
          loss="held-out loss", accuracy="held-out accuracy (fraction)")
@@ -198,6 +198,37 @@ _declare("pp_done", "stage", "the stage finished every step",
          bytes_up="bytes sent upstream")
 _declare("stage_error", "stage", "the stage stopped on an error", error="the message")
 
+# -- MoE expert host (agents/expert.py; nodes e0..eH-1) ---------------------------------------
+_declare("moe_start", "expert", "the expert host joined the mesh and built its shards",
+         hosts="expert hosts", experts="experts per MoE layer",
+         owned="this host's expert indices", expert_numel="elements of its expert parameters",
+         zero3_numel="elements of the split shared class (ZeRO-3)",
+         zero2_numel="elements of the unsplit shared class (ZeRO-2)",
+         max_frame_bytes="largest payload a peer may send this host")
+_declare("moe_phase", "expert", "one phase of one step on this host (the timeline)",
+         phase="forward, backward, dispatch_counts, dispatch_tokens, expert, combine, "
+               "combine_grad, tokens_grad, all_gather_zero3 or reduce_scatter_and_update",
+         layer="MoE layer, -1 for whole-model phases",
+         start_ns="CLOCK_MONOTONIC at the start", end_ns="CLOCK_MONOTONIC at the end",
+         dur_s="end - start (s)", bytes_up="frame bytes sent to peers (headers included)",
+         bytes_down="frame bytes received from peers", payload_up="tensor bytes sent",
+         payload_down="tensor bytes received")
+_declare("moe_route", "expert", "this host's routing of one MoE layer in one step",
+         layer="MoE layer", capacity="C per expert for this host's tokens",
+         tokens="this host's tokens", kept="token choices kept, list per expert",
+         dropped="token choices dropped for capacity, list per expert",
+         imbalance="max / mean of kept (agents.core.moe_metrics.load_imbalance)")
+_declare("moe_class_bytes", "expert", "uplink bytes per parameter class in one step",
+         expert_bytes="expert parameters (never reduced: 0)",
+         zero3_bytes="split shared class: reduce-scatter + all-gather frames",
+         zero2_bytes="unsplit shared class: reduce-scatter + all-gather frames",
+         zero3_formula_bytes="2 (H-1) (4 ceil(N/H) + 64) for the split class",
+         zero2_formula_bytes="the same formula for the unsplit class")
+_declare("moe_step", "expert", "one training step is over on this expert host",
+         loss="cross entropy + aux_loss_coef x aux loss", ce="cross entropy",
+         aux="sum of the layers' load-balancing losses", step_s="step time (s)",
+         expert_uses="'layer.expert' this host ran, in order (forward, then reversed)")
+_declare("moe_done", "expert", "the expert host finished its steps")
 
 # -- controller (controller/run.py, controller/driver.py) ------------------------------------
 _declare("run_start", "controller", "the network is up and the agents are starting",
