@@ -23,19 +23,15 @@ from typing import Any
 
 import tomli_w
 
+from agents.core.checks import ConfigError, collect, collecting, fail
+from agents.core.checks import check as _check
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
+from agents.core.topo_config import TopoConfig
 
-
-class ConfigError(ValueError):
-    """A config value is missing, of the wrong type, or out of range."""
-
-
-def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
+__all__ = ["ConfigError"]
 
 
 def _check_name(kind: Kind, path: str, value: str) -> None:
@@ -367,6 +363,7 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    topo: TopoConfig = field(default_factory=TopoConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -426,27 +423,44 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
+    kwargs = {}
+    for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"{prefix}.{key}: unknown field; known fields: "
-                              f"{', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+            fail(f"{prefix}.{key}: unknown field; known fields: {', '.join(sorted(names))}")
+            continue
+        errors = collecting()
+        before = len(errors) if errors is not None else 0
+        try:
+            coerced = _coerce(value, hints[key], f"{prefix}.{key}")
+        except (TypeError, ValueError):  # converting a value already reported as wrong
+            if errors is None or len(errors) == before:
+                raise
+        if errors is None or len(errors) == before:  # a bad value keeps the default
+            kwargs[key] = coerced
     return cls(**kwargs)
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
-    sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in sections:
-            raise ConfigError(f"{key}: unknown section; known sections: "
-                              f"{', '.join(sorted(sections))}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: must be a table [{key}]")
+    """Build and validate a config; raises one ConfigError listing every error found."""
+    with collect() as errors:
+        sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
         hints = typing.get_type_hints(ExperimentConfig)
-        kwargs[key] = _build(hints[key], value, key)
-    cfg = ExperimentConfig(**kwargs)
-    cfg.validate()
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                fail(f"{key}: unknown section; known sections: {', '.join(sorted(sections))}")
+            elif not isinstance(value, dict):
+                fail(f"{key} = {value!r}: must be a table [{key}]")
+            else:
+                kwargs[key] = _build(hints[key], value, key)
+        cfg = ExperimentConfig(**kwargs)
+        try:
+            cfg.validate()
+        except (TypeError, KeyError, ValueError):
+            if not errors:  # a check that trips over an earlier bad value is not news
+                raise
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 
@@ -491,12 +505,18 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a directory, not a config file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (not UTF-8)") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {(e.strerror or str(e)).lower()}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError([f"{path}: {m}" for m in e.errors]) from None
 
 
 def dumps(cfg: ExperimentConfig) -> str:

@@ -12,7 +12,7 @@ PIPELINE_COMPRESSORS = ("none", "fp16", "topk")
 
 
 def _check(cond: bool, path: str, value: object, allowed: str) -> None:
-    from agents.core.config import ConfigError
+    from agents.core.checks import ConfigError
 
     if not cond:
         raise ConfigError(f"{path} = {value!r}: {allowed}")
