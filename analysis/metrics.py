@@ -18,6 +18,7 @@ Inputs are the tables of :class:`analysis.load.Run` (``events`` with ``t_s``, ``
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -562,6 +563,24 @@ def headline(events: pd.DataFrame, links: pd.DataFrame, *, warmup_iterations: in
     return out
 
 
+
+def workers_lost(events: pd.DataFrame) -> list[dict[str, Any]]:
+    """Every worker the PS lost (its ``worker_lost`` events), in order, each
+    ``{"worker", "iter", "t_s", "reason"}``; ``t_s`` counts from the controller's
+    ``run_start`` (else the first event). Empty when none was lost; a worker that left by
+    the membership schedule (BYE) is not lost."""
+    if events.empty:
+        return []
+    lost = events[events["event"] == "worker_lost"].sort_values("ts_ns")
+    if lost.empty:
+        return []
+    starts = events.loc[events["event"] == "run_start", "ts_ns"]
+    t0 = int(starts.min()) if len(starts) else int(events["ts_ns"].min())
+    return [{"worker": int(r["worker"]), "iter": int(r["iter"]),
+             "t_s": round((int(r["ts_ns"]) - t0) / 1e9, 3), "reason": str(r.get("reason", ""))}
+            for _, r in lost.iterrows()]
+
+
 #: One line per column the summary and the report print: what it is, with its unit. The
 #: formula is in the docstring of the function named in brackets.
 GLOSSARY: dict[str, str] = {
@@ -597,6 +616,8 @@ GLOSSARY: dict[str, str] = {
     "background_flows": "background flows completed",
     "fct_s_p50": "median background flow completion time (s)",
     "fct_s_p99": "99th percentile background flow completion time (s)",
+    "workers_lost": "workers the PS lost, each with iteration, time (s) and reason "
+                    "[workers_lost]",
     "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
     "stop_reason": "why the run ended",
 }

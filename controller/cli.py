@@ -50,12 +50,6 @@ def run_main(argv: Sequence[str]) -> int:
     except cfgmod.ConfigError as e:
         config_errors("gradbed run", e)
         return 2
-    if not args.dry_run:
-        try:
-            args.out = check_out_dir(args.out)
-        except OutDirError as e:
-            print(f"gradbed run: {e}", file=sys.stderr)
-            return 2
     from agents.core.bandwidth import TraceError, load_trace
     from agents.core.flowsize import load_flow_cdf
     from traces.pcap import pcap_summary
@@ -105,6 +99,12 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
         return 0
     _need_root("run")
+    # Checked (and made) only now: a config or trace error leaves no folder behind.
+    try:
+        args.out = check_out_dir(args.out)
+    except OutDirError as e:
+        print(f"gradbed run: {e}", file=sys.stderr)
+        return 2
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],

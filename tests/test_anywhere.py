@@ -76,7 +76,7 @@ def test_a_shipped_config_is_found_from_any_folder(tmp_path: Path) -> None:
     p = gradbed("run", "configs/cellular.toml", "--dry-run", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     trace = str(REPO / "traces" / "data" / "cellular_like.log")
-    assert f"trace replay: up={trace}" in p.stdout
+    assert f"trace replay on up (gbsw0-eth1): {trace}" in p.stdout
 
 
 # -- ownership and environment ---------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_the_wheel_ships_configs_and_trace_data_not_tests(tmp_path: Path) -> Non
     away.mkdir()
     p = gradbed("run", "cellular.toml", "--dry-run", cwd=away, env=env)
     assert p.returncode == 0, p.stderr
-    assert f"up={site / 'traces' / 'data' / 'cellular_like.log'}" in p.stdout
+    assert f"trace replay on up (gbsw0-eth1): {site / 'traces' / 'data' / 'cellular_like.log'}" in p.stdout
     where = subprocess.run([sys.executable, "-c", "import controller; print(controller.__file__)"],
                            cwd=away, env=env, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(site))
