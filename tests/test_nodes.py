@@ -21,7 +21,8 @@ def test_other_names_are_not_workers(node: str) -> None:
 
 
 def test_the_topology_and_the_loader_use_the_same_names() -> None:
-    from topo.spec import LinkSpec, StarSpec
+    from topo.shapes.star import StarSpec
+    from topo.spec import LinkSpec
 
     spec = StarSpec(workers=3, worker_link=LinkSpec(rate_mbps=100.0),
                     bottleneck_up=LinkSpec(rate_mbps=10.0),
