@@ -616,8 +616,8 @@ GLOSSARY: dict[str, str] = {
     "background_flows": "background flows completed",
     "fct_s_p50": "median background flow completion time (s)",
     "fct_s_p99": "99th percentile background flow completion time (s)",
-    "workers_lost": "workers the PS lost, each with iteration, time (s) and reason "
-                    "[workers_lost]",
+    "workers_lost": "workers the PS lost (connection failed or sent garbage; not a scheduled "
+                    "leave): worker, iter, t_s since run start, reason",
     "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
     "stop_reason": "why the run ended",
 }
