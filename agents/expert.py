@@ -3,7 +3,7 @@
 Run inside a host as ``python -m agents.expert --run-dir RUN --host H --addrs A0,A1,...``
 (``Ai`` = ``ip:port`` of expert host i; without ``--addrs``, every host is on
 127.0.0.1 at ``moe.port + i``). It reads ``RUN/config.toml`` (section ``[moe]``, steps
-from ``run.iterations``, seed from ``run.seed``) and ``RUN/secret``, joins the full mesh
+from ``run.iterations``, seed from ``run.seed``) and its key (``--auth``), joins the full mesh
 of expert hosts (:mod:`agents.moe.mesh`), and trains (:mod:`agents.moe.hosts`): its
 experts, its data-parallel replica of the shared layers and its ZeRO shards. Host 0
 decides when the run ends: when every host has run ``run.iterations`` steps.
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agents import codec, wire
+from agents import auth, codec, wire
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.moe.hosts import ExpertHost
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", required=True, type=int, help="this host's index")
     ap.add_argument("--addrs", default=None, help="ip:port of every expert host, in order")
     ap.add_argument("--dump", type=Path, default=None, help="write per-step tensors here")
+    ap.add_argument("--auth", choices=("stdin", "file"), default="file",
+                    help="stdin: started by the controller (key bundle on stdin, exit when "
+                         "it goes); file: RUN/secret names the run (tests, by hand)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = cfgmod.load(args.run_dir / "config.toml")
@@ -77,7 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
              [("127.0.0.1", m.port + i) for i in range(m.hosts)])
     run_id = args.run_dir.name
-    tag = codec.run_tag(run_id, (args.run_dir / "secret").read_bytes())
+    if args.auth == "stdin":
+        # The controller's key bundle (agents.auth) proves this host to the control
+        # socket; the mesh's frames carry the run's public tag, which keeps other runs
+        # out but authenticates no one: expert hosts share no key yet (see docs/moe.md).
+        auth.read_bundle()
+        auth.exit_with_controller()
+        secret = codec.PUBLIC_SECRET
+    else:
+        secret = (args.run_dir / "secret").read_bytes()
+    tag = codec.run_tag(run_id, secret)
     data = load_data(m.dataset)
     log = EventLog.for_node(args.run_dir, run_id, f"e{args.host}")
     if args.dump:
@@ -106,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  for k, v in r["bytes_by_class"].items()},
                      **{f"{k}_formula_bytes": v for k, v in formula.items()})
             log.emit("moe_step", step, loss=r["loss"], ce=r["ce"], aux=r["aux"],
-                     step_s=r["step_s"])
+                     step_s=r["step_s"], expert_uses=[f"{lay}.{e}" for lay, e in
+                                                      r["expert_uses"]])
             if dump is not None:
                 host.opt.gather_before_use(mesh, step + 1)  # complete zero3 weights to dump
                 for n, w in host.weights().items():

@@ -46,6 +46,7 @@ from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from agents.core.events import EventLog, now_ns
+from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
@@ -121,7 +122,7 @@ class Worker:
         self.ps_addr = (ps_host, ps_port)
         self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
         self.session: protocol.Session | None = None
-        self.node = f"w{worker}"
+        self.node = worker_node(worker)
         self.log = EventLog.for_node(run_dir, run_id, self.node)
         self.ctl = ControlClient(control_path(run_dir), self.node, key)
         self.device = device

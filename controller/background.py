@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from agents.core import config as cfgmod
 from controller import rundir
+from controller.agent_env import python_path
 from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import HostSpec, NetSpec, SpecError
 from traces.pcap import read_capture, rewrite_pcap
@@ -251,7 +252,8 @@ class BackgroundTraffic:
         self.say(f"start background in {c.host}: {' '.join(c.argv)}")
         log = open(c.log, "ab")
         try:
-            env = {**os.environ, "PYTHONPATH": str(rundir.REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONPATH": python_path(os.environ, str(rundir.REPO_ROOT)),
+                   "PYTHONUNBUFFERED": "1"}
             p = net.popen(c.host, list(c.argv), stdout=log, stderr=subprocess.STDOUT,
                           cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
         finally:

@@ -42,6 +42,7 @@ from typing import Any
 from agents.core import config as cfgmod
 from agents.core.bandwidth import BandwidthTrace, load_scaled_trace
 from agents.core.events import EventLog, now_ns
+from agents.core.nodes import worker_index, worker_node
 from agents.core.policies import RatePolicy, make_rate_policy
 from agents.core.policies.base import CapChange
 from controller.control import ControlServer
@@ -170,8 +171,9 @@ class NetworkDriver:
 
     def on_report(self, msg: dict[str, Any]) -> None:
         node = str(msg.get("node", ""))
-        if msg.get("type") == "hello" and node.startswith("w") and node[1:].isdigit():
-            self._on_worker_hello(int(node[1:]))
+        worker = worker_index(node)
+        if msg.get("type") == "hello" and worker is not None:
+            self._on_worker_hello(worker)
             return
         if node != "ps" or msg.get("type") != "membership":
             return
@@ -199,7 +201,7 @@ class NetworkDriver:
             cap = self.shapers["up"].caps().get(worker)
             pace = self._socket_pacing_mbps(cap)
             if pace is not None:
-                ok = self.ctl.send(f"w{worker}", "pace", rate_bps=pace * 1e6)
+                ok = self.ctl.send(worker_node(worker), "pace", rate_bps=pace * 1e6)
                 self.events.emit("shape", worker=worker, rate_mbps=pace, method="pacing",
                                  delivered=ok, reason="hello")
             if worker in self.active:
@@ -212,7 +214,7 @@ class NetworkDriver:
         if method == "none":
             return
         for ch in changes:
-            node = f"w{ch.worker}"
+            node = worker_node(ch.worker)
             # CapChange.rate_mbps None removes the cap: the worker's own link rate for tc
             # (its HTB class must keep some rate), no pacing limit for sockets.
             cap_mbps = ch.rate_mbps
@@ -260,6 +262,6 @@ class NetworkDriver:
             self._hint_worker(w)
 
     def _hint_worker(self, w: int) -> None:
-        self.ctl.send(f"w{w}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
+        self.ctl.send(worker_node(w), "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
                       workers=len(self.active), trace_start_ns=self.start_ns)
 

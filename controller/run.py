@@ -26,11 +26,13 @@ from agents import auth
 from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.links import LINK_COLUMNS
 from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
 from controller.control import ControlServer
 from controller.driver import check_driver
+from controller.paths import resolve_paths
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
@@ -75,7 +77,7 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
         out.append(f"$ {' '.join(c.argv)}   # in {c.host}, role {role.name}")
     for p in spec.places():
         if p.point.trace:
-            out.append(f"# then trace replay on {p.point.name} ({p.dev}): {p.point.trace} "
+            out.append(f"# then trace replay: {p.point.name}={p.point.trace} on {p.dev} "
                        f"every {cfg.trace.granularity_ms} ms with tc class change")
     if cfg.shaping.method != "none":
         out.append(f"# then link/N caps by {cfg.shaping.method}: "
@@ -125,19 +127,18 @@ class LinkSampler(threading.Thread):
         return links_frame(list(self.rows))
 
 
-LINK_COLUMNS = ["ts_ns", "direction", "dev", "sent_bytes", "sent_pkts", "drops", "overlimits",
-                "backlog_bytes", "backlog_pkts", "rate_mbps"]
-
-
 def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(rows, columns=LINK_COLUMNS)
+    """The link samples as ``links.parquet`` holds them (agents/core/links.py's columns)."""
+    return pd.DataFrame(rows, columns=list(LINK_COLUMNS))
 
 
 class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False, spec: NetSpec | None = None) -> None:
-        self.cfg = cfg
+        # Relative file names in a config built in Python are the caller's; the agents run
+        # elsewhere (controller.paths).
+        self.cfg = resolve_paths(cfg, Path.cwd())
         self.out_root = out_root
         self.argv = argv
         self.progress = progress and not quiet
@@ -151,7 +152,7 @@ class Experiment:
         # A bad shape or trace placement is refused here, before any directory exists.
         # ``spec``: a network of the caller's own (gradbed's Python API) instead of the
         # config's shape; the config still gives everything else.
-        self.spec: NetSpec = spec if spec is not None else shape_spec(cfg)
+        self.spec: NetSpec = spec if spec is not None else shape_spec(self.cfg)
         check_spec(cfg, self.spec)
         # The run's master key lives in this process only; agents get theirs on stdin.
         self._master = auth.new_master()
@@ -194,11 +195,25 @@ class Experiment:
     # -- the run --------------------------------------------------------------------
 
     def run(self) -> Path:
+        """Run the experiment; returns its directory. Whatever stops it (an error before or
+        after the start, Ctrl-C, SIGTERM), the directory loads and its summary says why."""
+        run_dir = rundir.create(self.out_root, self.cfg.run.name)
+        self.run_dir = run_dir
+        rundir.mark_active(run_dir)
+        try:
+            return self._run(run_dir)
+        except BaseException as e:
+            rundir.finish(run_dir, _stop_reason(e), error=f"{type(e).__name__}: {e}",
+                          cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
+            raise
+        finally:
+            rundir.mark_done(run_dir)
+            rundir.hand_over(run_dir)
+
+    def _run(self, run_dir: Path) -> Path:
         cfg = self.cfg
         started_ns = now_ns()
         t_start = time.monotonic()
-        run_dir = rundir.create(self.out_root, cfg.run.name)
-        self.run_dir = run_dir
         self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
         self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
         caps = probe()
@@ -242,6 +257,10 @@ class Experiment:
         except KeyboardInterrupt:
             interrupted = True
             stop_reason = "interrupted"
+        except Exception as e:
+            stop_reason = _stop_reason(e)
+            self.say(f"{stop_reason}: {type(e).__name__}: {e}")
+            raise
         finally:
             # Finish writing whatever happens: a second Ctrl-C must not cut this short.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -336,6 +355,13 @@ class Experiment:
             self.say(f"warning: report not written: {e}")
             if not self.quiet:
                 print(f"warning: report not written: {e}", file=sys.stderr)
+
+
+def _stop_reason(e: BaseException) -> str:
+    """The summary's ``stop_reason`` for a run that an exception ended."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return f"failed: {e}" if str(e) else f"failed: {type(e).__name__}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

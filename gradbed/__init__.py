@@ -28,7 +28,7 @@ from typing import Any
 
 from agents.core.checks import ConfigError
 from agents.core.config import ExperimentConfig
-from agents.core.config import load as _load
+from controller.paths import load_config as _load
 from controller.roles import Role, RoleCommand, RoleContext, RoleError
 from controller.roles import get as role
 from controller.roles import names as role_names
@@ -59,8 +59,10 @@ __all__ = [
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """A TOML config with dotted overrides (``"net.workers=8"``, TOML values), validated;
-    ``ConfigError`` names the field, the value and what is allowed."""
+    """A TOML config (a path, or the name of a shipped one: ``"demo.toml"``) with dotted
+    overrides (``"net.workers=8"``, TOML values), validated, every file it names made
+    absolute (``controller.paths``); ``ConfigError`` names the field, the value and what is
+    allowed."""
     return _load(path, list(overrides))
 
 

@@ -17,6 +17,7 @@ import torch
 
 from agents import expert
 from agents.core import config as cfgmod
+from agents.moe.hosts import dispatch_bytes, owned_experts
 from agents.moe.layer import MoELayer
 from agents.moe.model import build_model, global_batch, load_data, loss_fn
 from agents.moe.zero import ParamClass, classify
@@ -164,3 +165,19 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
     # Both shared classes are present and their bytes equal the formula.
     start = events(run_dir, 0, "moe_start")[0]
     assert start["zero3_numel"] > 0 and start["zero2_numel"] > 0
+    for h in range(H):
+        for b in events(run_dir, h, "moe_class_bytes"):
+            assert b["expert_bytes"] == 0
+            assert b["zero3_bytes"] == b["zero3_formula_bytes"] > 0
+            assert b["zero2_bytes"] == b["zero2_formula_bytes"] > 0
+    # Dispatch bytes (both phases, headers included) equal dispatch_bytes() of the
+    # rows each host routed to each peer's experts.
+    for h in range(H):
+        phases = events(run_dir, h, "moe_phase")
+        for r in events(run_dir, h, "moe_route"):
+            rows = [sum(r["kept"][e] for e in owned_experts(p, m.experts, H))
+                    for p in range(H) if p != h]
+            got = sum(ph["bytes_up"] for ph in phases if ph["iter"] == r["iter"]
+                      and ph["layer"] == r["layer"]
+                      and ph["phase"] in ("dispatch_counts", "dispatch_tokens"))
+            assert got == dispatch_bytes(rows, m.d_model, per)

@@ -23,10 +23,11 @@ from typing import Any
 
 import tomli_w
 
-from agents.core.checks import ConfigError
+from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
+from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.topo_config import TopoConfig
 
@@ -133,6 +134,7 @@ class WorkloadConfig:
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
+    depth: int = 8                    # digits_deep: hidden Linear+ReLU blocks (pipeline stages)
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
     replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
@@ -145,6 +147,7 @@ class WorkloadConfig:
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(1 <= self.depth <= 256, f"{p}.depth", self.depth, "must be in [1, 256]")
         _check(1 <= self.channels <= 1024, f"{p}.channels", self.channels,
                "must be in [1, 1024]")
         _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
@@ -363,6 +366,7 @@ class ExperimentConfig:
     topo: TopoConfig = field(default_factory=TopoConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -419,27 +423,44 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
+    kwargs = {}
+    for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"{prefix}.{key}: unknown field; known fields: "
-                              f"{', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+            fail(f"{prefix}.{key}: unknown field; known fields: {', '.join(sorted(names))}")
+            continue
+        errors = collecting()
+        before = len(errors) if errors is not None else 0
+        try:
+            coerced = _coerce(value, hints[key], f"{prefix}.{key}")
+        except (TypeError, ValueError):  # converting a value already reported as wrong
+            if errors is None or len(errors) == before:
+                raise
+        if errors is None or len(errors) == before:  # a bad value keeps the default
+            kwargs[key] = coerced
     return cls(**kwargs)
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
-    sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in sections:
-            raise ConfigError(f"{key}: unknown section; known sections: "
-                              f"{', '.join(sorted(sections))}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: must be a table [{key}]")
+    """Build and validate a config; raises one ConfigError listing every error found."""
+    with collect() as errors:
+        sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
         hints = typing.get_type_hints(ExperimentConfig)
-        kwargs[key] = _build(hints[key], value, key)
-    cfg = ExperimentConfig(**kwargs)
-    cfg.validate()
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                fail(f"{key}: unknown section; known sections: {', '.join(sorted(sections))}")
+            elif not isinstance(value, dict):
+                fail(f"{key} = {value!r}: must be a table [{key}]")
+            else:
+                kwargs[key] = _build(hints[key], value, key)
+        cfg = ExperimentConfig(**kwargs)
+        try:
+            cfg.validate()
+        except (TypeError, KeyError, ValueError):
+            if not errors:  # a check that trips over an earlier bad value is not news
+                raise
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 
@@ -484,12 +505,18 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a directory, not a config file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (not UTF-8)") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {(e.strerror or str(e)).lower()}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError([f"{path}: {m}" for m in e.errors]) from None
 
 
 def dumps(cfg: ExperimentConfig) -> str:

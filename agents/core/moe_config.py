@@ -7,16 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agents.core.checks import check as _check
+
 MOE_DATASETS = ("digits", "fashion_mnist")
 MOE_DROP_POLICIES = ("position", "probability")
-MOE_OFFLOAD = ("none", "belady", "lru")
-
-
-def _check(cond: bool, path: str, value: object, allowed: str) -> None:
-    from agents.core.checks import ConfigError
-
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -40,8 +34,6 @@ class MoEConfig:
     zero3_min_numel: int = 4096       # shared tensors this large are split (ZeRO-3), smaller ZeRO-2
     port: int = 6000                  # expert hosts listen here (loopback: port + host index)
     crc: bool = True                  # CRC-32 on every payload
-    offload: str = "none"             # expert weights offloaded into a device budget: belady, lru
-    offload_budget_bytes: int = 0     # device budget for offloaded parameters (0 = none)
     eval_every: int = 10              # host 0 evaluates held-out accuracy every N steps
 
     def validate(self, p: str) -> None:
@@ -70,9 +62,4 @@ class MoEConfig:
         _check(self.zero3_min_numel >= 1, f"{p}.zero3_min_numel", self.zero3_min_numel,
                "must be >= 1")
         _check(1024 <= self.port <= 65000, f"{p}.port", self.port, "must be in [1024, 65000]")
-        _check(self.offload in MOE_OFFLOAD, f"{p}.offload", self.offload,
-               f"must be one of {', '.join(MOE_OFFLOAD)}")
-        _check(self.offload == "none" or self.offload_budget_bytes > 0,
-               f"{p}.offload_budget_bytes", self.offload_budget_bytes,
-               "must be > 0 when offload is belady or lru")
         _check(self.eval_every >= 1, f"{p}.eval_every", self.eval_every, "must be >= 1")

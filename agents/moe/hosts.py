@@ -81,7 +81,15 @@ class PhaseRecord:
 
 @dataclass
 class StepLog:
+    """A step's phases, and the experts this host ran, in order (``(layer, expert)``
+    with at least one row): the use trace that offload (:mod:`agents.moe.offload`)
+    replays, forward order then the same reversed for the backward."""
+
     phases: list[PhaseRecord] = field(default_factory=list)
+    expert_uses: list[tuple[int, int]] = field(default_factory=list)
+
+    def use_trace(self) -> list[tuple[int, int]]:
+        return self.expert_uses + self.expert_uses[::-1]
 
     def timed_exchange(self, mesh: Mesh, name: str, layer: int, kind: MsgType, step: int,
                        chunk: int, sends: dict[int, torch.Tensor], recv_numel: dict[int, int],
@@ -193,7 +201,10 @@ class MeshRunner:
         by_src = {h: torch.split(received[h], counts_from[h]) for h in range(H)}
         outs_by_src: dict[int, list[torch.Tensor]] = {h: [] for h in range(H)}
         for i, e in enumerate(mine):
-            y = layer.experts[str(e)](torch.cat([by_src[h][i] for h in range(H)]))
+            rows = torch.cat([by_src[h][i] for h in range(H)])
+            if rows.shape[0]:
+                self.log.expert_uses.append((lay, e))
+            y = layer.experts[str(e)](rows)
             for h, part in enumerate(torch.split(y, [counts_from[h][i] for h in range(H)])):
                 outs_by_src[h].append(part)
         back_to = {h: torch.cat(outs_by_src[h]) for h in range(H)}
@@ -278,7 +289,7 @@ class ExpertHost:
             routing.append({"layer": i, "capacity": st.capacity, "tokens": st.tokens,
                             "kept": st.kept.tolist(), "dropped": st.dropped.tolist(),
                             "imbalance": st.imbalance})
-        return {"loss": float(loss.detach()), "ce": float(ce.detach()),
+        return {"expert_uses": self.log.use_trace(), "loss": float(loss.detach()), "ce": float(ce.detach()),
                 "aux": float(self.model.aux_loss.detach()),
                 "step_s": (t_end - t_start) / 1e9, "routing": routing,
                 "bytes_by_class": self.opt.bytes_by_class()}
@@ -291,7 +302,7 @@ class ExpertHost:
         self._set_step(step, CHUNK_EVAL)
         per = n_images // self.hosts
         sl = slice(self.me * per, (self.me + 1) * per)
-        x, y = self.data.x_test[sl], self.data.y_test[sl]
+        x, y = self.data.floats(self.data.x_test[sl]), self.data.y_test[sl]
         logits = self.model(x)
         mine = torch.tensor([float(torch.nn.functional.cross_entropy(logits, y,
                                                                      reduction="sum")),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from agents.core.moe_metrics import load_imbalance
 from agents.moe.aux_loss import load_balancing_loss
 from agents.moe.capacity import DROP_POLICIES, assign, expert_capacity
 from agents.moe.combine import combine, dispatch, plan_dispatch
@@ -55,9 +56,8 @@ class MoEStats:
 
     @property
     def imbalance(self) -> float:
-        """``max_e kept_e / mean_e kept_e`` (1 = perfectly balanced); 0 when nothing kept."""
-        mean = float(self.kept.float().mean())
-        return float(self.kept.max()) / mean if mean > 0 else 0.0
+        """:func:`agents.core.moe_metrics.load_imbalance` of ``kept``."""
+        return load_imbalance(self.kept.tolist())
 
 
 def local_experts(layer: MoELayer, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:

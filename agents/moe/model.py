@@ -11,6 +11,7 @@ collectives.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import cast
@@ -22,17 +23,23 @@ from torch import nn
 from agents.moe.layer import MoELayer
 
 N_CLASSES = 10
+_BUILD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
 class TokenData:
-    """Images as tokens: ``x`` [N, tokens, width] in [0, 1], ``y`` [N] labels."""
+    """Images as tokens: ``x`` [N, tokens, width] (float in [0, 1], or uint8 pixels that
+    :meth:`floats` scales per batch, so 60,000 images cost 47 MB, not 188), ``y`` [N]."""
 
     name: str
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+
+    @staticmethod
+    def floats(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x
 
     @property
     def tokens(self) -> int:
@@ -46,17 +53,17 @@ class TokenData:
 @lru_cache(maxsize=2)
 def load_data(name: str) -> TokenData:
     """``digits`` (scikit-learn's bundled UCI digits) or ``fashion_mnist`` (Debian's
-    dataset-fashion-mnist IDX files, through the workloads' loader)."""
+    dataset-fashion-mnist IDX files, read by agents.workloads.fashion_mnist)."""
     if name == "digits":
         from agents.workloads.digits import _data
 
         xtr, ytr, xte, yte = _data()
         return TokenData(name, xtr.reshape(-1, 8, 8), ytr, xte.reshape(-1, 8, 8), yte)
     if name == "fashion_mnist":
-        from agents.workloads import fashion  # type: ignore[attr-defined]
+        from agents.workloads.fashion_mnist import load
 
-        xtr, ytr, xte, yte = fashion.load_arrays()
-        return TokenData(name, xtr.reshape(-1, 28, 28), ytr, xte.reshape(-1, 28, 28), yte)
+        train, test = load()
+        return TokenData(name, train.images, train.labels, test.images, test.labels)
     raise ValueError(f"moe.dataset: {name!r} must be digits or fashion_mnist")
 
 
@@ -65,7 +72,7 @@ def global_batch(data: TokenData, step: int, hosts: int, batch_size: int
     """The step's global batch, ``hosts x batch_size`` images; host h takes slice h."""
     g = torch.Generator().manual_seed(10_007 * step + 29)
     idx = torch.randint(0, len(data.y_train), (hosts * batch_size,), generator=g)
-    return data.x_train[idx], data.y_train[idx]
+    return data.floats(data.x_train[idx]), data.y_train[idx]
 
 
 def host_batch(data: TokenData, step: int, hosts: int, batch_size: int, h: int
@@ -111,12 +118,17 @@ def build_model(cfg: object, data: TokenData, *, groups: int, seed: int) -> MoEC
     from agents.core.moe_config import MoEConfig
 
     assert isinstance(cfg, MoEConfig)
-    torch.manual_seed(seed)
-    return MoEClassifier(tokens=data.tokens, width=data.width, d_model=cfg.d_model,
-                         d_hidden=cfg.d_hidden, experts=cfg.experts, layers=cfg.layers,
-                         k=cfg.top_k, capacity_factor=cfg.capacity_factor,
-                         min_capacity=cfg.min_capacity, drop_policy=cfg.drop_policy,
-                         normalize=cfg.normalize_gates, residual=cfg.residual, groups=groups)
+    # The global generator is process-wide: hosts run as threads (tests) must not
+    # interleave their draws.
+    with _BUILD_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return MoEClassifier(tokens=data.tokens, width=data.width, d_model=cfg.d_model,
+                             d_hidden=cfg.d_hidden, experts=cfg.experts,
+                             layers=cfg.layers, k=cfg.top_k,
+                             capacity_factor=cfg.capacity_factor,
+                             min_capacity=cfg.min_capacity, drop_policy=cfg.drop_policy,
+                             normalize=cfg.normalize_gates, residual=cfg.residual,
+                             groups=groups)
 
 
 def loss_fn(model: MoEClassifier, logits: torch.Tensor, y: torch.Tensor, aux_coef: float

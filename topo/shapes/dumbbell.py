@@ -17,6 +17,7 @@ Shaping points (egress, as everywhere):
 from __future__ import annotations
 
 from agents.core.config import ExperimentConfig
+from agents.core.nodes import worker_node
 from topo.shapes import register
 from topo.spec import (
     EdgeSpec,
@@ -45,7 +46,7 @@ def dumbbell(cfg: ExperimentConfig) -> NetSpec:
                                 n.workers + n.background_hosts)
     right_segs = sender_gso_segs(trunk_down.effective_queue_bytes(), trunk_down.rate_mbps,
                                  1 + n.background_hosts)
-    left = [HostSpec(f"w{k}", "worker", "worker", f"10.0.0.{10 + k}", k, left_segs)
+    left = [HostSpec(worker_node(k), "worker", "worker", f"10.0.0.{10 + k}", k, left_segs)
             for k in range(n.workers)]
     left += [HostSpec(f"bg{j}", "background", "flowgen", f"10.0.0.{100 + j}", j, left_segs)
              for j in range(n.background_hosts)]

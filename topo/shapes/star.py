@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from agents.core.config import ExperimentConfig
+from agents.core.nodes import worker_node
 from topo.shapes import register
 from topo.spec import (
     EXTRA_HOSTS_MAX,
@@ -73,7 +74,7 @@ class StarSpec:
                                 "allowed true/false")
 
     def worker_names(self) -> list[str]:
-        return [f"w{i}" for i in range(self.workers)]
+        return [worker_node(i) for i in range(self.workers)]
 
     def extra_host_names(self) -> list[str]:
         return [f"bg{j}" for j in range(self.extra_hosts)]
