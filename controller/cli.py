@@ -1,6 +1,6 @@
 """The ``gradbed`` command line.
 
-    gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR]
+    gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR] [--dry-run | --cli]
     gradbed sweep CONFIG.toml --grid key=v1,v2 [--grid ...] [--out DIR]
     gradbed probe            kernel capabilities as JSON
     gradbed cleanup          remove what a crashed or killed run left behind (idempotent)
@@ -44,6 +44,8 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tc commands and agent command lines; change nothing")
+    ap.add_argument("--cli", action="store_true",
+                    help="build the network, start no role, and open Mininet's CLI on it")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -99,6 +101,15 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
         return 0
     _need_root("run")
+    if args.cli:
+        from controller.interactive import open_cli
+
+        try:
+            open_cli(cfg, spec)
+        except (CapabilityError, SpecError, RoleError) as e:
+            print(f"gradbed run: {e}", file=sys.stderr)
+            return 2
+        return 0
     # Checked (and made) only now: a config or trace error leaves no folder behind.
     try:
         args.out = check_out_dir(args.out)
@@ -108,7 +119,7 @@ def run_main(argv: Sequence[str]) -> int:
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, spec=spec)
     try:
         run_dir = exp.run()
     except Exception as e:

@@ -94,6 +94,10 @@ def resolve_paths(cfg: cfgmod.ExperimentConfig, base_dir: Path,
         base = cwd if f"{section}.{name}" in from_cli else base_dir
         value = resolve_path(getattr(sec, name), base)
         sections[section] = dataclasses.replace(sec, **{name: value})  # type: ignore[type-var]
+    # topo.traces: shaping point -> trace file, each resolved the same way.
+    base = cwd if any(f.startswith("topo.traces") for f in from_cli) else base_dir
+    traces = {point: resolve_path(path, base) for point, path in cfg.topo.traces.items()}
+    sections["topo"] = dataclasses.replace(cfg.topo, traces=traces)
     return dataclasses.replace(cfg, **sections)  # type: ignore[arg-type]
 
 
