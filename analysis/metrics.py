@@ -599,4 +599,6 @@ GLOSSARY: dict[str, str] = {
     "fct_s_p99": "99th percentile background flow completion time (s)",
     "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
     "stop_reason": "why the run ended",
+    "workers_lost": "the workers the PS lost: worker, iteration, seconds from the start, reason",
+    "error": "the error that ended the run, when one did (a failed start, a crash)",
 }
