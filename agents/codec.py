@@ -105,6 +105,12 @@ class MsgType(IntEnum):
     CONTROL = 12  # small JSON control message
     CHALLENGE = 13  # PS -> worker: a fresh nonce the worker must MAC (agents.protocol)
     PROOF = 14  # worker -> PS: HMAC of the challenge under the worker's key
+    # MoE (agents/moe/exchange.py). Codes from 40 up, away from other appenders.
+    EXPERT_OUT = 40  # MoE: expert outputs back to the tokens' hosts, in dispatch order
+    EXPERT_OUT_GRAD = 41  # MoE backward: gradients of the expert outputs, to the experts
+    TOKENS_GRAD = 42  # MoE backward: gradients of the dispatched tokens, to their hosts
+    REDUCE_SCATTER = 43  # ZeRO: one shard of a shared class's gradients
+    ALL_GATHER = 44  # ZeRO: one host's shard of a shared class's parameters
 
 
 class DType(IntEnum):

@@ -44,21 +44,22 @@ from agents.compress.base import Compressor, Payload, make
 from agents.compress.feedback import ErrorFeedback
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from agents.core.events import EventLog, now_ns
-from agents.core.policies import make_ratio_policy
+from agents.core.nodes import worker_node
+from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
-from topo.spec import TCP_GOODPUT_FRACTION
-from traces import generate
 
 
 def notsent_lowat(a: cfgmod.AdaptiveConfig) -> int | None:
     """TCP_NOTSENT_LOWAT for the worker's socket: bounded where keep ratios are decided
-    during the transfer (adaptive, oracle), the kernel's default (no bound) otherwise."""
-    return a.notsent_lowat_bytes if a.policy in ("adaptive", "oracle") else None
+    during the transfer (``decides_in_flight``: adaptive, oracle), the kernel's default (no
+    bound) otherwise."""
+    return a.notsent_lowat_bytes if ratio_policy_class(a.policy).decides_in_flight else None
 
 
 class PSClosed(Exception):
@@ -121,7 +122,7 @@ class Worker:
         self.ps_addr = (ps_host, ps_port)
         self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
         self.session: protocol.Session | None = None
-        self.node = f"w{worker}"
+        self.node = worker_node(worker)
         self.log = EventLog.for_node(run_dir, run_id, self.node)
         self.ctl = ControlClient(control_path(run_dir), self.node, key)
         self.device = device
@@ -154,28 +155,11 @@ class Worker:
                      if cfg.compress.clip_global > 0 else None)
 
     def _make_policy(self, trace_start_ns: int = 0, workers: int | None = None) -> Any:
-        a = self.cfg.adaptive
-        if a.policy == "fixed":
-            return make_ratio_policy("fixed", keep=self.cfg.compress.ratio)
-        if a.policy == "adaptive":
-            return make_ratio_policy("adaptive", eps=a.eps, keep_min=a.keep_min,
-                                     formula=a.formula, ewma_alpha=a.ewma_alpha,
-                                     plan_keep=a.plan_keep,
-                                     carry_rt=a.carry_rt and a.r0 == "planned")
-        # The oracle reads the future of the trace the controller replays; without a
-        # trace the bottleneck is constant at its configured rate.
-        if self.cfg.trace.up:
-            from controller.driver import load_config_trace
-
-            trace = load_config_trace(self.cfg.trace.up, self.cfg.trace)
-        else:
-            trace = generate.constant(self.cfg.net.bottleneck_mbps, 3600.0)
-        planned_s = a.plan_keep * self.model.numel * 4 * 8 / self.planned_bps
-        return make_ratio_policy("oracle", trace=trace,
-                                 n_workers=workers or self.cfg.net.workers,
-                                 planned_s=planned_s, trace_start_ns=trace_start_ns,
-                                 keep_min=a.keep_min,
-                                 goodput_fraction=TCP_GOODPUT_FRACTION)
+        """The configured ratio policy (agents/core/policies/, built by its registered name)."""
+        ctx = RatioContext(gradient_bytes=self.model.numel * 4, planned_bps=self.planned_bps,
+                           workers=workers or self.cfg.net.workers,
+                           trace_start_ns=trace_start_ns)
+        return ratio_policy_from_config(self.cfg, ctx)
 
     # -- connection -----------------------------------------------------------------
 
@@ -261,7 +245,7 @@ class Worker:
                     else:
                         clear_max_pacing_rate(self.sock)
                 self.log.emit("paced", iter=self.iteration, rate_bps=self.pacing_bps or 0)
-            elif kind == "bandwidth" and self.cfg.adaptive.policy == "oracle":
+            elif kind == "bandwidth" and self.policy.follows_bandwidth:
                 with self.policy_lock:
                     self.policy = self._make_policy(int(cmd.get("trace_start_ns", 0)),
                                                     int(cmd.get("workers", 1)))
@@ -304,8 +288,8 @@ class Worker:
         costs its value and its index (int32: 8 bytes where dense pays 4), so a byte
         budget below 1 buys ``keep * value / (value + index)`` of the elements; at 1 the
         chunk goes dense (the sparse compressors fall back to dense there). The fixed
-        policy's ratio is always an element ratio, as configured."""
-        if (self.cfg.adaptive.policy == "fixed" or self.cfg.adaptive.budget == "elements"
+        policy's ratio is always an element ratio, as configured (``budgets_bytes`` False)."""
+        if (not self.policy.budgets_bytes or self.cfg.adaptive.budget == "elements"
                 or keep >= 1.0 or not getattr(self.compressor, "sparse", False)):
             return keep
         index_bytes = 4.0 if self.cfg.compress.index_encoding == "int32" else 1.5

@@ -17,7 +17,7 @@ class GuardConfig:
     handshake_timeout_s: float = 10.0  # a connection must prove its key within this
 
     def validate(self, p: str) -> None:
-        from agents.core.config import ConfigError
+        from agents.core.checks import ConfigError
 
         if not (math.isfinite(self.max_abs_grad) and self.max_abs_grad >= 0):
             raise ConfigError(f"{p}.max_abs_grad = {self.max_abs_grad!r}: must be a finite "
