@@ -278,3 +278,18 @@ def test_check_gradient_names_each_problem() -> None:
     with pytest.raises(PayloadError, match="index 4 more than once"):
         check_gradient((dup, ok), None, 8, who="w", max_abs=10, unique_indices=True)
     check_gradient((dup, ok), None, 8, who="w", max_abs=10, unique_indices=False)
+
+
+def test_a_connection_is_provably_dead_only_after_hangup() -> None:
+    """The second-HELLO rule: the old connection yields its slot only when it is dead."""
+    from agents.protocol import session
+    from agents.ps import _Conn
+
+    a, b = socket.socketpair()
+    conn = _Conn(0, a, "test", session(b"k" * 32, 0, 0, b"p" * 16, b"w" * 16))
+    try:
+        assert not conn.dead()
+        b.close()
+        assert conn.dead()
+    finally:
+        a.close()
