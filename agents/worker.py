@@ -121,7 +121,7 @@ class Worker:
         self.log = EventLog.for_node(run_dir, run_id, self.node)
         self.ctl = ControlClient(control_path(run_dir), self.node)
         self.device = device
-        self.workload = make_workload(cfg.workload)
+        self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
         self.workload.prepare(self.model.module, worker, cfg.run.seed)
         # Weights arrive into host memory; on a GPU they are copied up chunk by chunk.
@@ -132,7 +132,11 @@ class Worker:
         if cfg.compress.index_encoding != "int32":
             params.setdefault("index_encoding", cfg.compress.index_encoding)
         self.compressor: Compressor = make(cfg.compress.name, **params)
-        self.ef = ErrorFeedback(self.compressor) if cfg.compress.error_feedback else None
+        # DGC's momentum correction: the momentum is applied here, before compression, and
+        # the PS steps without it (agents.compress.feedback).
+        mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0
+        self.ef = (ErrorFeedback(self.compressor, momentum=mc, masking=cfg.feedback.masking)
+                   if cfg.compress.error_feedback else None)
         self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
         self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers
                             * TCP_GOODPUT_FRACTION)

@@ -23,6 +23,9 @@ from typing import Any
 
 import tomli_w
 
+from agents.core.feedback_config import FeedbackConfig
+from agents.core.vision_config import VisionConfig
+
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or out of range."""
@@ -118,12 +121,14 @@ class NetConfig:
 
 
 # The workloads agents.workloads.factory builds (named here so loading a config needs no torch).
-WORKLOAD_NAMES = ("digits_mlp", "digits_cnn", "replay")
+WORKLOAD_NAMES = ("digits_mlp", "digits_cnn", "replay", "fashion_resnet", "fashion_vit")
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    name: str = "digits_mlp"          # digits_mlp or digits_cnn (real training), or replay
+    # digits_mlp or digits_cnn (UCI digits), fashion_resnet or fashion_vit (Fashion-MNIST,
+    # sized by [vision]): real training; or replay
+    name: str = "digits_mlp"
     batch_size: int = 32              # per-worker batch; the global batch is N times this
     lr: float = 0.1                   # SGD learning rate at the PS
     momentum: float = 0.0             # SGD momentum at the PS
@@ -339,6 +344,8 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -353,6 +360,12 @@ class ExperimentConfig:
                              "pcap": ("background.pcap", bg.pcap)}[bg.kind]
             _check(False, field_, value,
                    "needs net.background_hosts >= 1 (the hosts the flows start from)")
+        if self.feedback.momentum_correction:
+            _check(self.compress.error_feedback, "feedback.momentum_correction", True,
+                   "needs compress.error_feedback = true (the corrected momentum lives in "
+                   "the residual)")
+            _check(self.workload.momentum > 0, "feedback.momentum_correction", True,
+                   "needs workload.momentum > 0 (the momentum it moves onto the workers)")
         # A compressor that is not registered is a config error, not a crash in a host.
         import agents.compress  # noqa: F401  (registers every compressor)
         from agents.compress.base import names
