@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agents.core import config as cfgmod
+from agents.core.registry import WORKLOAD
 from controller.run import plan_commands, star_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,12 +96,14 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
     p = subprocess.run([sys.executable, "-m", "controller.cli", "run", str(DEMO), "--set",
                         "net.delay_ms=5", "--dry-run"], cwd=REPO, capture_output=True,
                        text=True)
-    # This kernel has no netem: the error names it. (Where netem exists, it plans it.)
-    assert (p.returncode == 2 and "netem" in p.stderr) or (p.returncode == 0 and
-                                                           "netem" in p.stdout)
+    # netem where the kernel has it, else the NFQUEUE delay line in the receiving hosts;
+    # the dry run names the mechanism either way.
+    assert p.returncode == 0, p.stderr
+    assert "netem" in p.stdout or ("# delay by nfqueue" in p.stdout
+                                   and "-m topo.delayline --queue 100:5" in p.stdout)
 
 
-@pytest.mark.parametrize("name", cfgmod.WORKLOAD_NAMES)
+@pytest.mark.parametrize("name", WORKLOAD.declared())
 def test_every_workload_the_config_accepts_is_built(name: str) -> None:
     from agents.workloads.factory import make_workload
 
@@ -112,5 +115,5 @@ def test_every_workload_the_config_accepts_is_built(name: str) -> None:
 def test_an_unknown_workload_name_lists_the_known_ones() -> None:
     from agents.workloads.factory import make_workload
 
-    with pytest.raises(ValueError, match="digits_mlp, digits_cnn, replay"):
+    with pytest.raises(ValueError, match="digits_cnn, digits_deep, digits_mlp, fashion_resnet, fashion_vit, replay"):
         make_workload(cfgmod.WorkloadConfig(name="gpt"))

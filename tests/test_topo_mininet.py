@@ -19,7 +19,8 @@ from topo.cleanup import cleanup, is_gradbed_link
 from topo.lock import NetLock
 from topo.probe import probe
 from topo.qdisc import CapabilityError
-from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec
+from topo.shapes.star import StarSpec
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec
 from topo.tc import TcError
 
 pytestmark = pytest.mark.mininet
@@ -198,12 +199,12 @@ def test_teardown_when_build_fails_halfway(monkeypatch):
     assert_nothing_left()
 
 
-def test_delay_without_netem_is_a_clear_error_and_builds_nothing():
-    if probe().get("netem"):
-        pytest.skip("this kernel has netem; the error path only exists without it")
+def test_delay_without_any_mechanism_is_a_clear_error_and_builds_nothing():
+    # A kernel with neither netem nor NFQUEUE (the caps say so; this one has NFQUEUE).
+    caps = {**probe(), "netem": False, "nfqueue": False}
     spec = star(bottleneck_up=LinkSpec(rate_mbps=10.0, delay_ms=5.0))
-    with pytest.raises(CapabilityError, match="netem") as info:
-        with StarNetwork(spec):
+    with pytest.raises(CapabilityError, match="netem or NFQUEUE") as info:
+        with StarNetwork(spec, caps=caps):
             pytest.fail("must not build")
     assert "topo.bottleneck_up" in str(info.value) and "delay_ms" in str(info.value)
     assert_nothing_left()

@@ -4,7 +4,7 @@
 and deletes every ``*-eth*`` link on the machine, which would take down unrelated
 emulations. gradbed's names are distinctive, so this removes only:
 
-- agent processes (``python -m agents.<name>``) inside a non-root namespace, and Mininet host shells of gradbed's
+- agent processes (``python -m agents.<name>``, the delay line ``python -m topo.delayline``) inside a non-root namespace, and Mininet host shells of gradbed's
   host names (``bash ... mininet:ps``, ``mininet:w3``, ``mininet:bg0``, ``mininet:gbsw0``);
   killing a host's shell frees its unnamed network namespace and the veths inside it;
 - links in the root namespace named like gradbed's bridge (``gbsw<N>``), its ports
@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-HOST_NAME = r"(?:ps|w\d+|bg\d+|sink\d+)"
+HOST_NAME = r"(?:ps|w\d+|bg\d+|sink\d+|gbh\d+)"
 SWITCH_NAME = r"gbsw\d+"
 _LINK_RE = re.compile(rf"^(?:{SWITCH_NAME}(?:-eth\d+)?|{HOST_NAME}-eth\d+)$")
 _SHELL_RE = re.compile(rf"^mininet:(?:{HOST_NAME}|{SWITCH_NAME})$")
@@ -46,7 +46,8 @@ BACKGROUND_PORTS = (15201, 15201 + 64)
 def is_gradbed_process(argv: list[str]) -> str | None:
     """Why ``argv`` is a gradbed leftover (a short description), or None."""
     for i, arg in enumerate(argv[:-1]):
-        if arg == "-m" and argv[i + 1].startswith("agents."):
+        if arg == "-m" and (argv[i + 1].startswith("agents.")
+                            or argv[i + 1] == "topo.delayline"):
             return f"agent {argv[i + 1]}"
     if argv and os.path.basename(argv[0]) == "iperf3" and "-p" in argv[:-1]:
         # Background traffic (controller/background.py) uses ports from BASE_PORT; like an

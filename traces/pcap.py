@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from traces.bandwidth import TraceError
+from agents.core.bandwidth import TraceError
 
 __all__ = ["MAX_FRAME_BYTES", "PcapSummary", "pcap_summary", "read_capture", "rewrite_pcap"]
 

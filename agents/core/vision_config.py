@@ -4,16 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from agents.core.checks import check as _check
 
 NORMS = ("group", "batch")
-
-
-def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
-    if not cond:
-        from agents.core.config import ConfigError
-
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
 
 
 @dataclass(frozen=True)

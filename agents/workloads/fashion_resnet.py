@@ -23,6 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from agents.core.config import WorkloadConfig
+from agents.core.vision_config import VisionConfig
+from agents.workloads.base import register_workload
 from agents.workloads.fashion_mnist import CLASSES, FashionMNIST
 
 
@@ -75,8 +78,10 @@ def build_resnet(width: int, blocks: int, norm: str = "group") -> nn.Sequential:
     return model
 
 
+@register_workload("fashion_resnet")
 class FashionResNet(FashionMNIST):
     name = "fashion_resnet"
+    sections = ("vision",)  # sized by [vision] (agents/core/vision_config.py)
 
     def __init__(self, width: int = 16, blocks: int = 1, norm: str = "group",
                  eval_samples: int = 10_000) -> None:
@@ -85,6 +90,13 @@ class FashionResNet(FashionMNIST):
         # BatchNorm: score with each evaluation batch's own statistics (module docstring).
         # That updates the PS's running buffers, which nothing reads or sends.
         self.eval_batch_statistics = norm == "batch"
+
+    @classmethod
+    def from_config(cls, cfg: WorkloadConfig,  # type: ignore[override]
+                    vision: VisionConfig | None = None) -> FashionResNet:
+        v = vision or VisionConfig()
+        return cls(width=v.resnet_width, blocks=v.resnet_blocks, norm=v.resnet_norm,
+                   eval_samples=v.eval_samples)
 
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)

@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from agents.core.config import WorkloadConfig
+from agents.core.vision_config import VisionConfig
+from agents.workloads.base import register_workload
 from agents.workloads.fashion_mnist import CLASSES, COLS, ROWS, FashionMNIST
 
 
@@ -71,14 +74,23 @@ def build_vit(patch: int, dim: int, depth: int, heads: int, mlp_ratio: int) -> n
                          Head(dim, CLASSES))
 
 
+@register_workload("fashion_vit")
 class FashionViT(FashionMNIST):
     name = "fashion_vit"
+    sections = ("vision",)  # sized by [vision] (agents/core/vision_config.py)
 
     def __init__(self, patch: int = 7, dim: int = 64, depth: int = 4, heads: int = 4,
                  mlp_ratio: int = 2, eval_samples: int = 10_000) -> None:
         super().__init__(eval_samples=eval_samples)
         self.patch, self.dim, self.depth, self.heads = patch, dim, depth, heads
         self.mlp_ratio = mlp_ratio
+
+    @classmethod
+    def from_config(cls, cfg: WorkloadConfig,  # type: ignore[override]
+                    vision: VisionConfig | None = None) -> FashionViT:
+        v = vision or VisionConfig()
+        return cls(patch=v.vit_patch, dim=v.vit_dim, depth=v.vit_depth, heads=v.vit_heads,
+                   mlp_ratio=v.vit_mlp_ratio, eval_samples=v.eval_samples)
 
     def build_model(self, seed: int) -> nn.Module:
         torch.manual_seed(seed)

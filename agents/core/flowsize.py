@@ -21,7 +21,8 @@ import os
 import random
 from dataclasses import dataclass
 
-from traces.bandwidth import TraceError, read_lines, split_pair
+from agents.core.bandwidth import TraceError, read_lines, split_pair
+from agents.core.files import write_atomic
 
 __all__ = ["FlowSizeCDF", "flow_arrivals", "load_flow_cdf", "write_flow_cdf"]
 
@@ -106,9 +107,7 @@ def load_flow_cdf(path: str | os.PathLike[str]) -> FlowSizeCDF:
 
 
 def write_flow_cdf(cdf: FlowSizeCDF, path: str | os.PathLike[str]) -> None:
-    from traces.generate import atomic_write
-
-    atomic_write(path, "".join(f"{s:.0f} {p * 100:g}\n"
+    write_atomic(path, "".join(f"{s:.0f} {p * 100:g}\n"
                                for s, p in zip(cdf.sizes_bytes, cdf.cdf, strict=True)))
 
 
