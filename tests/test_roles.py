@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
-    return cfgmod.load(REPO / "configs/demo.toml", list(overrides))
+    return cfgmod.load(REPO / "configs/digits.toml", list(overrides))
 
 
 def test_the_data_parallel_roles_are_registered_as_data():

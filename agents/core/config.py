@@ -25,11 +25,13 @@ import tomli_w
 
 from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
+from agents.core.feedback_config import FeedbackConfig
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.topo_config import TopoConfig
+from agents.core.vision_config import VisionConfig
 
 __all__ = ["ConfigError"]
 
@@ -128,7 +130,9 @@ class NetConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    name: str = "digits_mlp"          # a registered workload (agents/workloads/): digits_mlp, ...
+    # a registered workload (agents/workloads/): digits_mlp, digits_cnn, fashion_resnet
+    # and fashion_vit (sized by [vision]), replay, ...
+    name: str = "digits_mlp"
     batch_size: int = 32              # per-worker batch; the global batch is N times this
     lr: float = 0.1                   # SGD learning rate at the PS
     momentum: float = 0.0             # SGD momentum at the PS
@@ -367,6 +371,8 @@ class ExperimentConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -381,6 +387,12 @@ class ExperimentConfig:
                              "pcap": ("background.pcap", bg.pcap)}[bg.kind]
             _check(False, field_, value,
                    "needs net.background_hosts >= 1 (the hosts the flows start from)")
+        if self.feedback.momentum_correction:
+            _check(self.compress.error_feedback, "feedback.momentum_correction", True,
+                   "needs compress.error_feedback = true (the corrected momentum lives in "
+                   "the residual)")
+            _check(self.workload.momentum > 0, "feedback.momentum_correction", True,
+                   "needs workload.momentum > 0 (the momentum it moves onto the workers)")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
