@@ -91,7 +91,8 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> lis
             clients.append(FlowCommand(host, (
                 py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
                 "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
-                "--cdf", str(Path(bg.flow_cdf).resolve()), "--load-mbps", f"{bg.load_mbps:g}",
+                "--cdf", str(Path(bg.flow_cdf).resolve()), *cdf_options(bg),
+                "--load-mbps", f"{bg.load_mbps:g}",
                 "--duration-s", f"{seconds:g}", "--seed", str(cfg.run.seed * 1000 + j),
                 "--congestion", cc), "client", log))
             continue
@@ -262,3 +263,11 @@ def _reap(p: subprocess.Popen[Any], timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+
+
+def cdf_options(bg: cfgmod.BackgroundConfig) -> tuple[str, ...]:
+    """How ``agents.flowgen`` reads the flow-size file (traces.flowsize.load_flow_cdf)."""
+    return ("--cdf-format", bg.flow_cdf_format,
+            "--cdf-interpolation", bg.flow_cdf_interpolation or "auto",
+            "--cdf-packet-bytes", str(bg.flow_cdf_packet_bytes))
+

@@ -50,9 +50,17 @@ def run_main(argv: Sequence[str]) -> int:
     def trace(path: str) -> object:
         return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
 
+    def flow_cdf(path: str) -> object:
+        # Says what it loaded and the distribution's mean, before anything is built.
+        bg = cfg.background
+        return load_flow_cdf(path, format=bg.flow_cdf_format,
+                             interpolation=bg.flow_cdf_interpolation,
+                             packet_bytes=bg.flow_cdf_packet_bytes,
+                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
+
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
-              else "", load_flow_cdf),
+              else "", flow_cdf),
              ("background.pcap", cfg.background.pcap, pcap_summary)]
     for field, path, loader in files:
         try:
