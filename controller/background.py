@@ -38,7 +38,7 @@ from agents.core import config as cfgmod
 from controller import rundir
 from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import StarSpec
-from traces.pcap import read_capture, rewrite_pcap
+from traces.pcap import rewrite_pcap_file
 
 __all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report",
            "read_tcpreplay"]
@@ -216,9 +216,8 @@ class BackgroundTraffic:
             return out.split("link/ether", 1)[1].split()[0]
 
         ps_mac = mac("ps")
-        packets = read_capture(self.cfg.background.pcap)
         for c in self.cmds:
-            s = rewrite_pcap(packets, c.argv[-1], src_mac=mac(c.host),
+            s = rewrite_pcap_file(self.cfg.background.pcap, c.argv[-1], src_mac=mac(c.host),
                              dst_mac=ps_mac, src_ip=self.spec.ip(c.host),
                              dst_ip=self.spec.ip("ps"))
             self.say(f"background {c.host}: {s.ipv4_packets} packets of "
