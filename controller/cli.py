@@ -42,13 +42,15 @@ def run_main(argv: Sequence[str]) -> int:
     except cfgmod.ConfigError as e:
         print(f"gradbed run: config error: {e}", file=sys.stderr)
         return 2
+    from topo.spec import RATE_MAX_MBPS
     from traces.bandwidth import TraceError, load_trace
     from traces.flowsize import load_flow_cdf
     from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.
     def trace(path: str) -> object:
-        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0,
+                          max_rate_mbps=RATE_MAX_MBPS)
 
     def flow_cdf(path: str) -> object:
         # Says what it loaded and the distribution's mean, before anything is built.

@@ -41,13 +41,15 @@ from agents.core.policies import LinkNShaper
 from agents.core.policies.base import CapChange
 from controller.control import ControlServer
 from topo.build import StarNetwork
+from topo.spec import RATE_MAX_MBPS
 from traces.bandwidth import BandwidthTrace, load_trace
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 
 def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
     """Load a trace named in the config, scaled by ``trace.scale``."""
-    tr = load_trace(path, granularity_s=cfg.granularity_ms / 1000.0)
+    tr = load_trace(path, granularity_s=cfg.granularity_ms / 1000.0,
+                    max_rate_mbps=RATE_MAX_MBPS)
     if cfg.scale != 1.0:
         tr = BandwidthTrace(times_s=tr.times_s,
                             rates_mbps=tuple(r * cfg.scale for r in tr.rates_mbps),
