@@ -15,6 +15,7 @@ keeps serving the others; nothing is added to the accumulator before validation 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +23,8 @@ from torch import Tensor
 
 from agents.compress.base import Compressor, Payload, PayloadError
 
-__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "validate_sparse"]
+__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "check_gradient",
+           "max_message_bytes", "validate_sparse"]
 
 # Sparse accumulation wins while the total number of received elements is below this
 # fraction of the tensor; above it, decompressing and adding dense tensors streams better.
@@ -46,6 +48,56 @@ def validate_sparse(idx: Tensor, values: Tensor, numel: int, *, who: str) -> Non
         raise PayloadError(f"{who}: negative index {lo} (tensor has {numel} elements)")
     if hi >= numel:
         raise PayloadError(f"{who}: index {hi} out of range for a tensor of {numel} elements")
+
+
+# The most one chunk's message may weigh, as a multiple of the dense chunk, plus slack
+# for headers of small parts (scales, norms): every compressor here sends at most the
+# dense chunk (the sparse ones fall back to dense when the encoding would be larger),
+# PowerSGD's P and Q stay under it at its ranks, and twice leaves room for the next.
+MESSAGE_DENSE_FACTOR = 2
+MESSAGE_SLACK_BYTES = 4096
+
+
+def max_message_bytes(compressor: str, numel: int) -> int:
+    """Upper bound, in bytes, of one GRAD message for a chunk of ``numel`` float32
+    elements: what the PS lets a worker announce before it allocates anything."""
+    del compressor  # one bound serves every registered compressor (see above)
+    return MESSAGE_DENSE_FACTOR * 4 * numel + MESSAGE_SLACK_BYTES
+
+
+_dup_scratch: dict[int, Tensor] = {}
+
+
+def check_gradient(sparse: tuple[Tensor, Tensor] | None, dense: Tensor | None, numel: int,
+                   *, who: str, max_abs: float, unique_indices: bool) -> None:
+    """Gradient sanity at the PS (issue 22): raise :class:`PayloadError` naming ``who``
+    for a non-finite value, a value with ``|v| > max_abs`` (``max_abs`` = 0: no bound),
+    or, where the encoding sends each index once (``unique_indices``), a duplicate.
+
+    Cost: one ``aminmax`` pass over the values (NaN propagates through it) and, for
+    unique indices, three O(k) passes over a reused per-size count buffer (no sort)."""
+    values = sparse[1] if sparse is not None else dense
+    assert values is not None
+    if values.numel():
+        lo, hi = (float(x) for x in torch.aminmax(values))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise PayloadError(f"{who}: non-finite gradient value (min {lo}, max {hi})")
+        if max_abs > 0 and max(-lo, hi) > max_abs:
+            raise PayloadError(f"{who}: gradient value {max(-lo, hi):.3g} in magnitude "
+                               f"exceeds guard.max_abs_grad = {max_abs:g}")
+    if sparse is None or not unique_indices or sparse[0].numel() < 2:
+        return
+    validate_sparse(sparse[0], sparse[1], numel, who=who)  # range first: scratch is numel long
+    idx = sparse[0].to(torch.int64)
+    scratch = _dup_scratch.get(numel)
+    if scratch is None:
+        scratch = _dup_scratch[numel] = torch.zeros(numel, dtype=torch.int32)
+    scratch.index_fill_(0, idx, 0)
+    scratch.index_add_(0, idx, torch.ones(1, dtype=torch.int32).expand(idx.numel()))
+    dups = int(scratch[idx].amax()) - 1
+    if dups > 0:
+        raise PayloadError(f"{who}: duplicate indices (one index {dups + 1} times); this "
+                           "encoding sends each index once")
 
 
 class SparseAccumulator:

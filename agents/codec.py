@@ -33,12 +33,18 @@ Header layout (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
 Payloads are flat: a frame carries ``numel`` elements, not a shape. Shapes are
 known to both ends (the model, or the compressor's own metadata part).
 
-Authentication: every frame carries ``run_tag`` = the first 8 bytes of
-HMAC-SHA256(secret, run_id). The per-run secret never crosses the wire; a peer
-that does not know it cannot produce a tag the PS accepts, so workers of another
-experiment (or a stale run) are rejected at the first frame. This is an
-isolation guard for a testbed, not protection against an on-path attacker (the
-tag is static and could be replayed by someone who can sniff the emulated link).
+Authentication (``agents.protocol``): the handshake frames (HELLO, CHALLENGE,
+PROOF) carry the run's public tag, ``run_tag(run_id, PUBLIC_SECRET)``, which only
+keeps frames of another run apart. Once a worker has answered the PS's fresh
+challenge with an HMAC under its own key, every later frame of that connection
+carries in ``run_tag`` a MAC instead (:class:`FrameMac`): 8 bytes of keyed BLAKE2b
+over the header (the payload CRC included) and an implicit per-direction sequence
+number, under a key that exists only for this connection. A captured frame is
+worth nothing elsewhere: another connection has another key, and the same
+connection expects the next sequence number. The payload itself is bound only
+through its CRC-32, which is not a cryptographic hash: an attacker who can rewrite
+bytes inside an established TCP stream could forge a payload with the same CRC.
+That is outside what a testbed defends (DESIGN.md section 4; docs/robustness.md).
 
 The payload CRC is optional per frame (FLAG_CRC). The CRC uses ISA-L's
 ``isal.isal_zlib.crc32`` when the ``isal`` package is installed (~14 GB/s here,
@@ -97,6 +103,14 @@ class MsgType(IntEnum):
     COUNTS = 10  # MoE dispatch phase 1: per-expert token counts
     TOKENS = 11  # MoE dispatch phase 2: token payloads
     CONTROL = 12  # small JSON control message
+    CHALLENGE = 13  # PS -> worker: a fresh nonce the worker must MAC (agents.protocol)
+    PROOF = 14  # worker -> PS: HMAC of the challenge under the worker's key
+    # MoE (agents/moe/exchange.py). Codes from 40 up, away from other appenders.
+    EXPERT_OUT = 40  # MoE: expert outputs back to the tokens' hosts, in dispatch order
+    EXPERT_OUT_GRAD = 41  # MoE backward: gradients of the expert outputs, to the experts
+    TOKENS_GRAD = 42  # MoE backward: gradients of the dispatched tokens, to their hosts
+    REDUCE_SCATTER = 43  # ZeRO: one shard of a shared class's gradients
+    ALL_GATHER = 44  # ZeRO: one host's shard of a shared class's parameters
 
 
 class DType(IntEnum):
@@ -187,6 +201,10 @@ class FrameHeader:
         """Short label for error messages and logs."""
         return (f"{self.msg_type.name} worker={self.worker} iter={self.iteration} "
                 f"chunk={self.chunk} part={self.part}/{self.nparts}")
+
+
+# The handshake's tag is public: it names the run, it proves nothing.
+PUBLIC_SECRET = b"gradbed public run tag"
 
 
 def run_tag(run_id: str, secret: bytes) -> int:
@@ -284,6 +302,51 @@ def check_payload(h: FrameHeader, payload: bytes | bytearray | memoryview) -> No
                              f"computed {actual:#010x}): corrupt payload ({h.describe()})")
 
 
+_TAG = slice(10, 18)  # run_tag's bytes in the header
+
+
+class FrameMac:
+    """One direction of one authenticated connection: seals or verifies headers in order.
+
+    ``tag = BLAKE2b-64(key, seq || header[0:10] || header[18:60])``: every header field
+    except the tag itself, the payload CRC included, and ``seq``, the number of frames
+    this direction carried before (never on the wire: TCP delivers in order, so both
+    ends count). :meth:`seal` writes the tag and recomputes the header CRC;
+    :meth:`verify` raises FrameError on a forged, replayed, reordered or foreign frame.
+    Cost: about a microsecond per frame, against milliseconds of payload per chunk.
+    """
+
+    __slots__ = ("_key", "seq")
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError(f"FrameMac key: {len(key)} bytes, need at least 16")
+        self._key = bytes(key[:64])
+        self.seq = 0
+
+    def _tag(self, hdr: bytes | bytearray | memoryview) -> bytes:
+        m = hashlib.blake2b(digest_size=8, key=self._key)
+        m.update(self.seq.to_bytes(8, "little"))
+        m.update(hdr[:10])
+        m.update(hdr[18:_BODY.size])
+        return m.digest()
+
+    def seal(self, header: bytes | bytearray) -> bytes:
+        """The header with its MAC for the next sequence number (consumes it)."""
+        body = bytearray(header[:_BODY.size])
+        body[_TAG] = self._tag(body)
+        self.seq += 1
+        return bytes(body) + _CRC.pack(zlib.crc32(body))
+
+    def verify(self, header: bytes | bytearray | memoryview) -> None:
+        """Check a decoded header's MAC for the next sequence number (consumes it)."""
+        mv = memoryview(header)
+        if not hmac.compare_digest(bytes(mv[_TAG]), self._tag(mv)):
+            raise FrameError(f"mac: frame {self.seq} of this connection fails its MAC "
+                             "(forged, replayed, reordered, or from another connection)")
+        self.seq += 1
+
+
 def tensor_view(tensor: torch.Tensor) -> memoryview:
     """A byte memoryview over a tensor's storage, without copying.
 
@@ -371,33 +434,65 @@ def buffer_address(mv: memoryview) -> int:
 
 _ROLES = frozenset({"worker", "ps", "stage", "expert", "controller"})
 MAX_HELLO_BYTES = 4096
+MAX_HELLO_DEPTH = 4  # a hello is a flat object; nesting is refused before json sees it
+NONCE_BYTES = 16
 
 
 @dataclass(frozen=True)
 class Hello:
-    """Control fields of a HELLO/WELCOME payload. Authentication is the frame's run_tag."""
+    """Control fields of a HELLO/WELCOME payload. ``nonce``: the sender's fresh
+    NONCE_BYTES, mixed into the connection's keys (empty in a WELCOME)."""
 
     role: str
     worker: int
     version: int = VERSION
+    nonce: bytes = b""
 
 
-def hello_payload(role: str, worker: int) -> bytes:
+def hello_payload(role: str, worker: int, nonce: bytes = b"") -> bytes:
     """JSON body of a HELLO (or WELCOME) frame; send it with :func:`frame_for_bytes`."""
     if role not in _ROLES:
         raise ValueError(f"role: {role!r} not one of {sorted(_ROLES)}")
     _check_range("worker", worker, _U32)
-    return json.dumps({"role": role, "worker": worker, "version": VERSION},
-                      separators=(",", ":")).encode("utf-8")
+    obj: dict[str, Any] = {"role": role, "worker": worker, "version": VERSION}
+    if nonce:
+        obj["nonce"] = nonce.hex()
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+def json_depth(data: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` in JSON text, strings skipped (a linear scan, so
+    a hostile body costs no recursion)."""
+    depth = deepest = 0
+    in_str = escaped = False
+    for b in data:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:  # backslash
+                escaped = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
     """Validate a HELLO/WELCOME body; raises FrameError naming the bad field."""
     if len(payload) > MAX_HELLO_BYTES:
         raise FrameError(f"hello: {len(payload)} bytes exceeds {MAX_HELLO_BYTES}")
+    data = bytes(payload)
+    if json_depth(data) > MAX_HELLO_DEPTH:
+        raise FrameError(f"hello: JSON nested deeper than {MAX_HELLO_DEPTH} levels")
     try:
-        obj = json.loads(bytes(payload).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FrameError(f"hello: not UTF-8 JSON: {e}") from e
     if not isinstance(obj, dict):
         raise FrameError(f"hello: expected a JSON object, got {type(obj).__name__}")
@@ -408,4 +503,11 @@ def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
         raise FrameError(f"hello.worker: {worker!r} is not a u32")
     if version != VERSION:
         raise FrameError(f"hello.version: got {version!r}, expected {VERSION}")
-    return Hello(role=role, worker=worker, version=version)
+    nonce_hex = obj.get("nonce", "")
+    if not isinstance(nonce_hex, str) or len(nonce_hex) not in (0, 2 * NONCE_BYTES):
+        raise FrameError(f"hello.nonce: must be {2 * NONCE_BYTES} hex digits")
+    try:
+        nonce = bytes.fromhex(nonce_hex)
+    except ValueError as e:
+        raise FrameError(f"hello.nonce: not hex: {e}") from e
+    return Hello(role=role, worker=worker, version=version, nonce=nonce)

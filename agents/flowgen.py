@@ -5,7 +5,7 @@ Two roles, each a process inside an emulated host:
 
 - ``sink`` (in the PS host) accepts connections; each flow sends an 8-byte big-endian
   length, then that many bytes; the sink reads them all and answers one byte.
-- ``source`` (in a background host) replays ``traces.flowsize.flow_arrivals``: at each
+- ``source`` (in a background host) replays ``agents.core.flowsize.flow_arrivals``: at each
   arrival it opens a new TCP connection (slow start included, as a real short flow has),
   sends the flow and waits for the sink's byte. The flow completion time (FCT) runs from
   the ``connect`` call to that byte, so it counts the handshake, the transfer and the
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.core.events import EventLog
-from traces.flowsize import flow_arrivals, load_flow_cdf
+from agents.core.flowsize import flow_arrivals, load_flow_cdf
 
 HEADER = struct.Struct("!Q")
 _ZEROS = memoryview(bytes(1 << 20))

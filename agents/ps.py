@@ -24,10 +24,15 @@ worker delivers chunk c at the same moment, so the downlink runs one chunk behin
 the uplink; under unfair TCP the slowest worker's chunks arrive late and the
 downlink is pushed back towards the end of the upload.
 
-Workers authenticate at connect time: every frame carries the run tag (an HMAC
-of the run id under the per-run secret), so a peer without the secret is
-rejected on its first frame. A malformed frame ends that one connection with a
-logged ``frame_error``; the PS keeps serving the others.
+Workers authenticate at connect time by challenge-response under their own keys, and
+every later frame carries a per-connection MAC (``agents.protocol``, ``agents.auth``);
+the conversation's rules (handshake, chunk barrier, iteration order, BYE) are the
+sans-I/O state machines of ``agents.protocol``, and the threads here only move bytes.
+Nothing is allocated for a peer before it has proved its key, and then no more than
+the message it may send weighs. A malformed frame or an insane gradient (non-finite,
+above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a
+logged ``frame_error``; the PS keeps serving the others (or stops, as
+``run.on_worker_death`` says). A model that becomes non-finite stops the run.
 
 Aggregation is streamed: each payload is added as it arrives, so the order of the
 floating-point additions follows arrival order, and two runs that differ only in
@@ -41,8 +46,11 @@ says so.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import queue
+import secrets
+import select
 import socket
 import struct
 import sys
@@ -57,19 +65,25 @@ from typing import Any
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents import codec, wire
-from agents.aggregate import SparseAccumulator
+from agents import auth, codec, protocol, wire
+from agents.aggregate import SparseAccumulator, check_gradient, max_message_bytes
 from agents.compress.base import Compressor, PayloadError, make
+from agents.compress.sparse import SparseCompressor
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.policies.backlog import backlog_shares
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
+from agents.protocol import GradReceived, Joined, Left, Lost, PSEvent
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
 from agents.workloads.factory import make_workload
 
 # How often the downlink pacing is re-split by backlog (shaping.downlink = "backlog").
 REBALANCE_S = 0.02
+# accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
+ACCEPT_BACKOFF_S = (0.01, 1.0)
+# Handshakes under way at once; beyond, a new connection is closed at once (logged).
+MAX_HANDSHAKES = 1024
 
 
 def _wire_bytes(tensors: list[torch.Tensor]) -> int:
@@ -85,6 +99,7 @@ class _Conn:
     worker: int
     sock: socket.socket
     peer: str
+    session: protocol.Session
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     outbox: queue.Queue[tuple[int, int, int, list[torch.Tensor]] | None] = field(
         default_factory=queue.Queue)
@@ -95,6 +110,23 @@ class _Conn:
     # counter has one writer, so their difference is safe to read from any thread.
     queued_bytes: int = 0
     written_bytes: int = 0
+
+    def send(self, header: bytes, payload: memoryview | bytes) -> None:
+        """One frame, sealed with this connection's MAC, in order."""
+        with self.send_lock:
+            wire.send_frame(self.sock, header, payload, peer=self.peer, mac=self.session.down)
+
+    def dead(self) -> bool:
+        """True when the peer provably went away: the socket reports a hang-up or an
+        error, or the PS already dropped it."""
+        if self.closed:
+            return True
+        p = select.poll()
+        p.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        try:
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return True
 
     def wrote(self, n_bytes: int) -> None:
         """The kernel took ``n_bytes`` more of this connection's downlink."""
@@ -114,13 +146,17 @@ class _Conn:
 
 
 class ParameterServer:
-    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str, secret: bytes,
-                 *, host: str = "0.0.0.0", port: int = 5000) -> None:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
+                 keys: auth.KeyBundle, *, host: str = "0.0.0.0", port: int = 5000) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.tag = codec.run_tag(run_id, secret)
+        self.run_id = run_id
+        if not keys.workers_root:
+            raise ValueError("PS key bundle: no workers_root (is this the PS's bundle?)")
+        self.workers_root = keys.workers_root
+        self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
         self.log = EventLog.for_node(run_dir, run_id, "ps")
-        self.ctl = ControlClient(control_path(run_dir), "ps")
+        self.ctl = ControlClient(control_path(run_dir), "ps", keys.key)
         self.workload = make_workload(cfg.workload)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
@@ -129,9 +165,11 @@ class ParameterServer:
         self.momentum_buf: torch.Tensor | None = None
         # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
         self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
-        self.events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.events: queue.Queue[PSEvent] = queue.Queue()
         self.conns: dict[int, _Conn] = {}
-        self.active: set[int] = set()
+        self.barrier = protocol.ChunkBarrier(len(self.chunks))
+        self.active = self.barrier.active  # the same set: the barrier's is the truth
+        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
         self.pacing_bps: dict[int, float] = {}  # link/N on the downlink, per worker
         self.applied_bps: dict[int, float] = {}  # what each socket is paced at now
@@ -157,60 +195,126 @@ class ParameterServer:
     # -- connections (one reader thread each) -------------------------------------------
 
     def _accept_loop(self) -> None:
-        while True:
+        """Accept forever. An error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a peer
+        that reset before accept) is logged and retried after a growing pause; only the
+        PS closing its own socket ends the loop."""
+        pause = ACCEPT_BACKOFF_S[0]
+        while not self.done.is_set():
             try:
                 sock, addr = self.srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
+            except OSError as e:
+                if self.done.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # our own socket was closed: the run is over
+                self.log.emit("frame_error", iter=self.iteration, peer="accept",
+                              error=f"accept failed ({e}); retrying in {pause:.2f} s")
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            if not self.handshakes.acquire(blocking=False):
+                self.log.emit("frame_error", iter=self.iteration, peer=f"{addr[0]}:{addr[1]}",
+                              error=f"{MAX_HANDSHAKES} handshakes under way: closed")
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._handshake, args=(sock, addr),
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
+                self.handshakes.release()
+                sock.close()
+                self.log.emit("frame_error", iter=self.iteration, peer="accept",
+                              error=f"cannot start a handshake thread: {e}")
 
     def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        """Challenge-response (``agents.protocol.PSHandshake``) under a deadline of
+        ``guard.handshake_timeout_s``; nothing is allocated for the peer beyond one
+        preallocated hello-sized buffer until it has proved its key."""
         peer = f"{addr[0]}:{addr[1]}"
-        reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer)
         try:
-            h, body = reader.read_frame()
-            if h.msg_type != codec.MsgType.HELLO:
-                raise codec.FrameError(f"{peer}: expected HELLO, got {h.msg_type.name}")
-            hello = codec.parse_hello(body)
-            if hello.role != "worker" or hello.worker >= self.cfg.net.workers:
-                raise codec.FrameError(f"{peer}: hello.worker: {hello.worker} is not a worker "
-                                       f"of this run (0..{self.cfg.net.workers - 1})")
-        except (codec.FrameError, wire.ConnectionClosed, OSError) as e:
-            self.log.emit("frame_error", peer=peer, error=str(e))
-            self._reject(sock, str(e))
+            session = self._authenticate(sock, peer)
+        finally:
+            self.handshakes.release()
+        if session is None:
             return
-        conn = _Conn(hello.worker, sock, peer)
+        # Authenticated: reads may now wait as long as the run may (the main loop's
+        # per-iteration timeout is what bounds a stalled worker).
+        sock.settimeout(self.cfg.run.timeout_s)
+        conn = _Conn(session.worker, sock, peer, session)
         conn.sender = threading.Thread(target=self._send_loop, args=(conn,),
                                        name=f"send-w{conn.worker}", daemon=True)
         conn.sender.start()
-        self.events.put(("join", conn, h.iteration))
-        self._read_loop(conn, reader)
+        self.events.put(Joined(conn, session.join_at))
+        self._read_loop(conn, wire.FrameReader(sock, peer=peer, mac=session.up,
+                                               max_payload_bytes=self.max_message_bytes))
 
-    def _reject(self, sock: socket.socket, why: str) -> None:
+    def _authenticate(self, sock: socket.socket, peer: str) -> protocol.Session | None:
+        hs = protocol.PSHandshake(self.run_id, self.cfg.net.workers,
+                                  lambda w: auth.worker_key(self.workers_root, w),
+                                  secrets.token_bytes(codec.NONCE_BYTES))
+        buf = bytearray(codec.MAX_HELLO_BYTES)
         try:
-            hdr, body = codec.frame_for_bytes(why.encode()[:1024], msg_type=codec.MsgType.ERROR,
-                                              run_tag=self.tag, worker=0)
-            wire.send_frame(sock, hdr, body)
+            sock.settimeout(self.cfg.guard.handshake_timeout_s)
+            deadline = time.monotonic() + self.cfg.guard.handshake_timeout_s
+            reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer,
+                                      max_payload_bytes=codec.MAX_HELLO_BYTES)
+            h, body = reader.read_frame_into(buf)
+            challenge = hs.receive_hello(h, body)
+            hdr, payload = codec.frame_for_bytes(challenge, msg_type=codec.MsgType.CHALLENGE,
+                                                 run_tag=self.tag, worker=h.worker)
+            wire.send_frame(sock, hdr, payload, peer=peer)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            reader.max_payload_bytes = protocol.PROOF_BYTES
+            h, body = reader.read_frame_into(buf)
+            return hs.receive_proof(h, body)
+        except (codec.FrameError, wire.ConnectionClosed, OSError) as e:
+            why = "handshake timed out" if isinstance(e, TimeoutError) else str(e)
+            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=why)
+            self._reject(sock, why)
+            return None
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
+        return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
+
+    def _reject(self, sock: socket.socket, why: str,
+                mac: codec.FrameMac | None = None) -> None:
+        try:
+            sock.settimeout(1.0)  # a peer that does not read must not hold us
+            hdr, body = codec.frame_for_bytes(why.encode()[:protocol.MAX_ERROR_BYTES],
+                                              msg_type=codec.MsgType.ERROR, run_tag=self.tag,
+                                              worker=0)
+            wire.send_frame(sock, hdr, body, mac=mac)
         except OSError:
             pass
         sock.close()
 
     def _read_loop(self, conn: _Conn, reader: wire.FrameReader) -> None:
+        def bound(h: codec.FrameHeader) -> None:
+            if h.msg_type == codec.MsgType.BYE:
+                if h.payload_len > 64:
+                    raise protocol.ProtocolError(f"BYE of {h.payload_len} bytes")
+                return
+            if not 0 <= h.chunk < len(self.chunks):
+                raise protocol.ProtocolError(f"chunk {h.chunk} out of range "
+                                             f"0..{len(self.chunks) - 1}")
+            s, e = self.chunks[h.chunk]
+            limit = max_message_bytes(self.cfg.compress.name, e - s)
+            if h.payload_len > limit or h.nparts > 16:
+                raise protocol.ProtocolError(
+                    f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
+                    f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
+
         try:
             while True:
-                parts = reader.read_message()
+                parts = reader.read_message(bound=bound)
                 h = parts[0][0]
-                if h.msg_type == codec.MsgType.BYE:
-                    self.events.put(("bye", conn, h.iteration))
+                if protocol.check_uplink(h, conn.worker) == codec.MsgType.BYE:
+                    self.events.put(Left(conn, h.iteration))
                     return
-                if h.msg_type != codec.MsgType.GRAD:
-                    raise codec.FrameError(f"{conn.peer}: unexpected {h.msg_type.name}")
-                if h.worker != conn.worker:
-                    raise codec.FrameError(f"{conn.peer}: worker: frame says {h.worker}, "
-                                           f"connection is worker {conn.worker}")
-                self.events.put(("grad", conn, h, [t for _, t in parts]))
+                self.events.put(GradReceived(conn, h, [t for _, t in parts]))
         except wire.ConnectionClosed:
-            self.events.put(("lost", conn, "connection closed"))
+            self.events.put(Lost(conn, "connection closed"))
         except (codec.FrameError, OSError) as e:
             if conn.closed:
                 return  # the PS closed this socket under the reader (a dropped worker)
@@ -218,7 +322,7 @@ class ParameterServer:
                 return  # the run is over: a worker tearing down after BYE may reset
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                           worker=conn.worker, error=str(e))
-            self.events.put(("lost", conn, f"frame error: {e}"))
+            self.events.put(Lost(conn, f"frame error: {e}"))
 
     def _send_loop(self, conn: _Conn) -> None:
         """Send this connection's queued messages in order; a failure reports the
@@ -232,9 +336,10 @@ class ParameterServer:
                 with conn.send_lock:
                     wire.send_message(conn.sock, tensors, msg_type=msg_type,
                                       run_tag=self.tag, worker=conn.worker,
-                                      iteration=iteration, chunk=chunk, progress=conn.wrote)
+                                      iteration=iteration, chunk=chunk, progress=conn.wrote,
+                                      mac=conn.session.down)
             except OSError as e:
-                self.events.put(("lost", conn, f"send failed: {e}"))
+                self.events.put(Lost(conn, f"send failed: {e}"))
                 return
 
     # -- the iteration loop ------------------------------------------------------------
@@ -258,8 +363,6 @@ class ParameterServer:
         # workers expected, so stepping a chunk needs no pass to write the mean.
         acc = {c: SparseAccumulator(e - s, torch.float32, into=self.model.flat_grad[s:e])
                for c, (s, e) in enumerate(self.chunks)}
-        got: dict[int, set[int]] = {}
-        next_chunk = 0  # chunks before this one are stepped and on their way down
         while self.iteration < self.cfg.run.iterations:
             if not self.active:
                 if self.cfg.run.on_worker_death == "stop" or not self.pending:
@@ -267,96 +370,108 @@ class ParameterServer:
                     break
             ev = self._next_event(time.monotonic() + self.cfg.run.timeout_s,
                                   f"gradients of iteration {self.iteration}")
-            if ev[0] == "grad":
-                _, conn, h, tensors = ev
-                self._accumulate(conn, h, tensors, acc, got)
+            if isinstance(ev, GradReceived):
+                self._accumulate(ev, acc)
             else:
                 self._handle(ev)
             if self.stop_reason:
                 break
             # Chunks go down in order, each as soon as every active worker has sent it --
             # also when the event just dropped the last worker a chunk was waiting for.
-            while (self.active and next_chunk < len(self.chunks)
-                   and got.get(next_chunk, set()) >= self.active):
-                self._step_chunk(next_chunk, acc[next_chunk], len(got[next_chunk]))
-                acc[next_chunk].reset()
-                next_chunk += 1
-            if next_chunk == len(self.chunks):
+            for c in self.barrier.ready():
+                self._step_chunk(c, acc[c], self.barrier.contributors(c))
+                acc[c].reset()
+            if self.barrier.iteration_complete:
                 self._end_iteration(start_ns)
-                got = {}
-                next_chunk = 0
+                if self.stop_reason:
+                    break
         self._finish()
         return 0
 
-    def _next_event(self, deadline: float, what: str) -> tuple[Any, ...]:
+    def _next_event(self, deadline: float, what: str) -> PSEvent:
         timeout = deadline - time.monotonic()
         try:
             return self.events.get(timeout=max(0.0, timeout))
         except queue.Empty:
             raise TimeoutError(f"PS: timed out waiting for {what}") from None
 
-    def _handle(self, ev: tuple[Any, ...]) -> None:
-        kind = ev[0]
-        conn: _Conn = ev[1]
-        if kind == "join":
+    def _handle(self, ev: PSEvent) -> None:
+        conn: _Conn = ev.conn
+        if isinstance(ev, Joined):
+            old = self.conns.get(conn.worker)
+            if old is not None and not old.dead():
+                # A second HELLO for a live worker: whoever it is, it does not take the
+                # slot over (issue 22). The live connection keeps it.
+                why = (f"worker {conn.worker}: refused a second connection from {conn.peer}"
+                       f" while {old.peer} is alive")
+                self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                              worker=conn.worker, error=why)
+                conn.closed = True
+                conn.outbox.put(None)
+                with conn.send_lock:
+                    self._reject(conn.sock, why, mac=conn.session.down)
+                return
+            if old is not None:
+                self._handle(Lost(old, "connection dead (replaced by a new one)"))
             self.conns[conn.worker] = conn
-            self.pending[conn.worker] = int(ev[2])
+            self.pending[conn.worker] = ev.join_at
             self.log.emit("worker_hello", iter=self.iteration, worker=conn.worker,
-                          peer=conn.peer, join_at=int(ev[2]))
-        elif kind in ("lost", "bye"):
-            if self.conns.get(conn.worker) is not conn:
-                return  # an old connection of a worker that already reconnected
-            was_active = conn.worker in self.active
-            self.active.discard(conn.worker)
-            self.pending.pop(conn.worker, None)
-            del self.conns[conn.worker]
-            conn.closed = True
-            conn.sock.close()
-            reason = ev[2] if kind == "lost" else "left (BYE)"
-            self.log.emit("worker_lost" if kind == "lost" else "worker_left",
-                          iter=self.iteration, worker=conn.worker, reason=str(reason))
-            if was_active:
-                self._report_membership()
-            if kind == "lost" and self.cfg.run.on_worker_death == "stop":
-                self.stop_reason = f"worker {conn.worker} died: {reason}"
+                          peer=conn.peer, join_at=ev.join_at)
+            return
+        if self.conns.get(conn.worker) is not conn:
+            return  # an old (or refused) connection of a worker
+        was_active = conn.worker in self.active
+        self.barrier.drop(conn.worker)
+        self.pending.pop(conn.worker, None)
+        del self.conns[conn.worker]
+        conn.closed = True
+        conn.outbox.put(None)
+        conn.sock.close()
+        reason = ev.reason if isinstance(ev, Lost) else "left (BYE)"
+        self.log.emit("worker_lost" if isinstance(ev, Lost) else "worker_left",
+                      iter=self.iteration, worker=conn.worker, reason=reason)
+        if was_active:
+            self._report_membership()
+        if isinstance(ev, Lost) and self.cfg.run.on_worker_death == "stop":
+            self.stop_reason = f"worker {conn.worker} died: {reason}"
 
-    def _accumulate(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor],
-                    acc: dict[int, SparseAccumulator], got: dict[int, set[int]]) -> None:
+    def _accumulate(self, ev: GradReceived, acc: dict[int, SparseAccumulator]) -> None:
         """Add one worker's chunk. A bad payload drops that worker, not the run."""
+        conn: _Conn = ev.conn
+        h, tensors = ev.header, ev.tensors
         w = conn.worker
+        if self.conns.get(w) is not conn:
+            return  # queued before its connection was dropped
         try:
-            if w not in self.active:
-                raise PayloadError(f"worker {w}: sent a gradient while not active")
-            if h.iteration != self.iteration:
-                raise PayloadError(f"worker {w}: iteration {h.iteration}, PS is at "
-                                   f"{self.iteration}")
-            if not 0 <= h.chunk < len(self.chunks):
-                raise PayloadError(f"worker {w}: chunk {h.chunk} out of range "
-                                   f"0..{len(self.chunks) - 1}")
-            if w in got.get(h.chunk, set()):
-                raise PayloadError(f"worker {w}: chunk {h.chunk} sent twice")
+            self.barrier.check(w, h.iteration, h.chunk)
             s, e = self.chunks[h.chunk]
             payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
             sparse = self.compressor.decompress_sparse(payload)
+            who = f"worker {w} chunk {h.chunk}"
+            dense = None if sparse is not None else \
+                self.compressor.decompress(payload).reshape(-1)
+            check_gradient(sparse, dense, e - s, who=who,
+                           max_abs=self.cfg.guard.max_abs_grad,
+                           unique_indices=isinstance(self.compressor, SparseCompressor))
             a = acc[h.chunk]
             if a.added == 0:
                 a.expect(len(self.active))
-            who = f"worker {w} chunk {h.chunk}"
             if sparse is not None:
                 a.add_sparse(*sparse, who=who)  # validates indices and lengths first
             else:
-                a.add_dense(self.compressor.decompress(payload).reshape(-1), who=who)
-        except (PayloadError, ValueError, RuntimeError) as err:
+                assert dense is not None
+                a.add_dense(dense, who=who)
+        except (PayloadError, ValueError, RuntimeError, IndexError, TypeError) as err:
             msg = str(err) if str(err).startswith(f"worker {w}") \
                 else f"worker {w} chunk {h.chunk}: {err}"
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, worker=w,
                           error=msg)
             conn.closed = True
-            with conn.send_lock:
-                self._reject(conn.sock, msg)  # tell the worker why before dropping it
-            self._handle(("lost", conn, f"bad payload: {msg}"))
+            with conn.send_lock:  # tell the worker why before dropping it
+                self._reject(conn.sock, msg, mac=conn.session.down)
+            self._handle(Lost(conn, f"bad payload: {msg}"))
             return
-        got.setdefault(h.chunk, set()).add(w)
+        self.barrier.record(w, h.chunk)
         self.bytes_in += _wire_bytes(tensors)
 
     def _step_chunk(self, c: int, acc: SparseAccumulator, n_workers: int) -> None:
@@ -400,7 +515,13 @@ class ParameterServer:
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
                       bytes_out=self.bytes_out, rebalanced=self.rebalanced,
                       workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
+        self.barrier.end_iteration()
         self.iteration += 1
+        if not bool(torch.isfinite(self.model.flat_params).all()):
+            # Every gradient passed the checks, and yet: nothing sane can follow.
+            self.stop_reason = f"model became non-finite at iteration {i}"
+            self.log.emit("frame_error", iter=i, peer="ps", error=self.stop_reason)
+            return
         self._admit()
         self.ctl.send("iter_done", iter=i, workers=len(self.active),
                       **({"accuracy": metrics.get("accuracy"), "loss": metrics.get("loss")}
@@ -430,7 +551,7 @@ class ParameterServer:
                                                       msg_type=codec.MsgType.WELCOME,
                                                       run_tag=self.tag, worker=w,
                                                       iteration=self.iteration)
-                    wire.send_frame(conn.sock, hdr, body)
+                    wire.send_frame(conn.sock, hdr, body, mac=conn.session.down)
                     self._send_weights(conn)
             except OSError as e:
                 return e
@@ -440,9 +561,9 @@ class ParameterServer:
             errors = list(pool.map(welcome, joined))
         for w, err in zip(joined, errors, strict=True):
             if err is not None:
-                self._handle(("lost", self.conns[w], f"send failed: {err}"))
+                self._handle(Lost(self.conns[w], f"send failed: {err}"))
                 continue
-            self.active.add(w)
+            self.barrier.admit(w)
             self.log.emit("worker_joined", iter=self.iteration, worker=w)
         self._report_membership()
 
@@ -532,7 +653,8 @@ class ParameterServer:
         for c, (s, e) in enumerate(self.chunks):
             total += wire.send_message(conn.sock, [self.model.flat_params[s:e]],
                                        msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
-                                       worker=conn.worker, iteration=self.iteration, chunk=c)
+                                       worker=conn.worker, iteration=self.iteration, chunk=c,
+                                       mac=conn.session.down)
         return total
 
     def _finish(self) -> None:
@@ -552,8 +674,7 @@ class ParameterServer:
                 hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
                                                   run_tag=self.tag, worker=conn.worker,
                                                   iteration=self.iteration)
-                with conn.send_lock:
-                    wire.send_frame(conn.sock, hdr, body)
+                conn.send(hdr, body)
             except OSError:
                 pass
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
@@ -568,10 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=None)
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
-    secret = (args.run_dir / "secret").read_bytes()
+    keys = auth.read_bundle()  # from the controller, on our stdin: never a file
+    auth.exit_with_controller()
     run_id = args.run_dir.name
     torch.set_num_threads(1)
-    ps = ParameterServer(cfg, args.run_dir, run_id, secret, host=args.host,
+    ps = ParameterServer(cfg, args.run_dir, run_id, keys, host=args.host,
                          port=args.port or cfg.net.ps_port)
     try:
         return ps.serve()

@@ -31,6 +31,7 @@ from agents.codec import (
     HEADER_SIZE,
     FrameError,
     FrameHeader,
+    FrameMac,
     MsgType,
     check_payload,
     decode_header,
@@ -58,8 +59,13 @@ def peer_name(sock: socket.socket) -> str:
 
 
 def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview | bytes,
-               *, peer: str | None = None, progress: Callable[[int], None] | None = None) -> int:
+               *, peer: str | None = None, progress: Callable[[int], None] | None = None,
+               mac: FrameMac | None = None) -> int:
     """Send one frame (header + payload) with scatter-gather ``sendmsg``; returns bytes sent.
+
+    ``mac``: the connection's sending :class:`~agents.codec.FrameMac`; the header is
+    sealed with the next sequence number here, so frames must be sent in the order
+    they are sealed (callers hold the connection's send lock around both).
 
     Partial sends (a full socket buffer, a signal) are resumed by slicing the
     memoryviews, which never copies the payload. With ``progress``, every ``sendmsg``
@@ -69,6 +75,8 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
     blocking ``sendmsg`` returns only once the whole frame is in). OSErrors propagate
     with a note naming the peer and how far the frame got.
     """
+    if mac is not None:
+        header_bytes = mac.seal(header_bytes)
     bufs = [memoryview(header_bytes).cast("B"), memoryview(payload_mv).cast("B")]
     total = len(bufs[0]) + len(bufs[1])
     bufs = [b for b in bufs if len(b)]
@@ -105,24 +113,26 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
 def send_tensor(sock: socket.socket, tensor: torch.Tensor, *, msg_type: MsgType | int,
                 run_tag: int, worker: int, iteration: int, chunk: int, part: int = 0,
                 nparts: int = 1, crc: bool = True, peer: str | None = None,
-                progress: Callable[[int], None] | None = None) -> int:
+                progress: Callable[[int], None] | None = None,
+                mac: FrameMac | None = None) -> int:
     """Frame and send one tensor (flattened); returns bytes sent (header included).
-    ``progress``: see :func:`send_frame`."""
+    ``progress``, ``mac``: see :func:`send_frame`."""
     header, payload = frame_for_tensor(tensor, msg_type=msg_type, run_tag=run_tag,
                                        worker=worker, iteration=iteration, chunk=chunk,
                                        part=part, nparts=nparts, crc=crc)
-    return send_frame(sock, header, payload, peer=peer, progress=progress)
+    return send_frame(sock, header, payload, peer=peer, progress=progress, mac=mac)
 
 
 def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
                  msg_type: MsgType | int, run_tag: int, worker: int, iteration: int,
                  chunk: int, crc: bool = True, peer: str | None = None,
-                 progress: Callable[[int], None] | None = None) -> int:
+                 progress: Callable[[int], None] | None = None,
+                 mac: FrameMac | None = None) -> int:
     """Send one chunk's message: ``len(tensors)`` frames, parts 0..n-1 in order.
 
     A compressed chunk is several tensors (values, indices, scales, ...); the
     receiver gets them back together with :meth:`FrameReader.read_message`.
-    ``progress``: see :func:`send_frame`.
+    ``progress``, ``mac``: see :func:`send_frame`.
     """
     if not 1 <= len(tensors) <= 0xFFFF:
         raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
@@ -130,7 +140,7 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
     for i, t in enumerate(tensors):
         total += send_tensor(sock, t, msg_type=msg_type, run_tag=run_tag, worker=worker,
                              iteration=iteration, chunk=chunk, part=i, nparts=len(tensors),
-                             crc=crc, peer=peer, progress=progress)
+                             crc=crc, peer=peer, progress=progress, mac=mac)
     return total
 
 
@@ -169,16 +179,24 @@ class FrameReader:
     """Reads validated frames from one blocking socket. Not thread-safe.
 
     ``expect_tag`` (per call, or the default given here) rejects frames whose run
-    tag differs: frames from another run or a peer with the wrong secret.
+    tag differs: frames from another run. Once the connection is authenticated, set
+    ``mac`` (the receiving :class:`~agents.codec.FrameMac`): every header is then
+    checked against it instead of the tag, before its payload is read.
+
+    ``max_payload_bytes`` caps every payload before anything is allocated for it; a
+    receiver that knows what the next message may weigh passes a tighter ``bound``
+    to :meth:`read_message` (the chunk's size, the compressor's bound).
     """
 
     def __init__(self, sock: socket.socket, *, expect_tag: int | None = None,
                  peer: str | None = None,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 mac: FrameMac | None = None) -> None:
         self.sock = sock
         self.peer = peer or peer_name(sock)
         self.expect_tag = expect_tag
         self.max_payload_bytes = max_payload_bytes
+        self.mac = mac
         self.frames_read = 0
         self.bytes_read = 0
         self._hdr = bytearray(HEADER_SIZE)
@@ -214,10 +232,18 @@ class FrameReader:
         self._recv_exact(self._hdr_mv, "header", boundary=True)
         tag = self.expect_tag if expect_tag is None else expect_tag
         try:
-            return decode_header(self._hdr_mv, expect_tag=tag,
-                                 max_payload_bytes=self.max_payload_bytes)
+            h = decode_header(self._hdr_mv, expect_tag=None if self.mac else tag,
+                              max_payload_bytes=self.max_payload_bytes)
+            if self.mac is not None:
+                self.mac.verify(self._hdr_mv)
         except FrameError as e:
             raise FrameError(f"{self.peer}: frame {self.frames_read}: {e}") from e
+        return h
+
+    @property
+    def last_header(self) -> bytes:
+        """The raw bytes of the header read last (for a MAC checked outside the reader)."""
+        return bytes(self._hdr)
 
     def read_payload_into(self, h: FrameHeader, mv: memoryview) -> memoryview:
         """Receive ``h``'s payload into the first ``h.payload_len`` bytes of ``mv``
@@ -275,13 +301,19 @@ class FrameReader:
         return t
 
     def read_message(self, expect_tag: int | None = None, *,
-                     out: Sequence[torch.Tensor] | None = None
+                     out: Sequence[torch.Tensor] | None = None,
+                     bound: Callable[[FrameHeader], None] | None = None,
                      ) -> list[tuple[FrameHeader, torch.Tensor]]:
         """Read one chunk's message: ``nparts`` frames with parts 0..nparts-1 and the
         same msg_type/worker/iteration/chunk. Each payload is received directly into
         its tensor (flat, of the frame's dtype): a new tensor that owns its memory,
-        or ``out[part]`` when given (see :meth:`read_tensor`)."""
+        or ``out[part]`` when given (see :meth:`read_tensor`).
+
+        ``bound(header)`` is called for every header before its payload is allocated
+        or read, and raises FrameError for a part larger than the receiver expects."""
         first = self.read_header(expect_tag)
+        if bound is not None:
+            bound(first)
         if first.part != 0:
             raise FrameError(f"{self.peer}: part: message starts at part {first.part}, "
                              f"expected 0 ({first.describe()})")
@@ -303,6 +335,8 @@ class FrameReader:
             if h.part != i:
                 raise FrameError(f"{self.peer}: part: got {h.part}, expected {i} "
                                  f"({first.describe()})")
+            if bound is not None:
+                bound(h)
             result.append((h, self.read_tensor(h, dst(i))))
         return result
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import secrets
 import socket
 import sys
 import threading
@@ -38,26 +39,27 @@ from typing import Any
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents import codec, wire
+from agents import auth, codec, protocol, wire
 from agents.compress.base import Compressor, Payload, make
 from agents.compress.feedback import ErrorFeedback
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from agents.core.events import EventLog, now_ns
-from agents.core.policies import make_ratio_policy
+from agents.core.nodes import worker_node
+from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
-from topo.spec import TCP_GOODPUT_FRACTION
-from traces import generate
 
 
 def notsent_lowat(a: cfgmod.AdaptiveConfig) -> int | None:
     """TCP_NOTSENT_LOWAT for the worker's socket: bounded where keep ratios are decided
-    during the transfer (adaptive, oracle), the kernel's default (no bound) otherwise."""
-    return a.notsent_lowat_bytes if a.policy in ("adaptive", "oracle") else None
+    during the transfer (``decides_in_flight``: adaptive, oracle), the kernel's default (no
+    bound) otherwise."""
+    return a.notsent_lowat_bytes if ratio_policy_class(a.policy).decides_in_flight else None
 
 
 class PSClosed(Exception):
@@ -110,16 +112,19 @@ class RateSampler(threading.Thread):
 
 
 class Worker:
-    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str, secret: bytes,
+    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str, key: bytes,
                  worker: int, ps_host: str, ps_port: int, device: torch.device) -> None:
         self.cfg = cfg
         self.rank = worker
         self.run_dir = run_dir
+        self.run_id = run_id
+        self.key = key
         self.ps_addr = (ps_host, ps_port)
-        self.tag = codec.run_tag(run_id, secret)
-        self.node = f"w{worker}"
+        self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
+        self.session: protocol.Session | None = None
+        self.node = worker_node(worker)
         self.log = EventLog.for_node(run_dir, run_id, self.node)
-        self.ctl = ControlClient(control_path(run_dir), self.node)
+        self.ctl = ControlClient(control_path(run_dir), self.node, key)
         self.device = device
         self.workload = make_workload(cfg.workload)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
@@ -150,28 +155,11 @@ class Worker:
                      if cfg.compress.clip_global > 0 else None)
 
     def _make_policy(self, trace_start_ns: int = 0, workers: int | None = None) -> Any:
-        a = self.cfg.adaptive
-        if a.policy == "fixed":
-            return make_ratio_policy("fixed", keep=self.cfg.compress.ratio)
-        if a.policy == "adaptive":
-            return make_ratio_policy("adaptive", eps=a.eps, keep_min=a.keep_min,
-                                     formula=a.formula, ewma_alpha=a.ewma_alpha,
-                                     plan_keep=a.plan_keep,
-                                     carry_rt=a.carry_rt and a.r0 == "planned")
-        # The oracle reads the future of the trace the controller replays; without a
-        # trace the bottleneck is constant at its configured rate.
-        if self.cfg.trace.up:
-            from controller.driver import load_config_trace
-
-            trace = load_config_trace(self.cfg.trace.up, self.cfg.trace)
-        else:
-            trace = generate.constant(self.cfg.net.bottleneck_mbps, 3600.0)
-        planned_s = a.plan_keep * self.model.numel * 4 * 8 / self.planned_bps
-        return make_ratio_policy("oracle", trace=trace,
-                                 n_workers=workers or self.cfg.net.workers,
-                                 planned_s=planned_s, trace_start_ns=trace_start_ns,
-                                 keep_min=a.keep_min,
-                                 goodput_fraction=TCP_GOODPUT_FRACTION)
+        """The configured ratio policy (agents/core/policies/, built by its registered name)."""
+        ctx = RatioContext(gradient_bytes=self.model.numel * 4, planned_bps=self.planned_bps,
+                           workers=workers or self.cfg.net.workers,
+                           trace_start_ns=trace_start_ns)
+        return ratio_policy_from_config(self.cfg, ctx)
 
     # -- connection -----------------------------------------------------------------
 
@@ -195,29 +183,50 @@ class Worker:
         self.sock = s
         if self.pacing_bps:
             set_max_pacing_rate(s, self.pacing_bps)
-        self.reader = wire.FrameReader(s, expect_tag=self.tag)
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", self.rank),
-                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
+        # Challenge-response (agents.protocol): nothing the PS sends before WELCOME may
+        # weigh more than a hello, and WELCOME's MAC proves the PS knows our key.
+        hs = protocol.WorkerHandshake(self.run_id, self.rank, self.key,
+                                      secrets.token_bytes(codec.NONCE_BYTES))
+        reader = wire.FrameReader(s, expect_tag=self.tag,
+                                  max_payload_bytes=codec.MAX_HELLO_BYTES)
+        buf = bytearray(codec.MAX_HELLO_BYTES)
+        s.settimeout(self.cfg.guard.handshake_timeout_s)
+        hdr, body = codec.frame_for_bytes(hs.hello(join_at), msg_type=codec.MsgType.HELLO,
+                                          run_tag=self.tag, worker=self.rank,
+                                          iteration=join_at)
+        wire.send_frame(s, hdr, body)
+        h, payload = reader.read_frame_into(buf)
+        hdr, body = codec.frame_for_bytes(hs.receive_challenge(h, payload),
+                                          msg_type=codec.MsgType.PROOF, run_tag=self.tag,
                                           worker=self.rank, iteration=join_at)
         wire.send_frame(s, hdr, body)
-        h, payload = self.reader.read_frame()
-        if h.msg_type == codec.MsgType.ERROR:
-            raise ConnectionError(f"{self.node}: PS rejected us: {bytes(payload).decode()}")
-        if h.msg_type != codec.MsgType.WELCOME:
-            raise codec.FrameError(f"{self.node}: expected WELCOME, got {h.msg_type.name}")
+        # The wait for WELCOME lasts until the PS admits us at an iteration boundary.
+        s.settimeout(self.cfg.run.timeout_s)
+        reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
+        h, payload = reader.read_frame_into(buf)
+        hs.receive_welcome(reader.last_header, h, payload)
+        assert hs.session is not None
+        self.session = hs.session
+        self.reader = wire.FrameReader(s, mac=hs.session.down,
+                                       max_payload_bytes=self.max_down_bytes)
         if self.device.type != "cpu":
             self.host_params.copy_(self.model.flat_params)
         self.recv_weights()
         self.log.emit("joined", iter=h.iteration)
         return h.iteration
 
+    @property
+    def max_down_bytes(self) -> int:
+        """The largest payload the PS may send us: one dense chunk."""
+        return max(e - s for s, e in self.chunks) * 4
+
     def leave(self, rejoin_at: int) -> None:
-        assert self.sock is not None
+        assert self.sock is not None and self.session is not None
         hdr, body = codec.frame_for_bytes(b"bye", msg_type=codec.MsgType.BYE, run_tag=self.tag,
                                           # the header's iteration is unsigned: "never
                                           # rejoins" (-1) travels as 0, which the PS ignores
                                           worker=self.rank, iteration=max(rejoin_at, 0))
-        wire.send_frame(self.sock, hdr, body)
+        wire.send_frame(self.sock, hdr, body, mac=self.session.up)
         self.sock.close()
         self.sock = None
         self.log.emit("left", iter=self.iteration, rejoin_at=rejoin_at)
@@ -236,7 +245,7 @@ class Worker:
                     else:
                         clear_max_pacing_rate(self.sock)
                 self.log.emit("paced", iter=self.iteration, rate_bps=self.pacing_bps or 0)
-            elif kind == "bandwidth" and self.cfg.adaptive.policy == "oracle":
+            elif kind == "bandwidth" and self.policy.follows_bandwidth:
                 with self.policy_lock:
                     self.policy = self._make_policy(int(cmd.get("trace_start_ns", 0)),
                                                     int(cmd.get("workers", 1)))
@@ -279,8 +288,8 @@ class Worker:
         costs its value and its index (int32: 8 bytes where dense pays 4), so a byte
         budget below 1 buys ``keep * value / (value + index)`` of the elements; at 1 the
         chunk goes dense (the sparse compressors fall back to dense there). The fixed
-        policy's ratio is always an element ratio, as configured."""
-        if (self.cfg.adaptive.policy == "fixed" or self.cfg.adaptive.budget == "elements"
+        policy's ratio is always an element ratio, as configured (``budgets_bytes`` False)."""
+        if (not self.policy.budgets_bytes or self.cfg.adaptive.budget == "elements"
                 or keep >= 1.0 or not getattr(self.compressor, "sparse", False)):
             return keep
         index_bytes = 4.0 if self.cfg.compress.index_encoding == "int32" else 1.5
@@ -316,9 +325,11 @@ class Worker:
                 dt = time.perf_counter() - tc0
                 compress_s += dt
                 tensors = [t.cpu() for t in payload.tensors]
+                assert self.session is not None
                 n = wire.send_message(self.sock, tensors, msg_type=codec.MsgType.GRAD,
                                       run_tag=self.tag, worker=self.rank,
-                                      iteration=self.iteration, chunk=c)
+                                      iteration=self.iteration, chunk=c,
+                                      mac=self.session.up)
                 wire_bytes += n
                 sent_raw += (e - s) * 4
                 self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
@@ -338,30 +349,29 @@ class Worker:
         assert self.reader is not None
         total = 0
         flat = self.host_params
+        down = protocol.Downlink([e - s for s, e in self.chunks])
         for c, (s, e) in enumerate(self.chunks):
             h = self.reader.read_header()
-            if h.msg_type == codec.MsgType.BYE:
+            kind = down.receive(h)  # order, type and size: before anything is read
+            if kind == codec.MsgType.BYE:
                 raise PSClosed("PS said BYE")
-            if h.chunk != c:
-                raise codec.FrameError(f"{self.node}: chunk: got {h.chunk}, expected {c}")
-            if h.msg_type == codec.MsgType.WEIGHTS:
-                if h.numel != e - s or h.dtype != codec.DType.FLOAT32:
-                    raise codec.FrameError(f"{self.node}: WEIGHTS chunk {c}: {h.numel} "
-                                           f"{h.dtype.name}, expected {e - s} FLOAT32")
+            if kind == codec.MsgType.WEIGHTS:
                 # Zero copy: the payload lands in the parameters themselves.
                 self.reader.read_payload_into(h, codec.tensor_view(flat[s:e]))
-            elif h.msg_type == codec.MsgType.UPDATE:
+            else:
                 parts = [(h, self.reader.read_tensor(h))]
                 for _ in range(1, h.nparts):
                     h2 = self.reader.read_header()
+                    down.receive(h2)
                     parts.append((h2, self.reader.read_tensor(h2)))
                 if len(parts) == 2:
-                    flat[s:e].index_add_(0, parts[0][1].to(torch.int64), parts[1][1])
+                    idx = parts[0][1].to(torch.int64)
+                    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= e - s):
+                        raise protocol.ProtocolError(f"{self.node}: UPDATE chunk {c}: "
+                                                     "index out of range")
+                    flat[s:e].index_add_(0, idx, parts[1][1])
                 else:
                     flat[s:e].add_(parts[0][1])
-            else:
-                raise codec.FrameError(f"{self.node}: unexpected {h.msg_type.name} "
-                                       f"while receiving weights")
             if flat is not self.model.flat_params:
                 self.model.flat_params[s:e].copy_(flat[s:e], non_blocking=True)
             total += h.payload_len + codec.HEADER_SIZE
@@ -421,8 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="auto, cpu or cuda (default: run.device)")
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
+    keys = auth.read_bundle()  # from the controller, on our stdin: never a file
+    auth.exit_with_controller()
     torch.set_num_threads(1)
-    w = Worker(cfg, args.run_dir, args.run_dir.name, (args.run_dir / "secret").read_bytes(),
+    w = Worker(cfg, args.run_dir, args.run_dir.name, keys.key,
                args.worker, args.ps, args.port or cfg.net.ps_port,
                pick_device(args.device or cfg.run.device))
     try:

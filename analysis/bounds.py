@@ -20,7 +20,7 @@ only where floor / unshaped p99 < 0.7.
 
 from __future__ import annotations
 
-from topo.spec import TCP_GOODPUT_FRACTION
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
 
 __all__ = ["sync_iteration_floor_s"]
 

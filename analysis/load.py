@@ -30,13 +30,14 @@ from typing import Any
 
 import pandas as pd
 
-from agents.core.events import SCHEMA_VERSION, read_jsonl
+from agents.core.events import COMMON_COLUMNS, SCHEMA_VERSION, read_jsonl
+from agents.core.links import REQUIRED_LINK_COLUMNS
+from agents.core.nodes import PS_NODE, is_worker_node, worker_index
 
 #: Columns every event row carries (agents/core/events.py).
-EVENT_COLUMNS = ("ts_ns", "run_id", "node", "iter", "event")
-#: Columns every links.parquet row carries.
-LINK_COLUMNS = ("ts_ns", "direction", "dev", "sent_bytes", "sent_pkts", "drops",
-                "backlog_bytes", "backlog_pkts", "rate_mbps")
+EVENT_COLUMNS = COMMON_COLUMNS
+#: Columns every links.parquet row carries (agents/core/links.py).
+LINK_COLUMNS = REQUIRED_LINK_COLUMNS
 
 
 class RunLoadError(Exception):
@@ -75,8 +76,8 @@ class Run:
     @property
     def workers(self) -> list[str]:
         """Worker node names (``w0``, ``w1``, ...) seen in the events, in numeric order."""
-        nodes = [str(n) for n in self.events["node"].unique() if _is_worker(str(n))]
-        return sorted(nodes, key=lambda n: int(n[1:]))
+        nodes = [str(n) for n in self.events["node"].unique() if is_worker_node(str(n))]
+        return sorted(nodes, key=lambda n: worker_index(n) or 0)
 
     def of(self, event: str) -> pd.DataFrame:
         """Rows of one event type, with only the columns that event uses (all-NaN dropped)."""
@@ -91,17 +92,13 @@ class Run:
         """The parameter server's ``eval`` rows and its ``final_eval`` (the model after the last
         step), in time order: ``t_s``, ``iter``, ``event``, ``loss``, ``accuracy``."""
         ev = self.events
-        df = ev[ev["event"].isin(["eval", "final_eval"]) & (ev["node"] == "ps")]
+        df = ev[ev["event"].isin(["eval", "final_eval"]) & (ev["node"] == PS_NODE)]
         keep = [c for c in df.columns if c in EVENT_COLUMNS or c == "t_s" or df[c].notna().any()]
         df = df[keep].sort_values("ts_ns", kind="stable").reset_index(drop=True)
         for col in ("node", "event"):
             if isinstance(df[col].dtype, pd.CategoricalDtype):
                 df[col] = df[col].cat.remove_unused_categories()
         return df
-
-
-def _is_worker(node: str) -> bool:
-    return len(node) > 1 and node[0] == "w" and node[1:].isdigit()
 
 
 def _event_rows(events: pd.DataFrame, event: str) -> pd.DataFrame:

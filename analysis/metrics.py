@@ -1,4 +1,7 @@
-"""Metrics over loaded runs: plain functions of DataFrames, each docstring gives the definition.
+"""Every measured quantity of a run, defined once: plain functions of DataFrames whose
+docstrings give the formula. ``summary.json`` (``controller/summary.py``), the HTML report,
+the plots and the notebooks all call these functions; :data:`GLOSSARY` is the one-line
+meaning of every column they print.
 
 Definitions follow the literature the testbed is compared with:
 - Jain's fairness index (Jain, Chiu, Hawe 1984, DEC-TR-301);
@@ -18,6 +21,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
+
+from agents.core.nodes import PS_NODE, is_worker_node
 
 ITERATION_PARTS = ("compute_s", "compress_s", "send_s", "wait_s", "receive_s")
 
@@ -181,8 +186,10 @@ def link_throughput(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
                          "drops": d["drops"].to_numpy(float)})
 
 
-def utilization(links: pd.DataFrame, direction: str = "up") -> float:
-    """Bottleneck utilisation = bytes delivered / bytes the link allowed, over the busy interval.
+def busy_utilization(links: pd.DataFrame, direction: str = "up") -> float:
+    """Busy-span utilisation = bytes delivered / bytes the link allowed, from the first to
+    the last sample interval that delivered anything (compute phases in between count as
+    idle). Compare :func:`bottleneck_utilization`, which counts only the upload windows.
 
     Allowed bytes of an interval = ``rate_mbps * 1e6 / 8 * dt`` (the HTB rate in force, i.e. what
     the trace allowed). The busy interval of a dev runs from its first to its last sample
@@ -282,29 +289,50 @@ def iteration_breakdown(events: pd.DataFrame, by: str | None = None,
     return parts.groupby(by, sort=True).mean()
 
 
-def time_to_accuracy(evals: pd.DataFrame, target: float, t: str = "t_s",
-                     interpolate: bool = True) -> float:
-    """Wall time (``t`` column, seconds from the run start) when accuracy first reaches
-    ``target``.
+def training_start_ns(events: pd.DataFrame) -> int | None:
+    """When training starts: the PS's ``ps_ready`` (model built, listening for the workers);
+    without one, its first ``ps_iter_done``. None when the run has neither."""
+    for name in ("ps_ready", "ps_iter_done"):
+        ts = events.loc[events["event"] == name, "ts_ns"]
+        if len(ts):
+            return int(ts.min())
+    return None
 
-    Rule: walk the evaluations in time order; at the first one with ``accuracy >= target``,
-    if ``interpolate`` and there is an earlier evaluation (necessarily below target), return
-    the time where the straight line between those two evaluations crosses ``target``;
-    otherwise return that evaluation's time. NaN if accuracy never reaches ``target``.
-    """
-    if "accuracy" not in evals:
-        return float("nan")  # the workload reports no accuracy (e.g. replay mode)
-    df = evals.dropna(subset=["accuracy"]).sort_values(t, kind="stable")
-    acc = df["accuracy"].to_numpy(float)
-    ts = df[t].to_numpy(float)
-    hit = np.nonzero(acc >= target)[0]
-    if hit.size == 0:
-        return float("nan")
-    i = int(hit[0])
-    if i == 0 or not interpolate:
-        return float(ts[i])
-    a0, a1, t0, t1 = acc[i - 1], acc[i], ts[i - 1], ts[i]
-    return float(t0 + (target - a0) / (a1 - a0) * (t1 - t0))
+
+def evaluations(events: pd.DataFrame) -> pd.DataFrame:
+    """The PS's held-out evaluations (``eval`` and ``final_eval``) in time order, with
+    ``train_s`` = seconds since :func:`training_start_ns`."""
+    df = events[events["event"].isin(["eval", "final_eval"])
+                & (events["node"].astype(str) == PS_NODE)]
+    df = df.sort_values("ts_ns", kind="stable").copy()
+    start = training_start_ns(events)
+    df["train_s"] = (df["ts_ns"] - start) / 1e9 if start is not None else np.nan
+    return df.reset_index(drop=True)
+
+
+def _first_hit(events: pd.DataFrame, target: float) -> pd.Series | None:
+    ev = evaluations(events)
+    if target <= 0 or "accuracy" not in ev or ev.empty:
+        return None
+    hit = ev[ev["accuracy"].astype(float) >= target]
+    return hit.iloc[0] if len(hit) else None
+
+
+def time_to_accuracy(events: pd.DataFrame, target: float) -> float:
+    """Time to accuracy (DAWNBench's rule): seconds from the start of training
+    (:func:`training_start_ns`) to the first PS evaluation whose held-out accuracy is
+    ``>= target``, as measured (no interpolation between evaluations, so it is a multiple
+    of the evaluation period's iterations). NaN when never reached, when the workload
+    reports no accuracy, or when ``target <= 0``."""
+    hit = _first_hit(events, target)
+    return float(hit["train_s"]) if hit is not None else float("nan")
+
+
+def iterations_to_accuracy(events: pd.DataFrame, target: float) -> int | None:
+    """Optimizer steps taken when :func:`time_to_accuracy`'s evaluation ran: its ``iter``
+    + 1. None when never reached."""
+    hit = _first_hit(events, target)
+    return int(hit["iter"]) + 1 if hit is not None else None
 
 
 def bytes_per_iteration(events: pd.DataFrame) -> pd.DataFrame:
@@ -429,3 +457,175 @@ def iteration_times(events: pd.DataFrame) -> pd.Series:
     Per-worker times show the stragglers that the PS's step time would hide."""
     it = _iter_s(events).dropna()
     return it.sort_values(kind="stable").reset_index(drop=True)
+
+
+def upload_windows(events: pd.DataFrame) -> list[tuple[int, int, int]]:
+    """``(iteration, start_ns, end_ns)`` of every complete upload window: from the start of
+    the earliest worker's transfer (``send_done.start_ns``) to the moment the PS has every
+    gradient of the iteration (``grads_in``)."""
+    sends = events[events["event"] == "send_done"]
+    ins = events[events["event"] == "grads_in"]
+    if sends.empty or ins.empty or "start_ns" not in sends:
+        return []
+    starts = sends["start_ns"].groupby(sends["iter"]).min()
+    ends = ins.groupby("iter")["ts_ns"].max()
+    both = pd.concat({"start": starts, "end": ends}, axis=1).dropna()
+    it = both.index.to_numpy(dtype=np.int64)
+    st = both["start"].to_numpy(dtype=np.int64)
+    en = both["end"].to_numpy(dtype=np.int64)
+    return [(int(i), int(s), int(e)) for i, s, e in zip(it, st, en, strict=True) if e > s]
+
+
+def upload_window_utilization(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]],
+                              direction: str = "up") -> float:
+    """``sum(delivered) / sum(allowed)`` over ``windows`` (see :func:`upload_windows`).
+
+    Delivered bytes come from the bottleneck's ``tc -s`` byte counter (Ethernet frames, the
+    unit HTB shapes), interpolated linearly at the window edges; allowed bytes integrate the
+    HTB rate in force (``rate_mbps`` of the latest sample) over the window. A window outside
+    the sampled span is left out. NaN with no usable window.
+    """
+    lk = links[links["direction"] == direction].sort_values("ts_ns")
+    if lk.empty or not windows:
+        return float("nan")
+    ts = lk["ts_ns"].to_numpy(dtype=np.float64)
+    sent = lk["sent_bytes"].to_numpy(dtype=np.float64)
+    rate = lk["rate_mbps"].to_numpy(dtype=np.float64)
+    delivered = allowed = 0.0
+    for _, s, e in windows:
+        if s < ts[0] or e > ts[-1]:
+            continue  # outside the sampled span: no honest answer for this window
+        delivered += float(np.interp(e, ts, sent) - np.interp(s, ts, sent))
+        # Integrate the (piecewise-constant) rate over the window on a fine grid.
+        grid = np.linspace(s, e, 200)
+        r = rate[np.clip(np.searchsorted(ts, grid, side="right") - 1, 0, len(ts) - 1)]
+        allowed += float(np.mean(r) * 1e6 / 8 * (e - s) / 1e9)
+    return delivered / allowed if allowed > 0 else float("nan")
+
+
+def bottleneck_utilization(events: pd.DataFrame, links: pd.DataFrame, direction: str = "up",
+                           warmup_iterations: int = 0) -> float:
+    """Bottleneck utilisation while gradients are in flight:
+    :func:`upload_window_utilization` over the upload windows of iterations
+    ``>= warmup_iterations``. Compute phases, when the link is idle by design, are left out:
+    it measures whether the agents keep the wire busy (1.0 = at its rate all the time)."""
+    windows = [w for w in upload_windows(events) if w[0] >= warmup_iterations]
+    return upload_window_utilization(links, windows, direction)
+
+
+def jain_fairness(events: pd.DataFrame) -> float:
+    """Jain's index over workers of their mean sending rate: for each worker,
+    ``sum(send_done.bytes) / sum(send_done.send_s)``, then :func:`jain` over the workers
+    that spent any time sending."""
+    sends = events[events["event"] == "send_done"]
+    if sends.empty:
+        return float("nan")
+    per = sends.groupby(sends["node"].astype(str)).agg(b=("bytes", "sum"), s=("send_s", "sum"))
+    per = per[per["s"] > 0]
+    return jain((per["b"] / per["s"]).tolist()) if len(per) else float("nan")
+
+
+def jain_mean_over_windows(events: pd.DataFrame, window_s: float = 1.0) -> float:
+    """The mean over ``window_s`` windows of Jain's index of the workers' goodput
+    (:func:`goodput` from ``send_done``, :func:`jain_over_windows`): short-term fairness,
+    where :func:`jain_fairness` is over the whole run. NaN with no worker traffic."""
+    gp = goodput(events, window_s=window_s)
+    gp = gp[gp["node"].astype(str).map(is_worker_node)]
+    if gp.empty:
+        return float("nan")
+    jw = jain_over_windows(gp, window_s)
+    return float(jw["jain"].mean()) if len(jw) else float("nan")
+
+
+def headline(events: pd.DataFrame, links: pd.DataFrame, *, warmup_iterations: int = 0,
+             target_accuracy: float = 0.0) -> dict[str, float | int | None]:
+    """The headline numbers of one run, as ``summary.json`` and the report print them (each
+    key's meaning is in :data:`GLOSSARY`; NaN or None where the run has no data for it)."""
+    ev = events
+    it = ev[ev["event"] == "iter_done"]
+    psi = ev[ev["event"] == "ps_iter_done"]
+    steady = it[it["iter"] >= warmup_iterations]
+    iter_s = steady["iter_s"].dropna().to_numpy(float) if "iter_s" in steady else np.array([])
+    out: dict[str, float | int | None] = {
+        "iterations": int(len(psi)),
+        "iter_time_s_p50": percentile(iter_s, 50),
+        "iter_time_s_p99": percentile(iter_s, 99),
+        "iter_time_s_mean": float(np.mean(iter_s)) if len(iter_s) else float("nan"),
+        "bytes_up": int(it["bytes_up"].sum()) if "bytes_up" in it else 0,
+        "bytes_down": int(it["bytes_down"].sum()) if "bytes_down" in it else 0,
+        "final_loss": float("nan"),
+        "final_accuracy": float("nan"),
+        "bottleneck_utilization": float("nan"),
+        "jain_fairness": jain_fairness(ev),
+    }
+    if len(psi):
+        out["bytes_up_per_iter"] = int(out["bytes_up"] or 0) / len(psi)
+    evals = evaluations(ev)
+    if len(evals) and "accuracy" in evals:
+        last = evals.iloc[-1]
+        out["final_accuracy"] = float(last["accuracy"])
+        out["final_loss"] = float(last["loss"])
+    elif "loss" in it and it["loss"].notna().any():
+        out["final_loss"] = float(it.sort_values("ts_ns")["loss"].dropna().iloc[-1])
+    if not links.empty:
+        out["bottleneck_utilization"] = bottleneck_utilization(ev, links, "up",
+                                                               warmup_iterations)
+        up = links[links["direction"] == "up"]
+        if len(up):
+            out["drops_up"] = int(up["drops"].max() - up["drops"].min())
+    if target_accuracy > 0:
+        tta = time_to_accuracy(ev, target_accuracy)
+        if np.isfinite(tta):
+            out["time_to_target_s"] = tta
+            out["iterations_to_target"] = iterations_to_accuracy(ev, target_accuracy)
+    bg = ev[ev["event"] == "background"]
+    if len(bg) and "bytes" in bg:
+        out["background_bytes"] = int(bg["bytes"].fillna(0).sum())
+        out["background_mbps"] = float(bg["mbps"].fillna(0).sum())
+    fl = ev[ev["event"] == "flow_done"]
+    if len(fl) and "fct_s" in fl:
+        fct = fl["fct_s"].to_numpy(dtype=float)
+        out["background_flows"] = int(len(fl))
+        out["fct_s_p50"] = percentile(fct, 50)
+        out["fct_s_p99"] = percentile(fct, 99)
+    return out
+
+
+#: One line per column the summary and the report print: what it is, with its unit. The
+#: formula is in the docstring of the function named in brackets.
+GLOSSARY: dict[str, str] = {
+    "workers": "worker processes (net.workers)",
+    "iterations": "optimizer steps the PS took (ps_iter_done events)",
+    "wall_s": "the run's wall time, network set-up to teardown (s)",
+    "warmup_iterations": "first iterations left out of the iteration times and utilisation",
+    "iter_time_s_p50": "median of every worker's iteration time after warm-up (s) [headline]",
+    "iter_time_s_p95": "95th percentile of every worker's iteration time (s) "
+                       "[iteration_time_percentiles]",
+    "iter_time_s_p99": "99th percentile of every worker's iteration time after warm-up (s)",
+    "iter_time_s_mean": "mean iteration time after warm-up (s)",
+    "bytes_up": "wire bytes the workers sent, all iterations (frames' payload + headers)",
+    "bytes_down": "wire bytes the workers received",
+    "bytes_up_per_iter": "bytes_up / iterations",
+    "final_loss": "held-out loss of the last PS evaluation",
+    "final_accuracy": "held-out accuracy of the last PS evaluation (fraction)",
+    "bottleneck_utilization": "delivered / allowed bytes of the up bottleneck during upload "
+                              "windows only [bottleneck_utilization]",
+    "busy_utilization_up": "delivered / allowed bytes of the up bottleneck from its first to "
+                           "last busy sample, compute gaps included [busy_utilization]",
+    "busy_utilization_down": "the same for the down bottleneck [busy_utilization]",
+    "jain_fairness": "Jain's index of the workers' mean sending rates over the run "
+                     "[jain_fairness]",
+    "jain_mean_1s": "mean over 1 s windows of Jain's index of the workers' goodput "
+                    "[jain_mean_over_windows]",
+    "drops_up": "packets the up bottleneck's queue dropped",
+    "time_to_target_s": "from training start to the first evaluation at run.target_accuracy "
+                        "(s) [time_to_accuracy]",
+    "iterations_to_target": "optimizer steps at that evaluation [iterations_to_accuracy]",
+    "background_bytes": "payload bytes the background hosts moved",
+    "background_mbps": "their rate, summed over hosts (Mbit/s)",
+    "background_flows": "background flows completed",
+    "fct_s_p50": "median background flow completion time (s)",
+    "fct_s_p99": "99th percentile background flow completion time (s)",
+    "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
+    "stop_reason": "why the run ended",
+}

@@ -29,6 +29,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from agents.core.nodes import is_worker_node, worker_index
 from analysis import metrics
 
 FIGSIZE = (9.0, 4.5)
@@ -105,12 +106,12 @@ def plot_worker_throughput(events: pd.DataFrame, window_s: float = 1.0,
     bottleneck carried for training). ``source`` as in :func:`analysis.metrics.goodput`."""
     fig, (ax,) = _figure(1)
     gp = metrics.goodput(events, by="node", window_s=window_s, source=source)
-    gp = gp[gp["node"].astype(str).str.match(r"^w\d+$")]
+    gp = gp[gp["node"].astype(str).map(is_worker_node)]
     if gp.empty:
         _no_data(ax, source + " events")
     else:
         wide = gp.pivot_table(index="t_s", columns="node", values="goodput_mbps", fill_value=0.0)
-        wide = wide[sorted(wide.columns, key=lambda n: int(str(n)[1:]))]
+        wide = wide[sorted(wide.columns, key=lambda n: worker_index(str(n)) or 0)]
         x = wide.index.to_numpy(float) + window_s / 2
         ax.stackplot(x, wide.to_numpy(float).T, labels=[str(c) for c in wide.columns],
                      alpha=0.85)
@@ -145,19 +146,21 @@ def plot_iteration_cdf(runs: Mapping[str, pd.DataFrame], title: str | None = Non
 
 def plot_accuracy_vs_time(runs: Mapping[str, pd.DataFrame], target: float | None = None,
                           title: str | None = None) -> Figure:
-    """Accuracy of the PS's evaluations against wall-clock time, one line per run
-    (label -> evals); with ``target``, a horizontal line and each run's time-to-accuracy."""
+    """Accuracy of the PS's evaluations against time since training started, one line per
+    run (label -> the run's events); with ``target``, a horizontal line and each run's
+    :func:`analysis.metrics.time_to_accuracy`, on the same time axis."""
     fig, (ax,) = _figure(1)
     drawn = 0
-    for label, ev in runs.items():
+    for label, events in runs.items():
+        ev = metrics.evaluations(events)
         ev = ev.dropna(subset=["accuracy"]) if "accuracy" in ev else ev.iloc[0:0]
         if ev.empty:
             continue
         lab = label
         if target is not None:
-            tta = metrics.time_to_accuracy(ev, target)
+            tta = metrics.time_to_accuracy(events, target)
             lab = f"{label} (TTA {tta:.3g} s)" if np.isfinite(tta) else f"{label} (not reached)"
-        ax.plot(ev["t_s"], ev["accuracy"], marker="o", ms=3, label=lab)
+        ax.plot(ev["train_s"], ev["accuracy"], marker="o", ms=3, label=lab)
         drawn += 1
     if target is not None:
         ax.axhline(target, color="0.3", ls=":", lw=1, label=f"target {target:g}")
@@ -165,8 +168,8 @@ def plot_accuracy_vs_time(runs: Mapping[str, pd.DataFrame], target: float | None
         _no_data(ax, "eval events")
     else:
         ax.legend(loc="lower right", fontsize="small")
-    ax.set_title(title or "Accuracy against wall-clock time")
-    ax.set_xlabel("time since run start (s)")
+    ax.set_title(title or "Accuracy against time since training started")
+    ax.set_xlabel("time since training started (s)")
     ax.set_ylabel("accuracy")
     return fig
 

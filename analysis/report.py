@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,8 @@ th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
 figure { margin: 1em 0; } img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: .85em; color: #555; }
 .meta { font-size: .85em; color: #555; }
+.glossary dl { font-size: .85em; display: grid; grid-template-columns: max-content auto;
+               gap: .1em 1em; } .glossary dd { margin: 0; }
 """
 
 
@@ -62,22 +63,31 @@ def _labels(runs: Sequence[Run]) -> list[str]:
 
 
 def run_metrics(run: Run) -> dict[str, Any]:
-    """Headline numbers recomputed from the run's events and link samples (not copied from
-    summary.json, so the report also works for an interrupted run with no summary)."""
-    it = metrics.iteration_time_percentiles(run.events, (50, 95, 99))
-    gp = metrics.goodput(run.events, window_s=1.0)
-    gp = gp[gp["node"].astype(str).str.match(r"^w\d+$")]
-    jw = metrics.jain_over_windows(gp, 1.0) if not gp.empty else pd.DataFrame({"jain": []})
-    ev = run.evals()
-    return {
-        "iter_time_s_mean": it["mean"], "iter_time_s_p50": it["p50"],
-        "iter_time_s_p95": it["p95"], "iter_time_s_p99": it["p99"],
-        "utilization_up": metrics.utilization(run.links, "up"),
-        "utilization_down": metrics.utilization(run.links, "down"),
-        "jain_mean_1s": float(jw["jain"].mean()) if len(jw) else math.nan,
-        "final_accuracy": float(ev["accuracy"].iloc[-1]) if "accuracy" in ev and len(ev)
-        else math.nan,
-    }
+    """The run's numbers recomputed from its events and link samples by the same functions
+    ``summary.json`` is written with (:func:`analysis.metrics.headline`), so the report also
+    works for an interrupted run with no summary, plus two the summary does not carry:
+    the busy-span utilisation of both directions and the short-term fairness."""
+    r = run.config.get("run", {})
+    out: dict[str, Any] = dict(metrics.headline(
+        run.events, run.links, warmup_iterations=int(r.get("warmup_iterations", 0)),
+        target_accuracy=float(r.get("target_accuracy", 0.0))))
+    out["iter_time_s_p95"] = metrics.iteration_time_percentiles(run.events, (95,))["p95"]
+    out["busy_utilization_up"] = metrics.busy_utilization(run.links, "up")
+    out["busy_utilization_down"] = metrics.busy_utilization(run.links, "down")
+    out["jain_mean_1s"] = metrics.jain_mean_over_windows(run.events, 1.0)
+    return out
+
+
+def glossary(columns: Sequence[str]) -> str:
+    """A definition list of the printed columns that :data:`analysis.metrics.GLOSSARY`
+    defines, in the order printed."""
+    known = [c for c in dict.fromkeys(columns) if c in metrics.GLOSSARY]
+    if not known:
+        return ""
+    items = "".join(f"<dt><code>{html.escape(c)}</code></dt>"
+                    f"<dd>{html.escape(metrics.GLOSSARY[c])}</dd>" for c in known)
+    return ('<details class="glossary" open><summary>What the columns mean</summary>'
+            f"<dl>{items}</dl></details>")
 
 
 def _overview(paths: Sequence[Path], runs: Sequence[Run], labels: Sequence[str]) -> pd.DataFrame:
@@ -135,13 +145,14 @@ def render_report(paths: Sequence[str | os.PathLike[str]]) -> str:
     overview = _overview(ppaths, runs, labels)
     title = (f"gradbed report: {labels[0]}" if len(runs) == 1
              else f"gradbed report: {len(runs)} runs")
-    body = [f"<h1>{html.escape(title)}</h1>", "<h2>Overview</h2>",
-            _table(overview.drop(columns=["run"]))]
+    shown = overview.drop(columns=["run"])
+    body = [f"<h1>{html.escape(title)}</h1>", "<h2>Overview</h2>", _table(shown),
+            glossary(list(shown.columns))]
     by_label_events = {lab: r.events for lab, r in zip(labels, runs, strict=True)}
     body.append(_img(plots.plot_iteration_cdf(by_label_events), "Iteration time CDF"))
     body.append(_img(plots.plot_accuracy_vs_time(
-        {lab: r.evals() for lab, r in zip(labels, runs, strict=True)}),
-        "Accuracy against wall-clock time"))
+        {lab: r.events for lab, r in zip(labels, runs, strict=True)}),
+        "Accuracy against time since training started"))
     body.append(_img(plots.plot_iteration_breakdown(
         {lab: metrics.iteration_breakdown(r.events) for lab, r in zip(labels, runs, strict=True)}),
         "Mean iteration time breakdown"))

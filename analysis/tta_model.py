@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from topo.spec import TCP_GOODPUT_FRACTION
-from traces.bandwidth import BandwidthTrace
+from agents.core.bandwidth import BandwidthTrace
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
 
 __all__ = ["best_schedule_tta_s", "iterations_at", "keep_independent_s", "schedule_tta_s",
            "topk_wire_bytes"]

@@ -49,10 +49,10 @@ import pandas as pd
 from _common import emit, gradbed_run, log
 
 from agents.core import config as cfgmod
+from agents.core.bandwidth import BandwidthTrace, load_trace
 from agents.workloads.factory import make_workload
 from analysis.load import load_events
 from analysis.tta_model import best_schedule_tta_s, keep_independent_s, schedule_tta_s
-from traces.bandwidth import BandwidthTrace, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 CELLULAR = REPO / "configs" / "cellular.toml"

@@ -42,8 +42,12 @@ from _common import emit, log
 from agents.core import config as cfgmod
 from analysis.bounds import sync_iteration_floor_s
 from analysis.load import load_run
-from analysis.metrics import iteration_time_percentiles, jain
-from controller.summary import upload_windows, window_utilization
+from analysis.metrics import (
+    iteration_time_percentiles,
+    jain,
+    upload_window_utilization,
+    upload_windows,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "incast.toml"
@@ -103,7 +107,7 @@ def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, A
             "jain_per_iter_median": per_iter[len(per_iter) // 2] if per_iter else None,
             "utilization": s["bottleneck_utilization"], "drops": s.get("drops_up"),
             "iter_p50_s": s["iter_time_s_p50"], "iter_p99_s": s["iter_time_s_p99"],
-            "utilization_all": window_utilization(run.links, upload_windows(ev)),
+            "utilization_all": upload_window_utilization(run.links, upload_windows(ev)),
             "iter_p99_all_s": iteration_time_percentiles(ev, (99,))["p99"],
             "iterations": s["iterations"], "stop_reason": s["stop_reason"],
             "run_dir": str(run_dir)}

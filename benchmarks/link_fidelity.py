@@ -21,7 +21,8 @@ from _common import emit, log
 
 from topo import qdisc
 from topo.build import StarNetwork
-from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec, default_queue_bytes
+from topo.shapes.star import StarSpec
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, default_queue_bytes
 
 RATES_MBPS = [1.0, 10.0, 100.0, 1000.0]
 DURATION_S = int(os.environ.get("GB_LF_DURATION_S", "6"))

@@ -22,7 +22,8 @@ from pathlib import Path
 from _common import emit, log
 
 from topo.build import StarNetwork
-from topo.spec import LinkSpec, StarSpec
+from topo.shapes.star import StarSpec
+from topo.spec import LinkSpec
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = 32

@@ -43,10 +43,11 @@ from typing import Any
 
 from _common import emit, log
 
+from agents.core.bandwidth import BandwidthTrace, load_trace
 from agents.core.events import now_ns
 from topo.build import StarNetwork
-from topo.spec import LinkSpec, StarSpec
-from traces.bandwidth import BandwidthTrace, load_trace
+from topo.shapes.star import StarSpec
+from topo.spec import LinkSpec
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 REPO = Path(__file__).resolve().parents[1]

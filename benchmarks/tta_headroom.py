@@ -4,7 +4,7 @@ bandwidth trace, over a sweep of workloads (issue 4's cellular target, DESIGN.md
 ``benchmarks/cellular_tta.py`` measures one workload on the network. This benchmark asks
 whether the 20 % target is reachable at all, for more workloads than a network run can
 afford: for each workload it measures, in one process, the iterations to the target
-accuracy at each keep ratio (``analysis.keep_response``: the project's workload, chunking,
+accuracy at each keep ratio (``controller.keep_response``: the project's workload, chunking,
 top-k and error feedback, and the PS's SGD), then replays the trace through
 ``analysis.tta_model`` for a range of keep-independent times per iteration (compute, the
 downlink, round trips; ``cellular_tta`` measures 38.5 ms for its config). For each case:
@@ -42,11 +42,12 @@ from typing import Any
 
 from _common import emit, log
 
+from agents.core.bandwidth import BandwidthTrace, load_trace
 from agents.workloads.base import Workload
-from agents.workloads.digits import DigitsCNN, DigitsMLP
-from analysis.keep_response import TrainingSpec, iterations_to_target
+from agents.workloads.digits_cnn import DigitsCNN
+from agents.workloads.digits_mlp import DigitsMLP
 from analysis.tta_model import best_schedule_tta_s, schedule_tta_s
-from traces.bandwidth import BandwidthTrace, load_trace
+from controller.keep_response import TrainingSpec, iterations_to_target
 
 REPO = Path(__file__).resolve().parents[1]
 VERIZON = REPO.parent / "shared" / "traces" / "mahimahi" / "Verizon-LTE-short.up"

@@ -4,7 +4,7 @@ gradients from 4 workers cross a 100 Mbit/s bottleneck, how busy is the link?
 Runs ``configs/wire_utilization.toml`` for real (``gradbed run``: Mininet, real TCP,
 the real PS and workers) and measures, per iteration, the bytes the bottleneck's HTB
 class delivered during the upload window (first gradient frame to the PS holding every
-gradient) against what its rate allows (``controller.summary.window_utilization``).
+gradient) against what its rate allows (``analysis.metrics.upload_window_utilization``).
 Side by side: the same window measured in TCP payload bytes (what the agents wrote)
 against the TCP payload ceiling (rate x 1448/1514). Target: link busy >= 95 %.
 """
@@ -21,7 +21,7 @@ import pandas as pd
 from _common import emit, log
 
 from analysis.load import load_events
-from controller.summary import upload_windows, window_utilization
+from analysis.metrics import upload_window_utilization, upload_windows
 from topo.spec import TCP_GOODPUT_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def main() -> None:
     per_iter = []
     for w in windows:
         it, s, e = w
-        util = window_utilization(links, [w])
+        util = upload_window_utilization(links, [w])
         up_bytes = float(events[(events["event"] == "send_done") & (events["iter"] == it)]
                          ["bytes"].sum())
         payload_util = up_bytes / (rate_mbps * 1e6 / 8 * (e - s) / 1e9)
@@ -55,7 +55,7 @@ def main() -> None:
         log(f"iter {it}: window {(e - s) / 1e9:.2f} s, link busy {util:.4f}, "
             f"payload {payload_util:.4f} of rate "
             f"({payload_util / TCP_GOODPUT_FRACTION:.4f} of TCP ceiling)")
-    overall = window_utilization(links, windows)
+    overall = upload_window_utilization(links, windows)
     summary = json.loads((run_dir / "summary.json").read_text())
     emit("wire_utilization", round(overall, 4), "fraction of upload-window time the up "
          "bottleneck is busy (delivered wire bytes / rate x window)", ">= 0.95",

@@ -2,8 +2,10 @@
 bottleneck with the training (DESIGN.md sections 2-3: iperf3 as a background-traffic
 source, flow-size CDFs and background-flow generators).
 
-``[background]`` in a config, for each of the star's ``net.background_hosts`` hosts (``bg0``,
-``bg1``, ...), with a server for each in the PS host on ``BASE_PORT + j``:
+``[background]`` in a config, for each host of the ``flowgen`` role (``controller/roles/
+flowgen.py``: the ``net.background_hosts`` hosts ``bg0``, ``bg1``, ...), with a server for
+each in its peer on ``BASE_PORT + j``: the sink host ``sinkJ`` where the shape has one (the
+dumbbell's far side), else the PS host. "To the PS" below means to that peer:
 - ``kind = "bulk"``: ``flows`` long iperf3 TCP flows. ``direction = "up"`` sends from the
   host to the PS through the up bottleneck, with the workers' gradients; ``"down"`` from
   the PS to the host (iperf3 ``-R``), with the weights. Each client's JSON report
@@ -36,12 +38,13 @@ from typing import Any, Protocol
 
 from agents.core import config as cfgmod
 from controller import rundir
+from controller.agent_env import python_path
 from topo.cleanup import BACKGROUND_PORTS
-from topo.spec import StarSpec
+from topo.spec import HostSpec, NetSpec, SpecError
 from traces.pcap import rewrite_pcap_file
 
-__all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "read_report",
-           "read_tcpreplay"]
+__all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "flow_hosts", "peer",
+           "read_report", "read_tcpreplay"]
 
 BASE_PORT = BACKGROUND_PORTS[0]  # topo.cleanup recognises leftovers by these ports
 # With duration_s = 0 the flows run until the run ends; iperf3 needs a length, so it gets
@@ -59,20 +62,40 @@ class FlowCommand:
     port: int = 0  # a server's listening port
 
 
-def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> list[FlowCommand]:
-    """The servers (in the PS host: an iperf3 server, or a flowgen sink, per background
-    host) and the clients (one per background host), servers first. Empty when the config
-    asks for no background traffic."""
+def flow_hosts(spec: NetSpec) -> list[HostSpec]:
+    """The hosts background flows start from: those of the ``flowgen`` role, rank order."""
+    return sorted((h for h in spec.hosts if h.role == "flowgen"), key=lambda h: h.rank)
+
+
+def peer(spec: NetSpec, host: HostSpec) -> HostSpec:
+    """Where ``host``'s flows go: the sink of its rank if the shape has one, else the PS."""
+    for h in spec.hosts:
+        if h.kind == "sink" and h.rank == host.rank:
+            return h
+    ps = spec.hosts_of_kind("ps")
+    if len(ps) != 1:
+        raise SpecError(f"background host {host.name}: no sink{host.rank} and not exactly "
+                        f"one ps host in this {spec.shape} to send to")
+    return ps[0]
+
+
+def commands(cfg: cfgmod.ExperimentConfig, spec: NetSpec, run_dir: Path,
+             python: str = sys.executable) -> list[FlowCommand]:
+    """The servers (in each background host's peer: an iperf3 server, or a flowgen sink)
+    and the clients (one per background host), servers first. Empty when the config asks
+    for no background traffic."""
     bg = cfg.background
     if not bg.active:
         return []
     seconds = bg.duration_s if bg.duration_s > 0 else cfg.run.timeout_s + _OPEN_ENDED_EXTRA_S
     cc = bg.congestion or cfg.net.congestion
-    ps_ip = spec.ip("ps")
-    py = sys.executable
+    py = python
     servers, clients = [], []
     out = run_dir / "background"
-    for j, host in enumerate(spec.extra_host_names()):
+    for h in flow_hosts(spec):
+        j, host = h.rank, h.name
+        server = peer(spec, h)
+        ps_ip = server.ip
         port = str(BASE_PORT + j)
         log = str(out / f"{host}.log")
         if bg.kind == "pcap":
@@ -85,9 +108,10 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> lis
             clients.append(FlowCommand(host, tuple(argv), "client", log, report=log))
             continue
         if bg.kind == "flows":
-            servers.append(FlowCommand("ps", (py, "-m", "agents.flowgen", "sink", "--bind",
-                                              ps_ip, "--port", port), "server",
-                                       str(out / f"ps-{port}.log"), port=int(port)))
+            servers.append(FlowCommand(server.name, (py, "-m", "agents.flowgen", "sink",
+                                                     "--bind", ps_ip, "--port", port),
+                                       "server", str(out / f"{server.name}-{port}.log"),
+                                       port=int(port)))
             clients.append(FlowCommand(host, (
                 py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
                 "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
@@ -96,8 +120,9 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path) -> lis
                 "--duration-s", f"{seconds:g}", "--seed", str(cfg.run.seed * 1000 + j),
                 "--congestion", cc), "client", log))
             continue
-        servers.append(FlowCommand("ps", ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port),
-                                   "server", str(out / f"ps-{port}.log"), port=int(port)))
+        servers.append(FlowCommand(server.name, ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port),
+                                   "server", str(out / f"{server.name}-{port}.log"),
+                                   port=int(port)))
         report = str(out / f"{host}.json")
         argv = ["iperf3", "-c", ps_ip, "-p", port, "-B", spec.ip(host), "-P", str(bg.flows),
                 "-t", f"{seconds:g}", "-C", cc, "-J", "--logfile", report]
@@ -164,12 +189,12 @@ class BackgroundTraffic:
     """Starts the flows ``start_s`` after :meth:`start`; :meth:`stop` ends them and returns
     the per-host reports. Owns its processes: :meth:`stop` always reaps them."""
 
-    def __init__(self, cfg: cfgmod.ExperimentConfig, spec: StarSpec, run_dir: Path,
-                 say: Any) -> None:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, spec: NetSpec, run_dir: Path,
+                 say: Any, python: str = sys.executable) -> None:
         self.cfg = cfg
         self.out_dir = run_dir / "background"
         self.spec = spec
-        self.cmds = commands(cfg, spec, run_dir)
+        self.cmds = commands(cfg, spec, run_dir, python)
         self.say = say
         self.procs: list[tuple[FlowCommand, subprocess.Popen[Any]]] = []
         self._timer: threading.Timer | None = None
@@ -209,17 +234,17 @@ class BackgroundTraffic:
                     self._popen(net, c)
 
     def _readdress(self, net: _Net) -> None:
-        """Write each host's copy of the capture, from its addresses to the PS's."""
+        """Write each host's copy of the capture, from its addresses to its peer's."""
         def mac(host: str) -> str:
             # Inside the host's network namespace (/sys still shows the root's interfaces).
             out = net.run(host, ["ip", "-o", "link", "show", "dev", f"{host}-eth0"]).stdout
             return out.split("link/ether", 1)[1].split()[0]
 
-        ps_mac = mac("ps")
         for c in self.cmds:
+            dst = peer(self.spec, self.spec.host(c.host))
             s = rewrite_pcap_file(self.cfg.background.pcap, c.argv[-1], src_mac=mac(c.host),
-                             dst_mac=ps_mac, src_ip=self.spec.ip(c.host),
-                             dst_ip=self.spec.ip("ps"))
+                                  dst_mac=mac(dst.name), src_ip=self.spec.ip(c.host),
+                                  dst_ip=dst.ip)
             self.say(f"background {c.host}: {s.ipv4_packets} packets of "
                      f"{self.cfg.background.pcap}, {s.mean_mbps:.2f} Mbit/s at its own timing")
 
@@ -227,7 +252,8 @@ class BackgroundTraffic:
         self.say(f"start background in {c.host}: {' '.join(c.argv)}")
         log = open(c.log, "ab")
         try:
-            env = {**os.environ, "PYTHONPATH": str(rundir.REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONPATH": python_path(os.environ, str(rundir.REPO_ROOT)),
+                   "PYTHONUNBUFFERED": "1"}
             p = net.popen(c.host, list(c.argv), stdout=log, stderr=subprocess.STDOUT,
                           cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
         finally:
@@ -265,7 +291,7 @@ def _reap(p: subprocess.Popen[Any], timeout_s: float) -> None:
 
 
 def cdf_options(bg: cfgmod.BackgroundConfig) -> tuple[str, ...]:
-    """How ``agents.flowgen`` reads the flow-size file (traces.flowsize.load_flow_cdf)."""
+    """How ``agents.flowgen`` reads the flow-size file (agents.core.flowsize.load_flow_cdf)."""
     return ("--cdf-format", bg.flow_cdf_format,
             "--cdf-interpolation", bg.flow_cdf_interpolation or "auto",
             "--cdf-packet-bytes", str(bg.flow_cdf_packet_bytes))

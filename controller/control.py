@@ -3,25 +3,40 @@
 A thread accepts agent connections on ``RUN_DIR/control.sock`` and hands every
 JSON-line report to a callback. ``send(node, msg)`` pushes a command to one
 agent. The callback runs on the connection's thread; it must be quick.
+
+A connection counts only once its peer has proved it knows its node's key
+(``key_for(node)``; challenge-response, see ``agents.control``); its reports then
+always carry that node's name, whatever they claim. The peer's pid and uid
+(``SO_PEERCRED``) go into the hello the callback sees. A peer that fails, or says
+nothing for ``AUTH_TIMEOUT_S``, is closed and reported as ``control_refused``.
 """
 
 from __future__ import annotations
 
+import errno
+import hmac
 import json
 import os
+import secrets
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agents.control import AUTH_TIMEOUT_S, control_proof, read_line
+
 Handler = Callable[[dict[str, Any]], None]
+KeyFor = Callable[[str], bytes | None]
 
 
 class ControlServer:
-    def __init__(self, path: str | os.PathLike[str], handler: Handler) -> None:
+    def __init__(self, path: str | os.PathLike[str], handler: Handler, key_for: KeyFor) -> None:
         self.path = Path(path)
         self.handler = handler
+        self.key_for = key_for
         self._conns: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
         if self.path.exists():
@@ -33,33 +48,79 @@ class ControlServer:
         threading.Thread(target=self._accept, name="control-accept", daemon=True).start()
 
     def _accept(self) -> None:
+        pause = 0.01
         while not self._closed:
             try:
                 conn, _ = self._srv.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._closed or e.errno in (errno.EBADF, errno.EINVAL):
+                    return
+                self._report({"type": "control_refused", "error": f"accept: {e}"})
+                time.sleep(pause)  # EMFILE and the like pass: back off and retry
+                pause = min(2 * pause, 1.0)
+                continue
+            pause = 0.01
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def _report(self, msg: dict[str, Any]) -> None:
+        try:
+            self.handler(msg)
+        except Exception:  # noqa: BLE001  (the control plane outlives a bad handler)
+            pass
+
+    def _authenticate(self, conn: socket.socket, rest: bytearray) -> dict[str, Any]:
+        """The peer's hello, once it has proved its node's key; raises otherwise."""
+        conn.settimeout(AUTH_TIMEOUT_S)
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        hello = json.loads(read_line(conn, rest))
+        node, cn = str(hello.get("node", "")), str(hello.get("nonce", ""))
+        key = self.key_for(node) if node else None
+        if hello.get("type") != "hello" or key is None or not cn:
+            raise ConnectionError(f"pid {pid} uid {uid}: hello for unknown node {node!r}")
+        sn = secrets.token_hex(16)
+        conn.sendall((json.dumps({"type": "challenge", "nonce": sn,
+                                  "proof": control_proof(key, "server", node, cn, sn)})
+                      + "\n").encode())
+        answer = json.loads(read_line(conn, rest))
+        if not hmac.compare_digest(str(answer.get("proof", "")),
+                                   control_proof(key, "client", node, cn, sn)):
+            raise ConnectionError(f"pid {pid} uid {uid}: {node}: wrong key")
+        conn.settimeout(None)
+        return {"type": "hello", "node": node, "pid": pid, "uid": uid}
+
     def _serve(self, conn: socket.socket) -> None:
-        node = None
-        with conn, conn.makefile("r", encoding="utf-8") as f:
-            for line in f:
+        rest = bytearray()
+        with conn:
+            try:
+                hello = self._authenticate(conn, rest)
+            except (ConnectionError, OSError, ValueError, AttributeError,
+                    RecursionError) as e:
+                self._report({"type": "control_refused", "error": str(e)})
+                return
+            node = hello["node"]
+            with self._lock:
+                self._conns[node] = conn
+            self._report(hello)
+            while True:
+                try:
+                    line = read_line(conn, rest)
+                except (ConnectionError, OSError):
+                    break
                 try:
                     msg = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     continue
-                node = msg.get("node", node)
-                if msg.get("type") == "hello" and node:
-                    with self._lock:
-                        self._conns[node] = conn
+                if not isinstance(msg, dict):
+                    continue
+                msg["node"] = node  # an authenticated peer speaks only for itself
                 try:
                     self.handler(msg)
                 except Exception as e:  # a bad report must not kill the control plane
-                    self.handler({"type": "handler_error", "node": node, "error": repr(e)})
-        if node:
-            with self._lock:
-                if self._conns.get(node) is conn:
-                    del self._conns[node]
+                    self._report({"type": "handler_error", "node": node, "error": repr(e)})
+        with self._lock:
+            if self._conns.get(node) is conn:
+                del self._conns[node]
 
     def send(self, node: str, type_: str, **fields: Any) -> bool:
         with self._lock:

@@ -3,12 +3,16 @@
 The policies (``agents.core.policies``) and the replayer (``traces.replay``) are
 pure; this is where their decisions become side effects:
 
-- **Trace replay.** A ``TraceReplayer`` per direction says which HTB rate is due;
-  the driver applies it with ``tc class change`` (``StarNetwork.set_bottleneck_rate``,
-  sent over rtnetlink) and logs a ``trace_step`` event with its ``lag_ms``. Changes
-  are issued early by the lag recent ones showed (``LeadTimer``), so they land on time.
+- **Trace replay.** Every shaping point of the network spec that names a trace gets
+  its own ``TraceReplayer``, which says which HTB rate is due on that point; the driver
+  applies it with ``tc class change`` (``Network.set_point_rate``, sent over rtnetlink)
+  and logs a ``trace_step`` event (``direction`` = the point's name: ``up``/``down`` for
+  the bottleneck) with its ``lag_ms``. Changes are issued early by the lag recent ones
+  showed (``LeadTimer``), so they land on time. A trace on the ``up``/``down``
+  bottleneck is also B(t) for link/N shaping and the workers' bandwidth hints.
 - **Link/N shaping** (seeds/004). Whenever B(t) changes or the PS reports a new
-  active set, ``LinkNShaper`` returns the caps that changed and the driver
+  active set, the rate policy ``shaping.policy`` names (``linkn``: ``LinkNShaper``)
+  returns the caps that changed and the driver
   enforces each one, either with ``tc`` (the worker's egress HTB class) or with
   ``SO_MAX_PACING_RATE`` on the worker's socket (a ``pace`` command over the
   control socket), and logs a ``shape`` event. With ``tc`` and ``shaping.pace_guard``,
@@ -36,29 +40,40 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.core import config as cfgmod
+from agents.core.bandwidth import BandwidthTrace, load_scaled_trace
 from agents.core.events import EventLog, now_ns
-from agents.core.policies import LinkNShaper
+from agents.core.nodes import worker_index, worker_node
+from agents.core.policies import RatePolicy, make_rate_policy
 from agents.core.policies.base import CapChange
 from controller.control import ControlServer
-from topo.build import StarNetwork
-from topo.spec import RATE_MAX_MBPS
-from traces.bandwidth import BandwidthTrace, load_trace
+from topo.build import Network
+from topo.spec import RATE_MAX_MBPS, NetSpec, SpecError
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 
 def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
     """Load a trace named in the config, scaled by ``trace.scale``."""
-    tr = load_trace(path, granularity_s=cfg.granularity_ms / 1000.0,
-                    max_rate_mbps=RATE_MAX_MBPS)
-    if cfg.scale != 1.0:
-        tr = BandwidthTrace(times_s=tr.times_s,
-                            rates_mbps=tuple(r * cfg.scale for r in tr.rates_mbps),
-                            period_s=tr.period_s, source=f"{tr.source} x{cfg.scale}")
-    return tr
+    return load_scaled_trace(path, cfg.granularity_ms, cfg.scale, max_rate_mbps=RATE_MAX_MBPS)
+
+
+def check_driver(cfg: cfgmod.ExperimentConfig, spec: NetSpec) -> None:
+    """Refuse, before anything is built, what the driver could not do on ``spec``:
+    link/N shaping without an ``up``/``down`` bottleneck, and a trace on a worker's uplink
+    that a ``tc`` cap would also set (both change the same HTB class)."""
+    points = set(spec.point_names())
+    if cfg.shaping.method != "none" and not {"up", "down"} <= points:
+        raise SpecError(f"shaping.method = {cfg.shaping.method!r} needs the shaping points "
+                        f"'up' and 'down' (a bottleneck); the {spec.shape} has none")
+    if cfg.shaping.method == "tc":
+        for w in spec.worker_names():
+            if spec.point(f"{w}.up").trace:
+                raise SpecError(f"topo.traces[{w + '.up'!r}] and shaping.method = 'tc' both "
+                                f"set {w}'s uplink rate; use shaping.method = 'pacing' or "
+                                "'none' with a trace on a worker's link")
 
 
 class NetworkDriver:
-    def __init__(self, cfg: cfgmod.ExperimentConfig, net: StarNetwork, ctl: ControlServer,
+    def __init__(self, cfg: cfgmod.ExperimentConfig, net: Network, ctl: ControlServer,
                  events: EventLog, say: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.net = net
@@ -66,14 +81,22 @@ class NetworkDriver:
         self.events = events
         self.say = say
         self.lock = threading.Lock()
-        self.traces = {d: load_config_trace(p, cfg.trace)
-                       for d, p in (("up", cfg.trace.up), ("down", cfg.trace.down)) if p}
+        check_driver(cfg, net.spec)
+        # Every shaping point with a trace replays it: the bottleneck's up/down and any
+        # other (one worker's uplink, a trunk...).
+        self.traces = {p.point.name: load_config_trace(p.point.trace, cfg.trace)
+                       for p in net.spec.places() if p.point.trace}
         self.active = frozenset(range(cfg.net.workers))
-        self.shapers = {d: LinkNShaper(b, cfg.net.workers,
-                                       worker_link_mbps=cfg.net.worker_link_mbps,
-                                       headroom=cfg.shaping.headroom)
-                        for d, b in (("up", cfg.net.bottleneck_mbps),
-                                     ("down", cfg.net.down_mbps))}
+        # The rate policy shaping.policy names (agents/core/policies/), one per direction
+        # of the bottleneck (a shape without up/down points has none).
+        points = set(net.spec.point_names())
+        self.shapers: dict[str, RatePolicy] = {
+            d: make_rate_policy(cfg.shaping.policy, bottleneck_mbps=b, workers=cfg.net.workers,
+                                worker_link_mbps=cfg.net.worker_link_mbps,
+                                headroom=cfg.shaping.headroom)
+            for d, b in (("up", cfg.net.bottleneck_mbps), ("down", cfg.net.down_mbps))
+            if d in points}
+        self.bottleneck_mbps = {"up": cfg.net.bottleneck_mbps, "down": cfg.net.down_mbps}
         self.start_ns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,7 +110,7 @@ class NetworkDriver:
             # Prime the lead with no-op changes (0.4 s), so the first steps land on time.
             d, first = next(iter(self.traces.items()))
             calibrate_lead(self.lead,
-                           lambda: self.net.set_bottleneck_rate(d, first.rates_mbps[0]),  # type: ignore[arg-type]
+                           lambda: self.net.set_point_rate(d, first.rates_mbps[0]),
                            clock_ns=now_ns, sleep_s=time.sleep)
         start_ns = now_ns()
         self.start_ns = start_ns
@@ -125,17 +148,20 @@ class NetworkDriver:
                 return
 
     def _tick(self, now: int) -> None:
-        for direction, rep in self.replayers.items():
+        for direction, rep in self.replayers.items():  # direction: the point's name
             ahead = self.lead.lead_ns
             for change in rep.due(now + ahead):
-                self.net.set_bottleneck_rate(direction, change.rate_mbps)  # type: ignore[arg-type]
+                self.net.set_point_rate(direction, change.rate_mbps)
                 applied = now_ns()
                 if change.index or change.loop:  # the first rate is set as the clock starts
                     self.lead.observe(change.t_ns, applied, ahead)
                 lag_ms = (applied - change.t_ns) / 1e6
                 self.events.emit("trace_step", direction=direction, rate_mbps=change.rate_mbps,
                                  index=change.index, loop=change.loop, lag_ms=lag_ms)
+                if direction not in self.shapers:
+                    continue  # not the bottleneck: B(t) and the caps stay as they are
                 with self.lock:
+                    self.bottleneck_mbps[direction] = change.rate_mbps
                     self._enforce(self.shapers[direction].on_bandwidth(change.rate_mbps),
                                   direction)
                     if direction == "up":
@@ -145,8 +171,9 @@ class NetworkDriver:
 
     def on_report(self, msg: dict[str, Any]) -> None:
         node = str(msg.get("node", ""))
-        if msg.get("type") == "hello" and node.startswith("w") and node[1:].isdigit():
-            self._on_worker_hello(int(node[1:]))
+        worker = worker_index(node)
+        if msg.get("type") == "hello" and worker is not None:
+            self._on_worker_hello(worker)
             return
         if node != "ps" or msg.get("type") != "membership":
             return
@@ -168,11 +195,13 @@ class NetworkDriver:
         """A worker's control connection came up. Commands sent before it did were dropped
         (the driver starts while the agents are still importing torch), so give it its
         pacing cap and the bandwidth hint now."""
+        if "up" not in self.shapers:
+            return
         with self.lock:
             cap = self.shapers["up"].caps().get(worker)
             pace = self._socket_pacing_mbps(cap)
             if pace is not None:
-                ok = self.ctl.send(f"w{worker}", "pace", rate_bps=pace * 1e6)
+                ok = self.ctl.send(worker_node(worker), "pace", rate_bps=pace * 1e6)
                 self.events.emit("shape", worker=worker, rate_mbps=pace, method="pacing",
                                  delivered=ok, reason="hello")
             if worker in self.active:
@@ -185,7 +214,7 @@ class NetworkDriver:
         if method == "none":
             return
         for ch in changes:
-            node = f"w{ch.worker}"
+            node = worker_node(ch.worker)
             # CapChange.rate_mbps None removes the cap: the worker's own link rate for tc
             # (its HTB class must keep some rate), no pacing limit for sockets.
             cap_mbps = ch.rate_mbps
@@ -223,14 +252,16 @@ class NetworkDriver:
 
     @property
     def bandwidth_mbps(self) -> float:
-        """B(t) of the up bottleneck: what its link/N shaper was last told."""
-        return self.shapers["up"].bottleneck_mbps
+        """B(t) of the up bottleneck: the configured rate or the trace's last step."""
+        return self.bottleneck_mbps["up"]
 
     def _hint(self) -> None:
+        if "up" not in self.shapers:
+            return  # no bottleneck, no B(t) to tell
         for w in sorted(self.active):
             self._hint_worker(w)
 
     def _hint_worker(self, w: int) -> None:
-        self.ctl.send(f"w{w}", "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
+        self.ctl.send(worker_node(w), "bandwidth", bottleneck_bps=self.bandwidth_mbps * 1e6,
                       workers=len(self.active), trace_start_ns=self.start_ns)
 

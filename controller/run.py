@@ -22,89 +22,52 @@ from typing import IO, Any
 
 import pandas as pd
 
+from agents import auth
 from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.links import LINK_COLUMNS
 from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
-from controller.background import BackgroundTraffic, commands
 from controller.control import ControlServer
+from controller.driver import check_driver
+from controller.paths import resolve_paths
+from controller.roles import RoleCommand, RoleContext
+from controller.roles import plan_commands as role_commands
+from controller.runner import RoleRunner
 from controller.summary import summarize
-from topo.build import StarNetwork
+from topo.build import Network
+from topo.plan import build_plan, describe_impairments, describe_plan
 from topo.probe import probe
-from topo.spec import LinkSpec, StarSpec
+from topo.shapes import shape_spec
+from topo.shapes.star import star_spec
+from topo.spec import NetSpec
+
+__all__ = ["Experiment", "LinkSampler", "links_frame", "plan_commands", "shape_spec",
+           "star_spec"]
 
 LINK_SAMPLE_S = 0.1
 
 
-def star_spec(cfg: cfgmod.ExperimentConfig) -> StarSpec:
-    """The topology a config asks for (pure: no root needed)."""
-    n = cfg.net
-    def bottleneck(rate_mbps: float) -> LinkSpec:
-        return LinkSpec(rate_mbps=rate_mbps, queue_bytes=n.queue_bytes, delay_ms=n.delay_ms,
-                        loss_pct=n.loss_pct)
-
-    return StarSpec(workers=n.workers,
-                    worker_link=LinkSpec(rate_mbps=n.worker_link_mbps),
-                    bottleneck_up=bottleneck(n.bottleneck_mbps),
-                    bottleneck_down=bottleneck(n.down_mbps),
-                    offload=n.offload, extra_hosts=n.background_hosts,
-                    ack_first=n.ack_first)
-
-
-def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[str]:
-    """What ``gradbed run --dry-run`` prints: every qdisc command the build would run
-    (the same builders ``StarNetwork`` uses) and every agent it would start. Pure: no
-    root, nothing touched. Raises CapabilityError where the real run would."""
-    from dataclasses import replace
-
-    from topo import qdisc
-    from topo.build import impairments, require_impairments
-    from topo.netfilter import delay_queues, rule_commands
-
-    spec = star_spec(cfg)
-    sw = spec.switch_name
-    mech = require_impairments(spec, caps)
-    netem = bool(caps.get("netem"))
-    out = [f"# star: {spec.workers} workers on {sw}, ps at {spec.ip('ps')}",
-           f"# congestion control in every host: {cfg.net.congestion}",
-           f"# delay by {mech['delay']}, loss by {mech['loss']}"]
-    where = [("ps-eth0 (in ps)", "ps-eth0", spec.bottleneck_down, 1, False),
-             (f"{sw}-eth{spec.switch_port('ps')}", f"{sw}-eth{spec.switch_port('ps')}",
-              spec.bottleneck_up, 1, False)]
-    for w in spec.worker_names() + spec.extra_host_names():
-        where.append((f"{w}-eth0 (in {w})", f"{w}-eth0", spec.worker_link,
-                      spec.sender_gso_segs(w), spec.ack_first))
-        port = f"{sw}-eth{spec.switch_port(w)}"
-        where.append((port, port, spec.worker_link, 1, False))
-    for label, dev, link, segs, ack_first in where:
-        out.append(f"# {label}")
-        if not netem:  # delay and loss go to the receiving hosts (below)
-            link = replace(link, delay_ms=0.0, loss_pct=0.0)
-        for argv in qdisc.offload_commands(dev, spec.offload, segs) + qdisc.shaping_commands(
-                dev, link, caps, offload=spec.offload, ack_first=ack_first):
-            out.append("$ " + " ".join(argv))
-    if not netem:
-        for host, imps in impairments(spec).items():
-            out.append(f"# delay and loss arriving at {host}")
-            queues = delay_queues(imps)
-            if queues:
-                out.append("$ python -m topo.delayline "
-                           + " ".join(f"--queue {q}:{d:g}" for q, d in queues)
-                           + f"   # in {host}")
-            for argv in rule_commands(imps):
-                out.append("$ " + " ".join(argv) + f"   # in {host}")
-    py = "python"
-    out.append(f"$ {py} -m agents.ps --run-dir RUN   # in ps")
-    for k in range(spec.workers):
-        out.append(f"$ {py} -m agents.worker --run-dir RUN --worker {k} --ps {spec.ip('ps')} "
-                   f"--port {cfg.net.ps_port}   # in w{k}")
-    for c in commands(cfg, spec, Path("RUN")):
-        out.append(f"$ {' '.join(c.argv)}   # in {c.host}, background traffic")
-    if cfg.trace.up or cfg.trace.down:
-        out.append(f"# then trace replay: up={cfg.trace.up or '-'} down={cfg.trace.down or '-'}"
-                   f" every {cfg.trace.granularity_ms} ms with tc class change")
+def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
+                  spec: NetSpec | None = None) -> list[str]:
+    """What ``gradbed run --dry-run`` prints: every command the builder would run
+    (``topo.plan.build_plan``, the very list ``Network`` executes) and every process the
+    roles would start. Pure: no root, nothing touched. Raises CapabilityError, SpecError
+    or RoleError where the real run would."""
+    spec = spec or shape_spec(cfg)
+    check_driver(cfg, spec)
+    out = describe_plan(spec, build_plan(spec, caps))
+    out.insert(1, f"# congestion control in every host: {cfg.net.congestion}")
+    out += describe_impairments(spec, caps)
+    ctx = RoleContext(cfg, spec, Path("RUN"))
+    for role, c in role_commands(ctx):
+        out.append(f"$ {' '.join(c.argv)}   # in {c.host}, role {role.name}")
+    for p in spec.places():
+        if p.point.trace:
+            out.append(f"# then trace replay on {p.point.name} ({p.dev}): {p.point.trace} "
+                       f"every {cfg.trace.granularity_ms} ms with tc class change")
     if cfg.shaping.method != "none":
         out.append(f"# then link/N caps by {cfg.shaping.method}: "
                    f"{cfg.net.bottleneck_mbps / cfg.net.workers:g} Mbit/s per worker")
@@ -112,20 +75,25 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any]) -> list[st
 
 
 class LinkSampler(threading.Thread):
-    """Samples the bottleneck's qdisc counters in both directions every 100 ms."""
+    """Samples the qdisc counters of the spec's watched shaping points (a star's or
+    dumbbell's ``up`` and ``down`` bottleneck) and of every point that replays a trace,
+    every 100 ms; ``direction`` is the point's name."""
 
-    def __init__(self, net: StarNetwork, period_s: float = LINK_SAMPLE_S) -> None:
+    def __init__(self, net: Network, period_s: float = LINK_SAMPLE_S) -> None:
         super().__init__(name="link-sampler", daemon=True)
         self.net = net
         self.period_s = period_s
+        spec = net.spec
+        traced = [p.point.name for p in spec.places() if p.point.trace]
+        self.points = list(dict.fromkeys([*spec.watch, *traced]))
         self.rows: list[dict[str, Any]] = []
         self.stop_event = threading.Event()
         self.error: str | None = None
 
     def sample(self) -> None:
-        for d in ("up", "down"):
-            st = self.net.bottleneck_stats(d)  # type: ignore[arg-type]
-            dev = self.net.bottleneck_dev(d)  # type: ignore[arg-type]
+        for d in self.points:
+            st = self.net.point_stats(d)
+            dev = self.net.point_dev(d)
             self.rows.append({"ts_ns": now_ns(), "direction": d, "dev": dev,
                               "sent_bytes": st.sent_bytes, "sent_pkts": st.sent_pkts,
                               "drops": st.drops, "overlimits": st.overlimits,
@@ -148,19 +116,18 @@ class LinkSampler(threading.Thread):
         return links_frame(list(self.rows))
 
 
-LINK_COLUMNS = ["ts_ns", "direction", "dev", "sent_bytes", "sent_pkts", "drops", "overlimits",
-                "backlog_bytes", "backlog_pkts", "rate_mbps"]
-
-
 def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(rows, columns=LINK_COLUMNS)
+    """The link samples as ``links.parquet`` holds them (agents/core/links.py's columns)."""
+    return pd.DataFrame(rows, columns=list(LINK_COLUMNS))
 
 
 class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False) -> None:
-        self.cfg = cfg
+        # Relative file names in a config built in Python are the caller's; the agents run
+        # elsewhere (controller.paths).
+        self.cfg = resolve_paths(cfg, Path.cwd())
         self.out_root = out_root
         self.argv = argv
         self.progress = progress and not quiet
@@ -168,10 +135,15 @@ class Experiment:
         self.run_dir: Path | None = None
         self._logf: IO[str] | None = None
         self._bar: Any = None
-        self._ps_state: dict[str, Any] = {"iter": -1, "done": False}
+        self._ps_state: dict[str, Any] = {"iter": -1}
         self.driver: Any = None
-        self.background: BackgroundTraffic | None = None
-        self._net: StarNetwork | None = None
+        self.runner: RoleRunner | None = None
+        # A bad shape or trace placement is refused here, before any directory exists.
+        self.spec: NetSpec = shape_spec(cfg)
+        check_driver(cfg, self.spec)
+        # The run's master key lives in this process only; agents get theirs on stdin.
+        self._master = auth.new_master()
+        self._net: Network | None = None
 
     # -- logging --------------------------------------------------------------------
 
@@ -191,7 +163,10 @@ class Experiment:
     def _on_report(self, msg: dict[str, Any]) -> None:
         """Reports from agents over the control socket (runs on its thread)."""
         kind, node = msg.get("type"), msg.get("node")
-        if node == "ps" and kind == "iter_done":
+        if self.runner is not None:
+            self.runner.on_report(msg)
+        progress = self.runner.progress_nodes if self.runner is not None else set()
+        if node in progress and kind == "iter_done":
             self._ps_state["iter"] = int(msg["iter"])
             if self._bar is not None:
                 post = {"workers": msg.get("workers")}
@@ -201,40 +176,49 @@ class Experiment:
                     post["acc"] = f"{self._ps_state['accuracy']:.3f}"
                 self._bar.set_postfix(post, refresh=False)
                 self._bar.update(int(msg["iter"]) + 1 - self._bar.n)
-        elif node == "ps" and kind == "ready":
-            self._ps_state["ready"] = True
-        elif node == "ps" and kind == "done":
-            self._ps_state["done"] = True
-            self._ps_state["reason"] = msg.get("reason", "")
         if self.driver is not None:
             self.driver.on_report(msg)
 
     # -- the run --------------------------------------------------------------------
 
     def run(self) -> Path:
+        """Run the experiment; returns its directory. Whatever stops it (an error before or
+        after the start, Ctrl-C, SIGTERM), the directory loads and its summary says why."""
+        run_dir = rundir.create(self.out_root, self.cfg.run.name)
+        self.run_dir = run_dir
+        rundir.mark_active(run_dir)
+        try:
+            return self._run(run_dir)
+        except BaseException as e:
+            rundir.finish(run_dir, _stop_reason(e), error=f"{type(e).__name__}: {e}",
+                          cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
+            raise
+        finally:
+            rundir.mark_done(run_dir)
+            rundir.hand_over(run_dir)
+
+    def _run(self, run_dir: Path) -> Path:
         cfg = self.cfg
         started_ns = now_ns()
         t_start = time.monotonic()
-        run_dir = rundir.create(self.out_root, cfg.run.name)
-        self.run_dir = run_dir
         self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
         self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
         caps = probe()
         rundir.write_atomic(run_dir / "config.toml", cfgmod.dumps(cfg))
         meta = rundir.meta(run_dir, caps, started_ns, self.argv)
         rundir.write_json(run_dir / "meta.json", meta)
-        self.say(f"run {run_dir.name}: {cfg.net.workers} workers, "
+        self.say(f"run {run_dir.name}: {self.spec.shape}, {cfg.net.workers} workers, "
                  f"{cfg.net.bottleneck_mbps} Mbit/s bottleneck, {cfg.workload.name}, "
                  f"compress={cfg.compress.name}")
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
-        ctl = ControlServer(control_path(run_dir), self._on_report)
+        ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
         self.say("building the network")
         try:
-            with StarNetwork(star_spec(cfg), log=self.say, caps=caps) as net:
+            with Network(self.spec, log=self.say, caps=caps) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
                 rundir.write_json(run_dir / "meta.json", meta)
@@ -248,14 +232,20 @@ class Experiment:
                 from controller.driver import NetworkDriver
 
                 self.driver = NetworkDriver(cfg, net, ctl, self.events, self.say)
-                self.background = BackgroundTraffic(cfg, net.spec, run_dir, self.say)
+                ctx = RoleContext(cfg, net.spec, run_dir, sys.executable)
+                self.runner = RoleRunner(ctx, lambda c: self._start(net, c, run_dir),
+                                         self.say, self.events)
                 try:
-                    stop_reason = self._run_agents(net, run_dir)
+                    stop_reason = self._run_agents(net, self.runner)
                 finally:
-                    self._stop_background()
+                    self.runner.stop_sessions()
         except KeyboardInterrupt:
             interrupted = True
             stop_reason = "interrupted"
+        except Exception as e:
+            stop_reason = _stop_reason(e)
+            self.say(f"{stop_reason}: {type(e).__name__}: {e}")
+            raise
         finally:
             # Finish writing whatever happens: a second Ctrl-C must not cut this short.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -279,33 +269,35 @@ class Experiment:
                     self._logf.close()
         return run_dir
 
-    def _start(self, net: StarNetwork, host: str, argv: list[str], run_dir: Path
-               ) -> subprocess.Popen[Any]:
-        log = open(run_dir / "logs" / f"{host}.log", "ab")
-        env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
-        self.say(f"start {host}: {' '.join(argv)}")
-        # A new session: a terminal's Ctrl-C reaches only the controller, which then
-        # stops the agents itself and keeps their last events.
-        return net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT,
-                         cwd=str(rundir.REPO_ROOT), env=env, start_new_session=True)
+    def _control_key(self, node: str) -> bytes | None:
+        """The key a control-socket peer must prove: the agents of this run's roles only."""
+        known = any(h.name == node and h.role for h in self.spec.hosts)
+        return auth.node_key(self._master, node) if known else None
 
-    def _run_agents(self, net: StarNetwork, run_dir: Path) -> str:
+    def _start(self, net: Network, cmd: RoleCommand, run_dir: Path
+               ) -> subprocess.Popen[Any]:
+        path = cmd.log_path(run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
+        self.say(f"start {cmd.host}: {' '.join(cmd.argv)}")
+        with open(path, "ab") as log:  # the child keeps its own copy
+            # A new session: a terminal's Ctrl-C reaches only the controller, which then
+            # stops the agents itself and keeps their last events. Its key goes down its
+            # stdin, a pipe only we hold: the pipe stays open, and when this process dies
+            # the agent sees EOF and ends too (agents.auth).
+            p = net.popen(cmd.host, list(cmd.argv), stdin=subprocess.PIPE, stdout=log,
+                          stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
+                          start_new_session=True)
+        assert p.stdin is not None
+        p.stdin.write(auth.bundle_for(self._master, cmd.host).encode())
+        p.stdin.flush()
+        return p
+
+    def _run_agents(self, net: Network, runner: RoleRunner) -> str:
+        """Every host's role, in phases; the driver; the session roles; then the wait
+        for the roles that end the run."""
         cfg = self.cfg
-        py = sys.executable
-        ps = self._start(net, "ps", [py, "-m", "agents.ps", "--run-dir", str(run_dir)], run_dir)
-        deadline = time.monotonic() + 60
-        while not self._ps_state.get("ready"):
-            if ps.poll() is not None:
-                raise RuntimeError(f"PS exited with status {ps.returncode} before it was "
-                                   f"ready; see {run_dir / 'logs' / 'ps.log'}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"PS not ready after 60 s; see {run_dir / 'logs/ps.log'}")
-            time.sleep(0.05)
-        workers = {}
-        for k in range(cfg.net.workers):
-            workers[k] = self._start(net, f"w{k}", [
-                py, "-m", "agents.worker", "--run-dir", str(run_dir), "--worker", str(k),
-                "--ps", net.ip("ps"), "--port", str(cfg.net.ps_port)], run_dir)
+        runner.start_agents()
         if self.progress:
             from tqdm import tqdm
 
@@ -313,43 +305,8 @@ class Experiment:
                              dynamic_ncols=True, file=sys.stderr)
         assert self.driver is not None
         self.driver.start()
-        if self.background is not None:
-            self.background.start(net)
-        deadline = time.monotonic() + cfg.run.timeout_s
-        reported: set[int] = set()
-        while ps.poll() is None:
-            if time.monotonic() > deadline:
-                self.say(f"timeout after {cfg.run.timeout_s} s: stopping")
-                return f"timeout after {cfg.run.timeout_s} s"
-            for k, p in workers.items():
-                if p.poll() not in (None, 0) and k not in reported:
-                    reported.add(k)
-                    self.say(f"w{k} exited with status {p.returncode}; "
-                             f"see logs/w{k}.log")
-            time.sleep(0.1)
-        # The PS is done; give workers a moment to read its BYE and exit on their own.
-        end = time.monotonic() + 10
-        for p in workers.values():
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        if ps.returncode != 0:
-            return f"PS exited with status {ps.returncode}; see logs/ps.log"
-        return str(self._ps_state.get("reason") or "completed")
-
-    def _stop_background(self) -> None:
-        """End the background flows and log one ``background`` event per host."""
-        if self.background is None or not self.background.cmds:
-            return
-        for report in self.background.stop():  # bulk flows; a flowgen source logs its own
-            assert self.events is not None
-            self.events.emit("background", **report)
-            if "error" in report:
-                self.say(f"background {report['host']}: {report['error']}")
-            else:
-                self.say(f"background {report['host']}: {report['bytes'] / 1e6:.1f} MB, "
-                         f"{report['mbps']:.1f} Mbit/s over {report['seconds']:.1f} s")
+        runner.start_sessions(net)
+        return runner.wait(cfg.run.timeout_s)
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
@@ -383,6 +340,13 @@ class Experiment:
             self.say(f"warning: report not written: {e}")
             if not self.quiet:
                 print(f"warning: report not written: {e}", file=sys.stderr)
+
+
+def _stop_reason(e: BaseException) -> str:
+    """The summary's ``stop_reason`` for a run that an exception ended."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return f"failed: {e}" if str(e) else f"failed: {type(e).__name__}"
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

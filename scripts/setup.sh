@@ -6,7 +6,8 @@ if [ "$(id -u)" -ne 0 ]; then exec sudo -E bash "$0" "$@"; fi
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(mininet bridge-utils iperf3 iputils-ping iproute2 ethtool tcpdump tcpreplay psmisc
-          iptables)  # iptables: delay (NFQUEUE) and loss (statistic) without netem
+          iptables             # delay (NFQUEUE) and loss (statistic) without netem
+          dataset-fashion-mnist)  # Fashion-MNIST IDX files, read by agents/workloads
 # Chromium renders the HTML report in the test suite; only the tests ask for it.
 if [ "${GRADBED_WITH_CHROMIUM:-0}" = "1" ]; then APT_PKGS+=(chromium); fi
 

@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# Every event a test makes (here, and in the agents and controllers the tests start, which
+# inherit the environment) must be declared in agents/core/events.py.
+os.environ["GRADBED_STRICT_EVENTS"] = "1"
+
 
 def mininet_unavailable_reason() -> str | None:
     """Why tests marked ``mininet`` cannot run here, or None when they can."""

@@ -104,15 +104,15 @@ def test_utilization_of_a_known_byte_series() -> None:
     # intervals: idle, 100k, 50k, 100k, idle  -> busy span = 3 intervals -> 250k / 300k
     sent = [0, 0, 100_000, 150_000, 250_000, 250_000]
     links = _links(sent, [8.0] * 6)
-    assert metrics.utilization(links, "up") == pytest.approx(250 / 300)
-    assert math.isnan(metrics.utilization(links, "down"))
+    assert metrics.busy_utilization(links, "up") == pytest.approx(250 / 300)
+    assert math.isnan(metrics.busy_utilization(links, "down"))
 
 
 def test_utilization_uses_the_rate_in_force_per_interval() -> None:
     # rate halves at sample 2; an interval runs at the rate of its first sample, so the
     # intervals allow 100k, 100k, 50k and deliver 100k, 50k, 25k
     links = _links([0, 100_000, 150_000, 175_000], [8.0, 8.0, 4.0, 4.0])
-    assert metrics.utilization(links, "up") == pytest.approx(175 / 250)
+    assert metrics.busy_utilization(links, "up") == pytest.approx(175 / 250)
     thr = metrics.link_throughput(links, "up")
     assert thr["throughput_mbps"].tolist() == pytest.approx([8.0, 4.0, 2.0])
     assert thr["rate_mbps"].tolist() == [8.0, 8.0, 4.0]
@@ -146,13 +146,24 @@ def test_iteration_breakdown_means_and_remainder() -> None:
     assert warm.loc["w0", "compute_s"] == pytest.approx(0.8)
 
 
-def test_time_to_accuracy_interpolates_between_bracketing_evals() -> None:
-    ev = pd.DataFrame({"t_s": [10.0, 20.0, 30.0, 40.0], "accuracy": [0.5, 0.7, 0.9, 0.8]})
-    assert metrics.time_to_accuracy(ev, 0.8) == pytest.approx(25.0)
-    assert metrics.time_to_accuracy(ev, 0.8, interpolate=False) == pytest.approx(30.0)
+def test_time_to_accuracy_is_the_first_evaluation_at_target_from_training_start() -> None:
+    s = 1_000_000_000
+    ev = pd.DataFrame({"event": ["run_start", "ps_ready"] + ["eval"] * 4,
+                       "node": ["controller", "ps", "ps", "ps", "ps", "ps"],
+                       "ts_ns": [0, 5 * s, 15 * s, 25 * s, 35 * s, 45 * s],
+                       "iter": [-1, -1, 9, 19, 29, 39],
+                       "accuracy": [np.nan, np.nan, 0.5, 0.7, 0.9, 0.8]})
+    # Measured at the evaluation (no interpolation), from ps_ready (not run_start).
+    assert metrics.time_to_accuracy(ev, 0.8) == pytest.approx(30.0)
+    assert metrics.iterations_to_accuracy(ev, 0.8) == 30
     assert metrics.time_to_accuracy(ev, 0.4) == pytest.approx(10.0)  # already there
     assert metrics.time_to_accuracy(ev, 0.9) == pytest.approx(30.0)
     assert math.isnan(metrics.time_to_accuracy(ev, 0.95))
+    assert metrics.iterations_to_accuracy(ev, 0.95) is None
+    assert math.isnan(metrics.time_to_accuracy(ev, 0.0))  # no target, no time
+    # Another node's "accuracy" is not the PS's held-out evaluation.
+    other = ev.assign(node=["controller", "ps", "w0", "w0", "w0", "w0"])
+    assert math.isnan(metrics.time_to_accuracy(other, 0.4))
 
 
 def test_bytes_per_iteration() -> None:

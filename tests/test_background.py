@@ -16,7 +16,7 @@ import pytest
 
 from agents.core import config as cfgmod
 from controller.background import BASE_PORT, commands, read_report
-from controller.run import plan_commands, star_spec
+from controller.run import plan_commands, shape_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary
 from topo.qdisc import htb_burst_bytes
 
@@ -49,12 +49,12 @@ def test_bad_background_fields_name_the_field(field, value, allowed):
 def test_commands_one_server_per_host_then_the_clients(tmp_path):
     c = cfg("net.background_hosts=2", "background.flows=3", "background.rate_mbps=5",
             "background.direction=\"down\"", "background.duration_s=4")
-    cmds = commands(c, star_spec(c), tmp_path)
+    cmds = commands(c, shape_spec(c), tmp_path)
     assert [x.host for x in cmds] == ["ps", "ps", "bg0", "bg1"]
     assert cmds[0].argv == ("iperf3", "-s", "-1", "-B", "10.0.0.1", "-p", str(BASE_PORT))
     bg1 = list(cmds[3].argv)
     assert bg1[bg1.index("-p") + 1] == str(BASE_PORT + 1)
-    assert bg1[bg1.index("-B") + 1] == star_spec(c).ip("bg1")
+    assert bg1[bg1.index("-B") + 1] == shape_spec(c).ip("bg1")
     assert bg1[bg1.index("-P") + 1] == "3" and bg1[bg1.index("-t") + 1] == "4"
     assert bg1[bg1.index("-b") + 1] == "5M" and "-R" in bg1
     assert bg1[bg1.index("-C") + 1] == "cubic"  # net.congestion when not given
@@ -63,12 +63,12 @@ def test_commands_one_server_per_host_then_the_clients(tmp_path):
 
 def test_open_ended_flows_outlast_the_run_and_are_in_the_dry_run(tmp_path):
     c = cfg("net.background_hosts=1", "background.flows=1", "background.congestion=\"bbr\"")
-    argv = list(commands(c, star_spec(c), tmp_path)[1].argv)
+    argv = list(commands(c, shape_spec(c), tmp_path)[1].argv)
     assert float(argv[argv.index("-t") + 1]) > c.run.timeout_s
     assert "-b" not in argv and "-R" not in argv and argv[argv.index("-C") + 1] == "bbr"
     plan = "\n".join(plan_commands(c, {"netem": False}))
-    assert "iperf3 -c 10.0.0.1" in plan and "# in bg0, background traffic" in plan
-    assert commands(cfg(), star_spec(cfg()), tmp_path) == []
+    assert "iperf3 -c 10.0.0.1" in plan and "# in bg0, role flowgen" in plan
+    assert commands(cfg(), shape_spec(cfg()), tmp_path) == []
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ from agents import codec
 from agents.core.policies.backlog import backlog_shares
 from agents.pacing import get_max_pacing_rate
 from agents.ps import ParameterServer, _Conn
-from tests.loopback import make_run_dir
+from tests.loopback import any_session, make_run_dir, ps_keys
 
 CASES = [
     {0: 100, 1: 100, 2: 100},
@@ -85,11 +85,11 @@ def _pair() -> tuple[socket.socket, socket.socket]:
 
 def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, ['shaping.method="tc"', "net.workers=2"])
-    ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
+    ps = ParameterServer(cfg, run_dir, run_dir.name, ps_keys(run_dir), host="127.0.0.1", port=0)
     pairs = [_pair(), _pair()]
     try:
         for w, (cli, _) in enumerate(pairs):
-            ps.conns[w] = _Conn(w, cli, f"test:{w}")
+            ps.conns[w] = _Conn(w, cli, f"test:{w}", any_session(run_dir, w))
             ps.active.add(w)
             ps.pacing_bps[w] = 50e6  # the controller's B_down / N, B_down = 100 Mbit/s
         # w0: 400 KB its peer does not read (what the peer's kernel has not acknowledged
@@ -133,11 +133,11 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
 
 def test_no_rebalance_without_downlink_pacing(tmp_path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=2"])
-    ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
+    ps = ParameterServer(cfg, run_dir, run_dir.name, ps_keys(run_dir), host="127.0.0.1", port=0)
     a, b = _pair()
     try:
-        ps.conns[0] = _Conn(0, a, "test:0")
-        ps.conns[1] = _Conn(1, b, "test:1")
+        ps.conns[0] = _Conn(0, a, "test:0", any_session(run_dir, 0))
+        ps.conns[1] = _Conn(1, b, "test:1", any_session(run_dir, 1))
         ps.active |= {0, 1}
         assert ps.rebalance() == {}
     finally:
@@ -152,9 +152,9 @@ def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
     Every byte not yet in the peer's receive queue is then backlog, exactly once: the
     unsent rest of the message in user space plus the sender kernel's SIOCOUTQ."""
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
-    ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
+    ps = ParameterServer(cfg, run_dir, run_dir.name, ps_keys(run_dir), host="127.0.0.1", port=0)
     cli, peer = _pair()
-    conn = _Conn(0, cli, "test:0")
+    conn = _Conn(0, cli, "test:0", any_session(run_dir, 0))
     sender = threading.Thread(target=ps._send_loop, args=(conn,), daemon=True)
     try:
         sender.start()

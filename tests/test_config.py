@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agents.core import config as cfgmod
+from agents.core.registry import WORKLOAD
 from controller.run import plan_commands, star_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def test_cli_reports_config_errors_with_exit_status_2() -> None:
                                    and "-m topo.delayline --queue 100:5" in p.stdout)
 
 
-@pytest.mark.parametrize("name", cfgmod.WORKLOAD_NAMES)
+@pytest.mark.parametrize("name", WORKLOAD.declared())
 def test_every_workload_the_config_accepts_is_built(name: str) -> None:
     from agents.workloads.factory import make_workload
 
@@ -114,5 +115,5 @@ def test_every_workload_the_config_accepts_is_built(name: str) -> None:
 def test_an_unknown_workload_name_lists_the_known_ones() -> None:
     from agents.workloads.factory import make_workload
 
-    with pytest.raises(ValueError, match="digits_mlp, digits_cnn, replay"):
+    with pytest.raises(ValueError, match="digits_cnn, digits_deep, digits_mlp, replay"):
         make_workload(cfgmod.WorkloadConfig(name="gpt"))

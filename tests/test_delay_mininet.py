@@ -29,7 +29,8 @@ import pytest
 from tests.test_topo_mininet import assert_nothing_left
 from topo.build import StarNetwork
 from topo.netfilter import ImpairmentError
-from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec
+from topo.shapes.star import StarSpec
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec
 
 pytestmark = pytest.mark.mininet
 REPO = Path(__file__).resolve().parents[1]

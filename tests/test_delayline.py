@@ -17,7 +17,8 @@ from topo.netfilter import (
     rule_commands,
 )
 from topo.qdisc import CapabilityError
-from topo.spec import LinkSpec, StarSpec
+from topo.shapes.star import StarSpec
+from topo.spec import LinkSpec
 
 
 def packet_notice(queue: int, packet_id: int, stamp: tuple[int, int] | None = None) -> bytes:

@@ -1,4 +1,4 @@
-"""Flow-size CDFs (traces/flowsize.py) and the flow generator (agents/flowgen.py): the
+"""Flow-size CDFs (agents/core/flowsize.py) and the flow generator (agents/flowgen.py): the
 real data-centre CDFs load with the right means, every malformed line is named, the
 arrivals offer the load asked for, and real flows over loopback report their completion
 times."""
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from agents.core.bandwidth import TraceError
 from agents.core.events import EventLog, read_jsonl
+from agents.core.flowsize import FlowSizeCDF, flow_arrivals, load_flow_cdf
 from agents.flowgen import Source
-from traces.bandwidth import TraceError
-from traces.flowsize import FlowSizeCDF, flow_arrivals, load_flow_cdf
 from traces.generate import pareto_flow_cdf
 
 REPO = Path(__file__).resolve().parents[1]

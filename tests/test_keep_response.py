@@ -1,4 +1,4 @@
-"""analysis.keep_response runs the data-parallel mathematics in one process: with nothing
+"""controller.keep_response runs the data-parallel mathematics in one process: with nothing
 lost in compression it must land on the weights of one process training on the whole
 batch (torchgpipe-style transparency), and its iteration count must be the PS's."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agents.workloads.digits import DigitsCNN, DigitsMLP
-from analysis.keep_response import TrainingSpec, iterations_to_target, train
+from agents.workloads.digits_cnn import DigitsCNN
+from agents.workloads.digits_mlp import DigitsMLP
+from controller.keep_response import TrainingSpec, iterations_to_target, train
 from tests.test_transparency import reference_weights
 
 SPEC = TrainingSpec(workers=3, batch_size=32, lr=0.2, momentum=0.9, chunk_bytes=8192)

@@ -86,7 +86,8 @@ def test_lead_timer_converges_on_a_steady_lag_and_stays_bounded() -> None:
 @pytest.mark.mininet
 def test_netlink_change_installs_what_tc_installs() -> None:
     from topo.build import StarNetwork
-    from topo.spec import LinkSpec, StarSpec
+    from topo.shapes.star import StarSpec
+    from topo.spec import LinkSpec
 
     spec = StarSpec(workers=1, worker_link=LinkSpec(rate_mbps=None),
                     bottleneck_up=LinkSpec(rate_mbps=100, queue_bytes=1_000_000),

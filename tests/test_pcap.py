@@ -17,10 +17,10 @@ from scapy.packet import Raw
 from scapy.utils import rdpcap, wrpcap
 
 from agents.core import config as cfgmod
+from agents.core.bandwidth import TraceError
 from controller.background import commands, read_tcpreplay
-from controller.run import star_spec
+from controller.run import shape_spec
 from tests.mininet_run import events, gradbed_run, leftovers, summary
-from traces.bandwidth import TraceError
 from traces.pcap import pcap_summary, read_capture, rewrite_pcap, rewrite_pcap_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
 def test_pcap_commands_and_config_errors(tmp_path):
     c = cfg("net.background_hosts=2", 'background.kind="pcap"', 'background.pcap="x.pcap"',
             "background.pcap_mbps=5", "background.duration_s=3")
-    cmds = commands(c, star_spec(c), tmp_path)
+    cmds = commands(c, shape_spec(c), tmp_path)
     assert [x.host for x in cmds] == ["bg0", "bg1"]
     assert cmds[1].argv == ("tcpreplay", "-i", "bg1-eth0", "--loop=0", "--duration=3",
                             "--mbps=5", str(tmp_path / "background" / "bg1.pcap"))

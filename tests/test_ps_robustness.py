@@ -4,10 +4,10 @@ the other workers").
 
 One loopback run (no root, no Mininet) with 4 worker slots: workers 0 and 1 are the real
 ``agents.worker`` processes; slots 2 and 3 are fake workers in this process that know the
-run's secret, complete the HELLO -> WELCOME + WEIGHTS handshake exactly as a worker does,
+run's worker keys, complete the challenge-response handshake exactly as a worker does,
 and then send a top-k ``GRAD`` for iteration 0 whose indices are out of range (slot 2) or
 whose index and value lengths disagree (slot 3). Slot 3 holds iteration 0 open (the PS
-waits for its gradient) while a client with the wrong secret and a client that sends
+waits for its gradient) while a client with the wrong key and a client that sends
 garbage bytes connect, so both are rejected while the PS is mid-run, deterministically.
 The run must still complete every iteration with the two real workers.
 """
@@ -23,11 +23,19 @@ from typing import Any
 import pytest
 import torch
 
-from agents import codec, wire
+from agents import auth, codec, protocol, wire
 from agents.core.events import read_jsonl
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.loopback import connect, make_run_dir, start_ps, start_worker
+from tests.loopback import (
+    MASTERS,
+    connect,
+    handshake,
+    make_run_dir,
+    start_ps,
+    start_worker,
+    worker_key,
+)
 
 ITERATIONS = 30
 
@@ -35,11 +43,11 @@ ITERATIONS = 30
 class FakeWorker(threading.Thread):
     """Says HELLO as ``worker``, takes the weights, then sends one malformed GRAD."""
 
-    def __init__(self, port: int, tag: int, worker: int, nchunks: int, chunk_numel: int,
+    def __init__(self, port: int, run_dir: Any, worker: int, nchunks: int, chunk_numel: int,
                  bad: str, hold: threading.Event | None = None) -> None:
         super().__init__(daemon=True)
         self.hold = hold  # when given, the bad GRAD waits for it (the PS waits too)
-        self.port, self.tag, self.worker = port, tag, worker
+        self.port, self.run_dir, self.worker = port, run_dir, worker
         self.nchunks, self.chunk_numel, self.bad = nchunks, chunk_numel, bad
         self.error: BaseException | None = None
         self.welcomed = False
@@ -54,13 +62,7 @@ class FakeWorker(threading.Thread):
 
     def _run(self) -> None:
         s = connect(self.port)
-        reader = wire.FrameReader(s, expect_tag=self.tag)
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", self.worker),
-                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                                          worker=self.worker, iteration=0)
-        wire.send_frame(s, hdr, body)
-        h, _ = reader.read_frame()
-        assert h.msg_type == codec.MsgType.WELCOME, h.describe()
+        reader, session = handshake(s, self.run_dir, self.worker)
         self.welcomed = True
         for _ in range(self.nchunks):
             parts = reader.read_message()
@@ -75,8 +77,8 @@ class FakeWorker(threading.Thread):
             idx[-1] = self.chunk_numel + 7  # one past the end and then some
         else:
             idx = idx[:-1]  # 15 indices for 16 values
-        wire.send_message(s, [values, idx], msg_type=codec.MsgType.GRAD, run_tag=self.tag,
-                          worker=self.worker, iteration=0, chunk=0)
+        wire.send_message(s, [values, idx], msg_type=codec.MsgType.GRAD, run_tag=0,
+                          worker=self.worker, iteration=0, chunk=0, mac=session.up)
         # The PS drops the connection: EOF (or a reset) is what a worker sees.
         try:
             while s.recv(65536):
@@ -106,8 +108,6 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir, cfg = make_run_dir(tmp, [
         "net.workers=4", "workload.hidden=64", f"run.iterations={ITERATIONS}",
         "run.eval_every=10", "compress.name=topk", "compress.ratio=0.1", "run.seed=3"])
-    secret = (run_dir / "secret").read_bytes()
-    tag = codec.run_tag(run_dir.name, secret)
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
     port = cfg.net.ps_port
@@ -115,19 +115,22 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workers = [start_worker(run_dir, k, port) for k in (0, 1)]
     hold = threading.Event()
     numel = chunks[0][1] - chunks[0][0]
-    fakes = [FakeWorker(port, tag, 2, len(chunks), numel, "index"),
-             FakeWorker(port, tag, 3, len(chunks), numel, "length", hold=hold)]
+    fakes = [FakeWorker(port, run_dir, 2, len(chunks), numel, "index"),
+             FakeWorker(port, run_dir, 3, len(chunks), numel, "length", hold=hold)]
     out: dict[str, Any] = {"run_dir": run_dir, "fakes": fakes}
     try:
         for f in fakes:
             f.start()
         assert fakes[1].admitted.wait(timeout=90), "fake worker 3 was never admitted"
         # Mid-run: the PS is in iteration 0, waiting for worker 3's gradient.
-        wrong = codec.run_tag(run_dir.name, b"not-the-secret")
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", 1),
-                                          msg_type=codec.MsgType.HELLO, run_tag=wrong,
-                                          worker=1, iteration=0)
-        out["wrong_secret"] = _rejected(port, hdr + bytes(body))
+        s = connect(port)
+        try:
+            handshake(s, run_dir, 1, key=b"not the key".ljust(32, b"!"))
+            out["wrong_secret"] = "admitted"
+        except protocol.Rejected as e:
+            out["wrong_secret"] = str(e)
+        finally:
+            s.close()
         out["garbage"] = _rejected(port, os.urandom(64) + b"\x00" * 36)
         out["ps_alive_after_rejects"] = ps.poll() is None
         hold.set()
@@ -174,11 +177,10 @@ def test_length_mismatch_is_a_frame_error_naming_the_worker(
     assert lost and "15 indices but 16 values" in lost[0]["reason"]
 
 
-def test_wrong_secret_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
-    h, text = hostile_run["wrong_secret"]
-    assert h.msg_type == codec.MsgType.ERROR
-    assert "run_tag" in text or "tag" in text, text
-    logged = [e for e in _ps(hostile_run, "frame_error") if e["error"] == text]
+def test_wrong_key_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
+    text = hostile_run["wrong_secret"]
+    assert "failed the challenge" in text, text
+    logged = [e for e in _ps(hostile_run, "frame_error") if e["error"] in text]
     assert len(logged) == 1 and logged[0]["peer"].startswith("127.0.0.1:")
 
 
@@ -195,8 +197,9 @@ def test_run_completes_with_the_real_workers(hostile_run: dict[str, Any]) -> Non
     # optimizer step), and the run went on afterwards.
     first_step = min(e["ts_ns"] for e in _ps(hostile_run, "ps_iter_done"))
     ready = _ps(hostile_run, "ps_ready")[0]["ts_ns"]
-    texts = {hostile_run["wrong_secret"][1], hostile_run["garbage"][1]}
-    rejects = [e["ts_ns"] for e in _ps(hostile_run, "frame_error") if e["error"] in texts]
+    texts = [hostile_run["wrong_secret"], hostile_run["garbage"][1]]
+    rejects = [e["ts_ns"] for e in _ps(hostile_run, "frame_error")
+               if any(e["error"] in t for t in texts)]
     assert len(rejects) == 2 and all(ready < t < first_step for t in rejects)
     assert hostile_run["ps_rc"] == 0
     assert hostile_run["worker_rcs"] == [0, 0]
@@ -219,10 +222,12 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
     from tests.test_backlog import _pair
 
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
-    ps = ParameterServer(cfg, run_dir, run_dir.name, b"s" * 32, host="127.0.0.1", port=0)
+    ps = ParameterServer(cfg, run_dir, run_dir.name, auth.bundle_for(MASTERS[run_dir], "ps"),
+                         host="127.0.0.1", port=0)
     worker_end, ps_end = _pair()
     try:
-        conn = _Conn(0, ps_end, "test:0")
+        key = worker_key(run_dir, 0)
+        conn = _Conn(0, ps_end, "test:0", protocol.session(key, 0, 0, b"a" * 16, b"b" * 16))
         if run_over:
             ps.done.set()
         # SO_LINGER 0: close() sends a reset, so the PS's recv fails with ECONNRESET.
@@ -240,4 +245,4 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
         assert errors == [] and lost == []
     else:
         assert len(errors) == 1 and "reset" in errors[0]["error"].lower(), errors
-        assert lost and lost[0][0] == "lost"
+        assert lost and isinstance(lost[0], protocol.Lost)

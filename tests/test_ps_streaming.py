@@ -15,29 +15,28 @@ import socket
 
 import torch
 
-from agents import codec, wire
+from agents import codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.loopback import connect, make_run_dir, start_ps
+from tests.loopback import connect, make_run_dir, prove, start_ps, welcome
 
 LR, MOMENTUM = 0.1, 0.9
 
 
-def _hello(port: int, tag: int, worker: int) -> tuple[socket.socket, wire.FrameReader]:
+def _hello(port: int, run_dir, worker: int
+           ) -> tuple[socket.socket, wire.FrameReader, protocol.WorkerHandshake]:
     s = connect(port)
-    hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", worker),
-                                      msg_type=codec.MsgType.HELLO, run_tag=tag,
-                                      worker=worker, iteration=0)
-    wire.send_frame(s, hdr, body)
-    return s, wire.FrameReader(s, expect_tag=tag)
+    reader, hs = prove(s, run_dir, worker)
+    return s, reader, hs
 
 
-def _welcome(reader: wire.FrameReader, nchunks: int) -> torch.Tensor:
-    """WELCOME, then the dense weights (returned flat). The PS admits the workers once
-    every one of them has said HELLO."""
-    h, _ = reader.read_frame()
-    assert h.msg_type == codec.MsgType.WELCOME, h.describe()
-    return torch.cat([reader.read_message()[0][1] for _ in range(nchunks)])
+def _welcome(conn: tuple[socket.socket, wire.FrameReader, protocol.WorkerHandshake],
+             nchunks: int) -> tuple[torch.Tensor, codec.FrameMac]:
+    """WELCOME, then the dense weights (returned flat), and the MAC to send with. The PS
+    admits the workers once every one of them has proved its key."""
+    _, reader, hs = conn
+    session = welcome(reader, hs)
+    return torch.cat([reader.read_message()[0][1] for _ in range(nchunks)]), session.up
 
 
 def _nothing_to_read(s: socket.socket, wait_s: float) -> bool:
@@ -55,14 +54,15 @@ def test_each_chunk_comes_down_once_every_worker_sent_it(tmp_path) -> None:
         "net.workers=2", "workload.hidden=32", "workload.chunk_bytes=4096",
         "run.iterations=2", "run.eval_every=100", "compress.name=none",
         f"workload.lr={LR}", f"workload.momentum={MOMENTUM}", "run.timeout_s=60"])
-    tag = codec.run_tag(run_dir.name, (run_dir / "secret").read_bytes())
+    tag = 0  # sealed frames carry their MAC in the tag's place
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
     assert len(chunks) >= 3, chunks
     ps = start_ps(run_dir)
     try:
-        conns = [_hello(cfg.net.ps_port, tag, w) for w in (0, 1)]
-        w0, w1 = (_welcome(reader, len(chunks)) for _, reader in conns)
+        hellos = [_hello(cfg.net.ps_port, run_dir, w) for w in (0, 1)]
+        (w0, mac0), (w1, mac1) = (_welcome(c, len(chunks)) for c in hellos)
+        conns = [(c[0], c[1]) for c in hellos]
         assert torch.equal(w0, w1)
         gen = torch.Generator().manual_seed(5)
         expect_params, buf = w0.clone(), None
@@ -75,11 +75,11 @@ def test_each_chunk_comes_down_once_every_worker_sent_it(tmp_path) -> None:
                 # Worker 0 sends chunk c: nothing may come down yet, to anyone.
                 wire.send_message(conns[0][0], [grads[0][s:e].contiguous()],
                                   msg_type=codec.MsgType.GRAD, run_tag=tag, worker=0,
-                                  iteration=it, chunk=c)
+                                  iteration=it, chunk=c, mac=mac0)
                 assert _nothing_to_read(conns[0][0], 0.3), f"iter {it} chunk {c} came early"
                 wire.send_message(conns[1][0], [grads[1][s:e].contiguous()],
                                   msg_type=codec.MsgType.GRAD, run_tag=tag, worker=1,
-                                  iteration=it, chunk=c)
+                                  iteration=it, chunk=c, mac=mac1)
                 # Both sent it: chunk c comes down now, while the later chunks are unsent.
                 for _, reader in conns:
                     (h, got), = reader.read_message()
@@ -103,16 +103,16 @@ def test_single_chunk_models_still_step_once_per_iteration(tmp_path) -> None:
         "net.workers=1", "workload.hidden=16", "workload.chunk_bytes=4000000",
         "run.iterations=1", "compress.name=none", f"workload.lr={LR}",
         "workload.momentum=0.0", "run.timeout_s=60"])
-    tag = codec.run_tag(run_dir.name, (run_dir / "secret").read_bytes())
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     assert len(chunk_ranges(model.numel, cfg.workload.chunk_bytes)) == 1
     ps = start_ps(run_dir)
     try:
-        sock, reader = _hello(cfg.net.ps_port, tag, 0)
-        w0 = _welcome(reader, 1)
+        conn = _hello(cfg.net.ps_port, run_dir, 0)
+        sock, reader = conn[0], conn[1]
+        w0, mac = _welcome(conn, 1)
         g = torch.full((model.numel,), 0.5)
-        wire.send_message(sock, [g], msg_type=codec.MsgType.GRAD, run_tag=tag, worker=0,
-                          iteration=0, chunk=0)
+        wire.send_message(sock, [g], msg_type=codec.MsgType.GRAD, run_tag=0, worker=0,
+                          iteration=0, chunk=0, mac=mac)
         (h, got), = reader.read_message()
         assert (h.iteration, h.chunk) == (0, 0)
         torch.testing.assert_close(got, w0 - LR * g, rtol=0, atol=1e-6)

@@ -19,7 +19,8 @@ from topo.cleanup import cleanup, is_gradbed_link
 from topo.lock import NetLock
 from topo.probe import probe
 from topo.qdisc import CapabilityError
-from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec, StarSpec
+from topo.shapes.star import StarSpec
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec
 from topo.tc import TcError
 
 pytestmark = pytest.mark.mininet

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from topo.spec import LinkSpec, SpecError, StarSpec, default_queue_bytes
+from topo.shapes.star import StarSpec
+from topo.spec import LinkSpec, SpecError, default_queue_bytes
 
 
 @pytest.mark.parametrize("kwargs, field, allowed", [

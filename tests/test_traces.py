@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from traces import generate
-from traces.bandwidth import (
+from agents.core.bandwidth import (
     BandwidthTrace,
     TraceError,
     load_csv,
@@ -17,6 +16,7 @@ from traces.bandwidth import (
     load_rate_log,
     load_trace,
 )
+from traces import generate
 from traces.gradients import load_gradient_sizes, load_profile
 from traces.replay import TraceReplayer
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from agents.workloads.base import FlatModel, Workload
-from agents.workloads.digits import DigitsCNN, DigitsMLP
+from agents.workloads.digits_cnn import DigitsCNN
+from agents.workloads.digits_mlp import DigitsMLP
 from analysis.load import load_events
 from tests.loopback import run_loopback
 

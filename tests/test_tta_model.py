@@ -7,13 +7,13 @@ import math
 
 import pytest
 
+from agents.core.bandwidth import BandwidthTrace
 from analysis.tta_model import (
     best_schedule_tta_s,
     iterations_at,
     schedule_tta_s,
     topk_wire_bytes,
 )
-from traces.bandwidth import BandwidthTrace
 from traces.generate import square
 
 ITERS = {0.01: 200.0, 0.1: 80.0, 1.0: 50.0}

@@ -1,29 +1,25 @@
-"""Build a StarSpec in Mininet, with gradbed's own qdiscs, and always tear it down.
+"""Build any network spec in Mininet, with gradbed's own qdiscs, and always tear it down.
 
 The "build" half of Mininet's describe/build split (STYLE.md). Mininet provides only the
-namespaces, veths and a ``LinuxBridge`` (no controller: this kernel has no OVS datapath).
-Links are plain ``Link`` objects, not ``TCLink``: rates, queues and delay are installed by
-``topo.qdisc`` through ``topo.tc``, so rates above 1000 Mbit/s work, failures raise, and
-rate changes (link/N shaping of seeds/004, bandwidth traces) use ``tc class change``
-without ever dropping a queue.
+namespaces, veths and ``LinuxBridge`` switches (no controller: this kernel has no OVS
+datapath). Links are plain ``Link`` objects, not ``TCLink``: rates, queues and delay are
+installed by the commands of ``topo.plan.build_plan`` (the same list ``--dry-run``
+prints) through ``topo.tc``, so rates above 1000 Mbit/s work, failures raise, and rate
+changes (link/N shaping of seeds/004, bandwidth traces on any shaping point) use
+``tc class change`` without ever dropping a queue.
 
-Where each LinkSpec is enforced (all on egress, the only direction a qdisc shapes):
+Every shaping point sits on the egress of its interface (``NetSpec.places``): in a
+host's namespace for a host's own interface, in the root namespace for a switch port.
+For the star: ``up`` is ``gbsw0-eth1``, ``down`` is ``ps-eth0``, ``wK.up`` is ``wK-eth0``
+(what ``set_worker_cap`` changes).
 
-- ``bottleneck_up`` (workers -> PS): the switch port facing ps, ``gbsw0-eth1``;
-- ``bottleneck_down`` (PS -> workers): ``ps-eth0`` inside ps;
-- ``worker_link``: ``wI-eth0`` inside wI (its HTB is what ``set_worker_cap`` changes) and
-  the switch port facing wI.
+Delay and loss go into netem on the same egress where the kernel has it; elsewhere
+(``topo.netfilter``) they are applied where the packets arrive, one ``HostImpairment``
+per receiving host with the figures of ``topo.plan.impairments`` (the sum over each
+path's shaping points).
 
-Delay and loss (``delay_ms``, ``loss_pct``) go into netem on the same egress where the
-kernel has it. Elsewhere (``topo.netfilter``) they are applied where the packets arrive:
-``impairments`` sums, for each receiving host and source, the delays of the two links on
-the path (the sender's own access link, then the receiver's) and combines their losses,
-and one ``HostImpairment`` per host installs the rules and runs the delay line. The
-bottleneck's HTB and queue stay on the egress either way; for a constant delay the
-order of a FIFO rate limit and a delay line does not change what a single path sees.
-
-``StarNetwork`` is a context manager: teardown (processes, ``net.stop()``, targeted
-cleanup, lock) runs in ``finally`` and also when the build fails halfway.
+``Network`` is a context manager: teardown (processes, ``net.stop()``, targeted cleanup,
+lock) runs in ``finally`` and also when the build fails halfway.
 """
 
 from __future__ import annotations
@@ -32,94 +28,64 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
-from topo.netfilter import HostImpairment, Impairment, mechanisms
+from topo.netfilter import HostImpairment, Impairment
 from topo.netlink import RtNetlink
+from topo.plan import Step, build_plan, delay_loss
+from topo.plan import impairments as _impairments
+from topo.plan import require_impairments as _require_impairments
 from topo.probe import probe
 from topo.qdisc import QdiscStats
-from topo.spec import LinkSpec, SpecError, StarSpec, default_queue_bytes
+from topo.spec import LinkSpec, NetSpec, SpecError, default_queue_bytes
 from topo.tc import Tc, TcError
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down")
 
 
-def host_links(spec: StarSpec, host: str) -> tuple[LinkSpec, LinkSpec]:
-    """The (out, in) LinkSpecs of ``host``: the egress of its own interface, and the
-    egress of the switch port facing it. For ps these are the two bottleneck directions."""
-    spec.ip(host)  # raises SpecError naming an unknown host
-    if host == "ps":
-        return spec.bottleneck_down, spec.bottleneck_up
-    return spec.worker_link, spec.worker_link
+class HasNetSpec(Protocol):
+    """A shape's own parameters (``topo.shapes.star.StarSpec``) that describe a network."""
+
+    def net_spec(self) -> NetSpec: ...
 
 
-def impairments(spec: StarSpec) -> dict[str, list[Impairment]]:
-    """Per receiving host, the netfilter impairments that give every path of the star its
-    delay and loss (``topo.netfilter``): the path S -> H crosses out(S) then in(H)
-    (``host_links``), so H delays what S sends by out(S).delay_ms + in(H).delay_ms and
-    loses it with 1 - (1 - out(S).loss)(1 - in(H).loss). Sources with the same figures
-    share one rule group; a group of every other host matches any source."""
-    hosts = spec.host_names()
-    out: dict[str, list[Impairment]] = {}
-    for h in hosts:
-        groups: dict[tuple[float, float], list[str]] = {}
-        into = host_links(spec, h)[1]
-        for src in hosts:
-            if src == h:
-                continue
-            via = host_links(spec, src)[0]
-            delay_ms = via.delay_ms + into.delay_ms
-            keep = (1 - via.loss_pct / 100) * (1 - into.loss_pct / 100)
-            loss_pct = round(100 * (1 - keep), 9)
-            if delay_ms > 0 or loss_pct > 0:
-                groups.setdefault((delay_ms, loss_pct), []).append(spec.ip(src))
-        n_others = len(hosts) - 1
-        imps = [Impairment(dev=f"{h}-eth0", delay_ms=d, loss_pct=lp,
-                           sources=() if len(ips) == n_others else tuple(ips))
-                for (d, lp), ips in groups.items()]
-        if imps:
-            out[h] = imps
-    return out
+def _net_spec(spec: NetSpec | HasNetSpec) -> NetSpec:
+    if isinstance(spec, NetSpec):
+        return spec
+    if not callable(getattr(spec, "net_spec", None)):
+        raise SpecError(f"spec={spec!r} is neither a NetSpec nor has net_spec()")
+    return spec.net_spec()
 
 
-def require_impairments(spec: StarSpec, caps: Mapping[str, Any]) -> dict[str, str | None]:
-    """The delay and loss mechanisms this build will use (``topo.netfilter.mechanisms``);
-    raises CapabilityError naming the link when the spec asks for one the kernel lacks."""
-    mech = mechanisms(caps)
-    for name, link in (("bottleneck_up", spec.bottleneck_up),
-                       ("bottleneck_down", spec.bottleneck_down),
-                       ("worker_link", spec.worker_link)):
-        for field, value, kind, need in (("delay_ms", link.delay_ms, "delay",
-                                          "netem or NFQUEUE (iptables)"),
-                                         ("loss_pct", link.loss_pct, "loss",
-                                          "netem or the statistic match (iptables)")):
-            if value > 0 and mech[kind] is None:
-                raise qdisc.CapabilityError(
-                    f"topo.{name}.{field}={value:g} needs {need}, and this kernel has "
-                    f"neither (gradbed probe shows what it has)")
-    return mech
+def impairments(spec: NetSpec | HasNetSpec) -> dict[str, list[Impairment]]:
+    """``topo.plan.impairments`` of a NetSpec or of a shape's own spec (a StarSpec)."""
+    return _impairments(_net_spec(spec))
 
 
-class StarNetwork:
-    """A running star: ``with StarNetwork(spec) as net: net.popen("w0", [...])``.
+def require_impairments(spec: NetSpec | HasNetSpec, caps: Mapping[str, Any]
+                        ) -> dict[str, str | None]:
+    """``topo.plan.require_impairments`` of a NetSpec or of a shape's own spec."""
+    return _require_impairments(_net_spec(spec), caps)
 
+
+class Network:
+    """A running network: ``with Network(spec) as net: net.popen("w0", [...])``.
+
+    spec: a ``NetSpec`` (or anything with ``net_spec()``, such as a ``StarSpec``).
     log: receives every external command as ``$ tc ...`` plus progress lines.
     lock_path / lock_timeout_s: the machine-wide network lock (topo.lock).
     caps: kernel capabilities (topo.probe); probed when None.
     """
 
-    def __init__(self, spec: StarSpec, *, log: Callable[[str], None] | None = None,
+    def __init__(self, spec: NetSpec | HasNetSpec, *, log: Callable[[str], None] | None = None,
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
                  caps: dict[str, Any] | None = None) -> None:
-        if not isinstance(spec, StarSpec):
-            raise SpecError(f"spec={spec!r} is not a StarSpec")
-        self.spec = spec
+        self.spec: NetSpec = _net_spec(spec)
         self.log = log
         self.caps = caps
         self.tc = Tc(log=log)
@@ -140,7 +106,7 @@ class StarNetwork:
         self.removed_at_exit: list[str] = []
 
     # ----------------------------------------------------------------- lifecycle
-    def __enter__(self) -> StarNetwork:
+    def __enter__(self) -> Network:
         t0 = time.monotonic()
         self._lock.acquire()
         # Waiting for another run's network is not bring-up time: keep them apart.
@@ -165,8 +131,9 @@ class StarNetwork:
         spec = self.spec
         if self.caps is None:
             self.caps = probe()
-        # Refuse what the kernel cannot do before creating anything.
-        self.mechanisms = require_impairments(spec, self.caps)
+        # The whole plan first: what the kernel cannot do is refused before anything exists.
+        self.mechanisms = _require_impairments(spec, self.caps)
+        plan = build_plan(spec, self.caps)
         self.removed_at_start = cleanup()
         for line in self.removed_at_start:
             self._say(f"cleanup before build: {line}")
@@ -181,26 +148,26 @@ class StarNetwork:
         net = Mininet(topo=None, controller=None, switch=LinuxBridge, host=Host, link=Link,
                       build=False, autoSetMacs=True)
         self._net = net
-        sw = net.addSwitch(spec.switch_name, cls=LinuxBridge, stp=False)
-        for name in spec.host_names():
-            net.addHost(name, ip=f"{spec.ip(name)}/24")
-        for name in spec.host_names():
-            net.addLink(net[name], sw, port1=0, port2=spec.switch_port(name),
-                        intfName1=f"{name}-eth0",
-                        intfName2=f"{spec.switch_name}-eth{spec.switch_port(name)}")
+        for sw in spec.switches:
+            net.addSwitch(sw.name, cls=LinuxBridge, stp=False)
+        for h in spec.hosts:
+            net.addHost(h.name, ip=f"{h.ip}/24")
+        for e in spec.edges:
+            net.addLink(net[e.a], net[e.b], port1=e.a_port, port2=e.b_port,
+                        intfName1=e.a_intf, intfName2=e.b_intf)
         net.build()
         net.start()
-        self._say(f"star up: {spec.workers} workers, switch {spec.switch_name}")
-
-        self.set_offload(spec.offload)
-
-        for d in DIRECTIONS:
-            self._shape(d, self._link(d))
-        for w in spec.worker_names() + spec.extra_host_names():
-            self._shape_dev(w, f"{w}-eth0", spec.worker_link, ack_first=spec.ack_first)
-            self._shape_dev(None, self._switch_port_dev(w), spec.worker_link)
+        self._say(f"{spec.shape} up: {len(spec.hosts)} hosts, switches "
+                  f"{', '.join(s.name for s in spec.switches)}")
+        self._run_steps(plan)
+        for place in spec.places():
+            link = delay_loss(place, self.caps)  # as its qdiscs have it
+            if link.shaped:
+                self._rates[place.dev] = link.rate_mbps
+                self._auto_queue[place.dev] = link.queue_bytes is None
+                self._ack_first[place.dev] = qdisc.acks_first(link, place.point.ack_first)
         if not self._netem:
-            for host, imps in impairments(spec).items():
+            for host, imps in _impairments(spec).items():
                 hi = HostImpairment(host, self.pid(host), imps, tc=self.tc)
                 # Appended first: a start that fails halfway is still torn down.
                 self.host_impairments.append(hi)
@@ -209,11 +176,6 @@ class StarNetwork:
     @property
     def _netem(self) -> bool:
         return bool((self.caps or {}).get("netem"))
-
-    def _qdisc_link(self, link: LinkSpec) -> LinkSpec:
-        """``link`` as its egress qdiscs see it: without netem, delay and loss live in
-        netfilter on the receiving side (``impairments``), not in the qdisc."""
-        return link if self._netem else replace(link, delay_ms=0.0, loss_pct=0.0)
 
     def check_impairments(self) -> None:
         """Raise ImpairmentError if a delay line has died (its link drops everything)."""
@@ -229,8 +191,11 @@ class StarNetwork:
                 or [hi.record() for hi in self.host_impairments]}
 
     def _any(self, field: str) -> bool:
-        return any(getattr(link, field) > 0 for link in (
-            self.spec.bottleneck_up, self.spec.bottleneck_down, self.spec.worker_link))
+        return any(getattr(p.point.link, field) > 0 for p in self.spec.places())
+
+    def _run_steps(self, steps: Sequence[Step]) -> None:
+        for step in steps:
+            self._dev_tc(step.host).run_all([list(step.argv)])
 
     def _teardown(self) -> None:
         for nl in self._netlink.values():
@@ -267,25 +232,15 @@ class StarNetwork:
 
     # ----------------------------------------------------------------- shaping
     def set_offload(self, on: bool) -> None:
-        """GSO/TSO/GRO on or off on every interface of the star (both veth ends).
+        """GSO/TSO/GRO on or off on every interface (both veth ends); with offload off a
+        host's own interface keeps its spec's GSO segment limit.
 
         HTB burst sizes stay those of the spec's offload setting; the minimum burst only
         matters below ~50 Mbit/s, where GSO frames are rare.
         """
-        for name in self.spec.host_names():
-            self._host_tc(name).run_all(qdisc.offload_commands(
-                f"{name}-eth0", on, self.spec.sender_gso_segs(name)))
-            self.tc.run_all(qdisc.offload_commands(self._switch_port_dev(name), on))
-
-    def _link(self, direction: Direction) -> LinkSpec:
-        if direction == "up":
-            return self.spec.bottleneck_up
-        if direction == "down":
-            return self.spec.bottleneck_down
-        raise SpecError(f"direction={direction!r}; allowed {list(DIRECTIONS)}")
-
-    def _switch_port_dev(self, host: str) -> str:
-        return f"{self.spec.switch_name}-eth{self.spec.switch_port(host)}"
+        self._run_steps([Step(host, dev, "offload", tuple(c))
+                         for host, dev, segs in self.spec.interfaces()
+                         for c in qdisc.offload_commands(dev, on, segs)])
 
     def _host_tc(self, host: str) -> Tc:
         return self.tc.in_netns(self.pid(host), host)
@@ -293,28 +248,18 @@ class StarNetwork:
     def _dev_tc(self, host: str | None) -> Tc:
         return self.tc if host is None else self._host_tc(host)
 
-    def _shape_dev(self, host: str | None, dev: str, link: LinkSpec, *,
-                   ack_first: bool = False) -> None:
-        cmds = qdisc.shaping_commands(dev, self._qdisc_link(link), self.caps or {},
-                                      offload=self.spec.offload, ack_first=ack_first)
-        self._dev_tc(host).run_all(cmds)
-        self._rates[dev] = link.rate_mbps
-        self._auto_queue[dev] = link.queue_bytes is None
-        self._ack_first[dev] = qdisc.acks_first(self._qdisc_link(link), ack_first)
-
-    def _shape(self, direction: Direction, link: LinkSpec) -> None:
-        host, dev = self._bottleneck_where(direction)
-        self._shape_dev(host, dev, link)
-
-    def _bottleneck_where(self, direction: Direction) -> tuple[str | None, str]:
-        self._link(direction)  # validates direction
-        if direction == "up":
-            return None, self._switch_port_dev("ps")
-        return "ps", "ps-eth0"
+    def point_dev(self, point: str) -> str:
+        """Interface whose egress carries shaping point ``point``."""
+        return self.spec.place(point).dev
 
     def bottleneck_dev(self, direction: Direction) -> str:
-        """Interface whose egress qdisc is the bottleneck in this direction."""
-        return self._bottleneck_where(direction)[1]
+        """Interface whose egress qdisc is the bottleneck (point ``up`` or ``down``)."""
+        return self.point_dev(self._direction(direction))
+
+    def _direction(self, direction: str) -> str:
+        if direction not in DIRECTIONS:
+            raise SpecError(f"direction={direction!r}; allowed {list(DIRECTIONS)}")
+        return direction
 
     def _change_rate(self, host: str | None, dev: str, rate_mbps: float, what: str,
                      queue_bytes: int | None = None, netem: bool = False,
@@ -351,19 +296,25 @@ class StarNetwork:
             self._netlink[host] = RtNetlink(None if host is None else self.pid(host))
         return self._netlink[host]
 
-    def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
-                            queue_bytes: int | None = None) -> None:
-        """Change the bottleneck's HTB rate in place (``tc class change``).
+    def set_point_rate(self, point: str, rate_mbps: float,
+                       queue_bytes: int | None = None) -> None:
+        """Change shaping point ``point``'s HTB rate in place (``tc class change``).
 
         queue_bytes: also resize the bfifo in place (``tc qdisc change``). None keeps the
             spec's fixed queue, or re-derives the default (20 ms) when the spec left it None.
         """
-        host, dev = self._bottleneck_where(direction)
-        self._change_rate(host, dev, rate_mbps, f"bottleneck {direction}", queue_bytes,
-                          self._qdisc_link(self._link(direction)).needs_netem)
+        place = self.spec.place(point)
+        self._change_rate(place.host, place.dev, rate_mbps, f"point {point}", queue_bytes,
+                          delay_loss(place, self.caps or {}).needs_netem)
+
+    def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
+                            queue_bytes: int | None = None) -> None:
+        """:meth:`set_point_rate` on the bottleneck's ``up`` or ``down`` point."""
+        self.set_point_rate(self._direction(direction), rate_mbps, queue_bytes)
 
     def set_worker_cap(self, worker: str, rate_mbps: float) -> None:
-        """Cap a worker's sending rate (link/N shaping) on its egress HTB class.
+        """Cap a worker's sending rate (link/N shaping) on its egress HTB class (point
+        ``wK.up``).
 
         The bfifo keeps the worker link's own size: this queue holds only the worker's
         own packets (TCP small queues bound it for loss-based senders), and shrinking it
@@ -371,26 +322,31 @@ class StarNetwork:
         yet -- overflow it; local drops are not retransmissions, the kernel backs off its
         retries, and 2 MB uploads at 6.25 Mbit/s took 28-52 s instead of 2.6 s.
         """
-        if worker not in self.spec.worker_names():
-            raise SpecError(f"worker={worker!r}; allowed {self.spec.worker_names()}")
-        up = self._link("up")
-        up_rate = self._rates.get(self.bottleneck_dev("up")) or up.rate_mbps
+        workers = self.spec.worker_names()
+        if worker not in workers:
+            raise SpecError(f"worker={worker!r}; allowed {workers}")
+        up = self.spec.point("up").link
+        up_rate = self._rates.get(self.point_dev("up")) or up.rate_mbps
         up_queue = (up.queue_bytes if up.queue_bytes is not None
                     else default_queue_bytes(up_rate))
-        burst = qdisc.cap_burst_bytes(rate_mbps, up_queue,
-                                      len(self.spec.worker_names()), self.spec.offload)
-        self._change_rate(worker, f"{worker}-eth0", rate_mbps, f"worker cap {worker}",
-                          queue_bytes=self.spec.worker_link.effective_queue_bytes(),
+        burst = qdisc.cap_burst_bytes(rate_mbps, up_queue, len(workers), self.spec.offload)
+        place = self.spec.place(f"{worker}.up")
+        self._change_rate(place.host, place.dev, rate_mbps, f"worker cap {worker}",
+                          queue_bytes=place.point.link.effective_queue_bytes(),
                           burst_bytes=burst)
 
     def rate_mbps(self, dev: str) -> float | None:
         """The HTB rate gradbed last set on ``dev`` (None when unshaped)."""
         return self._rates.get(dev)
 
-    def bottleneck_stats(self, direction: Direction) -> QdiscStats:
-        host, dev = self._bottleneck_where(direction)
-        text = self._dev_tc(host).run(qdisc.stats_command(dev), echo=False)
+    def point_stats(self, point: str) -> QdiscStats:
+        """The counters of shaping point ``point``'s queue (its bfifo leaf)."""
+        place = self.spec.place(point)
+        text = self._dev_tc(place.host).run(qdisc.stats_command(place.dev), echo=False)
         return qdisc.bottleneck_counters(text)
+
+    def bottleneck_stats(self, direction: Direction) -> QdiscStats:
+        return self.point_stats(self._direction(direction))
 
     def qdisc_stats(self, host: str | None, dev: str) -> list[QdiscStats]:
         """Every qdisc on ``dev`` (in ``host``'s namespace, or the root one for None)."""
@@ -417,13 +373,18 @@ class StarNetwork:
     # ----------------------------------------------------------------- hosts
     def _require_net(self) -> Any:
         if self._net is None:
-            raise RuntimeError("StarNetwork is not running (use it as a context manager)")
+            raise RuntimeError("Network is not running (use it as a context manager)")
         return self._net
 
     def host(self, name: str) -> Any:
         """The Mininet Host object (for interactive use; prefer popen for processes)."""
         self.spec.ip(name)  # raises SpecError naming an unknown host
         return self._require_net()[name]
+
+    @property
+    def mininet(self) -> Any:
+        """The running ``mininet.net.Mininet`` (for ``mininet.cli.CLI``)."""
+        return self._require_net()
 
     def ip(self, name: str) -> str:
         return self.spec.ip(name)
@@ -461,3 +422,7 @@ class StarNetwork:
         full = ["nsenter", "-t", str(self.pid(name)), "-n", "--", *argv]
         return subprocess.run(full, capture_output=True, text=True, timeout=timeout_s,
                               check=True)
+
+
+# The name this builder had while it built only stars; scripts and benchmarks use it.
+StarNetwork = Network

@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-HOST_NAME = r"(?:ps|w\d+|bg\d+|sink\d+)"
+HOST_NAME = r"(?:ps|w\d+|bg\d+|sink\d+|gbh\d+)"
 SWITCH_NAME = r"gbsw\d+"
 _LINK_RE = re.compile(rf"^(?:{SWITCH_NAME}(?:-eth\d+)?|{HOST_NAME}-eth\d+)$")
 _SHELL_RE = re.compile(rf"^mininet:(?:{HOST_NAME}|{SWITCH_NAME})$")

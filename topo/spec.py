@@ -1,11 +1,11 @@
-"""Topologies as pure, validated data: links and the star (workers and background hosts on
-one switch, the switch->PS link the bottleneck).
+"""Networks as pure, validated data: hosts (each with a role), switches, and links whose
+every direction is a named *shaping point*.
 
 This is the "describe first" half of Mininet's split (``mininet/topo.py``): nothing here
-needs root or touches the OS. ``topo.build`` turns a spec into namespaces, veths, a Linux
-bridge and gradbed's own HTB/bfifo qdiscs. The star is the setting of seeds/004 (one
-switch, one parameter server, N workers, the switch->PS link is the bottleneck); see
-DESIGN.md sections 1.1 and 3.
+needs root or touches the OS. The shapes (``topo/shapes/``, one file each: star,
+dumbbell, fabric) turn a config into a :class:`NetSpec`; ``topo.plan`` turns a spec into
+the exact commands, and ``topo.build`` runs them (namespaces, veths, Linux bridges,
+gradbed's own HTB/bfifo qdiscs). DESIGN.md section 2 ("Roles on shapes") and section 3.
 
 Every field is checked in ``__post_init__``; a bad value raises ``SpecError`` naming the
 field, the value and the allowed range.
@@ -14,8 +14,16 @@ field, the value and the allowed range.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+import re
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from agents.core.ethernet import (  # noqa: F401  (re-exported: topo's users read them here)
+    GSO_SEGS_MAX,
+    TCP_GOODPUT_FRACTION,
+    TCP_MSS_BYTES,
+    WIRE_FRAME_BYTES,
+)
 
 # HTB on these machines was measured up to 10 Gbit/s (DESIGN.md section 3); Mininet caps
 # at 1000 Mbit/s (bwParamMax) and silently drops anything higher, which we refuse to copy.
@@ -116,123 +124,312 @@ def _link(name: str, link: LinkSpec) -> LinkSpec:
     return link
 
 
-# Ethernet frame of a 1500-byte MTU as qdiscs count it (the 14-byte header included); a
-# 64 KB GSO packet holds 43 of them.
-WIRE_FRAME_BYTES = 1514
-# TCP payload of one such frame (IPv4, TCP with timestamps: 1514 - 14 - 20 - 32), and the
-# TCP payload per byte on the wire: a shaped link's goodput ceiling is rate x this.
-TCP_MSS_BYTES = 1448
-TCP_GOODPUT_FRACTION = TCP_MSS_BYTES / WIRE_FRAME_BYTES
-GSO_SEGS_MAX = 65_536 // WIRE_FRAME_BYTES
-# A sender's GSO packet holds at most this long of its B/N share (StarSpec.sender_gso_segs).
+# A sender's GSO packet holds at most this long of its B/N share (sender_gso_segs).
 SENDER_BURST_S = 0.001
 
 
-@dataclass(frozen=True)
-class StarSpec:
-    """N workers and background hosts on one switch; the switch->PS link is the bottleneck.
+def sender_gso_segs(queue_bytes: int, rate_mbps: float | None, senders: int) -> int:
+    """Largest GSO packet (in segments) a local TCP sender may hand its own qdisc when
+    offload is off, when ``senders`` hosts share one queue of ``queue_bytes`` at
+    ``rate_mbps``.
 
-    workers: worker hosts w0..w{N-1}, 1..64.
-    worker_link: each worker's access link, both directions (egress of wI-eth0 and of the
-        switch port facing wI). Its HTB class is what link/N shaping changes at run time.
-    bottleneck_up: workers->PS direction (egress of the switch port facing ps).
-    bottleneck_down: PS->workers direction (egress of ps-eth0).
-    offload: GSO/TSO/GRO on every interface. Off (default) keeps queues packet-exact and
-        qdisc counters in wire frames; on lowers CPU per byte.
-    extra_hosts: background-traffic hosts bg0.. on the worker side, 0..64.
-    ack_first: each host's own egress (wI-eth0, bgI-eth0) sends pure ACKs ahead of its
-        queued data, within the same HTB rate (``topo.qdisc``). Under a link/N cap the
-        host's upload queues there, and the ACKs of its download would wait behind it.
+    The stack segments GSO packets after the qdisc, so the egress HTB of a sending host (a
+    worker's link/N cap) is charged and released one GSO packet at a time. A sender gets
+    as many segments as keep one such packet from every sender together within half the
+    shared queue (the rule of ``qdisc.cap_burst_bytes``), and no more than 1 ms
+    (``SENDER_BURST_S``) of its rate / senders share; at least 1, at most a 64 KB packet.
+    For 16 workers: 1 at 100 Mbit/s, 5 at 1 Gbit/s with a 10 MB queue (2 with 100 KB);
+    one sender at 1 Gbit/s gets the full 43, where the lower per-packet CPU keeps the rate
+    within reach of 2 cores. Measured: at 100 Mbit/s, 10 MB, bbr, 43 segments gave link/N
+    a Jain index of 0.972 and one segment 0.9999; two workers capped at 10 Mbit/s with
+    41-segment packets saw TCP_INFO rates too bursty to count as stable (the adaptive keep
+    never settled after a 100 -> 20 Mbit/s step), with 4 or 1 they settle in one iteration.
+    """
+    senders = max(1, senders)
+    by_queue = queue_bytes // (2 * senders * WIRE_FRAME_BYTES)
+    share_mbps = (rate_mbps or RATE_MAX_MBPS) / senders
+    by_share = int(share_mbps * 1e6 / 8 * SENDER_BURST_S) // WIRE_FRAME_BYTES
+    return max(1, min(GSO_SEGS_MAX, by_queue, by_share))
+
+
+# ----------------------------------------------------------------------------- NetSpec
+# Linux interface names hold at most 15 characters (IFNAMSIZ - 1).
+IFNAME_MAX = 15
+# Names topo.cleanup recognises as gradbed's (a host or switch with another name would
+# survive a crash), kept in sync with ``topo.cleanup.HOST_NAME``/``SWITCH_NAME``.
+HOST_NAME_RE = re.compile(r"^(?:ps|w\d+|bg\d+|sink\d+|gbh\d+)$")
+SWITCH_NAME_RE = re.compile(r"^gbsw\d+$")
+POINT_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+HOSTS_MAX = 256
+
+
+@dataclass(frozen=True)
+class ShapingPoint:
+    """One direction of one link, where gradbed installs its qdiscs (the egress of the
+    sending interface, the only direction a qdisc shapes).
+
+    name: unique in the spec; a config names it to give it a trace (``topo.traces``):
+        ``up``/``down`` for a star's or dumbbell's bottleneck, ``HOST.up`` (host ->
+        switch) and ``HOST.down`` (switch -> host) for a host's access link.
+    link: rate_mbps, queue_bytes, delay_ms, loss_pct (``LinkSpec``).
+    trace: bandwidth trace replayed on this point during a run (Mahimahi packet
+        deliveries or ``time_s Mbps`` lines, ``traces.bandwidth``); "" = fixed rate.
+    ack_first: the host's own egress sends pure ACKs ahead of queued data (topo.qdisc).
+    origin: the spec or config field that set ``link``, named in errors ("" = the point).
     """
 
-    workers: int
-    worker_link: LinkSpec = LinkSpec(rate_mbps=1000.0)
-    bottleneck_up: LinkSpec = LinkSpec(rate_mbps=100.0)
-    bottleneck_down: LinkSpec = LinkSpec(rate_mbps=100.0)
-    offload: bool = False
-    extra_hosts: int = 0
+    name: str
+    link: LinkSpec
+    trace: str = ""
     ack_first: bool = False
+    origin: str = ""
 
-    kind: ClassVar[str] = "star"
-    switch_name: ClassVar[str] = "gbsw0"  # never relies on Mininet's "s" prefix magic
+    @property
+    def label(self) -> str:
+        """How errors name this point: its origin field and its name."""
+        return f"{self.origin} (point {self.name})" if self.origin else f"point {self.name}"
 
     def __post_init__(self) -> None:
-        _check_int("topo.workers", self.workers, 1, WORKERS_MAX)
-        _check_int("topo.extra_hosts", self.extra_hosts, 0, EXTRA_HOSTS_MAX)
-        _link("topo.worker_link", self.worker_link)
-        _link("topo.bottleneck_up", self.bottleneck_up)
-        _link("topo.bottleneck_down", self.bottleneck_down)
-        for name in ("offload", "ack_first"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(f"topo.{name}={getattr(self, name)!r} is not a bool; "
-                                "allowed true/false")
+        if not isinstance(self.name, str) or not POINT_NAME_RE.match(self.name):
+            raise SpecError(f"shaping point name={self.name!r}; allowed 1..64 of "
+                            "letters, digits, '_', '.', '-'")
+        _link(f"point {self.name}.link", self.link)
+        if not isinstance(self.trace, str):
+            raise SpecError(f"point {self.name}.trace={self.trace!r} is not a path string")
+        if self.trace and self.link.rate_mbps is None:
+            raise SpecError(f"point {self.name}: trace={self.trace!r} needs a rate_mbps "
+                            "(the trace changes an HTB rate, an unshaped link has none)")
 
-    def worker_names(self) -> list[str]:
-        return [f"w{i}" for i in range(self.workers)]
+    def describe(self) -> dict[str, Any]:
+        return {"link": self.link.describe(), "trace": self.trace,
+                "ack_first": self.ack_first}
 
-    def extra_host_names(self) -> list[str]:
-        return [f"bg{j}" for j in range(self.extra_hosts)]
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One emulated host.
+
+    name: also its Mininet name and interface prefix (``NAME-eth0``).
+    kind: what the host is for (``ps``, ``worker``, ``background``, ``stage``...); a role
+        declares the kinds it may run on.
+    role: the registered role the runner starts on it (``controller.roles``); "" = none.
+    ip: its IPv4 address (a /24 shared by every host).
+    rank: its index among the hosts of its kind (worker k, stage i, background host j).
+    gso_segs: GSO segments a local sender may put in one packet with offload off
+        (:func:`sender_gso_segs`); 1 keeps its egress queue packet-exact.
+    placement: the machine that runs it under Mininet Cluster Edition; "" = this one.
+    """
+
+    name: str
+    kind: str
+    role: str
+    ip: str
+    rank: int = 0
+    gso_segs: int = 1
+    placement: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not HOST_NAME_RE.match(self.name):
+            raise SpecError(f"host name={self.name!r}; allowed ps, wN, bgN, sinkN, gbhN "
+                            "(names topo.cleanup recognises)")
+        for field in ("kind", "role", "placement"):
+            if not isinstance(getattr(self, field), str):
+                raise SpecError(f"host {self.name}.{field}={getattr(self, field)!r} is not "
+                                "a string")
+        parts = self.ip.split(".") if isinstance(self.ip, str) else []
+        if len(parts) != 4 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
+            raise SpecError(f"host {self.name}.ip={self.ip!r} is not an IPv4 address")
+        _check_int(f"host {self.name}.rank", self.rank, 0, HOSTS_MAX)
+        _check_int(f"host {self.name}.gso_segs", self.gso_segs, 1, GSO_SEGS_MAX)
+
+
+@dataclass(frozen=True)
+class SwitchSpec:
+    """A Linux bridge (``mininet.nodelib.LinuxBridge``, no controller, no STP)."""
+
+    name: str
+    placement: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not SWITCH_NAME_RE.match(self.name):
+            raise SpecError(f"switch name={self.name!r}; allowed gbswN (never relies on "
+                            "Mininet's 's' prefix)")
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """A veth pair between nodes ``a`` and ``b`` (hosts or switches), ``a``'s interface
+    ``a-eth{a_port}``; ``a_to_b`` is shaped on the egress of ``a``'s interface, ``b_to_a``
+    on ``b``'s."""
+
+    a: str
+    a_port: int
+    b: str
+    b_port: int
+    a_to_b: ShapingPoint
+    b_to_a: ShapingPoint
+
+    def __post_init__(self) -> None:
+        for end, port in ((self.a, self.a_port), (self.b, self.b_port)):
+            _check_int(f"edge {self.a}-{self.b} port of {end}", port, 0, 4095)
+            if len(f"{end}-eth{port}") > IFNAME_MAX:
+                raise SpecError(f"interface {end}-eth{port} is longer than {IFNAME_MAX} "
+                                "characters (Linux IFNAMSIZ)")
+        for p in (self.a_to_b, self.b_to_a):
+            if not isinstance(p, ShapingPoint):
+                raise SpecError(f"edge {self.a}-{self.b}: {p!r} is not a ShapingPoint")
+
+    @property
+    def a_intf(self) -> str:
+        return f"{self.a}-eth{self.a_port}"
+
+    @property
+    def b_intf(self) -> str:
+        return f"{self.b}-eth{self.b_port}"
+
+
+@dataclass(frozen=True)
+class PointPlace:
+    """Where a shaping point lives: the egress of ``dev``, in host ``host``'s network
+    namespace, or in the root namespace (a switch port) when ``host`` is None."""
+
+    point: ShapingPoint
+    host: str | None
+    dev: str
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """A whole network: what one builder (``topo.build.Network``) makes, and what the dry
+    run prints (``topo.plan``).
+
+    shape: the registered shape that produced it (``topo.shapes``).
+    hosts, switches, edges: the graph; every edge direction is a named shaping point.
+    offload: GSO/TSO/GRO on every interface. Off (default) keeps queues packet-exact and
+        qdisc counters in wire frames; on lowers CPU per byte.
+    watch: shaping points whose qdisc counters the run samples every 100 ms into
+        ``links.parquet`` (a point with a trace is sampled as well).
+    """
+
+    shape: str
+    hosts: tuple[HostSpec, ...]
+    switches: tuple[SwitchSpec, ...]
+    edges: tuple[EdgeSpec, ...]
+    offload: bool = False
+    watch: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise SpecError(f"offload={self.offload!r} is not a bool; allowed true/false")
+        if not 1 <= len(self.hosts) <= HOSTS_MAX:
+            raise SpecError(f"{len(self.hosts)} hosts; allowed 1..{HOSTS_MAX}")
+        names: set[str] = set()
+        nodes: list[HostSpec | SwitchSpec] = [*self.hosts, *self.switches]
+        for node in nodes:
+            if node.name in names:
+                raise SpecError(f"node name {node.name!r} is used twice")
+            names.add(node.name)
+        ips = [h.ip for h in self.hosts]
+        for h in self.hosts:
+            if ips.count(h.ip) > 1:
+                raise SpecError(f"host {h.name}.ip={h.ip!r} is used by another host")
+        intfs: set[str] = set()
+        points: set[str] = set()
+        for e in self.edges:
+            for end in (e.a, e.b):
+                if end not in names:
+                    raise SpecError(f"edge {e.a}-{e.b}: node {end!r} is not in the spec; "
+                                    f"allowed {sorted(names)}")
+            for intf in (e.a_intf, e.b_intf):
+                if intf in intfs:
+                    raise SpecError(f"interface {intf} is used by two edges")
+                intfs.add(intf)
+            for p in (e.a_to_b, e.b_to_a):
+                if p.name in points:
+                    raise SpecError(f"shaping point name {p.name!r} is used twice")
+                points.add(p.name)
+        for w in self.watch:
+            if w not in points:
+                raise SpecError(f"watch={w!r} is not a shaping point; allowed {sorted(points)}")
+
+    # -- lookups ----------------------------------------------------------------
+    def host(self, name: str) -> HostSpec:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise SpecError(f"host={name!r} is not in this {self.shape}; allowed "
+                        f"{self.host_names()}")
 
     def host_names(self) -> list[str]:
-        return ["ps", *self.worker_names(), *self.extra_host_names()]
+        return [h.name for h in self.hosts]
+
+    def hosts_of_kind(self, kind: str) -> list[HostSpec]:
+        return [h for h in self.hosts if h.kind == kind]
 
     def ip(self, host: str) -> str:
-        """10.0.0.x address of a host: ps .1, workers .10.., background hosts .100..
+        return self.host(host).ip
 
-        Fixed blocks keep a worker's address stable when extra hosts are added.
-        """
-        if host == "ps":
-            return "10.0.0.1"
-        if host in self.worker_names():
-            return f"10.0.0.{10 + int(host[1:])}"
-        if host in self.extra_host_names():
-            return f"10.0.0.{100 + int(host[2:])}"
-        raise SpecError(f"host={host!r} is not in this star; allowed {self.host_names()}")
+    def worker_names(self) -> list[str]:
+        """Data-parallel workers (kind ``worker``), in rank order."""
+        return [h.name for h in sorted(self.hosts_of_kind("worker"), key=lambda h: h.rank)]
 
-    def sender_gso_segs(self, host: str) -> int:
-        """Largest GSO packet (in segments) a local TCP sender in ``host`` may hand its own
-        qdisc when offload is off.
+    def places(self) -> list[PointPlace]:
+        """Every shaping point and where it is enforced, in edge order."""
+        hosts = set(self.host_names())
+        out = []
+        for e in self.edges:
+            out.append(PointPlace(e.a_to_b, e.a if e.a in hosts else None, e.a_intf))
+            out.append(PointPlace(e.b_to_a, e.b if e.b in hosts else None, e.b_intf))
+        return out
 
-        The stack segments GSO packets after the qdisc, so the egress HTB of the sending
-        host (a worker's link/N cap; the down bottleneck in ps) is charged and released one
-        GSO packet at a time. ps gets 1: its egress is the down bottleneck and must stay
-        packet-exact. A worker or background host gets as many as keep one such packet
-        from every sender of the star together within half the up bottleneck's queue
-        (the rule of ``qdisc.cap_burst_bytes``), and no more than 1 ms of the sender's
-        initial B/N share, at least 1 and at most a 64 KB packet. For 16 workers: 1 at
-        100 Mbit/s, 5 at 1 Gbit/s with a 10 MB queue (2 with 100 KB); one sender at
-        1 Gbit/s gets the full 43, where the lower per-packet CPU keeps the rate within
-        reach of 2 cores. Measured: at 100 Mbit/s, 10 MB, bbr, 43 segments gave link/N a
-        Jain index of 0.972 and one segment 0.9999; two workers capped at 10 Mbit/s with
-        41-segment packets saw TCP_INFO rates too bursty to count as stable (the adaptive
-        keep never settled after a 100 -> 20 Mbit/s step), with 4 or 1 they settle in one
-        iteration.
-        """
-        self.ip(host)  # raises SpecError naming the unknown host
-        if host == "ps":
-            return 1
-        senders = self.workers + self.extra_hosts
-        queue = self.bottleneck_up.effective_queue_bytes()
-        by_queue = queue // (2 * senders * WIRE_FRAME_BYTES)
-        share_mbps = (self.bottleneck_up.rate_mbps or RATE_MAX_MBPS) / senders
-        by_share = int(share_mbps * 1e6 / 8 * SENDER_BURST_S) // WIRE_FRAME_BYTES
-        return max(1, min(GSO_SEGS_MAX, by_queue, by_share))
+    def place(self, point: str) -> PointPlace:
+        for p in self.places():
+            if p.point.name == point:
+                return p
+        raise SpecError(f"shaping point={point!r} is not in this {self.shape}; allowed "
+                        f"{self.point_names()}")
 
-    def switch_port(self, host: str) -> int:
-        """Switch port number facing a host (ps is port 1), hence the name gbsw0-eth{port}."""
-        self.ip(host)  # raises SpecError naming the unknown host
-        return self.host_names().index(host) + 1
+    def point(self, name: str) -> ShapingPoint:
+        return self.place(name).point
+
+    def point_names(self) -> list[str]:
+        return [p.point.name for p in self.places()]
+
+    def interfaces(self) -> list[tuple[str | None, str, int]]:
+        """(namespace host or None for the root, interface, GSO segments) of every
+        interface: a host's own interface gets its ``gso_segs``, a switch port 1."""
+        hosts = {h.name: h for h in self.hosts}
+        out: list[tuple[str | None, str, int]] = []
+        for e in self.edges:
+            for end, intf in ((e.a, e.a_intf), (e.b, e.b_intf)):
+                h = hosts.get(end)
+                out.append((end, intf, h.gso_segs) if h is not None else (None, intf, 1))
+        return out
+
+    def with_traces(self, traces: dict[str, str]) -> NetSpec:
+        """This spec with ``traces`` (point name -> trace path) set on those points;
+        an unknown point is an error naming the known ones."""
+        known = set(self.point_names())
+        for name in traces:
+            if name not in known:
+                raise SpecError(f"topo.traces: shaping point {name!r} is not in this "
+                                f"{self.shape}; allowed {self.point_names()}")
+
+        def put(p: ShapingPoint) -> ShapingPoint:
+            return replace(p, trace=traces[p.name]) if p.name in traces else p
+
+        edges = tuple(replace(e, a_to_b=put(e.a_to_b), b_to_a=put(e.b_to_a))
+                      for e in self.edges)
+        return replace(self, edges=edges)
 
     def describe(self) -> dict[str, Any]:
         return {
-            "kind": self.kind,
-            "switch": self.switch_name,
-            "workers": self.workers,
-            "extra_hosts": self.extra_hosts,
+            "shape": self.shape,
             "offload": self.offload,
-            "ack_first": self.ack_first,
-            "hosts": {h: self.ip(h) for h in self.host_names()},
-            "worker_link": self.worker_link.describe(),
-            "bottleneck_up": self.bottleneck_up.describe(),
-            "bottleneck_down": self.bottleneck_down.describe(),
+            "hosts": {h.name: {"kind": h.kind, "role": h.role, "ip": h.ip, "rank": h.rank,
+                               "placement": h.placement} for h in self.hosts},
+            "switches": [s.name for s in self.switches],
+            "points": {p.point.name: {"dev": p.dev, "in": p.host or "root",
+                                      **p.point.describe()} for p in self.places()},
+            "watch": list(self.watch),
         }

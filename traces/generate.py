@@ -16,32 +16,25 @@ import argparse
 import math
 import os
 import random
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from traces.bandwidth import MAHIMAHI_PACKET_BYTES, BandwidthTrace, TraceError
-from traces.flowsize import FlowSizeCDF, load_flow_cdf, write_flow_cdf
+from agents.core.bandwidth import (  # noqa: F401  (constant and _check_rate are re-exported)
+    MAHIMAHI_PACKET_BYTES,
+    BandwidthTrace,
+    TraceError,
+    _check_rate,
+    constant,
+)
+from agents.core.files import write_atomic
+from agents.core.flowsize import FlowSizeCDF, load_flow_cdf, write_flow_cdf
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-
-
-def _check_rate(name: str, rate_mbps: float) -> None:
-    if not (math.isfinite(rate_mbps) and rate_mbps >= 0.0):
-        raise TraceError(f"{name}: rate_mbps={rate_mbps} must be finite and >= 0")
 
 
 def _check_duration(name: str, duration_s: float) -> None:
     if not (math.isfinite(duration_s) and duration_s > 0.0):
         raise TraceError(f"{name}: duration_s={duration_s} must be finite and > 0")
-
-
-def constant(rate_mbps: float, duration_s: float) -> BandwidthTrace:
-    """A fixed rate for ``duration_s`` (the loop length)."""
-    _check_rate("constant", rate_mbps)
-    _check_duration("constant", duration_s)
-    return BandwidthTrace((0.0,), (float(rate_mbps),), float(duration_s),
-                          f"constant({rate_mbps}Mbps,{duration_s}s)")
 
 
 def steps(points: Sequence[tuple[float, float]], period_s: float) -> BandwidthTrace:
@@ -103,25 +96,6 @@ def random_walk(mean_mbps: float, sigma_mbps: float, step_s: float, duration_s: 
 # -- writers -------------------------------------------------------------------------------
 
 
-def atomic_write(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        # mkstemp creates 0600; shipped traces must be readable like any checked-in file.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def mahimahi_timestamps(trace: BandwidthTrace) -> list[int]:
     """Delivery-opportunity timestamps (ms) for one period of ``trace``.
 
@@ -164,15 +138,15 @@ def mahimahi_timestamps(trace: BandwidthTrace) -> list[int]:
 
 def write_mahimahi(trace: BandwidthTrace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` as a Mahimahi delivery-opportunity file (atomically)."""
-    atomic_write(path, "".join(f"{ms}\n" for ms in mahimahi_timestamps(trace)))
+    write_atomic(path, "".join(f"{ms}\n" for ms in mahimahi_timestamps(trace)))
 
 
 def write_rate_log(trace: BandwidthTrace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` as ``time_s Mbps`` lines (atomically); a trailing comment keeps the
-    period, and :func:`traces.bandwidth.load_rate_log` accepts ``period_s`` to restore it."""
+    period, and :func:`agents.core.bandwidth.load_rate_log` accepts ``period_s`` to restore it."""
     lines = [f"# {trace.source}\n", f"# period_s {trace.period_s!r}\n"]
     lines += [f"{t!r} {r!r}\n" for t, r in zip(trace.times_s, trace.rates_mbps, strict=True)]
-    atomic_write(path, "".join(lines))
+    write_atomic(path, "".join(lines))
 
 
 # -- the project's shipped traces ----------------------------------------------------------

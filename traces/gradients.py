@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from traces.bandwidth import TraceError
+from agents.core.bandwidth import TraceError
 
 COMM_TYPES = frozenset({"NONE", "ALLREDUCE", "ALLGATHER", "ALLTOALL", "REDUCESCATTER"})
 PARALLELISMS = frozenset({"DATA", "HYBRID_TRANSFORMER", "HYBRID_DLRM", "HYBRID_DATA_MODEL",

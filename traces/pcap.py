@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from traces.bandwidth import TraceError
+from agents.core.bandwidth import TraceError
 
 __all__ = ["MAX_FRAME_BYTES", "PcapSummary", "pcap_summary", "read_capture", "rewrite_pcap",
            "rewrite_pcap_file"]

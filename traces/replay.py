@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from traces.bandwidth import BandwidthTrace, _same_rate
+from agents.core.bandwidth import BandwidthTrace, _same_rate
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from typing import ClassVar, TypeVar
 import torch
 from torch import Tensor
 
+from agents.core.registry import COMPRESSOR, Registry
+
 # Framing overhead the wire codec adds per tensor part (bytes). The lead aligns this with the
 # codec's HEADER_SIZE; wire_bytes() uses it so reported sizes match what crosses the link.
 FRAME_HEADER_BYTES = 64  # == agents.codec.HEADER_SIZE (asserted in tests/test_codec_compress.py)
@@ -141,7 +143,8 @@ class Compressor(ABC):
 
 C = TypeVar("C", bound=type[Compressor])
 
-_REGISTRY: dict[str, type[Compressor]] = {}
+# Every compressor, one file each in agents/compress/ (agents.core.registry.COMPRESSOR).
+COMPRESSORS: Registry[type[Compressor]] = Registry(COMPRESSOR)
 
 
 def register(cls: C) -> C:
@@ -149,26 +152,20 @@ def register(cls: C) -> C:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls.__name__} must set a non-empty class attribute 'name'")
-    if name in _REGISTRY and _REGISTRY[name] is not cls:
-        raise ValueError(f"compressor name {name!r} registered twice "
-                         f"({_REGISTRY[name].__name__} and {cls.__name__})")
-    _REGISTRY[name] = cls
+    COMPRESSORS.add(name, cls)
     return cls
 
 
 def names() -> list[str]:
     """Registered compressor names, sorted."""
-    return sorted(_REGISTRY)
+    return list(COMPRESSORS.names())
 
 
 def make(name: str, **params: object) -> Compressor:
     """Build the compressor registered as ``name`` with constructor ``params``.
 
     Unknown names and unknown/invalid parameters raise ValueError naming what is allowed."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(names())}")
-    factory: Callable[..., Compressor] = cls
+    factory: Callable[..., Compressor] = COMPRESSORS.get(name, "compress.name")
     try:
         return factory(**params)
     except TypeError as exc:  # unexpected keyword: say which compressor rejected it

@@ -23,14 +23,23 @@ from typing import Any
 
 import tomli_w
 
+from agents.core.checks import ConfigError, collect, collecting, fail
+from agents.core.checks import check as _check
+from agents.core.guard_config import GuardConfig
+from agents.core.moe_config import MoEConfig
+from agents.core.pipeline_config import PipelineConfig
+from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
+from agents.core.topo_config import TopoConfig
 
-class ConfigError(ValueError):
-    """A config value is missing, of the wrong type, or out of range."""
+__all__ = ["ConfigError"]
 
 
-def _check(cond: bool, path: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
+def _check_name(kind: Kind, path: str, value: str) -> None:
+    """``value`` must be a name some module of ``kind``'s package registers (read from their
+    source, agents/core/registry.py: nothing is imported and no list is kept here)."""
+    known = kind.declared()
+    _check(value in known, path, value, f"must be a registered {kind.label}: one of "
+           f"{', '.join(known)}")
 
 
 # The agents' allocator settings (controller.agent_env).
@@ -117,31 +126,28 @@ class NetConfig:
                "must be in [1024, 65535]")
 
 
-# The workloads agents.workloads.factory builds (named here so loading a config needs no torch).
-WORKLOAD_NAMES = ("digits_mlp", "digits_cnn", "replay")
-
-
 @dataclass(frozen=True)
 class WorkloadConfig:
-    name: str = "digits_mlp"          # digits_mlp or digits_cnn (real training), or replay
+    name: str = "digits_mlp"          # a registered workload (agents/workloads/): digits_mlp, ...
     batch_size: int = 32              # per-worker batch; the global batch is N times this
     lr: float = 0.1                   # SGD learning rate at the PS
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
+    depth: int = 8                    # digits_deep: hidden Linear+ReLU blocks (pipeline stages)
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
     replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
     chunk_bytes: int = 4_000_000      # gradients travel in buckets of at most this many bytes
 
     def validate(self, p: str) -> None:
-        _check(self.name in WORKLOAD_NAMES, f"{p}.name", self.name,
-               f"must be one of {', '.join(WORKLOAD_NAMES)}")
+        _check_name(WORKLOAD, f"{p}.name", self.name)
         _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
                "must be in [1, 4096]")
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(1 <= self.depth <= 256, f"{p}.depth", self.depth, "must be in [1, 256]")
         _check(1 <= self.channels <= 1024, f"{p}.channels", self.channels,
                "must be in [1, 1024]")
         _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
@@ -165,6 +171,7 @@ class CompressConfig:
     params: dict[str, Any] = field(default_factory=dict)  # compressor-specific (levels, rank, ...)
 
     def validate(self, p: str) -> None:
+        _check_name(COMPRESSOR, f"{p}.name", self.name)
         _check(0 < self.ratio <= 1, f"{p}.ratio", self.ratio, "must be in (0, 1]")
         _check(self.clip_global >= 0, f"{p}.clip_global", self.clip_global, "must be >= 0")
         _check(self.index_encoding in ("int32", "delta"), f"{p}.index_encoding",
@@ -176,6 +183,9 @@ class CompressConfig:
 @dataclass(frozen=True)
 class ShapingConfig:
     method: str = "none"              # none, tc (HTB on worker egress) or pacing (SO_MAX_PACING_RATE)
+    # The rate policy that sets the caps (agents/core/policies/): "linkn" = headroom x B/N
+    # per active worker; "none" = no caps. It only acts when method is not none.
+    policy: str = "linkn"
     headroom: float = 1.0             # cap = headroom * B / N; < 1 leaves the queue empty
     # The downlink (the PS paces each connection; on whenever method is not none):
     # "backlog" re-splits B_down by each connection's undelivered bytes every 20 ms, so a
@@ -189,6 +199,7 @@ class ShapingConfig:
     def validate(self, p: str) -> None:
         _check(self.method in ("none", "tc", "pacing"), f"{p}.method", self.method,
                "must be one of none, tc, pacing")
+        _check_name(RATE_POLICY, f"{p}.policy", self.policy)
         _check(self.downlink in ("backlog", "equal"), f"{p}.downlink", self.downlink,
                "must be backlog or equal")
         _check(0.1 <= self.headroom <= 2.0, f"{p}.headroom", self.headroom,
@@ -199,8 +210,17 @@ class ShapingConfig:
 
 @dataclass(frozen=True)
 class AdaptiveConfig:
-    policy: str = "fixed"             # fixed (compress.ratio), adaptive (DESIGN 1.1) or oracle
-    eps: float = 0.1                  # rate counts as stable when |r(t)-r(t+1)|/r(t) <= eps
+    """The ``[adaptive]`` section: which ratio policy, and the knobs of the adaptive one
+    (``agents.core.policies.adaptive.AdaptiveRatio`` takes this object as it is).
+    Constructing one validates it, so a policy built in code gets the config's checks."""
+
+    policy: str = "fixed"             # a registered ratio policy: fixed (compress.ratio), adaptive (DESIGN 1.1), oracle
+    # A rate counts as stable when consecutive samples agree, |r(t)-r(t+1)|/r(t) <= eps.
+    # Larger: rt is found sooner but is noisier; smaller: more samples pass before any cut.
+    eps: float = 0.1
+    # Consecutive samples that must agree pairwise within eps before a rate counts as
+    # stable (2 = one pair). More: fewer false positives, a later decision.
+    min_samples: int = 2
     keep_min: float = 0.001           # the adaptive keep ratio never goes below this
     formula: str = "consistent"       # consistent (default) or literal (the patent's text)
     sample_ms: float = 20.0           # TCP_INFO sampling period during a transfer
@@ -229,10 +249,14 @@ class AdaptiveConfig:
     # every keep is decided blind.
     notsent_lowat_bytes: int = 16_384
 
+    def __post_init__(self) -> None:
+        self.validate("adaptive")
+
     def validate(self, p: str) -> None:
-        _check(self.policy in ("fixed", "adaptive", "oracle"), f"{p}.policy", self.policy,
-               "must be one of fixed, adaptive, oracle")
+        _check_name(RATIO_POLICY, f"{p}.policy", self.policy)
         _check(0 < self.eps < 1, f"{p}.eps", self.eps, "must be in (0, 1)")
+        _check(2 <= self.min_samples <= 1000, f"{p}.min_samples", self.min_samples,
+               "must be in [2, 1000] (stability compares consecutive samples)")
         _check(0 < self.keep_min <= 1, f"{p}.keep_min", self.keep_min, "must be in (0, 1]")
         _check(self.formula in ("consistent", "literal"), f"{p}.formula", self.formula,
                "must be consistent or literal")
@@ -281,7 +305,7 @@ class BackgroundConfig:
     flows: int = 0                    # bulk: flows per background host (iperf3 -P); 0 = none
     direction: str = "up"             # bulk: up = host -> PS, with the gradients; down = PS -> host
     rate_mbps: float = 0.0            # bulk: per flow (iperf3 -b); 0 = as fast as TCP goes
-    flow_cdf: str = ""                # flows: flow-size distribution file (traces/flowsize.py)
+    flow_cdf: str = ""                # flows: flow-size distribution file (agents/core/flowsize.py)
     flow_cdf_format: str = "auto"     # flows: auto, pairs, mean_pairs, tcl or flows (a flow list)
     flow_cdf_interpolation: str = ""  # flows: linear or step; "" = the format's habit
     flow_cdf_packet_bytes: int = 0    # flows: sizes are packets of this many bytes; 0 = bytes
@@ -350,6 +374,10 @@ class ExperimentConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     background: BackgroundConfig = field(default_factory=BackgroundConfig)
+    topo: TopoConfig = field(default_factory=TopoConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -364,13 +392,6 @@ class ExperimentConfig:
                              "pcap": ("background.pcap", bg.pcap)}[bg.kind]
             _check(False, field_, value,
                    "needs net.background_hosts >= 1 (the hosts the flows start from)")
-        # A compressor that is not registered is a config error, not a crash in a host.
-        import agents.compress  # noqa: F401  (registers every compressor)
-        from agents.compress.base import names
-
-        known = names()
-        _check(self.compress.name in known, "compress.name", self.compress.name,
-               f"must be one of {', '.join(sorted(known))}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -413,27 +434,44 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
+    kwargs = {}
+    for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"{prefix}.{key}: unknown field; known fields: "
-                              f"{', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+            fail(f"{prefix}.{key}: unknown field; known fields: {', '.join(sorted(names))}")
+            continue
+        errors = collecting()
+        before = len(errors) if errors is not None else 0
+        try:
+            coerced = _coerce(value, hints[key], f"{prefix}.{key}")
+        except (TypeError, ValueError):  # converting a value already reported as wrong
+            if errors is None or len(errors) == before:
+                raise
+        if errors is None or len(errors) == before:  # a bad value keeps the default
+            kwargs[key] = coerced
     return cls(**kwargs)
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
-    sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in sections:
-            raise ConfigError(f"{key}: unknown section; known sections: "
-                              f"{', '.join(sorted(sections))}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: must be a table [{key}]")
+    """Build and validate a config; raises one ConfigError listing every error found."""
+    with collect() as errors:
+        sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
         hints = typing.get_type_hints(ExperimentConfig)
-        kwargs[key] = _build(hints[key], value, key)
-    cfg = ExperimentConfig(**kwargs)
-    cfg.validate()
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                fail(f"{key}: unknown section; known sections: {', '.join(sorted(sections))}")
+            elif not isinstance(value, dict):
+                fail(f"{key} = {value!r}: must be a table [{key}]")
+            else:
+                kwargs[key] = _build(hints[key], value, key)
+        cfg = ExperimentConfig(**kwargs)
+        try:
+            cfg.validate()
+        except (TypeError, KeyError, ValueError):
+            if not errors:  # a check that trips over an earlier bad value is not news
+                raise
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 
@@ -478,12 +516,18 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a directory, not a config file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (not UTF-8)") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {(e.strerror or str(e)).lower()}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError([f"{path}: {m}" for m in e.errors]) from None
 
 
 def dumps(cfg: ExperimentConfig) -> str:

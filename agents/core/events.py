@@ -1,48 +1,280 @@
-"""Event log shared by every process of a run.
+"""The event schema and the event log shared by every process of a run.
 
-Every process (worker, PS, controller) appends one JSON object per line to
-``RUN_DIR/events/NODE.jsonl``. Each line is flushed as it is written, so a run
-killed at any moment leaves every event up to that moment on disk. When the run
-ends (or is interrupted) the controller converts each JSONL file into
-``events/NODE.parquet`` (see :func:`jsonl_to_parquet`).
+Every process (worker, PS, flow generator, controller) appends one JSON object per line to
+``RUN_DIR/events/NODE.jsonl``. Each line is flushed as it is written, so a run killed at any
+moment leaves every event up to that moment on disk. When the run ends (or is interrupted)
+the controller converts each JSONL file into ``events/NODE.parquet``
+(:func:`jsonl_to_parquet`).
 
 Columns common to every event (the schema, version :data:`SCHEMA_VERSION`):
 
-- ``ts_ns``  -- ``time.clock_gettime_ns(CLOCK_MONOTONIC)``; Mininet hosts share
-  the kernel, so all nodes share this clock.
+- ``ts_ns``  -- ``time.clock_gettime_ns(CLOCK_MONOTONIC)``; Mininet hosts share the kernel,
+  so all nodes share this clock.
 - ``run_id`` -- the run's id (the run directory's name).
-- ``node``   -- ``ps``, ``w0`` .. ``wN-1``, or ``controller``.
+- ``node``   -- ``ps``, ``w0`` .. ``wN-1``, a background host, or ``controller``.
 - ``iter``   -- training iteration, ``-1`` when not tied to one.
-- ``event``  -- one of the names below; the remaining keys are its fields.
+- ``event``  -- the event type; the remaining keys are its fields.
 
-Event names and their fields (units in the names):
+**The schema is code**: :data:`EVENTS` below declares every event type, who emits it, what
+it means and each of its fields (units in the names). ``python -m agents.core.events``
+prints it. An event may leave a declared field out; it may not carry an undeclared one.
 
-worker  ``compute_done``  compute_s, loss
-        ``compress_done`` key, ratio, raw_bytes, wire_bytes, residual_norm, compress_s
-        ``send_done``     bytes, send_s, start_ns (when the first chunk's compression began)
-        ``tcp_info``      bytes_acked, delivery_rate_bps, rtt_us, cwnd, pacing_rate_bps,
-                          total_retrans
-        ``decision``      r0_bps, rt_bps, sent_bytes, remaining_bytes, keep, reason
-        ``recv_done``     bytes, wait_s
-        ``iter_done``     iter_s, compute_s, compress_s, send_s, wait_s, bytes_up,
-                          bytes_down, loss
-ps      ``ps_iter_done``  agg_s, bytes_in, bytes_out, workers
-        ``eval``          loss, accuracy
-        ``frame_error``   peer, error
-        ``worker_lost``   worker, reason
-ctrl    ``run_start``, ``run_end`` (reason), ``trace_step`` (direction, rate_mbps),
-        ``shape`` (worker, rate_mbps, method), ``tc`` (cmd)
+**Declaring a new event type** (or a new field of an existing one): add one ``_declare``
+call to the table below, in the group of the process that emits it::
+
+    _declare("stage_done", "stage", "a pipeline stage finished its micro-batch",
+             micro_batch="index of the micro-batch in the iteration",
+             fwd_s="forward time (s)")
+
+then emit it with ``log.emit("stage_done", iter=i, micro_batch=m, fwd_s=dt)``. Emitting an
+undeclared type or field raises :class:`UndeclaredEvent` when ``GRADBED_STRICT_EVENTS=1``
+(``tests/conftest.py`` sets it, and agents started by the tests inherit it); elsewhere it is
+written anyway with one warning on stderr, so a forgotten declaration never kills a run.
+``tests/test_events.py`` also checks every ``.emit("name", field=...)`` call in the source
+against this table without running anything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 SCHEMA_VERSION = 1
+
+#: Columns every event row carries, whatever its type.
+COMMON_COLUMNS = ("ts_ns", "run_id", "node", "iter", "event")
+
+#: Set to "1" to make an undeclared event type or field an error (the tests do).
+STRICT_ENV = "GRADBED_STRICT_EVENTS"
+
+
+class UndeclaredEvent(ValueError):
+    """An event type, or a field of one, that :data:`EVENTS` does not declare."""
+
+
+@dataclass(frozen=True)
+class EventType:
+    """One declared event type: who emits it (``by``), what it means, and its fields
+    (name -> meaning, with the unit)."""
+
+    name: str
+    by: str
+    meaning: str
+    fields: Mapping[str, str]
+
+
+EVENTS: dict[str, EventType] = {}
+
+
+def _declare(name: str, by: str, meaning: str, **fields: str) -> None:
+    if name in EVENTS:
+        raise ValueError(f"event {name!r} declared twice")
+    clash = set(fields) & set(COMMON_COLUMNS)
+    if clash:
+        raise ValueError(f"event {name!r}: {sorted(clash)} are common columns, not fields")
+    EVENTS[name] = EventType(name, by, meaning, dict(fields))
+
+
+# -- worker (agents/worker.py) --------------------------------------------------------------
+_declare("joined", "worker", "the PS admitted this worker (HELLO answered by WELCOME and "
+         "the weights); iter is the iteration it joins at")
+_declare("left", "worker", "the worker left the run by the membership schedule (BYE sent)",
+         rejoin_at="iteration it comes back at (-1: never)")
+_declare("paced", "worker, ps", "a socket's SO_MAX_PACING_RATE was set by a controller command",
+         rate_bps="the pacing rate (bit/s); 0 = no limit",
+         worker="ps only: the worker whose connection was paced")
+_declare("compute_done", "worker", "forward and backward of one iteration are done",
+         compute_s="forward+backward (or replay's simulated) time (s)",
+         loss="training loss of this worker's batch (NaN for replay)")
+_declare("tcp_info", "worker", "one kernel TCP_INFO sample of the upload connection",
+         bytes_acked="tcpi_bytes_acked (bytes)",
+         delivery_rate_bps="tcpi_delivery_rate (bit/s)",
+         rtt_us="smoothed RTT (us)", cwnd="congestion window (packets)",
+         pacing_rate_bps="tcpi_pacing_rate (bit/s)",
+         total_retrans="retransmitted segments since the connection opened",
+         rate_bps="bytes_acked growth since the previous sample (bit/s); null on the first")
+_declare("decision", "worker", "the ratio policy's keep for the chunks not yet sent",
+         chunk="index of the chunk about to be compressed",
+         r0_bps="reference rate r0 (bit/s)", rt_bps="latest stable rate rt (bit/s)",
+         sent_bytes="dense bytes of this iteration already sent",
+         remaining_bytes="dense bytes not yet sent",
+         keep="fraction of the remaining chunks to send",
+         overall_keep="fraction of the whole gradient sent this iteration",
+         reason="why: stable, no-stable-rate, clamped-min, clamped-max, fixed, oracle, ...")
+_declare("compress_done", "worker", "one chunk was compressed (and queued for sending)",
+         key="chunk key (c0, c1, ...)", ratio="element ratio handed to the compressor",
+         keep="the policy's keep (a byte budget under adaptive.budget = bytes)",
+         raw_bytes="dense bytes of the chunk", wire_bytes="bytes the payload takes on the wire",
+         residual_norm="L2 norm of the error-feedback residual after it",
+         compress_s="compression time (s)")
+_declare("send_done", "worker", "the whole gradient of one iteration is written to the socket",
+         bytes="wire bytes sent", send_s="from the first chunk's compression to the last write (s)",
+         start_ns="when the first chunk's compression began (CLOCK_MONOTONIC ns)")
+_declare("recv_done", "worker", "the new weights of one iteration have arrived",
+         bytes="wire bytes received", wait_s="from the last write to the last weight byte (s)")
+_declare("iter_done", "worker", "one training iteration is over on this worker",
+         iter_s="wall time of the iteration (s)", compute_s="forward+backward (s)",
+         compress_s="compression, summed over chunks (s)", send_s="as in send_done (s)",
+         wait_s="as in recv_done (s)", bytes_up="wire bytes sent",
+         bytes_down="wire bytes received", loss="training loss")
+_declare("worker_error", "worker", "the worker stopped on an error", error="the message")
+
+# -- parameter server (agents/ps.py) ---------------------------------------------------------
+_declare("ps_ready", "ps", "the PS listens and waits for the workers' HELLO",
+         numel="model parameters", chunks="gradient chunks per iteration",
+         compressor="compress.name")
+_declare("worker_hello", "ps", "a worker connected and said HELLO",
+         worker="worker index", peer="its address:port", join_at="iteration it asked for")
+_declare("worker_joined", "ps", "a worker became active at this iteration", worker="index")
+_declare("worker_left", "ps", "a worker said BYE", worker="index", reason="why")
+_declare("worker_lost", "ps", "a worker's connection failed or sent garbage",
+         worker="index", reason="why")
+_declare("frame_error", "ps", "a malformed or unauthenticated frame, or a failed socket call",
+         peer="address:port", worker="index when known", error="the message")
+_declare("grads_in", "ps", "the last chunk of an iteration's gradients is in from every "
+         "active worker (the end of the upload window)", workers="active workers")
+_declare("eval", "ps, expert host 0", "held-out evaluation after an optimizer step",
+         loss="held-out loss", accuracy="held-out accuracy (fraction)")
+_declare("final_eval", "ps", "held-out evaluation of the final weights",
+         loss="held-out loss", accuracy="held-out accuracy (fraction)")
+_declare("ps_iter_done", "ps", "the PS finished an iteration (every chunk aggregated and sent)",
+         agg_s="aggregation and optimizer time (s)", bytes_in="wire bytes received",
+         bytes_out="wire bytes sent",
+         rebalanced="downlink pacing changes the backlog split made this iteration",
+         workers="active workers", elapsed_s="since the first iteration started (s)")
+_declare("ps_done", "ps", "the PS ended the run", reason="completed, stopped, or the error")
+
+# -- flow generator (agents/flowgen.py) ------------------------------------------------------
+_declare("flows_planned", "flowgen", "the background flows drawn from the CDF",
+         flows="number of flows", bytes="their total size (bytes)",
+         load_mbps="offered load (Mbit/s)", duration_s="arrival window (s)",
+         cdf="the flow-size CDF file")
+_declare("flow_done", "flowgen", "one background flow completed",
+         flow="flow index", start_s="planned start (s after the source started)",
+         size_bytes="flow size (bytes)", fct_s="flow completion time (s)")
+_declare("flow_failed", "flowgen", "one background flow failed",
+         flow="flow index", start_s="planned start (s)", size_bytes="flow size (bytes)",
+         error="the message")
+_declare("flow_skipped", "flowgen", "a flow was not started: max_concurrent flows were still running",
+         flow="flow index", start_s="planned start (s)", size_bytes="flow size (bytes)")
+_declare("flow_unfinished", "flowgen", "a flow still running when the run ended",
+         flow="flow index", start_s="planned start (s)", size_bytes="flow size (bytes)")
+_declare("background", "flowgen, controller", "totals of one background host's traffic",
+         host="the background host", bytes="payload bytes moved",
+         mbps="bytes x 8 / seconds (Mbit/s)", seconds="duration (s)",
+         flows="flows completed (flowgen)", failed="flows failed (flowgen)",
+         skipped="flows skipped (flowgen)", unfinished="flows unfinished (flowgen)",
+         packets="packets sent (pcap replay)", retransmits="TCP retransmissions (iperf3)",
+         note="iperf3's own remark (e.g. interrupted)", error="why there are no totals")
+
+# -- pipeline stage (agents/stage.py) -------------------------------------------------------
+_declare("stage_ready", "stage", "a pipeline stage holds its slices and is connected",
+         stage="stage index", replica="pipeline replica (data-parallel index)",
+         chunks="model chunks per stage (2 for the two-group schedule)",
+         schedule="the schedule's registered name", params="parameters held",
+         actions="actions in one step of its schedule")
+_declare("pp_action", "stage", "one schedule action ran (iter = the micro-batch's step; for "
+         "OPT, mb is the step)", kind="F B R SA RA SG RG OPT", mb="micro-batch",
+         chunk="model chunk", start_ns="start (CLOCK_MONOTONIC)",
+         end_ns="end (CLOCK_MONOTONIC)", bytes="bytes sent or received (0 for compute)",
+         held_bytes="activation bytes held after the action")
+_declare("pp_send", "stage", "a message written to the kernel by the stage's sender thread",
+         kind="SA (activation) or SG (gradient)", mb="micro-batch", chunk="model chunk",
+         to="the receiving stage", bytes="bytes on the wire (frame included)",
+         start_ns="start (CLOCK_MONOTONIC)", end_ns="end (CLOCK_MONOTONIC)")
+_declare("pp_step_done", "stage", "a pipeline step (all micro-batches and the optimizer) ended",
+         step_s="wall seconds of the step", loss="mean loss of its micro-batches (last stage)",
+         peak_held_bytes="peak activation bytes held so far",
+         bytes_down="bytes sent downstream so far", bytes_up="bytes sent upstream so far")
+_declare("pp_done", "stage", "the stage finished every step",
+         stage="stage index", replica="pipeline replica",
+         peak_held_bytes="peak activation bytes held", bytes_down="bytes sent downstream",
+         bytes_up="bytes sent upstream")
+_declare("stage_error", "stage", "the stage stopped on an error", error="the message")
+
+# -- MoE expert host (agents/expert.py; nodes e0..eH-1) ---------------------------------------
+_declare("moe_start", "expert", "the expert host joined the mesh and built its shards",
+         hosts="expert hosts", experts="experts per MoE layer",
+         owned="this host's expert indices", expert_numel="elements of its expert parameters",
+         zero3_numel="elements of the split shared class (ZeRO-3)",
+         zero2_numel="elements of the unsplit shared class (ZeRO-2)",
+         max_frame_bytes="largest payload a peer may send this host")
+_declare("moe_phase", "expert", "one phase of one step on this host (the timeline)",
+         phase="forward, backward, dispatch_counts, dispatch_tokens, expert, combine, "
+               "combine_grad, tokens_grad, all_gather_zero3 or reduce_scatter_and_update",
+         layer="MoE layer, -1 for whole-model phases",
+         start_ns="CLOCK_MONOTONIC at the start", end_ns="CLOCK_MONOTONIC at the end",
+         dur_s="end - start (s)", bytes_up="frame bytes sent to peers (headers included)",
+         bytes_down="frame bytes received from peers", payload_up="tensor bytes sent",
+         payload_down="tensor bytes received")
+_declare("moe_route", "expert", "this host's routing of one MoE layer in one step",
+         layer="MoE layer", capacity="C per expert for this host's tokens",
+         tokens="this host's tokens", kept="token choices kept, list per expert",
+         dropped="token choices dropped for capacity, list per expert",
+         imbalance="max / mean of kept (agents.core.moe_metrics.load_imbalance)")
+_declare("moe_class_bytes", "expert", "uplink bytes per parameter class in one step",
+         expert_bytes="expert parameters (never reduced: 0)",
+         zero3_bytes="split shared class: reduce-scatter + all-gather frames",
+         zero2_bytes="unsplit shared class: reduce-scatter + all-gather frames",
+         zero3_formula_bytes="2 (H-1) (4 ceil(N/H) + 64) for the split class",
+         zero2_formula_bytes="the same formula for the unsplit class")
+_declare("moe_step", "expert", "one training step is over on this expert host",
+         loss="cross entropy + aux_loss_coef x aux loss", ce="cross entropy",
+         aux="sum of the layers' load-balancing losses", step_s="step time (s)",
+         expert_uses="'layer.expert' this host ran, in order (forward, then reversed)")
+_declare("moe_done", "expert", "the expert host finished its steps")
+
+# -- controller (controller/run.py, controller/driver.py) ------------------------------------
+_declare("run_start", "controller", "the network is up and the agents are starting",
+         workers="net.workers", setup_s="time to build the network (s)")
+_declare("run_end", "controller", "the run ended", reason="completed, timeout, interrupted, ...")
+_declare("tc", "controller", "one tc command the topology ran", cmd="the command line")
+_declare("trace_step", "controller", "the bottleneck rate changed (trace replay)",
+         direction="up or down", rate_mbps="the new rate (Mbit/s)",
+         index="step index in the trace", loop="how many times the trace wrapped",
+         lag_ms="how late the change landed (ms)")
+_declare("replay_error", "controller", "trace replay stopped on an error", error="the message")
+_declare("membership", "controller", "the PS reported a new set of active workers",
+         active="sorted worker indices")
+_declare("shape", "controller", "a worker's rate cap was set (rate policy)",
+         worker="worker index", rate_mbps="the cap (Mbit/s); null = no cap",
+         method="tc or pacing", direction="up (worker egress) or down (the PS's socket)",
+         delivered="false when the agent had no control connection yet",
+         reason="cap, hello, pace_guard")
+
+
+def check(event: str, fields: Mapping[str, Any]) -> None:
+    """Raise :class:`UndeclaredEvent` unless ``event`` is declared with every key of
+    ``fields``."""
+    et = EVENTS.get(event)
+    if et is None:
+        raise UndeclaredEvent(f"event {event!r} is not declared in agents/core/events.py "
+                              f"(declared: {', '.join(sorted(EVENTS))})")
+    extra = sorted(set(fields) - set(et.fields))
+    if extra:
+        raise UndeclaredEvent(f"event {event!r}: undeclared field(s) {', '.join(extra)} "
+                              f"(declared: {', '.join(et.fields) or 'none'}); declare them "
+                              "in agents/core/events.py")
+
+
+def strict_default() -> bool:
+    """Whether undeclared events are errors in this process (``GRADBED_STRICT_EVENTS=1``)."""
+    return os.environ.get(STRICT_ENV) == "1"
+
+
+def describe() -> str:
+    """The schema as text, one event type per paragraph."""
+    out = []
+    for et in EVENTS.values():
+        out.append(f"{et.name}  ({et.by}): {et.meaning}")
+        out += [f"    {k}: {v}" for k, v in et.fields.items()]
+    return "\n".join(out)
 
 
 def now_ns() -> int:
@@ -54,8 +286,12 @@ class EventLog:
     """Append-only JSONL event writer for one node. Not thread-safe across processes:
     each node owns its own file."""
 
-    def __init__(self, path: str | os.PathLike[str], run_id: str, node: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], run_id: str, node: str,
+                 strict: bool | None = None) -> None:
         self.path = Path(path)
+        # strict: an undeclared event raises; otherwise it is written with one warning.
+        self.strict = strict_default() if strict is None else strict
+        self._warned: set[str] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
         self.node = node
@@ -66,6 +302,15 @@ class EventLog:
         return cls(Path(run_dir) / "events" / f"{node}.jsonl", run_id, node)
 
     def emit(self, event: str, iter: int = -1, **fields: Any) -> None:
+        """Append one event of a type declared in :data:`EVENTS`."""
+        try:
+            check(event, fields)
+        except UndeclaredEvent as e:
+            if self.strict:
+                raise
+            if event not in self._warned:
+                self._warned.add(event)
+                print(f"{self.node}: warning: {e}", file=sys.stderr)
         if self._fh is None:
             return
         row = {"ts_ns": now_ns(), "run_id": self.run_id, "node": self.node,
@@ -131,3 +376,7 @@ def jsonl_to_parquet(jsonl: str | os.PathLike[str]) -> Path:
     df.to_parquet(tmp, index=False)
     os.replace(tmp, dst)
     return dst
+
+
+if __name__ == "__main__":
+    print(describe())

@@ -13,11 +13,32 @@ registration order, the order backprop produces gradients in (as DDP buckets do)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from agents.core.config import WorkloadConfig
+from agents.core.registry import WORKLOAD, Registry
+
+# Every workload, one file each in agents/workloads/, registered by name.
+WORKLOADS: Registry[Any] = Registry(WORKLOAD)
+
+_W = TypeVar("_W")
+
+
+def register_workload(name: str) -> Callable[[_W], _W]:
+    """Class decorator: ``workload.name = name`` builds this class through its
+    :meth:`Workload.from_config`."""
+    return WORKLOADS.register(name)
+
+
+def make_workload(cfg: WorkloadConfig) -> Workload:
+    """The workload ``cfg.name`` names, built from the ``[workload]`` section."""
+    workload: Workload = WORKLOADS.get(cfg.name, "workload.name").from_config(cfg)
+    return workload
 
 
 class FlatModel:
@@ -82,6 +103,11 @@ class Workload(ABC):
 
     name: str = ""
     compute_ms: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: WorkloadConfig) -> Workload:
+        """Build it from the ``[workload]`` section; each workload takes the fields it uses."""
+        return cls()
 
     @abstractmethod
     def build_model(self, seed: int) -> nn.Module: ...

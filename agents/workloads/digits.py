@@ -1,11 +1,11 @@
-"""Real training on real data that ships offline: the UCI handwritten digits.
+"""The digits data shared by the digits workloads (``digits_mlp.py``, ``digits_cnn.py``).
 
 Dataset: scikit-learn's bundled ``load_digits`` (1,797 8x8 grey-scale images of the
 digits 0-9, from the UCI ML hand-written digits data set; it ships inside the
 scikit-learn wheel, so nothing is downloaded at run time). A fixed, seeded split
 keeps 1,437 images for training and 360 held out for the PS's accuracy checks.
 
-Models:
+Models (one file each):
 - ``digits_mlp``: an MLP 64 -> hidden -> hidden -> 10 with ReLU. At ``hidden=512`` it has
   300,042 parameters (1.2 MB of float32 gradient per worker per iteration), which is
   large enough that a 10-100 Mbit/s bottleneck, not the CPU, sets the pace.
@@ -79,38 +79,3 @@ class Digits(Workload):
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "dataset": "sklearn load_digits (UCI handwritten digits)",
                 "train": TRAIN_SIZE, "test": 1797 - TRAIN_SIZE}
-
-
-class DigitsMLP(Digits):
-    name = "digits_mlp"
-
-    def __init__(self, hidden: int = 512) -> None:
-        self.hidden = hidden
-
-    def build_model(self, seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, self.hidden), nn.ReLU(),
-                             nn.Linear(self.hidden, self.hidden), nn.ReLU(),
-                             nn.Linear(self.hidden, 10))
-
-    def describe(self) -> dict[str, object]:
-        return {**super().describe(), "hidden": self.hidden}
-
-
-class DigitsCNN(Digits):
-    name = "digits_cnn"
-
-    def __init__(self, channels: int = 16) -> None:
-        self.channels = channels
-
-    def build_model(self, seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        c = self.channels
-        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)),
-                             nn.Conv2d(1, c, 3, padding=1), nn.ReLU(),
-                             nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(),
-                             nn.MaxPool2d(2), nn.Flatten(),
-                             nn.Linear(2 * c * 4 * 4, 10))
-
-    def describe(self) -> dict[str, object]:
-        return {**super().describe(), "channels": self.channels}

@@ -1,22 +1,8 @@
-"""Builds the workload a config names (one place, so agents and tests agree)."""
+"""Builds the workload a config names (kept as an import path; the registry does the work).
 
-from __future__ import annotations
+Workloads register themselves by name, one file each (``agents.workloads.base.WORKLOADS``).
+"""
 
-from typing import Any
+from agents.workloads.base import make_workload
 
-from agents.core.config import WORKLOAD_NAMES
-from agents.workloads.base import Workload
-from agents.workloads.digits import DigitsCNN, DigitsMLP
-from agents.workloads.replay import Replay
-
-
-def make_workload(cfg: Any) -> Workload:
-    """``cfg`` is a ``agents.core.config.WorkloadConfig`` (or anything with its fields)."""
-    if cfg.name == "digits_mlp":
-        return DigitsMLP(hidden=int(cfg.hidden))
-    if cfg.name == "digits_cnn":
-        return DigitsCNN(channels=int(cfg.channels))
-    if cfg.name == "replay":
-        return Replay(model=str(cfg.model), compute_ms=float(cfg.compute_ms),
-                      replay_bytes=int(cfg.replay_bytes))
-    raise ValueError(f"workload.name = {cfg.name!r}: must be one of {', '.join(WORKLOAD_NAMES)}")
+__all__ = ["make_workload"]

@@ -17,7 +17,8 @@ import time
 import torch
 from torch import nn
 
-from agents.workloads.base import Batch, Workload
+from agents.core.config import WorkloadConfig
+from agents.workloads.base import Batch, Workload, register_workload
 
 
 class ReplayModel(nn.Module):
@@ -37,8 +38,14 @@ def model_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in net.named_parameters()]
 
 
+@register_workload("replay")
 class Replay(Workload):
     name = "replay"
+
+    @classmethod
+    def from_config(cls, cfg: WorkloadConfig) -> Replay:
+        return cls(model=str(cfg.model), compute_ms=float(cfg.compute_ms),
+                   replay_bytes=int(cfg.replay_bytes))
 
     def __init__(self, model: str = "resnet50", compute_ms: float = 100.0,
                  replay_bytes: int = 0) -> None:

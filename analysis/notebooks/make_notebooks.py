@@ -34,8 +34,10 @@ THROUGHPUT = [
     new_code_cell(
         "if (run.links['direction'] == 'down').any():\n"
         "    display(plots.plot_bottleneck(run.links, 'down'))\n"
-        "{'utilization_up': metrics.utilization(run.links, 'up'),\n"
-        " 'utilization_down': metrics.utilization(run.links, 'down')}"),
+        "# Two utilisations (analysis.metrics.GLOSSARY): upload windows only, and the busy span\n"
+        "{'bottleneck_utilization': metrics.bottleneck_utilization(run.events, run.links),\n"
+        " 'busy_utilization_up': metrics.busy_utilization(run.links, 'up'),\n"
+        " 'busy_utilization_down': metrics.busy_utilization(run.links, 'down')}"),
     new_code_cell("metrics.drops(run.links, 'up').tail()"),
     new_markdown_cell("## Flows\nPer-worker goodput (application bytes) and the kernel's "
                       "view (TCP_INFO bytes acknowledged); fairness per 1 s window."),
@@ -43,8 +45,8 @@ THROUGHPUT = [
     new_code_cell(
         "gp = metrics.goodput(run.events, window_s=1.0)\n"
         "gp_tcp = metrics.goodput(run.events, window_s=1.0, source='tcp_info')\n"
-        "fair = metrics.jain_over_windows(gp, window_s=1.0)\n"
-        "print('mean Jain index over 1 s windows:', fair['jain'].mean())\n"
+        "print('mean Jain index over 1 s windows:', metrics.jain_mean_over_windows(run.events))\n"
+        "print('Jain index of mean sending rates:', metrics.jain_fairness(run.events))\n"
         "gp.groupby('node')['bytes'].sum().to_frame('send_done bytes').join(\n"
         "    gp_tcp.groupby('node')['bytes'].sum().to_frame('bytes acked'))"),
     new_markdown_cell("## Iterations"),
@@ -86,13 +88,13 @@ COMPARE = [
     new_code_cell(
         "accs = [r.evals()['accuracy'].max() for r in runs.values() if 'accuracy' in r.evals()]\n"
         "target = 0.95 * max(accs) if accs else float('nan')\n"
-        "table['tta_s'] = [metrics.time_to_accuracy(r.evals(), target) for r in runs.values()]\n"
+        "table['tta_s'] = [metrics.time_to_accuracy(r.events, target) for r in runs.values()]\n"
         "table['iter_time_s_mean'] = [metrics.iteration_time_percentiles(r.events)['mean']\n"
         "                             for r in runs.values()]\n"
         "table['label'] = labels\n"
         "print(f'target accuracy {target:.3f}')\n"
         "table[['label', 'tta_s', 'iter_time_s_mean', 'final_accuracy']]"),
-    new_code_cell("plots.plot_accuracy_vs_time({lab: r.evals() for lab, r in runs.items()}, "
+    new_code_cell("plots.plot_accuracy_vs_time({lab: r.events for lab, r in runs.items()}, "
                   "target=target)"),
     new_markdown_cell("## Grouped by each varied key\n(compressor, bandwidth, policy: whatever "
                       "the sweep changed)"),

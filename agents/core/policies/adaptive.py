@@ -37,56 +37,13 @@ Everything not sent stays in the error-feedback residual (DESIGN.md 1.2).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from dataclasses import dataclass
 
-from agents.core.policies.base import Decision, register_ratio_policy
+from agents.core.config import AdaptiveConfig, ExperimentConfig
+from agents.core.policies.base import Decision, RatioContext, register_ratio_policy
 
 FORMULAS = ("consistent", "literal")
-
-
-@dataclass(frozen=True)
-class AdaptiveConfig:
-    """Knobs of :class:`AdaptiveRatio`."""
-
-    # Stability threshold on consecutive samples, |r(t) - r(t+1)| / r(t). Larger: rt is
-    # found sooner but is noisier; smaller: more samples pass before any cut.
-    eps: float = 0.1
-    # Floor of the keep ratio. Lower: fewer bytes on a collapsed link, a larger residual.
-    keep_min: float = 0.001
-    # "consistent" (default, see the module docstring) or "literal" (the patent's text).
-    formula: str = "consistent"
-    # Consecutive samples that must agree pairwise within eps before a rate counts as
-    # stable (2 = one pair). More: fewer false positives, a later decision.
-    min_samples: int = 2
-    # Carry the last stable rate into the next iteration (only used when start() is given
-    # a fixed r0, the planned share). Off: every iteration's first chunks go dense until a
-    # new stable rate is seen (measured: 2 of 10 chunks, a sent fraction of 0.37 where
-    # 0.2 was due). On: a bandwidth drop keeps being honoured from the first chunk.
-    carry_rt: bool = False
-    # Weight of the newest sample in an exponential moving average of the rate samples
-    # (1.0 = raw samples). Lower: steadier on bursty (cellular) links, slower to follow.
-    ewma_alpha: float = 1.0
-    # The keep the plan expects at r0: the iteration is planned to send plan_keep x S bytes
-    # at r0 (1.0 = the dense gradient, the seed's reading). Planning p x S at r0 is the
-    # same schedule as S at r0 / p, so the formulas run with r0 / plan_keep, and a chunk
-    # sent before any stable rate is known gets plan_keep instead of 1.
-    plan_keep: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (0.0 < self.plan_keep <= 1.0):
-            raise ValueError(f"adaptive.plan_keep={self.plan_keep!r}: must be in (0, 1]")
-        if not (0.0 < self.ewma_alpha <= 1.0):
-            raise ValueError(f"adaptive.ewma_alpha={self.ewma_alpha!r}: must be in (0, 1]")
-        if not (0.0 <= self.eps < 1.0):
-            raise ValueError(f"adaptive.eps={self.eps!r}: must be in [0, 1)")
-        if not (0.0 < self.keep_min <= 1.0):
-            raise ValueError(f"adaptive.keep_min={self.keep_min!r}: must be in (0, 1]")
-        if self.formula not in FORMULAS:
-            raise ValueError(f"adaptive.formula={self.formula!r}: must be one of {FORMULAS}")
-        if self.min_samples < 2:
-            raise ValueError(f"adaptive.min_samples={self.min_samples!r}: must be >= 2 "
-                             f"(stability compares consecutive samples)")
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
@@ -143,7 +100,9 @@ def _raw_chunk_keep(formula: str, r0_bps: float, rt_bps: float) -> float:
 
 @register_ratio_policy("adaptive")
 class AdaptiveRatio:
-    """The per-worker adaptive keep ratio. Feed it ``start`` once per iteration, every
+    """The per-worker adaptive keep ratio, configured by the ``[adaptive]`` section
+    (:class:`agents.core.config.AdaptiveConfig`, one definition for the file and the
+    policy). Feed it ``start`` once per iteration, every
     kernel rate sample through ``observe``, and ask ``keep_for_next_chunk`` before each
     chunk. It keeps no history across iterations -- ``start`` resets it -- unless
     ``carry_rt`` is set and r0 is fixed, when the last stable rate carries over.
@@ -154,6 +113,16 @@ class AdaptiveRatio:
     """
 
     name = "adaptive"
+    decides_in_flight = True     # keeps are decided from rate samples during the transfer
+    follows_bandwidth = False    # the controller's B(t) hints are not used
+    budgets_bytes = True         # its keep is a byte budget (adaptive.budget)
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, ctx: RatioContext) -> AdaptiveRatio:
+        """The ``[adaptive]`` section as it stands; the last stable rate is carried over
+        only when r0 is the planned share (a fixed r0 to compare it with)."""
+        a = cfg.adaptive
+        return cls(dataclasses.replace(a, carry_rt=a.carry_rt and a.r0 == "planned"))
 
     def __init__(self, config: AdaptiveConfig | None = None, **params: object) -> None:
         if config is not None and params:

@@ -21,40 +21,42 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-# Registries filled by each policy module's decorator; agents.core.policies builds by name.
-RATIO_POLICIES: dict[str, Callable[..., Any]] = {}
-RATE_POLICIES: dict[str, Callable[..., Any]] = {}
+from agents.core.registry import RATE_POLICY, RATIO_POLICY, Registry
+
+# Registries filled by each policy module's decorator (one file per policy); built by name.
+RATIO_POLICIES: Registry[Any] = Registry(RATIO_POLICY)
+RATE_POLICIES: Registry[Any] = Registry(RATE_POLICY)
 
 _T = TypeVar("_T")
 
 
-def _registrar(registry: dict[str, Callable[..., Any]], kind: str, name: str
-               ) -> Callable[[_T], _T]:
-    def deco(cls: _T) -> _T:
-        if name in registry:
-            raise ValueError(f"{kind} {name!r} registered twice")
-        registry[name] = cls  # type: ignore[assignment]
-        return cls
-    return deco
-
-
 def register_ratio_policy(name: str) -> Callable[[_T], _T]:
-    """Class decorator: make a ratio policy constructible by ``name``."""
-    return _registrar(RATIO_POLICIES, "ratio policy", name)
+    """Class decorator: make a ratio policy constructible by ``name``. The class also
+    gives ``from_config(cfg, ctx)`` (how the worker builds it from an experiment config)
+    and the class attributes ``decides_in_flight`` and ``follows_bandwidth``."""
+    return RATIO_POLICIES.register(name)
 
 
 def register_rate_policy(name: str) -> Callable[[_T], _T]:
-    """Class decorator: make a rate (cap) policy constructible by ``name``."""
-    return _registrar(RATE_POLICIES, "rate policy", name)
+    """Class decorator: make a rate (cap) policy constructible by ``name``; its
+    constructor takes ``bottleneck_mbps``, ``workers``, ``worker_link_mbps`` and
+    ``headroom`` (see :class:`RatePolicy`)."""
+    return RATE_POLICIES.register(name)
 
 
-def build(registry: dict[str, Callable[..., Any]], kind: str, name: str, **params: Any) -> Any:
-    """Construct the policy registered under ``name``; an unknown name lists the known."""
-    try:
-        cls = registry[name]
-    except KeyError:
-        raise ValueError(f"{kind} {name!r} is not one of {sorted(registry)}") from None
-    return cls(**params)
+@dataclass(frozen=True)
+class RatioContext:
+    """What a worker knows when it builds its ratio policy, beyond the config.
+
+    ``gradient_bytes`` is the dense float32 gradient; ``planned_bps`` this worker's planned
+    TCP payload rate (its share of the nominal bottleneck); ``workers`` the active N;
+    ``trace_start_ns`` when the controller's trace replay started (trace time 0).
+    """
+
+    gradient_bytes: int
+    planned_bps: float
+    workers: int
+    trace_start_ns: int = 0
 
 
 def check_sent(size_bytes: int, sent_bytes: int) -> int:

@@ -7,7 +7,13 @@ the adaptive and oracle policies so a config swaps them by name.
 
 from __future__ import annotations
 
-from agents.core.policies.base import Decision, check_sent, register_ratio_policy
+from agents.core.config import ExperimentConfig
+from agents.core.policies.base import (
+    Decision,
+    RatioContext,
+    check_sent,
+    register_ratio_policy,
+)
 
 
 @register_ratio_policy("fixed")
@@ -15,6 +21,14 @@ class FixedRatio:
     """Always ``keep``. Lower keep: fewer bytes per iteration, a larger residual."""
 
     name = "fixed"
+    decides_in_flight = False    # the keep is known before the transfer starts
+    follows_bandwidth = False
+    budgets_bytes = False    # its keep is an element ratio, as configured
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, ctx: RatioContext) -> FixedRatio:
+        """Keeps ``compress.ratio`` of every chunk."""
+        return cls(keep=cfg.compress.ratio)
 
     def __init__(self, keep: float = 1.0) -> None:
         if not (0.0 < keep <= 1.0):

@@ -9,8 +9,15 @@ what rate estimation costs.
 
 from __future__ import annotations
 
-from agents.core.policies.base import Decision, check_sent, register_ratio_policy
-from traces.bandwidth import BandwidthTrace
+from agents.core.bandwidth import BandwidthTrace, constant, load_scaled_trace
+from agents.core.config import ExperimentConfig
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
+from agents.core.policies.base import (
+    Decision,
+    RatioContext,
+    check_sent,
+    register_ratio_policy,
+)
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
@@ -46,6 +53,23 @@ class OracleRatio:
     """
 
     name = "oracle"
+    decides_in_flight = True     # keeps are decided chunk by chunk during the transfer
+    follows_bandwidth = True     # rebuilt on each B(t)/N(t) hint from the controller
+    budgets_bytes = True         # its keep is a byte budget (adaptive.budget)
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, ctx: RatioContext) -> OracleRatio:
+        """Reads the future of ``trace.up``, the trace the controller replays; without a
+        trace the bottleneck is constant at ``net.bottleneck_mbps``. The planned time is
+        ``plan_keep`` of the dense gradient at the planned rate."""
+        if cfg.trace.up:
+            trace = load_scaled_trace(cfg.trace.up, cfg.trace.granularity_ms, cfg.trace.scale)
+        else:
+            trace = constant(cfg.net.bottleneck_mbps, 3600.0)
+        planned_s = cfg.adaptive.plan_keep * ctx.gradient_bytes * 8 / ctx.planned_bps
+        return cls(trace=trace, n_workers=ctx.workers, planned_s=planned_s,
+                   trace_start_ns=ctx.trace_start_ns, keep_min=cfg.adaptive.keep_min,
+                   goodput_fraction=TCP_GOODPUT_FRACTION)
 
     def __init__(self, trace: BandwidthTrace, n_workers: int, planned_s: float,
                  trace_start_ns: int = 0, keep_min: float = 0.001,

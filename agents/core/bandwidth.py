@@ -459,3 +459,34 @@ def load_trace(path: str | os.PathLike[str], granularity_s: float = 0.1,
             return load_csv(p, max_rate_mbps=max_rate_mbps)
         break
     return load_rate_log(p, max_rate_mbps=max_rate_mbps)
+
+
+def load_scaled_trace(path: str | os.PathLike[str], granularity_ms: float,
+                      scale: float = 1.0, max_rate_mbps: float | None = None
+                      ) -> BandwidthTrace:
+    """A trace named in a config's ``[trace]`` section: loaded at ``granularity_ms`` and
+    every rate multiplied by ``scale`` (the controller replays it; the oracle policy in the
+    workers reads its future). ``max_rate_mbps``: as :func:`load_trace`."""
+    tr = load_trace(path, granularity_s=granularity_ms / 1000.0, max_rate_mbps=max_rate_mbps)
+    if scale != 1.0:
+        tr = BandwidthTrace(times_s=tr.times_s,
+                            rates_mbps=tuple(r * scale for r in tr.rates_mbps),
+                            period_s=tr.period_s, source=f"{tr.source} x{scale}")
+    return tr
+
+
+# -- generated ------------------------------------------------------------------------------
+
+
+def _check_rate(name: str, rate_mbps: float) -> None:
+    if not (math.isfinite(rate_mbps) and rate_mbps >= 0.0):
+        raise TraceError(f"{name}: rate_mbps={rate_mbps} must be finite and >= 0")
+
+
+def constant(rate_mbps: float, duration_s: float) -> BandwidthTrace:
+    """A fixed rate for ``duration_s`` (the loop length)."""
+    _check_rate("constant", rate_mbps)
+    if not (math.isfinite(duration_s) and duration_s > 0.0):
+        raise TraceError(f"constant: duration_s={duration_s} must be finite and > 0")
+    return BandwidthTrace((0.0,), (float(rate_mbps),), float(duration_s),
+                          f"constant({rate_mbps}Mbps,{duration_s}s)")

@@ -25,7 +25,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from traces.bandwidth import TraceError, read_lines
+from agents.core.bandwidth import TraceError, read_lines
+from agents.core.files import write_atomic
 
 __all__ = ["FlowSizeCDF", "flow_arrivals", "load_flow_cdf", "write_flow_cdf"]
 
@@ -276,9 +277,7 @@ def _from_flow_list(name: str, rows: list[tuple[int, list[str]]], interpolation:
 
 
 def write_flow_cdf(cdf: FlowSizeCDF, path: str | os.PathLike[str]) -> None:
-    from traces.generate import atomic_write
-
-    atomic_write(path, "".join(f"{s:.0f} {p * 100:g}\n"
+    write_atomic(path, "".join(f"{s:.0f} {p * 100:g}\n"
                                for s, p in zip(cdf.sizes_bytes, cdf.cdf, strict=True)))
 
 

@@ -1,0 +1,65 @@
+"""The ``[moe]`` config section: mixture of experts on expert hosts (DESIGN.md 1.4).
+
+Every knob says which way it pushes. Validated when loaded; errors name the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agents.core.checks import check as _check
+
+MOE_DATASETS = ("digits", "fashion_mnist")
+MOE_DROP_POLICIES = ("position", "probability")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    hosts: int = 4                    # expert hosts; each holds experts/hosts experts
+    experts: int = 8                  # E experts per MoE layer
+    layers: int = 1                   # MoE layers; each does 2 all-to-alls forward, 2 backward
+    top_k: int = 2                    # experts per token; more = more all-to-all bytes
+    capacity_factor: float = 1.25     # C = ceil(cf x tokens x k / E); lower = more drops, fewer bytes
+    min_capacity: int = 0             # C never below this (small batches)
+    drop_policy: str = "position"     # position (arrival order) or probability (keep most confident)
+    normalize_gates: bool = False     # divide the top-k gate weights by their sum (GShard top-2)
+    residual: bool = False            # residual MoE: dense branch mixed in by learned coefficients
+    aux_loss_coef: float = 0.01       # weight of the load-balancing loss; higher = more balanced
+    d_model: int = 64                 # token width: all-to-all bytes per token = 4 x d_model
+    d_hidden: int = 128               # expert MLP width (compute per token, not bytes)
+    dataset: str = "digits"           # digits (8 tokens of 8 pixels) or fashion_mnist (28 of 28)
+    batch_size: int = 32              # images per host per step; tokens = images x tokens/image
+    lr: float = 0.05                  # SGD learning rate (every parameter class)
+    momentum: float = 0.9             # SGD momentum (sharded with ZeRO for shared parameters)
+    zero3_min_numel: int = 4096       # shared tensors this large are split (ZeRO-3), smaller ZeRO-2
+    port: int = 6000                  # expert hosts listen here (loopback: port + host index)
+    crc: bool = True                  # CRC-32 on every payload
+    eval_every: int = 10              # host 0 evaluates held-out accuracy every N steps
+
+    def validate(self, p: str) -> None:
+        _check(1 <= self.hosts <= 64, f"{p}.hosts", self.hosts, "must be in [1, 64]")
+        _check(1 <= self.experts <= 1024 and self.experts % self.hosts == 0, f"{p}.experts",
+               self.experts, f"must be in [1, 1024] and a multiple of hosts={self.hosts}")
+        _check(1 <= self.layers <= 16, f"{p}.layers", self.layers, "must be in [1, 16]")
+        _check(1 <= self.top_k <= min(2, self.experts), f"{p}.top_k", self.top_k,
+               "must be 1 or 2 (and at most experts)")
+        _check(0 < self.capacity_factor <= 64, f"{p}.capacity_factor", self.capacity_factor,
+               "must be in (0, 64]")
+        _check(0 <= self.min_capacity <= 1_000_000, f"{p}.min_capacity", self.min_capacity,
+               "must be in [0, 1e6]")
+        _check(self.drop_policy in MOE_DROP_POLICIES, f"{p}.drop_policy", self.drop_policy,
+               f"must be one of {', '.join(MOE_DROP_POLICIES)}")
+        _check(self.aux_loss_coef >= 0, f"{p}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+        _check(1 <= self.d_model <= 8192, f"{p}.d_model", self.d_model, "must be in [1, 8192]")
+        _check(1 <= self.d_hidden <= 65536, f"{p}.d_hidden", self.d_hidden,
+               "must be in [1, 65536]")
+        _check(self.dataset in MOE_DATASETS, f"{p}.dataset", self.dataset,
+               f"must be one of {', '.join(MOE_DATASETS)}")
+        _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
+               "must be in [1, 4096]")
+        _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
+        _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
+        _check(self.zero3_min_numel >= 1, f"{p}.zero3_min_numel", self.zero3_min_numel,
+               "must be >= 1")
+        _check(1024 <= self.port <= 65000, f"{p}.port", self.port, "must be in [1024, 65000]")
+        _check(self.eval_every >= 1, f"{p}.eval_every", self.eval_every, "must be >= 1")

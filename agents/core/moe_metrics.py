@@ -1,0 +1,39 @@
+"""The MoE measurements, each defined once (DESIGN.md 1.4 and 5): agents, analysis and
+benchmarks all call these."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
+
+
+def load_imbalance(tokens_per_expert: Sequence[int | float]) -> float:
+    """``max_e n_e / mean_e n_e`` over the experts' token counts: 1 = perfectly balanced,
+    E = everything on one expert (the straggler factor of an expert-parallel layer).
+    0 when no expert got a token."""
+    n = [float(x) for x in tokens_per_expert]
+    mean = sum(n) / len(n) if n else 0.0
+    return max(n) / mean if mean > 0 else 0.0
+
+
+def drop_fraction(kept: Sequence[int], dropped: Sequence[int]) -> float:
+    """Dropped token choices / all token choices (tokens x k)."""
+    total = sum(kept) + sum(dropped)
+    return sum(dropped) / total if total else 0.0
+
+
+def dispatch_efficiency(payload_bytes: int, phase_s: float, rate_mbps: float) -> float:
+    """All-to-all dispatch efficiency of one host for one layer:
+
+        payload_bytes / (phase_s x rate_mbps x 1e6 / 8 x TCP_GOODPUT_FRACTION)
+
+    ``payload_bytes``: the token bytes through the host's busier access-link direction
+    (max of sent and received; frame headers and counts are overhead, not payload);
+    ``phase_s``: both phases, counts included, from entering phase 1 to the last byte of
+    phase 2; ``rate_mbps``: the access link's shaped rate. 1 = the link carried payload at
+    the TCP goodput ceiling for the whole phase.
+    """
+    if phase_s <= 0 or rate_mbps <= 0:
+        raise ValueError(f"dispatch_efficiency: phase_s={phase_s}, rate_mbps={rate_mbps}")
+    return payload_bytes / (phase_s * rate_mbps * 1e6 / 8 * TCP_GOODPUT_FRACTION)

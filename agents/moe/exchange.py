@@ -1,0 +1,105 @@
+"""The MoE exchanges as plain data and the checks every received frame must pass.
+
+Sans-I/O (h11's style): nothing here touches a socket. :mod:`agents.moe.mesh` moves the
+bytes and asks this module whether what arrived is what the schedule allows.
+
+One training step of H expert hosts with L MoE layers is, per host, this sequence of
+exchanges with every other host (``step_phases`` gives it as data):
+
+1. ``ALL_GATHER`` of the ZeRO-3 class's parameter shards (before the forward uses them);
+2. per layer, forward: ``COUNTS`` (phase 1 of dispatch: how many rows this host sends to
+   each of the receiver's experts, int32), ``TOKENS`` (phase 2: exactly those rows,
+   expert by expert in slot order), ``EXPERT_OUT`` (the experts' outputs, back in the
+   same order);
+3. per layer, backward in reverse: ``EXPERT_OUT_GRAD`` (gradients of the outputs, to the
+   experts), ``TOKENS_GRAD`` (gradients of the dispatched rows, back to their owners);
+4. ``REDUCE_SCATTER`` of each shared class's gradients, then ``ALL_GATHER`` of the
+   ZeRO-2 class's updated parameters.
+
+Every frame is hostile until checked: its kind, step, layer (the frame's ``chunk``),
+sender (the frame's ``worker`` must be the host at the other end of that connection),
+dtype and element count must be the ones the schedule and the counts allow; a count
+must lie in [0, capacity] (a host never sends an expert more rows than its capacity);
+the payload then arrives into a tensor of exactly that size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agents.codec import DType, FrameError, FrameHeader, MsgType
+
+# Chunk ids of the collectives of the shared parameter classes (layers use 0..L-1).
+CHUNK_ZERO3 = 0xFFFF0003
+CHUNK_ZERO2 = 0xFFFF0002
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One exchange of a step: its frame kind and layer (-1 for the ZeRO collectives)."""
+
+    kind: MsgType
+    layer: int
+    chunk: int
+
+    def label(self) -> str:
+        return f"{self.kind.name}:{self.layer}" if self.layer >= 0 else self.kind.name
+
+
+def step_phases(layers: int, *, zero3: bool = True, zero2: bool = True) -> list[Phase]:
+    """The order of a step's exchanges (see the module docstring)."""
+    out: list[Phase] = []
+    if zero3:
+        out.append(Phase(MsgType.ALL_GATHER, -1, CHUNK_ZERO3))
+    for lay in range(layers):
+        out += [Phase(MsgType.COUNTS, lay, lay), Phase(MsgType.TOKENS, lay, lay),
+                Phase(MsgType.EXPERT_OUT, lay, lay)]
+    for lay in reversed(range(layers)):
+        out += [Phase(MsgType.EXPERT_OUT_GRAD, lay, lay), Phase(MsgType.TOKENS_GRAD, lay, lay)]
+    if zero3:
+        out.append(Phase(MsgType.REDUCE_SCATTER, -1, CHUNK_ZERO3))
+    if zero2:
+        out += [Phase(MsgType.REDUCE_SCATTER, -1, CHUNK_ZERO2),
+                Phase(MsgType.ALL_GATHER, -1, CHUNK_ZERO2)]
+    return out
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the next frame from one peer must be."""
+
+    kind: MsgType
+    iteration: int
+    chunk: int
+    sender: int
+    dtype: DType
+    numel: int
+
+
+def check_header(h: FrameHeader, want: Expect, peer: str) -> None:
+    """Raise FrameError naming the peer and the first field that differs from ``want``."""
+    for name, got, exp in (("msg_type", h.msg_type, want.kind),
+                           ("iteration", h.iteration, want.iteration),
+                           ("chunk", h.chunk, want.chunk),
+                           ("worker", h.worker, want.sender),
+                           ("dtype", h.dtype, want.dtype),
+                           ("numel", h.numel, want.numel)):
+        if got != exp:
+            shown_got = got.name if isinstance(got, MsgType | DType) else got
+            shown_exp = exp.name if isinstance(exp, MsgType | DType) else exp
+            raise FrameError(f"{peer}: {name}: got {shown_got}, expected {shown_exp} "
+                             f"({want.kind.name} step {want.iteration} chunk {want.chunk})")
+    if h.nparts != 1 or h.part != 0:
+        raise FrameError(f"{peer}: part: {h.part}/{h.nparts}, expected a one-part message")
+
+
+def check_counts(counts: torch.Tensor, capacity: int, peer: str, layer: int) -> list[int]:
+    """Phase-1 counts from ``peer``: each in [0, capacity]. Returns them as ints."""
+    values = [int(c) for c in counts.tolist()]
+    for e, c in enumerate(values):
+        if not 0 <= c <= capacity:
+            raise FrameError(f"{peer}: COUNTS layer {layer}: count {c} for local expert {e} "
+                             f"is outside [0, capacity={capacity}]")
+    return values

@@ -1,0 +1,166 @@
+"""MoE runs: dispatch efficiency, link utilisation, tokens, drops and imbalance per
+expert, bytes per parameter class, and the per-host timeline (DESIGN.md 1.4).
+
+Reads the expert hosts' events (``events/eN.jsonl`` or ``.parquet``; see
+:mod:`agents.expert`). Every number comes from :mod:`agents.core.moe_metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from agents.core.moe_metrics import dispatch_efficiency, drop_fraction, load_imbalance
+
+Row = dict[str, Any]
+
+
+def load_events(run_dir: Path) -> list[Row]:
+    """Every expert host's events (Parquet where the run converted them, else JSONL)."""
+    rows: list[Row] = []
+    for node in sorted({p.stem for p in (run_dir / "events").glob("e*.*")}):
+        pq = run_dir / "events" / f"{node}.parquet"
+        if pq.exists():
+            import pandas as pd
+
+            df = pd.read_parquet(pq)
+            rows += [{str(k): _plain(v) for k, v in r.items()} for r in df.to_dict("records")]
+        else:
+            from agents.core.events import read_jsonl
+
+            rows += read_jsonl(run_dir / "events" / f"{node}.jsonl")
+    return rows
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return v
+
+
+def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
+    """One row per (host, step, layer): the two dispatch phases' times, the payload and
+    frame bytes through the host's link, the dispatch efficiency (payload) and the link
+    utilisation during dispatch (every frame byte, counts included, same formula)."""
+    acc: dict[tuple[str, int, int], Row] = defaultdict(
+        lambda: {"counts_s": 0.0, "tokens_s": 0.0, "payload_up": 0, "payload_down": 0,
+                 "bytes_up": 0, "bytes_down": 0})
+    for r in rows:
+        if r.get("event") != "moe_phase" or r["phase"] not in ("dispatch_counts",
+                                                                "dispatch_tokens"):
+            continue
+        a = acc[(r["node"], int(r["iter"]), int(r["layer"]))]
+        a["counts_s" if r["phase"] == "dispatch_counts" else "tokens_s"] += float(r["dur_s"])
+        if r["phase"] == "dispatch_tokens":
+            a["payload_up"] += int(r["payload_up"])
+            a["payload_down"] += int(r["payload_down"])
+        a["bytes_up"] += int(r["bytes_up"])
+        a["bytes_down"] += int(r["bytes_down"])
+    out = []
+    for (node, it, layer), a in sorted(acc.items()):
+        phase_s = a["counts_s"] + a["tokens_s"]
+        out.append({"node": node, "iter": it, "layer": layer, **a, "phase_s": phase_s,
+                    "efficiency": dispatch_efficiency(max(a["payload_up"], a["payload_down"]),
+                                                      phase_s, rate_mbps),
+                    "utilisation": dispatch_efficiency(max(a["bytes_up"], a["bytes_down"]),
+                                                       phase_s, rate_mbps)})
+    return out
+
+
+def route_table(rows: Iterable[Row]) -> list[Row]:
+    """One row per (step, layer), summed over hosts: tokens kept and dropped per expert,
+    the load imbalance over experts and the drop fraction."""
+    acc: dict[tuple[int, int], Row] = {}
+    for r in rows:
+        if r.get("event") != "moe_route":
+            continue
+        key = (int(r["iter"]), int(r["layer"]))
+        a = acc.setdefault(key, {"kept": [0] * len(r["kept"]),
+                                 "dropped": [0] * len(r["dropped"]), "hosts": 0})
+        a["kept"] = [x + int(y) for x, y in zip(a["kept"], r["kept"], strict=True)]
+        a["dropped"] = [x + int(y) for x, y in zip(a["dropped"], r["dropped"], strict=True)]
+        a["hosts"] += 1
+    return [{"iter": it, "layer": layer, **a, "imbalance": load_imbalance(a["kept"]),
+             "drop_fraction": drop_fraction(a["kept"], a["dropped"])}
+            for (it, layer), a in sorted(acc.items())]
+
+
+def class_bytes_table(rows: Iterable[Row]) -> list[Row]:
+    return [{k: r[k] for k in r if k.endswith("_bytes") or k in ("node", "iter")}
+            for r in rows if r.get("event") == "moe_class_bytes"]
+
+
+def plot_timeline(rows: Iterable[Row], path: Path, steps: tuple[int, int]) -> None:
+    """Per-host Gantt chart of the phases of steps [a, b): compute (forward, backward,
+    experts), dispatch, combine, their backward exchanges, ZeRO collectives; white is
+    idle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"forward": "#4c72b0", "backward": "#8172b2", "expert": "#64b5cd",
+               "dispatch_counts": "#c44e52", "dispatch_tokens": "#dd8452",
+               "combine": "#55a868", "combine_grad": "#937860", "tokens_grad": "#da8bc3",
+               "all_gather_zero3": "#8c8c8c", "reduce_scatter_and_update": "#ccb974"}
+    ph = [r for r in rows if r.get("event") == "moe_phase" and steps[0] <= r["iter"] < steps[1]]
+    if not ph:
+        return
+    nodes = sorted({r["node"] for r in ph})
+    t0 = min(r["start_ns"] for r in ph)
+    fig, ax = plt.subplots(figsize=(11, 0.6 + 0.55 * len(nodes)))
+    # Containers (forward/backward) first, the exchanges inside them drawn on top.
+    order = sorted(ph, key=lambda r: r["phase"] not in ("forward", "backward"))
+    for r in order:
+        y = nodes.index(r["node"])
+        inner = r["phase"] not in ("forward", "backward")
+        ax.barh(y, (r["end_ns"] - r["start_ns"]) / 1e6, left=(r["start_ns"] - t0) / 1e6,
+                height=0.7 if inner else 0.35, color=colours.get(r["phase"], "k"))
+    ax.set_yticks(range(len(nodes)), nodes)
+    ax.set_xlabel("ms")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()],
+              labels=list(colours), fontsize=7, ncol=5, loc="upper center",
+              bbox_to_anchor=(0.5, -0.25))
+    ax.set_title(f"expert hosts, steps {steps[0]}-{steps[1] - 1} (white = idle)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_routing(route: list[Row], path: Path) -> None:
+    """Drop fraction and load imbalance over training, one line per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
+    for layer in sorted({r["layer"] for r in route}):
+        rs = [r for r in route if r["layer"] == layer]
+        a1.plot([r["iter"] for r in rs], [r["drop_fraction"] for r in rs], label=f"layer {layer}")
+        a2.plot([r["iter"] for r in rs], [r["imbalance"] for r in rs], label=f"layer {layer}")
+    a1.set_xlabel("step")
+    a1.set_ylabel("dropped / (tokens x k)")
+    a2.set_xlabel("step")
+    a2.set_ylabel("max / mean tokens per expert")
+    a1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(run_dir: Path, rate_mbps: float) -> dict[str, Any]:
+    rows = load_events(run_dir)
+    disp = dispatch_table(rows, rate_mbps)
+    route = route_table(rows)
+    losses = [(r["iter"], r["ce"]) for r in rows if r.get("event") == "moe_step"
+              and r["node"] == "e0"]
+    return {"dispatch": disp, "route": route, "loss_e0": losses,
+            "eval": [r for r in rows if r.get("event") == "eval"]}
+
+
+def dump_summary(run_dir: Path, rate_mbps: float, out: Path) -> None:
+    out.write_text(json.dumps(summary(run_dir, rate_mbps), indent=1))

@@ -1,0 +1,241 @@
+"""MoE benchmark (DESIGN.md 1.4 and 5): all-to-all dispatch efficiency over the fabric,
+drops and imbalance against the capacity factor, Belady against LRU offload.
+
+1. ``dispatch``: ``gradbed run configs/moe.toml`` (4 expert hosts on the fabric, real
+   Mininet, real TCP, access links shaped both ways) at 10, 100 and 1000 Mbit/s per
+   access link, 2 MoE layers of 16 experts (4 per host), top-2, d_model 128, Fashion-MNIST.
+   Per host, step and layer: :func:`agents.core.moe_metrics.dispatch_efficiency` of the
+   token payload through the host's busier link direction over both phases (counts
+   included). Headline: the median at 100 Mbit/s over hosts, layers and steps after the
+   first (TCP slow start, first-touch allocations). Target >= 0.9.
+2. ``capacity``: one process, 4 routing groups (as 4 hosts), 40 training steps per
+   capacity factor in {0.5, 0.75, 1.0, 1.25, 1.5, 2.0}: drop fraction, load imbalance
+   (max/mean tokens per expert) of the kept tokens and of all routed token choices
+   (kept + dropped, the demand), and loss over the last 10 steps.
+3. ``offload``: expert host 0's recorded use order of its experts in the 100 Mbit/s run
+   (forward, then backward reversed; each step's order as it happened), replayed through
+   :class:`agents.moe.offload.Offloader` (real tensor copies; CPU here, so the budget is
+   counted, not a device's memory) at budgets of 2, 4 and 6 of its 8 experts: transfers
+   and bytes moved by Belady and by LRU.
+
+Plots go to ``docs/moe/``. Run as root: ``python benchmarks/moe.py [--part ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import REPO, emit, log
+
+CONFIG = REPO / "configs" / "moe.toml"
+PLOTS = REPO / "docs" / "moe"
+RATES_MBPS = (10.0, 100.0, 1000.0)
+STEPS = {10.0: 6, 100.0: 12, 1000.0: 12}
+MODEL = ["moe.layers=2", "moe.experts=16", "moe.d_model=128", "moe.d_hidden=128",
+         "moe.top_k=2", "moe.capacity_factor=1.25", "moe.eval_every=1000"]
+CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+
+
+def run_fabric(rate_mbps: float, out: Path) -> Path:
+    argv = [sys.executable, "-m", "controller.cli", "run", str(CONFIG), "--no-progress",
+            "--out", str(out), "--set", f'run.name="moe{int(rate_mbps)}"',
+            "--set", f"net.worker_link_mbps={rate_mbps}",
+            "--set", f"run.iterations={STEPS[rate_mbps]}"]
+    for o in MODEL:
+        argv += ["--set", o]
+    t0 = time.monotonic()
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"gradbed run at {rate_mbps} Mbit/s failed:\n{res.stderr[-3000:]}")
+    run_dir = Path(res.stdout.strip().splitlines()[-1])
+    log(f"{rate_mbps:g} Mbit/s: {run_dir} ({time.monotonic() - t0:.0f} s)")
+    return run_dir
+
+
+def part_dispatch(out: Path) -> dict[str, Any]:
+    from analysis import moe as amoe
+
+    res: dict[str, Any] = {}
+    for rate in RATES_MBPS:
+        run_dir = run_fabric(rate, out)
+        rows = amoe.load_events(run_dir)
+        disp = [d for d in amoe.dispatch_table(rows, rate) if d["iter"] >= 1]
+        route = amoe.route_table(rows)
+        eff = [d["efficiency"] for d in disp]
+        util = [d["utilisation"] for d in disp]
+        res[f"{rate:g}"] = {
+            "run_dir": str(run_dir), "samples": len(eff),
+            "efficiency_median": statistics.median(eff), "efficiency_min": min(eff),
+            "efficiency_max": max(eff), "utilisation_median": statistics.median(util),
+            "counts_s_median": statistics.median(d["counts_s"] for d in disp),
+            "tokens_s_median": statistics.median(d["tokens_s"] for d in disp),
+            "payload_bytes_median": statistics.median(max(d["payload_up"], d["payload_down"])
+                                                      for d in disp),
+            "imbalance_mean": statistics.mean(r["imbalance"] for r in route),
+            "drop_fraction_mean": statistics.mean(r["drop_fraction"] for r in route),
+            "loss_first_last": [r["ce"] for r in rows if r.get("event") == "moe_step"
+                                and r["node"] == "e0"][::max(1, STEPS[rate] - 1)],
+        }
+        log(f"  efficiency median {res[f'{rate:g}']['efficiency_median']:.3f}")
+        if rate == 100.0:
+            amoe.plot_timeline(rows, PLOTS / "timeline_100mbit.png", (2, 4))
+            amoe.plot_routing(route, PLOTS / "routing_100mbit.png")
+            res["trace_e0"] = [r["expert_uses"] for r in sorted(
+                (r for r in rows if r.get("event") == "moe_step" and r["node"] == "e0"),
+                key=lambda r: r["iter"])]
+    return res
+
+
+def part_capacity() -> dict[str, Any]:
+    import torch
+
+    from agents.core.moe_config import MoEConfig
+    from agents.core.moe_metrics import load_imbalance
+    from agents.moe.layer import MoELayer
+    from agents.moe.model import build_model, global_batch, load_data, loss_fn
+
+    torch.set_num_threads(1)
+    data = load_data("fashion_mnist")
+    out: dict[str, Any] = {}
+    for cf in CAPACITY_FACTORS:
+        cfg = MoEConfig(hosts=4, experts=16, layers=2, top_k=2, capacity_factor=cf,
+                        d_model=64, d_hidden=128, dataset="fashion_mnist", batch_size=32)
+        model = build_model(cfg, data, groups=4, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        drops, imb, demand, ces = [], [], [], []
+        for step in range(40):
+            x, y = global_batch(data, step, 4, cfg.batch_size)
+            opt.zero_grad()
+            loss, ce = loss_fn(model, model(x), y, cfg.aux_loss_coef)
+            loss.backward()
+            opt.step()
+            if step >= 30:
+                for layer in model.moe:
+                    assert isinstance(layer, MoELayer) and layer.stats is not None
+                    st = layer.stats
+                    drops.append(float(st.dropped.sum()) / (st.tokens * cfg.top_k))
+                    imb.append(st.imbalance)
+                    demand.append(load_imbalance((st.kept + st.dropped).tolist()))
+                ces.append(float(ce.detach()))
+        out[f"{cf:g}"] = {"drop_fraction": statistics.mean(drops),
+                          "imbalance": statistics.mean(imb),
+                          "demand_imbalance": statistics.mean(demand),
+                          "ce": statistics.mean(ces)}
+        log(f"cf {cf:g}: {out[f'{cf:g}']}")
+    return out
+
+
+def part_offload(trace: list[list[str]]) -> dict[str, Any]:
+    import torch
+
+    from agents.moe.offload import Offloader
+
+    names = sorted({u for step in trace for u in step})
+    # One expert's parameters (d_model 128, d_hidden 128): fc1 and fc2, weights and biases.
+    numel = 128 * 128 * 2 + 128 + 128
+    host = {n: torch.randn(numel) for n in names}
+    out: dict[str, Any] = {"experts": len(names), "expert_bytes": numel * 4,
+                           "steps": len(trace), "uses": sum(len(s) for s in trace)}
+    for k in (2, 4, 6):
+        budget = k * numel * 4
+        row = {}
+        for policy in ("belady", "lru"):
+            off = Offloader(host, budget, policy)
+            for uses in trace:
+                off.begin_step()
+                for u in uses:
+                    off.fetch(u)
+            row[policy] = {"transfers": off.stats.transfers, "bytes": off.stats.bytes_moved}
+        out[f"budget_{k}_experts"] = row
+        log(f"budget {k} experts: {row}")
+    return out
+
+
+def plots(details: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "dispatch" in details:
+        d = details["dispatch"]
+        rates = [r for r in d if r.replace(".", "").isdigit()]
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.plot([float(r) for r in rates], [d[r]["efficiency_median"] for r in rates], "o-",
+                label="payload (efficiency)")
+        ax.plot([float(r) for r in rates], [d[r]["utilisation_median"] for r in rates], "s--",
+                label="all frame bytes (utilisation)")
+        ax.axhline(0.9, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("access link, Mbit/s")
+        ax.set_ylabel("median over hosts, layers, steps")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(PLOTS / "dispatch_efficiency.png", dpi=110)
+        plt.close(fig)
+    if "capacity" in details:
+        c = details["capacity"]
+        cfs = [float(k) for k in c]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3))
+        a1.plot(cfs, [v["drop_fraction"] for v in c.values()], "o-")
+        a1.set_xlabel("capacity factor")
+        a1.set_ylabel("dropped / (tokens x k)")
+        a2.plot(cfs, [v["imbalance"] for v in c.values()], "o-", label="kept")
+        a2.plot(cfs, [v["demand_imbalance"] for v in c.values()], "s--",
+                label="routed (kept + dropped)")
+        a2.set_xlabel("capacity factor")
+        a2.set_ylabel("max / mean tokens per expert")
+        a2.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(PLOTS / "capacity.png", dpi=110)
+        plt.close(fig)
+    if "offload" in details:
+        o = details["offload"]
+        keys = [k for k in o if k.startswith("budget_")]
+        fig, ax = plt.subplots(figsize=(5, 3))
+        xs = range(len(keys))
+        ax.bar([x - 0.2 for x in xs], [o[k]["belady"]["transfers"] for k in keys], 0.4,
+               label="Belady")
+        ax.bar([x + 0.2 for x in xs], [o[k]["lru"]["transfers"] for k in keys], 0.4,
+               label="LRU")
+        ax.set_xticks(list(xs), [k.split("_")[1] + " of 8 experts" for k in keys])
+        ax.set_ylabel("host-to-device transfers")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(PLOTS / "offload.png", dpi=110)
+        plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--part", choices=("all", "dispatch", "capacity", "offload"),
+                    default="all")
+    args = ap.parse_args()
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    details: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="gradbed-moe-") as tmp:
+        if args.part in ("all", "capacity"):
+            details["capacity"] = part_capacity()
+        if args.part in ("all", "dispatch", "offload"):
+            details["dispatch"] = part_dispatch(Path(tmp))
+            trace = details["dispatch"].pop("trace_e0")
+            details["offload"] = part_offload(trace)
+    plots(details)
+    headline = details["dispatch"]["100"]["efficiency_median"] if "dispatch" in details \
+        else float("nan")
+    (PLOTS / "results.json").write_text(json.dumps(details, indent=1))
+    emit("moe", headline, "payload / (phase x rate x 1448/1514)", ">= 0.9 at 100 Mbit/s",
+         details)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Starts every host's role and decides when the run is over.
+
+The runner knows no role by name: it places ``controller.roles.get(host.role)`` on every
+host of the network spec (``controller.roles.placement``), starts the process roles phase
+by phase (a phase whose role says ``wait_ready`` must report ``ready`` over the control
+socket before the next starts), hands the session roles (background traffic) their start
+once the agents and the network driver run, and ends the run when every process of every
+role that ``ends_run`` has exited. The others then get ``GRACE_S`` to exit on their own
+(workers read the PS's BYE); the network's teardown stops whatever is left.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agents.core.events import EventLog
+from controller.roles import Role, RoleCommand, RoleContext, RoleError, RoleSession, placement
+
+READY_TIMEOUT_S = 60.0
+GRACE_S = 10.0
+POLL_S = 0.1
+
+Starter = Callable[[RoleCommand], "subprocess.Popen[Any]"]
+
+
+class RoleRunner:
+    """``start_agents``, then ``start_sessions``, then ``wait``; ``stop_sessions`` in the
+    caller's ``finally``. ``on_report`` takes the control socket's reports (any thread)."""
+
+    def __init__(self, ctx: RoleContext, start: Starter, say: Callable[[str], None],
+                 events: EventLog) -> None:
+        self.ctx = ctx
+        self.start = start
+        self.say = say
+        self.events = events
+        self.placed = placement(ctx.spec)
+        if not any(role.ends_run for role, _ in self.placed):
+            raise RoleError(f"no host of this {ctx.spec.shape} runs a role that ends the run "
+                            f"(roles placed: {[r.name for r, _ in self.placed] or 'none'}); "
+                            "a run needs one, such as ps (for a fabric: set topo.role)")
+        self.progress_nodes = {h.name for role, hosts in self.placed if role.reports_progress
+                               for h in hosts}
+        self.ready: set[str] = set()
+        self.done_reasons: dict[str, str] = {}
+        self.procs: list[tuple[Role, RoleCommand, subprocess.Popen[Any]]] = []
+        self.sessions: list[RoleSession] = []
+
+    def on_report(self, msg: dict[str, Any]) -> None:
+        node, kind = str(msg.get("node", "")), msg.get("type")
+        if kind == "ready":
+            self.ready.add(node)
+        elif kind == "done":
+            self.done_reasons[node] = str(msg.get("reason", ""))
+
+    # -- start -----------------------------------------------------------------------
+
+    def start_agents(self) -> None:
+        """Start every process role, phase by phase."""
+        phases = sorted({role.phase for role, _ in self.placed if role.session is None})
+        for phase in phases:
+            waiting = []
+            for role, hosts in self.placed:
+                if role.phase != phase or role.session is not None:
+                    continue
+                for cmd in role.commands(self.ctx, hosts):
+                    proc = self.start(cmd)
+                    self.procs.append((role, cmd, proc))
+                    if role.wait_ready:
+                        waiting.append((cmd, proc))
+            self._wait_ready(waiting)
+
+    def _wait_ready(self, waiting: list[tuple[RoleCommand, subprocess.Popen[Any]]]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for cmd, proc in waiting:
+            log = cmd.log_path(self.ctx.run_dir)
+            while cmd.host not in self.ready:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{cmd.host} exited with status {proc.returncode} "
+                                       f"before it was ready; see {log}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{cmd.host} not ready after {READY_TIMEOUT_S:g} s; "
+                                       f"see {log}")
+                time.sleep(0.05)
+
+    def start_sessions(self, net: Any) -> None:
+        for role, _ in self.placed:
+            if role.session is not None:
+                session = role.session(self.ctx, self.say, self.events)
+                self.sessions.append(session)
+                session.start(net)
+
+    def stop_sessions(self) -> None:
+        sessions, self.sessions = self.sessions, []
+        for s in sessions:
+            s.stop()
+
+    # -- the end ---------------------------------------------------------------------
+
+    def wait(self, timeout_s: float) -> str:
+        """Block until every ``ends_run`` process has exited, or ``timeout_s``; say so
+        once for any other process that fails meanwhile. Returns the stop reason."""
+        enders = [(r, c, p) for r, c, p in self.procs if r.ends_run]
+        others = [(r, c, p) for r, c, p in self.procs if not r.ends_run]
+        deadline = time.monotonic() + timeout_s
+        reported: set[int] = set()
+        while any(p.poll() is None for _, _, p in enders):
+            if time.monotonic() > deadline:
+                self.say(f"timeout after {timeout_s} s: stopping")
+                return f"timeout after {timeout_s} s"
+            for i, (_, c, p) in enumerate(others):
+                if p.poll() not in (None, 0) and i not in reported:
+                    reported.add(i)
+                    self.say(f"{c.host} exited with status {p.returncode}; "
+                             f"see {c.log or f'logs/{c.host}.log'}")
+            time.sleep(POLL_S)
+        end = time.monotonic() + GRACE_S
+        for _, _, p in others:
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for _, c, p in enders:
+            if p.returncode != 0:
+                return (f"{c.host} exited with status {p.returncode}; "
+                        f"see {c.log or f'logs/{c.host}.log'}")
+        reasons = [self.done_reasons.get(c.host, "") for _, c, _ in enders]
+        return next((r for r in reasons if r), "completed")

@@ -1,0 +1,99 @@
+"""ZeRO-2/3 parameter classes (agents/moe/zero.py) over a real loopback TCP mesh:
+the same weights as plain data parallelism, and bytes per class equal to the formula."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from agents.moe.mesh import Mesh
+from agents.moe.zero import ParamClass, ShardedOptimizer, class_bytes, classify
+from tests.test_moe_transparency import free_ports
+
+_LOCK = threading.Lock()
+
+
+def make_model() -> nn.Module:
+    with _LOCK, torch.random.fork_rng():  # hosts are threads: one draw at a time
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(7, 33), nn.Tanh(), nn.Linear(33, 5))  # 231 + 33 + 165 + 5
+
+
+def data(step: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + h)
+    return torch.randn(9, 7, generator=g), torch.randint(0, 5, (9,), generator=g)
+
+
+def test_classify() -> None:
+    w = torch.zeros(10, 10)
+    assert classify("moe.0.experts.3.fc1.weight", w, 1) is ParamClass.EXPERT
+    assert classify("experts.0.fc1.bias", w, 1) is ParamClass.EXPERT
+    assert classify("embed.weight", w, 100) is ParamClass.ZERO3
+    assert classify("embed.weight", w, 101) is ParamClass.ZERO2
+    assert class_bytes(10, 1) == 0 and class_bytes(0, 4) == 0
+    assert class_bytes(10, 3) == 2 * 2 * (4 * 4 + 64)  # shard ceil(10/3) = 4
+
+
+@pytest.mark.parametrize("hosts", [3])
+def test_zero_equals_plain_data_parallel(hosts: int) -> None:
+    steps, lr, mom = 4, 0.1, 0.9
+    # Plain data parallelism: every replica applies the mean of the hosts' gradients.
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=mom)
+    for s in range(steps):
+        opt.zero_grad()
+        for h in range(hosts):
+            x, y = data(s, h)
+            (nn.functional.cross_entropy(ref(x), y) / hosts).backward()
+        opt.step()
+
+    base = free_ports(hosts)
+    addrs = [("127.0.0.1", base + h) for h in range(hosts)]
+    finals: dict[int, dict[str, torch.Tensor]] = {}
+    bytes_seen: dict[int, list[dict[str, int]]] = {}
+    errors: list[BaseException] = []
+
+    def host(h: int) -> None:
+        try:
+            with Mesh(h, addrs, 99) as mesh:
+                model = make_model()
+                zopt = ShardedOptimizer(model, hosts=hosts, me=h, zero3_min_numel=100,
+                                        lr=lr, momentum=mom)
+                seen = []
+                for s in range(steps):
+                    zopt.gather_before_use(mesh, s)
+                    zopt.zero_grad()
+                    x, y = data(s, h)
+                    (nn.functional.cross_entropy(model(x), y) / hosts).backward()
+                    sent0 = sum(mesh.sent.values())
+                    zopt.step(mesh, s)
+                    b = zopt.bytes_by_class()
+                    b["rs_ag2_wire"] = sum(mesh.sent.values()) - sent0
+                    seen.append(b)
+                zopt.gather_before_use(mesh, steps)
+                finals[h] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                bytes_seen[h] = seen
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=host, args=(h,)) for h in range(hosts)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    n3 = 7 * 33 + 33 * 5  # the two weight matrices: split (ZeRO-3)
+    n2 = 33 + 5     # the biases: ZeRO-2
+    for h in range(hosts):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(finals[h][name], p.detach(), atol=1e-6, rtol=1e-5)
+        for b in bytes_seen[h]:
+            assert b["expert"] == 0
+            assert b["zero3"] == class_bytes(n3, hosts)
+            assert b["zero2"] == class_bytes(n2, hosts)
+            # What the mesh counted during the step: zero3's reduce-scatter (half of its
+            # formula) and zero2's reduce-scatter and all-gather.
+            assert b["rs_ag2_wire"] == class_bytes(n3, hosts) // 2 + class_bytes(n2, hosts)
