@@ -220,6 +220,35 @@ def queue_series(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
     return df[["t_s", "dev", "backlog_bytes", "backlog_pkts"]].reset_index(drop=True)
 
 
+TRANSPORT_COLUMNS = ("cwnd", "rtt_us", "pacing_rate_bps", "total_retrans")
+
+
+def transport_series(events: pd.DataFrame) -> pd.DataFrame:
+    """Each flow's transport state over time from the workers' ``tcp_info`` samples (one
+    flow per worker: its connection to the PS). Columns ``t_s``, ``node``, ``cwnd``
+    (segments), ``rtt_ms`` (the kernel's smoothed RTT, ``tcpi_rtt / 1000``),
+    ``pacing_rate_mbps`` (``tcpi_pacing_rate * 8 / 1e6``) and ``retrans`` (segments
+    retransmitted since the node's first sample: the running sum of the positive steps of
+    ``tcpi_total_retrans``, so a new connection's counter starting over adds nothing
+    negative)."""
+    cols = ["t_s", "node", "cwnd", "rtt_ms", "pacing_rate_mbps", "retrans"]
+    if events.empty or "event" not in events.columns:
+        return pd.DataFrame(columns=cols)
+    df = events[events["event"] == "tcp_info"]
+    if df.empty or not set(TRANSPORT_COLUMNS) <= set(df.columns):
+        return pd.DataFrame(columns=cols)
+    df = df.sort_values(["node", "ts_ns"], kind="stable")
+    out = pd.DataFrame({
+        "t_s": df["t_s"].astype(float), "node": df["node"].astype(str),
+        "cwnd": pd.to_numeric(df["cwnd"], errors="coerce"),
+        "rtt_ms": pd.to_numeric(df["rtt_us"], errors="coerce") / 1000,
+        "pacing_rate_mbps": pd.to_numeric(df["pacing_rate_bps"], errors="coerce") / 1e6})
+    total = pd.to_numeric(df["total_retrans"], errors="coerce").fillna(0.0)
+    step = total.groupby(out["node"], sort=False).diff().fillna(0.0).clip(lower=0.0)
+    out["retrans"] = step.groupby(out["node"], sort=False).cumsum()
+    return out.reset_index(drop=True)
+
+
 def drops(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
     """Drops at the bottleneck queue: per interval (``drops``) and cumulative since the first
     sample (``drops_total``), per dev. Columns ``t_s``, ``dev``, ``drops``, ``drops_total``."""

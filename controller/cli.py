@@ -54,15 +54,25 @@ def run_main(argv: Sequence[str]) -> int:
         return 2
     from agents.core.bandwidth import TraceError, load_trace
     from agents.core.flowsize import load_flow_cdf
+    from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.
     def trace(path: str) -> object:
-        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0,
+                          max_rate_mbps=RATE_MAX_MBPS)
+
+    def flow_cdf(path: str) -> object:
+        # Says what it loaded and the distribution's mean, before anything is built.
+        bg = cfg.background
+        return load_flow_cdf(path, format=bg.flow_cdf_format,
+                             interpolation=bg.flow_cdf_interpolation,
+                             packet_bytes=bg.flow_cdf_packet_bytes,
+                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
 
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
-              else "", load_flow_cdf),
+              else "", flow_cdf),
              ("background.pcap", cfg.background.pcap, pcap_summary)]
     for field, path, loader in files:
         try:

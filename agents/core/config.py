@@ -309,7 +309,10 @@ class BackgroundConfig:
     flows: int = 0                    # bulk: flows per background host (iperf3 -P); 0 = none
     direction: str = "up"             # bulk: up = host -> PS, with the gradients; down = PS -> host
     rate_mbps: float = 0.0            # bulk: per flow (iperf3 -b); 0 = as fast as TCP goes
-    flow_cdf: str = ""                # flows: size_bytes cdf_percent file (agents/core/flowsize.py)
+    flow_cdf: str = ""                # flows: flow-size distribution file (agents/core/flowsize.py)
+    flow_cdf_format: str = "auto"     # flows: auto, pairs, mean_pairs, tcl or flows (a flow list)
+    flow_cdf_interpolation: str = ""  # flows: linear or step; "" = the format's habit
+    flow_cdf_packet_bytes: int = 0    # flows: sizes are packets of this many bytes; 0 = bytes
     load_mbps: float = 0.0            # flows: offered load per background host; 0 = none
     pcap: str = ""                    # pcap: capture replayed by every background host, looped
     pcap_mbps: float = 0.0            # pcap: tcpreplay --mbps; 0 = the capture's own timing
@@ -348,6 +351,14 @@ class BackgroundConfig:
                f'is for kind = "flows", not "{self.kind}"')
         _check(self.kind == "pcap" or not self.pcap, f"{p}.pcap", self.pcap,
                f'is for kind = "pcap", not "{self.kind}"')
+        _check(self.flow_cdf_format in ("auto", "pairs", "mean_pairs", "tcl", "flows"),
+               f"{p}.flow_cdf_format", self.flow_cdf_format,
+               "must be auto, pairs, mean_pairs, tcl or flows")
+        _check(self.flow_cdf_interpolation in ("", "linear", "step"),
+               f"{p}.flow_cdf_interpolation", self.flow_cdf_interpolation,
+               'must be "" (the format\'s habit), linear or step')
+        _check(0 <= self.flow_cdf_packet_bytes <= 65_536, f"{p}.flow_cdf_packet_bytes",
+               self.flow_cdf_packet_bytes, "must be in [0, 65536] (0 = sizes in bytes)")
         if self.kind == "flows":
             _check(self.load_mbps == 0 or bool(self.flow_cdf), f"{p}.flow_cdf",
                    self.flow_cdf, 'must name a flow-size CDF file for kind = "flows"')
