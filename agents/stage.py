@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents import codec, wire
+from agents import auth, codec, wire
 from agents.compress.base import Compressor, PayloadError, make
 from agents.compress.feedback import ErrorFeedback
 from agents.core import config as cfgmod
@@ -686,12 +686,24 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--peers", required=True, help="HOST:PORT of every stage of this replica")
     ap.add_argument("--hub", default=None, help="HOST:PORT of replica 0's same stage (d > 1)")
+    ap.add_argument("--auth", choices=("stdin", "file"), default="file",
+                    help="stdin: started by the controller (key bundle on stdin, exit when "
+                         "it goes); file: RUN/secret names the run (tests, by hand)")
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
+    if args.auth == "stdin":
+        # As the expert hosts do: the controller's key bundle proves this host to the
+        # control socket; stage-to-stage frames carry the run's public tag, which keeps
+        # other runs out but authenticates no one (stages share no key yet).
+        auth.read_bundle()
+        auth.exit_with_controller()
+        secret = codec.PUBLIC_SECRET
+    else:
+        secret = (args.run_dir / "secret").read_bytes()
     torch.set_num_threads(1)
     hub = parse_peers(args.hub)[0] if args.hub else None
-    st = Stage(cfg, args.run_dir, args.run_dir.name, (args.run_dir / "secret").read_bytes(),
-               args.stage, parse_peers(args.peers), args.replica, hub)
+    st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
+               parse_peers(args.peers), args.replica, hub)
     try:
         return st.run()
     except (StageError, ConnectionError, codec.FrameError, OSError) as e:
