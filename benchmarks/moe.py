@@ -4,10 +4,11 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
 1. ``dispatch``: ``gradbed run configs/moe.toml`` (4 expert hosts on the fabric, real
    Mininet, real TCP, access links shaped both ways) at 10, 100 and 1000 Mbit/s per
    access link, 2 MoE layers of 16 experts (4 per host), top-2, d_model 128, Fashion-MNIST.
-   Per host, step and layer: :func:`agents.core.moe_metrics.dispatch_efficiency` of the
-   token payload through the host's busier link direction over both phases (counts
-   included). Headline: the median at 100 Mbit/s over hosts, layers and steps after the
-   first (TCP slow start, first-touch allocations). Target >= 0.9.
+   Per step and layer: :func:`agents.core.moe_metrics.dispatch_efficiency`, the token
+   payload through the busiest link over the whole dispatch (first host entering the
+   counts phase to the last host finishing the tokens phase). Headline: the median at
+   100 Mbit/s over layers and steps after the first (TCP slow start, first-touch
+   allocations). Target >= 0.9.
 2. ``capacity``: one process, 4 routing groups (as 4 hosts), 40 training steps per
    capacity factor in {0.5, 0.75, 1.0, 1.25, 1.5, 2.0}: drop fraction, load imbalance
    (max/mean tokens per expert) of the kept tokens and of all routed token choices
@@ -77,8 +78,8 @@ def part_dispatch(out: Path) -> dict[str, Any]:
             "efficiency_max": max(eff), "utilisation_median": statistics.median(util),
             "counts_s_median": statistics.median(d["counts_s"] for d in disp),
             "tokens_s_median": statistics.median(d["tokens_s"] for d in disp),
-            "payload_bytes_median": statistics.median(max(d["payload_up"], d["payload_down"])
-                                                      for d in disp),
+            "phase_s_median": statistics.median(d["phase_s"] for d in disp),
+            "payload_bytes_median": statistics.median(d["payload_bytes"] for d in disp),
             "imbalance_mean": statistics.mean(r["imbalance"] for r in route),
             "drop_fraction_mean": statistics.mean(r["drop_fraction"] for r in route),
             "loss_first_last": [r["ce"] for r in rows if r.get("event") == "moe_step"
