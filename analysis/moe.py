@@ -44,10 +44,12 @@ def _plain(v: Any) -> Any:
 
 def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
     """One row per (step, layer): the dispatch over all hosts, counts phase included
-    (from the first host entering ``dispatch_counts`` to the last host leaving
-    ``dispatch_tokens``), the busiest link's payload and frame bytes, the dispatch
-    efficiency (payload) and the link utilisation during dispatch (every frame byte,
-    counts included, same formula); ``counts_s``/``tokens_s`` are the hosts' medians."""
+    (from the last host entering ``dispatch_counts`` to the last host leaving
+    ``dispatch_tokens``: see :func:`~agents.core.moe_metrics.dispatch_efficiency`), the
+    busiest link's payload and frame bytes, the dispatch efficiency (payload) and the
+    link utilisation during dispatch (every frame byte, counts included, same formula);
+    ``arrival_spread_s``: last minus first host entering (waiting on the previous
+    phase's stragglers); ``counts_s``/``tokens_s`` are the hosts' medians."""
     acc: dict[tuple[int, int], dict[str, Row]] = defaultdict(dict)
     for r in rows:
         if r.get("event") != "moe_phase" or r["phase"] not in ("dispatch_counts",
@@ -70,10 +72,13 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
         hs = [h for h in hosts.values() if h["start_ns"] is not None and h["end_ns"]]
         if len(hs) != len(hosts) or not hs:
             continue  # a host's phases are missing (a run cut short)
-        phase_s = (max(h["end_ns"] for h in hs) - min(h["start_ns"] for h in hs)) / 1e9
+        last_in = max(h["start_ns"] for h in hs)
+        phase_s = (max(h["end_ns"] for h in hs) - last_in) / 1e9
+        spread_s = (last_in - min(h["start_ns"] for h in hs)) / 1e9
         payload = max(h["payload"] for h in hs)
         frames = max(max(h["frames_up"], h["frames_down"]) for h in hs)
         out.append({"iter": it, "layer": layer, "hosts": len(hs), "phase_s": phase_s,
+                    "arrival_spread_s": spread_s,
                     "counts_s": statistics.median(h["counts_s"] for h in hs),
                     "tokens_s": statistics.median(h["tokens_s"] for h in hs),
                     "payload_bytes": payload, "frame_bytes": frames,

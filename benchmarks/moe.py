@@ -5,8 +5,9 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
    Mininet, real TCP, access links shaped both ways) at 10, 100 and 1000 Mbit/s per
    access link, 2 MoE layers of 16 experts (4 per host), top-2, d_model 128, Fashion-MNIST.
    Per step and layer: :func:`agents.core.moe_metrics.dispatch_efficiency`, the token
-   payload through the busiest link over the whole dispatch (first host entering the
-   counts phase to the last host finishing the tokens phase). Headline: the median at
+   payload through the busiest link over the whole dispatch (last host entering the
+   counts phase to the last host finishing the tokens phase; the spread of arrivals
+   before it is reported beside it). Headline: the median at
    100 Mbit/s over layers and steps after the first (TCP slow start, first-touch
    allocations). Target >= 0.9.
 2. ``capacity``: one process, 4 routing groups (as 4 hosts), 40 training steps per
@@ -79,6 +80,7 @@ def part_dispatch(out: Path) -> dict[str, Any]:
             "counts_s_median": statistics.median(d["counts_s"] for d in disp),
             "tokens_s_median": statistics.median(d["tokens_s"] for d in disp),
             "phase_s_median": statistics.median(d["phase_s"] for d in disp),
+            "arrival_spread_s_median": statistics.median(d["arrival_spread_s"] for d in disp),
             "payload_bytes_median": statistics.median(d["payload_bytes"] for d in disp),
             "imbalance_mean": statistics.mean(r["imbalance"] for r in route),
             "drop_fraction_mean": statistics.mean(r["drop_fraction"] for r in route),
@@ -135,6 +137,14 @@ def part_capacity() -> dict[str, Any]:
 
 
 def part_offload(trace: list[list[str]]) -> dict[str, Any]:
+    """Both the recorded training order (forward, then backward reversed) and its forward
+    half alone (inference, or recomputation that replays the forward)."""
+    out = {"train": _offload(trace)}
+    out["forward_only"] = _offload([t[:len(t) // 2] for t in trace])
+    return out
+
+
+def _offload(trace: list[list[str]]) -> dict[str, Any]:
     import torch
 
     from agents.moe.offload import Offloader
@@ -199,17 +209,18 @@ def plots(details: dict[str, Any]) -> None:
         fig.savefig(PLOTS / "capacity.png", dpi=110)
         plt.close(fig)
     if "offload" in details:
-        o = details["offload"]
-        keys = [k for k in o if k.startswith("budget_")]
-        fig, ax = plt.subplots(figsize=(5, 3))
-        xs = range(len(keys))
-        ax.bar([x - 0.2 for x in xs], [o[k]["belady"]["transfers"] for k in keys], 0.4,
-               label="Belady")
-        ax.bar([x + 0.2 for x in xs], [o[k]["lru"]["transfers"] for k in keys], 0.4,
-               label="LRU")
-        ax.set_xticks(list(xs), [k.split("_")[1] + " of 8 experts" for k in keys])
-        ax.set_ylabel("host-to-device transfers")
-        ax.legend()
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+        for ax, (name, o) in zip(axes, details["offload"].items(), strict=True):
+            keys = [k for k in o if k.startswith("budget_")]
+            xs = range(len(keys))
+            ax.bar([x - 0.2 for x in xs], [o[k]["belady"]["transfers"] for k in keys], 0.4,
+                   label="Belady")
+            ax.bar([x + 0.2 for x in xs], [o[k]["lru"]["transfers"] for k in keys], 0.4,
+                   label="LRU")
+            ax.set_xticks(list(xs), [k.split("_")[1] + " of 8 experts" for k in keys])
+            ax.set_ylabel("host-to-device transfers")
+            ax.set_title(name.replace("_", " ") + " order")
+            ax.legend()
         fig.tight_layout()
         fig.savefig(PLOTS / "offload.png", dpi=110)
         plt.close(fig)

@@ -34,7 +34,7 @@ def test_tables() -> None:
     rows = [phase("e0", 1, "dispatch_counts", 1.00, 1.01, 200, 200),
             phase("e0", 1, "dispatch_tokens", 1.01, 1.10, 1_000_192, 500_192, 1_000_000,
                   500_000),
-            # e1 starts later and ends later: the dispatch spans 1.00 - 1.15 s.
+            # e1 enters 50 ms later and ends later: the dispatch spans 1.05 - 1.15 s.
             phase("e1", 1, "dispatch_counts", 1.05, 1.06, 200, 200),
             phase("e1", 1, "dispatch_tokens", 1.06, 1.15, 600_192, 700_192, 600_000,
                   700_000),
@@ -44,10 +44,11 @@ def test_tables() -> None:
             {"event": "moe_route", "node": "e1", "iter": 1, "layer": 0,
              "kept": [1, 3], "dropped": [0, 0]}]
     (d,) = amoe.dispatch_table(rows, 100.0)
-    assert d["phase_s"] == pytest.approx(0.15)
+    assert d["phase_s"] == pytest.approx(0.10)
+    assert d["arrival_spread_s"] == pytest.approx(0.05)
     assert d["payload_bytes"] == 1_000_000 and d["frame_bytes"] == 1_000_392
-    assert d["efficiency"] == pytest.approx(dispatch_efficiency(1_000_000, 0.15, 100.0))
-    assert d["utilisation"] == pytest.approx(dispatch_efficiency(1_000_392, 0.15, 100.0))
+    assert d["efficiency"] == pytest.approx(dispatch_efficiency(1_000_000, 0.10, 100.0))
+    assert d["utilisation"] == pytest.approx(dispatch_efficiency(1_000_392, 0.10, 100.0))
     (r,) = amoe.route_table(rows)
     assert r["kept"] == [4, 4] and r["dropped"] == [1, 0] and r["hosts"] == 2
     assert r["imbalance"] == 1.0 and r["drop_fraction"] == pytest.approx(1 / 9)

@@ -31,10 +31,14 @@ def dispatch_efficiency(payload_bytes: int, phase_s: float, rate_mbps: float) ->
     ``payload_bytes``: the token bytes through the busiest access-link direction of any
     host (max over hosts of max(sent, received); frame headers and counts are overhead,
     not payload): the bytes that bound the phase from below; ``phase_s``: both phases,
-    counts included, from the first host entering phase 1 to the last host finishing
-    phase 2 (one host's own phase time is no measure: its peers' rows may already sit
-    in its receive buffer when it starts); ``rate_mbps``: the access links' shaped rate.
-    1 = the busiest link carried payload at the TCP goodput ceiling for the whole phase.
+    counts included, from the moment the last host enters phase 1 to the moment the last
+    host finishes phase 2. No host sends a token before it has every host's counts, so
+    no payload moves before that start; hosts that arrive earlier are waiting for the
+    previous phase's stragglers, which the timeline shows as their own cost (and
+    ``arrival_spread_s`` in the tables). One host's own phase time is no measure: its
+    peers' rows may already sit in its receive buffer when it starts.
+    ``rate_mbps``: the access links' shaped rate. 1 = the busiest link carried payload
+    at the TCP goodput ceiling for the whole phase.
     """
     if phase_s <= 0 or rate_mbps <= 0:
         raise ValueError(f"dispatch_efficiency: phase_s={phase_s}, rate_mbps={rate_mbps}")
