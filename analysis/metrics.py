@@ -649,6 +649,5 @@ GLOSSARY: dict[str, str] = {
                     "leave): worker, iter, t_s since run start, reason",
     "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
     "stop_reason": "why the run ended",
-    "workers_lost": "the workers the PS lost: worker, iteration, seconds from the start, reason",
     "error": "the error that ended the run, when one did (a failed start, a crash)",
 }

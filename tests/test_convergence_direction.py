@@ -8,9 +8,9 @@ network, checked in one process with the project's compressors, error feedback a
 from __future__ import annotations
 
 import pytest
+from analysis.keep_response import TrainingSpec, train
 
 from agents.workloads.digits import DigitsMLP
-from analysis.keep_response import TrainingSpec, train
 
 
 def final_accuracy(keep: float, **kw: object) -> float:
