@@ -167,7 +167,7 @@ class Worker:
         """The configured ratio policy (agents/core/policies/, built by its registered name)."""
         ctx = RatioContext(gradient_bytes=self.model.numel * 4, planned_bps=self.planned_bps,
                            workers=workers or self.cfg.net.workers,
-                           trace_start_ns=trace_start_ns)
+                           trace_start_ns=trace_start_ns, worker=self.rank)
         return ratio_policy_from_config(self.cfg, ctx)
 
     # -- connection -----------------------------------------------------------------

@@ -168,6 +168,9 @@ class WorkloadConfig:
 class CompressConfig:
     name: str = "none"                # compressor registered under this name
     ratio: float = 1.0                # fraction of elements kept; lower = fewer bytes, more residual
+    # One fixed keep ratio per worker (worker i keeps worker_ratios[i]) instead of the one
+    # `ratio`; empty = every worker keeps `ratio`. Only adaptive.policy = "fixed" reads it.
+    worker_ratios: tuple[float, ...] = ()
     error_feedback: bool = True       # keep what was not sent and add it next iteration
     clip_global: float = 0.0          # T_global for DGC-style local clipping; 0 = off
     index_encoding: str = "int32"     # sparse indices on the wire: int32 or delta
@@ -177,6 +180,8 @@ class CompressConfig:
     def validate(self, p: str) -> None:
         _check_name(COMPRESSOR, f"{p}.name", self.name)
         _check(0 < self.ratio <= 1, f"{p}.ratio", self.ratio, "must be in (0, 1]")
+        for i, r in enumerate(self.worker_ratios):
+            _check(0 < r <= 1, f"{p}.worker_ratios[{i}]", r, "must be in (0, 1]")
         _check(self.clip_global >= 0, f"{p}.clip_global", self.clip_global, "must be >= 0")
         _check(self.index_encoding in ("int32", "delta"), f"{p}.index_encoding",
                self.index_encoding, "must be int32 or delta")
@@ -391,6 +396,13 @@ class ExperimentConfig:
         for i, entry in enumerate(self.membership.schedule):
             _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
                    f"must name a worker in [0, {self.net.workers - 1}]")
+        ratios = self.compress.worker_ratios
+        if ratios:
+            _check(len(ratios) == self.net.workers, "compress.worker_ratios", list(ratios),
+                   f"must have one ratio per worker (net.workers = {self.net.workers}), "
+                   f"not {len(ratios)}")
+            _check(self.adaptive.policy == "fixed", "compress.worker_ratios", list(ratios),
+                   f'is read by adaptive.policy = "fixed" only, not "{self.adaptive.policy}"')
         bg = self.background
         if bg.active and self.net.background_hosts < 1:
             field_, value = {"bulk": ("background.flows", bg.flows),
