@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import metrics, plots
+from analysis import metrics, plots, timeline
 from analysis.load import Run, flatten, load_run, load_runs
 
 CSS = """
@@ -129,6 +129,10 @@ def _run_section(run: Run, label: str) -> str:
     if not run.decisions.empty:
         parts.append(_img(plots.plot_keep_ratio(run.decisions, run.links),
                           "Adaptive keep ratio and the bandwidth it reacted to"))
+    tl = timeline.host_timeline(run.events)
+    if not tl.empty:
+        parts.append(_img(timeline.gantt_figure(tl),
+                          "Per-host timeline (Gantt): what each host did when; white is idle"))
     cfg = pd.DataFrame(sorted(flatten(run.config).items()), columns=["config key", "value"])
     cfg["value"] = cfg["value"].map(str)
     parts.append("<details><summary>Resolved config</summary>" + _table(cfg) + "</details>")

@@ -19,8 +19,12 @@ Idle is what a lane does not cover; :func:`plot_gantt` leaves it white.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CATEGORIES = ("forward", "backward", "recompute", "optimizer", "receive", "send",
               "compute", "compress", "wait")
@@ -87,17 +91,14 @@ def host_timeline(events: pd.DataFrame) -> pd.DataFrame:
     return tl.sort_values(["node", "start_ns"], kind="stable").reset_index(drop=True)
 
 
-def plot_gantt(tl: pd.DataFrame, path: str | Path, *, title: str = "",
-               t_range: tuple[float, float] | None = None) -> Path:
+def gantt_figure(tl: pd.DataFrame, *, title: str = "",
+                 t_range: tuple[float, float] | None = None) -> Figure:
     """One row per (host, lane), a bar per interval coloured by category, idle white."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     keys = list(dict.fromkeys(zip(tl["node"], tl["lane"], strict=True)))
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(keys) + 1.2))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(keys) + 1.6))
     for y, (node, lane) in enumerate(keys):
         sel = tl[(tl["node"] == node) & (tl["lane"] == lane)]
         for cat, g in sel.groupby("category"):
@@ -109,12 +110,21 @@ def plot_gantt(tl: pd.DataFrame, path: str | Path, *, title: str = "",
     if t_range is not None:
         ax.set_xlim(*t_range)
     present = [c for c in CATEGORIES if c in set(tl["category"])]
-    ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in present], ncol=len(present),
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 if len(keys) > 4 else -0.25),
-              fontsize=8)
+    ax.legend(handles=[Patch(color=COLORS[c], label=c) for c in present],
+              ncol=max(1, len(present)), loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              fontsize=8, frameon=False)
     if title:
-        ax.set_title(title)
+        fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_gantt(tl: pd.DataFrame, path: str | Path, *, title: str = "",
+               t_range: tuple[float, float] | None = None) -> Path:
+    """:func:`gantt_figure` written to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = gantt_figure(tl, title=title, t_range=t_range)
     out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)

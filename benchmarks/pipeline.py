@@ -124,8 +124,11 @@ def main() -> None:
     charts = []
     for sched, run_dir in gantt_runs.items():
         tl = host_timeline(load_events(run_dir))
+        window = tl[(tl["iter"] >= 3) & (tl["iter"] <= 4)]  # two steady-state steps
         out = plot_gantt(tl, docs / f"pipeline_gantt_{sched}.png",
-                         title=f"{sched}, p=4, m=8, 100 Mbit/s per link, {THR_STEPS} steps")
+                         title=f"{sched}, p=4, m=8, 100 Mbit/s per link: steps 3-4 of "
+                               f"{THR_STEPS}",
+                         t_range=(window["start_s"].min(), window["end_s"].max()))
         charts.append(str(out.relative_to(REPO)))
     emit("pipeline", round(worst, 3), "points",
          "measured GPipe/1F1B bubble within 5 points of (p-1)/(m+p-1)",

@@ -20,6 +20,28 @@ import numpy as np
 import pandas as pd
 
 from analysis.metrics import headline, workers_lost
+from analysis.pipeline import pipeline_metrics
+
+
+def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline run's headline (analysis.pipeline defines each figure): bubble overall and
+    per stage, samples/s, bytes per link per step, peak activation bytes, the last loss."""
+    m = pipeline_metrics(events, micro_batches=int(pc["micro_batches"]),
+                         micro_batch_size=int(pc["micro_batch_size"]),
+                         replicas=int(pc.get("replicas", 1)), skip=1)
+    losses = events[(events["event"] == "pp_step_done")]
+    losses = losses[losses["loss"].notna()] if "loss" in losses else losses.iloc[:0]
+    steps = int(events.loc[events["event"] == "pp_step_done", "iter"].max()) + 1
+    return {"schedule": pc.get("schedule"), "steps": steps, "bubble": m.bubble,
+            "bubble_ideal": m.bubble_ideal, "bubble_per_stage": m.bubble_per_stage,
+            "samples_per_s": m.samples_per_s,
+            "link_bytes_per_step": {f"{a}->{b}": v for (a, b), v
+                                    in m.link_bytes_per_step.items()},
+            "peak_act_bytes": m.peak_act_bytes,
+            "first_loss": float(losses.sort_values("iter")["loss"].iloc[0]) if len(losses)
+            else None,
+            "final_loss": float(losses.sort_values("iter")["loss"].iloc[-1]) if len(losses)
+            else None}
 
 
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
@@ -35,6 +57,11 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
     else:
         out.update({"iterations": 0, "bytes_up": 0, "bytes_down": 0})
     out["workers_lost"] = workers_lost(events)
+    pc = cfg.get("pipeline", {})
+    if int(pc.get("stages", 0)) > 0 and not events.empty \
+            and (events["event"] == "pp_action").any():
+        out["pipeline"] = pipeline_summary(events, pc)
+        out["iterations"] = out["pipeline"]["steps"]
     out.update({"interrupted": interrupted, "stop_reason": stop_reason})
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v)
             for k, v in out.items()}
