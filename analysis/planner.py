@@ -235,3 +235,27 @@ def format_plan(pl: Plan) -> str:
                      f"{pl.comm_s[k]:>12.4g}{pl.flops_per_byte[k]:>12.4g}"
                      f"{pl.compute_to_comm[k]:>14.4g}")
     return "\n".join(lines)
+
+
+def pipeline_link_bytes(boundary_numels: list[int], stages: int, micro_batches: int, *,
+                        act_bytes_per_element: int = 4, grad_bytes_per_element: int = 4,
+                        header_bytes: int = 64) -> dict[tuple[int, int], float]:
+    """Bytes per step on each directed stage-to-stage link of a pipeline with dense
+    activations and gradients (no compression), as gradbed's stages send them.
+
+    ``boundary_numels[i]`` is the element count of one micro-batch's activation leaving
+    pipeline position ``i`` (``positions - 1`` boundaries; position ``i`` sits on stage
+    ``i % stages``, so two chunks per stage go round the stages twice). Per step, boundary
+    ``i`` carries ``m`` activations forward, ``m * (numel * act_bytes + header)`` bytes
+    from stage ``i % p`` to stage ``(i + 1) % p``, and ``m`` gradients back,
+    ``m * (numel * grad_bytes + header)`` the other way; ``header`` is the frame codec's
+    per-message header (one part per dense tensor). Returns ``{(src, dst): bytes}``.
+    """
+    out: dict[tuple[int, int], float] = {}
+    for i, numel in enumerate(boundary_numels):
+        a, b = i % stages, (i + 1) % stages
+        out[(a, b)] = out.get((a, b), 0.0) + micro_batches * (numel * act_bytes_per_element
+                                                             + header_bytes)
+        out[(b, a)] = out.get((b, a), 0.0) + micro_batches * (numel * grad_bytes_per_element
+                                                             + header_bytes)
+    return out

@@ -12,11 +12,13 @@ gradients) link/N's iteration 1 took 3.74-3.93 s against 2.96-3.21 s after it.
 ``GLIBC_TUNABLES`` once, at start-up; ``mallopt`` from Python would come after the
 interpreter's own allocations): buffers under 64 MB come from the heap from the first
 iteration on, and freed pages stay with the agent for the next. The cost is that an agent
-keeps its peak heap until it exits. A ``GLIBC_TUNABLES`` the user set is left alone.
+keeps its peak heap until it exits. A ``GLIBC_TUNABLES`` the user set is left alone, and so
+is the user's ``PYTHONPATH`` (gradbed's folder goes in front of it).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from agents.core.config import ALLOCATORS
@@ -25,9 +27,18 @@ from agents.core.config import ALLOCATORS
 STEADY_TUNABLES = "glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=2147483647"
 
 
+def python_path(base: Mapping[str, str], repo_root: str) -> str:
+    """gradbed's own folder first (the agents must import this gradbed, not another one on
+    the path), then the user's ``PYTHONPATH``, kept: it may hold what the workloads import,
+    e.g. a CUDA build of torch unpacked outside the system's site-packages."""
+    mine = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != repo_root]
+    return os.pathsep.join([repo_root, *mine])
+
+
 def agent_environment(base: Mapping[str, str], repo_root: str, allocator: str) -> dict[str, str]:
     """``base`` plus what every agent needs; pure, so it is tested without processes."""
-    env = {**base, "PYTHONPATH": repo_root, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**base, "PYTHONPATH": python_path(base, repo_root), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
     if allocator == "steady" and "GLIBC_TUNABLES" not in base:
         env["GLIBC_TUNABLES"] = STEADY_TUNABLES
     elif allocator not in ALLOCATORS:

@@ -1,58 +1,78 @@
 """The ``gradbed`` command line.
 
-    gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR]
+    gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR] [--dry-run | --cli]
     gradbed sweep CONFIG.toml --grid key=v1,v2 [--grid ...] [--out DIR]
     gradbed probe            kernel capabilities as JSON
-    gradbed cleanup          remove what a crashed run left behind (idempotent)
+    gradbed cleanup          remove what a crashed or killed run left behind (idempotent)
     gradbed report RUN...    self-contained HTML report
     gradbed plan ...         3D-parallel planner (DESIGN 1.5)
 
-Human strings are parsed here and nowhere else.
+Human strings are parsed here and nowhere else. Bad input at this edge (a config that is a
+folder, an ``--out`` that is a file or cannot be written, a config with errors) is one clear
+message and exit status 2, never a traceback; a closed stdout (``gradbed probe | head -1``)
+ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 
 def _need_root(what: str) -> None:
     if os.geteuid() != 0:
-        raise SystemExit(f"gradbed {what}: needs root (Mininet creates namespaces and "
-                         f"qdiscs); run it with sudo")
+        print(f"gradbed {what}: needs root (Mininet creates namespaces and qdiscs); run it "
+              f"with sudo", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def run_main(argv: Sequence[str]) -> int:
     from agents.core import config as cfgmod
+    from controller.paths import OutDirError, check_out_dir, load_config
 
     ap = argparse.ArgumentParser(prog="gradbed run", description="Run one experiment.")
-    ap.add_argument("config", type=Path)
+    ap.add_argument("config", type=Path,
+                    help="experiment TOML (a path, or the name of a shipped config: demo.toml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     metavar="KEY=VALUE", help="override a config field, e.g. net.workers=8")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tc commands and agent command lines; change nothing")
+    ap.add_argument("--cli", action="store_true",
+                    help="build the network, start no role, and open Mininet's CLI on it")
     args = ap.parse_args(argv)
     try:
-        cfg = cfgmod.load(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
     except cfgmod.ConfigError as e:
-        print(f"gradbed run: config error: {e}", file=sys.stderr)
+        config_errors("gradbed run", e)
         return 2
     from agents.core.bandwidth import TraceError, load_trace
     from agents.core.flowsize import load_flow_cdf
+    from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.
     def trace(path: str) -> object:
-        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0,
+                          max_rate_mbps=RATE_MAX_MBPS)
+
+    def flow_cdf(path: str) -> object:
+        # Says what it loaded and the distribution's mean, before anything is built.
+        bg = cfg.background
+        return load_flow_cdf(path, format=bg.flow_cdf_format,
+                             interpolation=bg.flow_cdf_interpolation,
+                             packet_bytes=bg.flow_cdf_packet_bytes,
+                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
 
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
-              else "", load_flow_cdf),
+              else "", flow_cdf),
              ("background.pcap", cfg.background.pcap, pcap_summary)]
     for field, path, loader in files:
         try:
@@ -91,17 +111,37 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
         return 0
     _need_root("run")
+    if args.cli:
+        from controller.interactive import open_cli
+
+        try:
+            open_cli(cfg, spec)
+        except (CapabilityError, SpecError, RoleError) as e:
+            print(f"gradbed run: {e}", file=sys.stderr)
+            return 2
+        return 0
+    # Checked (and made) only now: a config or trace error leaves no folder behind.
+    try:
+        args.out = check_out_dir(args.out)
+    except OutDirError as e:
+        print(f"gradbed run: {e}", file=sys.stderr)
+        return 2
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, spec=spec)
     try:
         run_dir = exp.run()
     except Exception as e:
-        if exp.run_dir is not None:
-            print(f"gradbed run: failed: {e}", file=sys.stderr)
-            print(exp.run_dir)
-        raise
+        if exp.run_dir is None:
+            raise
+        # The run directory holds the error (summary.json) and the traceback (run.log).
+        with open(exp.run_dir / "run.log", "a", encoding="utf-8") as log:
+            log.write(traceback.format_exc())
+        print(f"gradbed run: failed: {type(e).__name__}: {e}; see {exp.run_dir / 'run.log'}",
+              file=sys.stderr)
+        print(exp.run_dir)
+        return 1
     summary = run_dir / "summary.json"
     if summary.exists():
         print(summary.read_text().strip(), file=sys.stderr)
@@ -118,23 +158,67 @@ def _interrupted(run_dir: Path) -> bool:
         return False
 
 
+def config_errors(command: str, e: Exception) -> None:
+    """A config's errors on stderr: one line for one, a list for several."""
+    lines = str(e).splitlines()
+    if len(lines) == 1:
+        print(f"{command}: config error: {lines[0]}", file=sys.stderr)
+        return
+    print(f"{command}: {len(lines)} config errors:", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+
+
+#: name -> (module, function, one-line help); each command parses its own options.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "run": ("controller.cli", "run_main", "run one experiment (root)"),
+    "sweep": ("controller.sweep", "sweep_main", "run every combination of a grid (root)"),
+    "probe": ("topo.cli", "probe_main", "this kernel's emulation capabilities as JSON"),
+    "cleanup": ("controller.cleanup", "cleanup_main",
+                "remove what a crashed or killed run left; finish its run directory (root)"),
+    "report": ("analysis.cli", "report_main", "a self-contained HTML report of runs"),
+    "plan": ("analysis.cli", "plan_main", "the 3D-parallel planner (DESIGN 1.5)"),
+}
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gradbed")
+    except PackageNotFoundError:  # a checkout that was never pip-installed
+        return "unknown (not installed)"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="gradbed",
+        description="Network emulation and congestion-control testbed for distributed deep "
+                    "learning: real training over real TCP through shaped Mininet links.",
+        epilog="'gradbed COMMAND -h' shows a command's options.")
+    ap.add_argument("--version", action="version", version=f"gradbed {version()}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, _, help_) in COMMANDS.items():
+        # add_help=False: "gradbed run -h" reaches the command's own parser.
+        sub.add_parser(name, help=help_, add_help=False)
+    return ap
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {
-        "run": run_main,
-        "sweep": lambda a: _lazy("controller.sweep", "sweep_main")(a),
-        "probe": lambda a: _lazy("topo.cli", "probe_main")(a),
-        "cleanup": lambda a: _lazy("topo.cli", "cleanup_main")(a),
-        "report": lambda a: _lazy("analysis.cli", "report_main")(a),
-        "plan": lambda a: _lazy("analysis.cli", "plan_main")(a),
-    }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(__doc__.strip().split("\n\n")[1] if argv[:1] != ["-h"] else __doc__)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\ngradbed: unknown command {argv[0]!r}", file=sys.stderr)
-            return 2
-        return 0
-    return int(commands[argv[0]](argv[1:]) or 0)
+    try:
+        try:
+            ns, rest = parser().parse_known_args(argv)
+            module, func, _ = COMMANDS[ns.command]
+            return int(_lazy(module, func)(rest) or 0)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here (also after -h), where it is handled
+    except BrokenPipeError:
+        # The reader went away (``gradbed probe | head -1``): stop quietly, as a shell tool
+        # killed by SIGPIPE would, and keep Python's exit-time flush from complaining.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _lazy(module: str, func: str):  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import secrets
 import subprocess
@@ -30,13 +31,62 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def create(out_root: Path, name: str) -> Path:
-    """A new, uniquely named run directory under ``out_root``."""
+    """A new, uniquely named run directory under ``out_root``, as an absolute path (the
+    agents start in other working directories). Folders made here, ``out_root``'s missing
+    parents included, belong to the user who ran sudo (:func:`hand_over`)."""
+    out_root = Path(out_root).absolute()
+    made = make_dirs(out_root)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_root / f"{name}-{stamp}-{secrets.token_hex(2)}"
     (path / "events").mkdir(parents=True)
     (path / "logs").mkdir()
+    for d in made:
+        hand_over(d, recursive=False)
     # No key is written here: every host can read this directory (agents.auth).
     return path
+
+
+def make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``; returns the folders it made, outermost first."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def invoking_user() -> tuple[int, int] | None:
+    """(uid, gid) of the user who ran ``sudo gradbed ...``; None when not run through sudo
+    as root (then whatever is made belongs to whoever made it, as usual)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return int(os.environ["SUDO_UID"]), int(os.environ["SUDO_GID"])
+    except (KeyError, ValueError):
+        return None
+
+
+def hand_over(path: Path, recursive: bool = True) -> None:
+    """Give ``path`` (and, recursively, what is in it) to the user who ran sudo, so a run
+    made with ``sudo gradbed run`` can be read, moved and deleted without root. Links are
+    changed themselves, never followed; files that vanish meanwhile are skipped."""
+    owner = invoking_user()
+    if owner is None:
+        return
+    uid, gid = owner
+    todo = [Path(path)]
+    while todo:
+        p = todo.pop()
+        try:
+            os.chown(p, uid, gid, follow_symlinks=False)
+            if recursive and p.is_dir() and not p.is_symlink():
+                todo.extend(p.iterdir())
+        except FileNotFoundError:
+            continue
 
 
 def git_sha() -> str:
@@ -111,3 +161,116 @@ def convert_events(run_dir: Path) -> list[Path]:
         except Exception as e:  # keep going: the JSONL is still there
             print(f"warning: {src}: not converted to Parquet: {e}", file=sys.stderr)
     return out
+
+
+# -- runs that ended without their controller's finalisation ---------------------------------
+
+#: One file per run in progress, naming its directory and its controller's process, so
+#: ``gradbed cleanup`` finds the runs whose controller was killed (SIGKILL leaves no chance
+#: to write anything) even when no agent is left to point at them.
+ACTIVE_DIR = Path("/run/gradbed/runs")
+
+
+def _start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (``/proc/PID/stat`` field 22):
+    with the pid, it tells a live controller from a new process that reused its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def mark_active(run_dir: Path) -> None:
+    """Record that this process is running ``run_dir`` (best effort: a machine without a
+    writable /run only loses ``gradbed cleanup``'s finding it by itself)."""
+    try:
+        ACTIVE_DIR.mkdir(parents=True, exist_ok=True)
+        write_json(ACTIVE_DIR / f"{run_dir.name}.json",
+                   {"run_dir": str(run_dir), "pid": os.getpid(),
+                    "start_ticks": _start_ticks(os.getpid())})
+    except OSError:
+        pass
+
+
+def mark_done(run_dir: Path) -> None:
+    try:
+        (ACTIVE_DIR / f"{run_dir.name}.json").unlink()
+    except OSError:
+        pass
+
+
+def orphaned_runs() -> list[tuple[Path, Path]]:
+    """(registry entry, run directory) of every run whose controller is gone."""
+    out = []
+    for entry in sorted(ACTIVE_DIR.glob("*.json")) if ACTIVE_DIR.is_dir() else []:
+        try:
+            rec = json.loads(entry.read_text())
+            pid, ticks, run_dir = int(rec["pid"]), rec.get("start_ticks"), Path(rec["run_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half-written by a controller killed while writing it: not ours to judge
+        if _start_ticks(pid) is not None and _start_ticks(pid) == ticks:
+            continue  # still running
+        out.append((entry, run_dir))
+    return out
+
+
+def finish(run_dir: Path, stop_reason: str, error: str | None = None,
+           cfg_toml: str | None = None, argv: list[str] | None = None) -> list[str]:
+    """Make a run directory that stopped without (or part way through) its controller's
+    finalisation explain itself: ``config.toml`` (from ``cfg_toml``) and ``meta.json`` where
+    missing, events converted to Parquet, a ``summary.json`` computed from whatever events
+    the agents wrote (where none exists; an existing one only gains the ``stop_reason`` it
+    lacks and the ``error``), and no secret or control socket left. Returns what it did."""
+    from agents.control import control_path
+
+    done: list[str] = []
+    if cfg_toml is not None and not (run_dir / "config.toml").exists():
+        write_atomic(run_dir / "config.toml", cfg_toml)
+        done.append("wrote config.toml")
+    if not (run_dir / "meta.json").exists():
+        write_json(run_dir / "meta.json", {**meta(run_dir, {}, 0, argv), "started_ns": None,
+                                           "incomplete": True})
+        done.append("wrote meta.json")
+    convert_events(run_dir)
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        summary["stop_reason"] = summary.get("stop_reason") or stop_reason
+    else:
+        summary = _summary_from_events(run_dir, stop_reason)
+        done.append(f"wrote summary.json (stop_reason: {stop_reason})")
+    if error:
+        summary["error"] = error
+    write_json(summary_path, summary)
+    sock = control_path(run_dir)
+    for leftover in (run_dir / "secret", sock, run_dir / "control.path"):
+        if leftover.exists() or leftover.is_symlink():
+            leftover.unlink()
+            done.append(f"removed {leftover}")
+    hand_over(run_dir)
+    return done
+
+
+def _summary_from_events(run_dir: Path, stop_reason: str) -> dict[str, Any]:
+    """The summary of a run whose controller never wrote one: the usual headline numbers from
+    the agents' events (no link samples: those lived in the controller), ``interrupted``."""
+    import tomllib
+
+    import pandas as pd
+
+    from analysis.load import LINK_COLUMNS, load_events
+    from controller.summary import summarize
+
+    base: dict[str, Any] = {"interrupted": True, "stop_reason": stop_reason}
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text())
+        events = load_events(run_dir, allow_empty=True)
+        links_path = run_dir / "links.parquet"
+        links = pd.read_parquet(links_path) if links_path.exists() \
+            else pd.DataFrame(columns=list(LINK_COLUMNS))
+        wall_s = (int(events["ts_ns"].max()) - int(events["ts_ns"].min())) / 1e9 \
+            if len(events) else 0.0
+        return summarize(events, links, cfg, wall_s, True, stop_reason)
+    except Exception as e:  # what can be said is said; the reason must get written
+        return {**base, "summary_error": f"{type(e).__name__}: {e}"}

@@ -5,6 +5,11 @@ quantity, with its formula in that module; :data:`analysis.metrics.GLOSSARY` say
 each key means), so the summary, the HTML report and the notebooks always agree. This
 module adds only what the controller alone knows: the worker count it asked for, the wall
 time, and how and why the run ended.
+
+``workers_lost``: every worker the PS lost (its ``worker_lost`` events), in order, each
+``{"worker", "iter", "t_s", "reason"}``; ``t_s`` counts from the controller's ``run_start``
+(else the first event). Empty when none was lost; a worker that left by the membership
+schedule (BYE) is not lost.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import headline
+from analysis.metrics import headline, workers_lost
 
 
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
@@ -29,6 +34,7 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
                             target_accuracy=float(run.get("target_accuracy", 0.0))))
     else:
         out.update({"iterations": 0, "bytes_up": 0, "bytes_down": 0})
+    out["workers_lost"] = workers_lost(events)
     out.update({"interrupted": interrupted, "stop_reason": stop_reason})
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v)
             for k, v in out.items()}

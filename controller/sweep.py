@@ -58,7 +58,15 @@ from typing import Any
 import tomli_w
 
 from agents.core import config as cfgmod
-from controller.rundir import REPO_ROOT, write_atomic
+from controller.agent_env import python_path
+from controller.paths import (
+    PATH_FIELDS,
+    OutDirError,
+    check_out_dir,
+    resolve_config_file,
+    resolve_path,
+)
+from controller.rundir import REPO_ROOT, hand_over, write_atomic
 
 #: Seconds a run may take beyond its own ``run.timeout_s`` (Mininet build and teardown,
 #: report) before the sweep kills it and records a timeout.
@@ -233,13 +241,26 @@ def validate(spec: SweepSpec) -> list[cfgmod.ExperimentConfig]:
 def load_sweep(path: str | Path, grid_args: Sequence[str] = (), sets: Sequence[str] = (),
                repeat: int | None = None) -> SweepSpec:
     """Read a sweep file (an experiment config with an optional ``[sweep]`` table)."""
-    path = Path(path)
+    path = resolve_config_file(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise cfgmod.ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise cfgmod.ConfigError(f"{path}: is a directory, not a config file") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise cfgmod.ConfigError(f"{path}: cannot read: {e}") from e
     except tomllib.TOMLDecodeError as e:
         raise cfgmod.ConfigError(f"{path}: not valid TOML: {e}") from e
+    # base.toml is re-read from the sweep's own folder: its file names must not be relative.
+    base_dir = path.parent.absolute()
+    for section, name in PATH_FIELDS:
+        table = data.get(section)
+        if isinstance(table, dict) and isinstance(table.get(name), str):
+            table[name] = resolve_path(table[name], base_dir)
+        elif isinstance(table, dict) and isinstance(table.get(name), dict):
+            table[name] = {k: resolve_path(v, base_dir) if isinstance(v, str) else v
+                           for k, v in table[name].items()}
     return parse_sweep(data, grid_args, sets, repeat, source=str(path))
 
 
@@ -356,8 +377,11 @@ def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Pa
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(argv) + "\n")
         log.flush()
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log,
-                                text=True, start_new_session=True)
+        # In the user's folder, so a relative file name given with --set or --grid means
+        # what it meant where they typed it.
+        env = {**os.environ, "PYTHONPATH": python_path(os.environ, str(REPO_ROOT))}
+        proc = subprocess.Popen(argv, cwd=os.getcwd(), stdout=subprocess.PIPE, stderr=log,
+                                text=True, start_new_session=True, env=env)
         try:
             try:
                 out, _ = proc.communicate(timeout=timeout_s)
@@ -441,7 +465,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
     cfgs = validate(spec)
     combos = expand(spec)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    sweep_dir = out_root / f"sweep-{spec.name}-{stamp}"
+    sweep_dir = Path(out_root).absolute() / f"sweep-{spec.name}-{stamp}"
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=False)
     base_toml = sweep_dir / "base.toml"
     write_atomic(base_toml, tomli_w.dumps(spec.base))
@@ -487,6 +511,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
             write_report(dirs, sweep_dir / "report")
         except Exception as e:  # the table is what must survive; the report is a convenience
             say(f"warning: sweep report not written: {e}")
+    hand_over(sweep_dir)
     say(f"sweep done in {time.monotonic() - t_sweep:.0f} s: "
         f"{sum(r.status == 'ok' for r in done)}/{len(combos)} ok; {sweep_dir / 'sweep.md'}")
     return sweep_dir, done
@@ -534,6 +559,11 @@ def sweep_main(argv: Sequence[str]) -> int:
         for c in expand(spec):
             print(f"{c.index + 1}: " + " ".join(c.overrides(base_seed(spec))))
         return 0
+    try:
+        args.out = check_out_dir(args.out)
+    except OutDirError as e:
+        print(f"gradbed sweep: {e}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("gradbed sweep: needs root (each run builds a Mininet network); run it with sudo",
               file=sys.stderr)

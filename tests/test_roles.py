@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
-    return cfgmod.load(REPO / "configs/demo.toml", list(overrides))
+    return cfgmod.load(REPO / "configs/digits.toml", list(overrides))
 
 
 def test_the_data_parallel_roles_are_registered_as_data():
@@ -41,8 +41,8 @@ def test_the_data_parallel_roles_are_registered_as_data():
     assert ps.ends_run and ps.wait_ready and ps.phase < worker.phase < flowgen.phase
     assert not worker.ends_run and not flowgen.ends_run
     assert flowgen.sections == ("background",) and flowgen.session is not None
-    with pytest.raises(RoleError, match="role 'stage' is not registered; known roles: .*ps"):
-        get("stage")
+    with pytest.raises(RoleError, match="role 'nonesuch' is not registered; known roles: .*ps"):
+        get("nonesuch")
 
 
 def test_role_declarations_import_without_torch():

@@ -1,7 +1,9 @@
 """``gradbed probe`` and ``gradbed cleanup``: kernel capabilities as JSON, leftovers removed.
 
-The lead's console script dispatches to ``probe_main`` and ``cleanup_main``; both return
-a process exit code and never raise on expected failures.
+``gradbed probe`` dispatches to ``probe_main``; ``gradbed cleanup`` runs
+``controller.cleanup.cleanup_main``, which adds finishing killed runs' directories to the
+network cleanup that ``cleanup_main`` here does alone. Both return a process exit code and
+never raise on expected failures.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ def probe_main(argv: Sequence[str] | None = None) -> int:
     parser.parse_args(list(argv) if argv is not None else None)
     caps = probe()
     print(json.dumps(caps, indent=2, sort_keys=True))
+    for tool, consequence in caps.get("unchecked", {}).items():
+        print(f"gradbed probe: {tool} not found: {consequence}", file=sys.stderr)
     # Without root the qdisc trials cannot run: say so through the exit code too.
     return 0 if "qdisc_probe_error" not in caps else 2
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
 import subprocess
 from typing import Any
 
@@ -30,8 +31,25 @@ QDISC_TRIALS: dict[str, list[str]] = {
 _cache: dict[str, Any] | None = None
 
 
+#: The programs gradbed runs, and what cannot be done or checked without each. A machine
+#: may lack any of them (the lent GPU machine had no modprobe, ethtool or iproute2): the
+#: probe then says what it could not check instead of failing.
+TOOLS: dict[str, str] = {
+    "ip": "no namespaces or veths: no qdisc trial, no network",
+    "tc": "no qdiscs: no shaping",
+    "ethtool": "GSO/TSO/GRO cannot be switched (net.offload); queues are not packet-exact",
+    "modprobe": "whether the Open vSwitch datapath module exists (ovs) is not checked",
+}
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    """Run ``argv``; a program that is not installed reads as exit 127, as in a shell."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(argv, 127, "", f"{argv[0]}: command not found")
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: timed out after 20 s")
 
 
 def _read(path: str) -> str | None:
@@ -107,18 +125,18 @@ def _mininet_version() -> str | None:
     return str(VERSION)
 
 
-def _ovs_datapath() -> bool:
+def _ovs_datapath() -> bool | None:
+    """True/False, or None when it cannot be told (no modprobe and no module loaded)."""
     if os.path.isdir("/sys/module/openvswitch"):
         return True
+    if shutil.which("modprobe") is None:
+        return None
     # -n: only resolve the module, never load it (the probe must not change the kernel).
     return _run(["modprobe", "-n", "-q", "openvswitch"]).returncode == 0
 
 
 def _iproute2_version() -> str | None:
-    try:
-        out = _run(["tc", "-V"]).stdout
-    except FileNotFoundError:
-        return None
+    out = _run(["tc", "-V"]).stdout
     m = re.search(r"iproute2-(\S+?),?\s", out + " ")
     return m.group(1) if m else out.strip() or None
 
@@ -131,12 +149,17 @@ def probe(refresh: bool = False) -> dict[str, Any]:
     ``nfqueue``/``xt_statistic``/``iptables`` (``probe_netfilter``),
     ``delay_mechanism``/``loss_mechanism`` (``topo.netfilter.mechanisms``),
     ``tcp_congestion_control`` (list), ``tcp_congestion_control_default``, ``kernel``,
-    ``ovs``, ``mininet_version``, ``iproute2``, ``root``.
+    ``ovs`` (None: could not tell), ``mininet_version``, ``iproute2``, ``root``,
+    ``missing_tools`` (programs of :data:`TOOLS` not on ``PATH``) and ``unchecked`` (for
+    each, what that leaves unchecked or impossible).
     """
     global _cache
     if _cache is not None and not refresh:
         return dict(_cache)
     caps: dict[str, Any] = {"kernel": platform.release(), "root": os.geteuid() == 0}
+    missing = sorted(t for t in TOOLS if shutil.which(t) is None)
+    caps["missing_tools"] = missing
+    caps["unchecked"] = {t: TOOLS[t] for t in missing}
     caps.update(probe_qdiscs())
     avail = _read("/proc/sys/net/ipv4/tcp_available_congestion_control") or ""
     caps["tcp_congestion_control"] = sorted(avail.split())

@@ -23,12 +23,15 @@ from typing import Any
 
 import tomli_w
 
-from agents.core.checks import ConfigError
+from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
+from agents.core.feedback_config import FeedbackConfig
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
+from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.topo_config import TopoConfig
+from agents.core.vision_config import VisionConfig
 
 __all__ = ["ConfigError"]
 
@@ -127,12 +130,15 @@ class NetConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    name: str = "digits_mlp"          # a registered workload (agents/workloads/): digits_mlp, ...
+    # a registered workload (agents/workloads/): digits_mlp, digits_cnn, fashion_resnet
+    # and fashion_vit (sized by [vision]), replay, ...
+    name: str = "digits_mlp"
     batch_size: int = 32              # per-worker batch; the global batch is N times this
     lr: float = 0.1                   # SGD learning rate at the PS
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
+    depth: int = 8                    # digits_deep: hidden Linear+ReLU blocks (pipeline stages)
     model: str = "resnet50"           # replay: whose per-layer gradient sizes to send
     compute_ms: float = 100.0         # replay: simulated forward+backward time per iteration
     replay_bytes: int = 0             # replay: >0 sends one flat gradient of this size instead
@@ -145,6 +151,7 @@ class WorkloadConfig:
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
+        _check(1 <= self.depth <= 256, f"{p}.depth", self.depth, "must be in [1, 256]")
         _check(1 <= self.channels <= 1024, f"{p}.channels", self.channels,
                "must be in [1, 1024]")
         _check(self.model in ("resnet50", "resnet18"), f"{p}.model", self.model,
@@ -302,7 +309,10 @@ class BackgroundConfig:
     flows: int = 0                    # bulk: flows per background host (iperf3 -P); 0 = none
     direction: str = "up"             # bulk: up = host -> PS, with the gradients; down = PS -> host
     rate_mbps: float = 0.0            # bulk: per flow (iperf3 -b); 0 = as fast as TCP goes
-    flow_cdf: str = ""                # flows: size_bytes cdf_percent file (agents/core/flowsize.py)
+    flow_cdf: str = ""                # flows: flow-size distribution file (agents/core/flowsize.py)
+    flow_cdf_format: str = "auto"     # flows: auto, pairs, mean_pairs, tcl or flows (a flow list)
+    flow_cdf_interpolation: str = ""  # flows: linear or step; "" = the format's habit
+    flow_cdf_packet_bytes: int = 0    # flows: sizes are packets of this many bytes; 0 = bytes
     load_mbps: float = 0.0            # flows: offered load per background host; 0 = none
     pcap: str = ""                    # pcap: capture replayed by every background host, looped
     pcap_mbps: float = 0.0            # pcap: tcpreplay --mbps; 0 = the capture's own timing
@@ -341,6 +351,14 @@ class BackgroundConfig:
                f'is for kind = "flows", not "{self.kind}"')
         _check(self.kind == "pcap" or not self.pcap, f"{p}.pcap", self.pcap,
                f'is for kind = "pcap", not "{self.kind}"')
+        _check(self.flow_cdf_format in ("auto", "pairs", "mean_pairs", "tcl", "flows"),
+               f"{p}.flow_cdf_format", self.flow_cdf_format,
+               "must be auto, pairs, mean_pairs, tcl or flows")
+        _check(self.flow_cdf_interpolation in ("", "linear", "step"),
+               f"{p}.flow_cdf_interpolation", self.flow_cdf_interpolation,
+               'must be "" (the format\'s habit), linear or step')
+        _check(0 <= self.flow_cdf_packet_bytes <= 65_536, f"{p}.flow_cdf_packet_bytes",
+               self.flow_cdf_packet_bytes, "must be in [0, 65536] (0 = sizes in bytes)")
         if self.kind == "flows":
             _check(self.load_mbps == 0 or bool(self.flow_cdf), f"{p}.flow_cdf",
                    self.flow_cdf, 'must name a flow-size CDF file for kind = "flows"')
@@ -363,6 +381,9 @@ class ExperimentConfig:
     topo: TopoConfig = field(default_factory=TopoConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -377,6 +398,12 @@ class ExperimentConfig:
                              "pcap": ("background.pcap", bg.pcap)}[bg.kind]
             _check(False, field_, value,
                    "needs net.background_hosts >= 1 (the hosts the flows start from)")
+        if self.feedback.momentum_correction:
+            _check(self.compress.error_feedback, "feedback.momentum_correction", True,
+                   "needs compress.error_feedback = true (the corrected momentum lives in "
+                   "the residual)")
+            _check(self.workload.momentum > 0, "feedback.momentum_correction", True,
+                   "needs workload.momentum > 0 (the momentum it moves onto the workers)")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -419,27 +446,44 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
+    kwargs = {}
+    for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"{prefix}.{key}: unknown field; known fields: "
-                              f"{', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+            fail(f"{prefix}.{key}: unknown field; known fields: {', '.join(sorted(names))}")
+            continue
+        errors = collecting()
+        before = len(errors) if errors is not None else 0
+        try:
+            coerced = _coerce(value, hints[key], f"{prefix}.{key}")
+        except (TypeError, ValueError):  # converting a value already reported as wrong
+            if errors is None or len(errors) == before:
+                raise
+        if errors is None or len(errors) == before:  # a bad value keeps the default
+            kwargs[key] = coerced
     return cls(**kwargs)
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
-    sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in sections:
-            raise ConfigError(f"{key}: unknown section; known sections: "
-                              f"{', '.join(sorted(sections))}")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: must be a table [{key}]")
+    """Build and validate a config; raises one ConfigError listing every error found."""
+    with collect() as errors:
+        sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
         hints = typing.get_type_hints(ExperimentConfig)
-        kwargs[key] = _build(hints[key], value, key)
-    cfg = ExperimentConfig(**kwargs)
-    cfg.validate()
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                fail(f"{key}: unknown section; known sections: {', '.join(sorted(sections))}")
+            elif not isinstance(value, dict):
+                fail(f"{key} = {value!r}: must be a table [{key}]")
+            else:
+                kwargs[key] = _build(hints[key], value, key)
+        cfg = ExperimentConfig(**kwargs)
+        try:
+            cfg.validate()
+        except (TypeError, KeyError, ValueError):
+            if not errors:  # a check that trips over an earlier bad value is not news
+                raise
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 
@@ -484,12 +528,18 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path}: is a directory, not a config file") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (not UTF-8)") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {(e.strerror or str(e)).lower()}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError([f"{path}: {m}" for m in e.errors]) from None
 
 
 def dumps(cfg: ExperimentConfig) -> str:

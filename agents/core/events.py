@@ -173,6 +173,31 @@ _declare("background", "flowgen, controller", "totals of one background host's t
          packets="packets sent (pcap replay)", retransmits="TCP retransmissions (iperf3)",
          note="iperf3's own remark (e.g. interrupted)", error="why there are no totals")
 
+# -- pipeline stage (agents/stage.py) -------------------------------------------------------
+_declare("stage_ready", "stage", "a pipeline stage holds its slices and is connected",
+         stage="stage index", replica="pipeline replica (data-parallel index)",
+         chunks="model chunks per stage (2 for the two-group schedule)",
+         schedule="the schedule's registered name", params="parameters held",
+         actions="actions in one step of its schedule")
+_declare("pp_action", "stage", "one schedule action ran (iter = the micro-batch's step; for "
+         "OPT, mb is the step)", kind="F B R SA RA SG RG OPT", mb="micro-batch",
+         chunk="model chunk", start_ns="start (CLOCK_MONOTONIC)",
+         end_ns="end (CLOCK_MONOTONIC)", bytes="bytes sent or received (0 for compute)",
+         held_bytes="activation bytes held after the action")
+_declare("pp_send", "stage", "a message written to the kernel by the stage's sender thread",
+         kind="SA (activation) or SG (gradient)", mb="micro-batch", chunk="model chunk",
+         to="the receiving stage", bytes="bytes on the wire (frame included)",
+         start_ns="start (CLOCK_MONOTONIC)", end_ns="end (CLOCK_MONOTONIC)")
+_declare("pp_step_done", "stage", "a pipeline step (all micro-batches and the optimizer) ended",
+         step_s="wall seconds of the step", loss="mean loss of its micro-batches (last stage)",
+         peak_held_bytes="peak activation bytes held so far",
+         bytes_down="bytes sent downstream so far", bytes_up="bytes sent upstream so far")
+_declare("pp_done", "stage", "the stage finished every step",
+         stage="stage index", replica="pipeline replica",
+         peak_held_bytes="peak activation bytes held", bytes_down="bytes sent downstream",
+         bytes_up="bytes sent upstream")
+_declare("stage_error", "stage", "the stage stopped on an error", error="the message")
+
 # -- MoE expert host (agents/expert.py; nodes e0..eH-1) ---------------------------------------
 _declare("moe_start", "expert", "the expert host joined the mesh and built its shards",
          hosts="expert hosts", experts="experts per MoE layer",

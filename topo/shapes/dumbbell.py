@@ -16,8 +16,8 @@ Shaping points (egress, as everywhere):
 
 from __future__ import annotations
 
-from agents.core.nodes import worker_node
 from agents.core.config import ExperimentConfig
+from agents.core.nodes import worker_node
 from topo.shapes import register
 from topo.spec import (
     EdgeSpec,

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from agents.core.nodes import worker_node
 from agents.core.config import ExperimentConfig
+from agents.core.nodes import worker_node
 from topo.shapes import register
 from topo.spec import (
     EXTRA_HOSTS_MAX,

@@ -1,0 +1,79 @@
+"""Pipeline measurements from a run's stage events (issue 18), each defined once here.
+
+Over the measured steps (``skip`` warm-up steps left out; a step's actions are those of
+its micro-batches, and its optimizer steps):
+
+- ``wall_s`` = the sum over measured steps of (last compute end - first compute start of
+  the step, over all stages) when the steps do not overlap (GPipe and 1F1B flush at every
+  step, so the optimizer steps between them are left out); when they overlap (the
+  two-group schedule runs the next step's A forwards during this step's drain), the
+  whole window from the first measured compute start to the last end;
+- ``busy_s[stage]`` = seconds the stage spent in forward, backward and recompute;
+- ``bubble`` (bubble/total) = ``1 - sum(busy_s) / (p * wall_s)``: GPipe's
+  ``(p-1)/(m+p-1)`` for equal costs and free links (Huang et al. 2019);
+  ``bubble_ideal`` = ``bubble / (1 - bubble)``: Megatron's ``(p-1)/m`` (Narayanan et al.
+  2021) is this quantity (idle relative to the ideal time);
+- ``bubble_per_stage[stage]`` = ``1 - busy_s[stage] / wall_s``;
+- ``samples_per_s`` = ``steps * m * micro_batch_size * d / wall_s``;
+- ``link_bytes_per_step[(src, dst)]`` = wire bytes (headers included) the stage ``src``
+  sent to ``dst`` per step (every step counted);
+- ``peak_act_bytes[stage]`` = the most bytes of activations the stage held at once
+  (autograd's saved tensors plus stashed inputs), from its ``pp_done``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+COMPUTE = ("F", "B", "R")
+
+
+@dataclass(frozen=True)
+class PipelineMetrics:
+    steps: int
+    wall_s: float
+    busy_s: dict[str, float]
+    bubble: float
+    bubble_ideal: float
+    bubble_per_stage: dict[str, float]
+    samples_per_s: float
+    link_bytes_per_step: dict[tuple[str, str], float]
+    peak_act_bytes: dict[str, int]
+
+
+def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_size: int,
+                     replicas: int = 1, skip: int = 1) -> PipelineMetrics:
+    act = events[events["event"] == "pp_action"]
+    if act.empty:
+        raise ValueError("pipeline_metrics: no pp_action events (not a pipeline run?)")
+    steps_all = int(act.loc[act["kind"] == "OPT", "iter"].max()) + 1
+    skip = min(skip, steps_all - 1)
+    comp = act[act["kind"].isin(COMPUTE) & (act["iter"] >= skip)]
+    win = comp.groupby("iter").agg(t0=("start_ns", "min"), t1=("end_ns", "max")).sort_index()
+    disjoint = bool((win["t0"].to_numpy()[1:] >= win["t1"].to_numpy()[:-1]).all())
+    if disjoint:
+        wall = float((win["t1"] - win["t0"]).sum()) / 1e9
+    else:
+        wall = (int(win["t1"].max()) - int(win["t0"].min())) / 1e9
+    dur = (comp["end_ns"] - comp["start_ns"]) / 1e9
+    busy = {str(k): float(v) for k, v in dur.groupby(comp["node"]).sum().items()}
+    p = len(busy)
+    bubble = 1.0 - sum(busy.values()) / (p * wall)
+    per_stage = {n: 1.0 - b / wall for n, b in busy.items()}
+    steps = steps_all - skip
+    snd = events[events["event"] == "pp_send"]
+    links: dict[tuple[str, str], float] = {}
+    for key, total in snd.groupby(["node", "to"])["bytes"].sum().items():
+        node, to = str(key[0]), int(key[1])  # type: ignore[index]
+        prefix = node[: node.rfind("s")]  # replica prefix ("" or "rK")
+        links[(node, f"{prefix}s{to}")] = float(total) / steps_all
+    done = events[events["event"] == "pp_done"]
+    peak = {str(r["node"]): int(r["peak_held_bytes"]) for r in done.to_dict("records")}
+    return PipelineMetrics(
+        steps=steps, wall_s=wall, busy_s=busy, bubble=bubble,
+        bubble_ideal=bubble / (1 - bubble) if bubble < 1 else float("inf"),
+        bubble_per_stage=per_stage,
+        samples_per_s=steps * micro_batches * micro_batch_size * replicas / wall,
+        link_bytes_per_step=links, peak_act_bytes=peak)

@@ -1,0 +1,71 @@
+"""``gradbed cleanup``: remove what a crashed or killed run left, and finish its directory.
+
+A controller killed with SIGKILL runs no ``finally``: its network (bridge, veths, qdiscs,
+host shells), its agents, the run's secret and control socket stay behind, and the run
+directory has no ``summary.json``. This command removes the network and the processes
+(:func:`topo.cleanup.cleanup`: gradbed's own names only, never another emulation's), then
+finishes every run whose controller is gone (:func:`controller.rundir.orphaned_runs`, or the
+directories given on the command line): secret and socket removed, events converted, and a
+``summary.json`` computed from the agents' events with ``stop_reason: "controller killed"``
+where none exists, so the directory loads and explains itself. Idempotent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from controller import rundir
+from topo.cleanup import cleanup
+from topo.lock import LockTimeout, NetLock
+
+KILLED = "controller killed"
+
+
+def finish_orphans(run_dirs: Sequence[Path] = ()) -> list[str]:
+    """Finish the run directories whose controller is gone; one line per thing done."""
+    lines: list[str] = []
+    targets = [(None, Path(d).absolute()) for d in run_dirs] + rundir.orphaned_runs()
+    seen: set[Path] = set()
+    for entry, run_dir in targets:
+        if run_dir in seen:
+            continue
+        seen.add(run_dir)
+        if run_dir.is_dir():
+            lines += [f"{run_dir}: {line}" for line in rundir.finish(run_dir, KILLED)]
+        if entry is not None:
+            entry.unlink(missing_ok=True)
+    return lines
+
+
+def cleanup_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gradbed cleanup",
+        description="Remove gradbed's leftover agents, Mininet host shells, bridges and veths, "
+                    "and finish the run directories of killed controllers (idempotent)")
+    parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR",
+                        help="run directories to finish as well (found by themselves when "
+                             "their controller registered them under /run/gradbed/runs)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    parser.add_argument("--wait-s", type=float, default=30.0,
+                        help="how long to wait for a run in progress to release the network")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        # Under the network lock: a run in progress owns its network; wait for it
+        # rather than pull its hosts away. Processes go first, so the events are final.
+        with NetLock(timeout_s=args.wait_s):
+            removed = cleanup()
+            removed += finish_orphans(args.run_dirs)
+    except LockTimeout as exc:
+        print(f"gradbed cleanup: {exc}", file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        print(f"gradbed cleanup: {exc} (run as root)", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        for line in removed:
+            print(line)
+        print(f"removed {len(removed)} item(s)" if removed else "nothing to clean up")
+    return 0

@@ -1,0 +1,142 @@
+"""Runs pipeline stages as real processes over loopback TCP (no Mininet, no root), and the
+one-process references a pipelined run must match (torchgpipe's transparency test)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from agents.core import config as cfgmod
+from agents.partition import balance_by_params, split
+from agents.stage import micro_batch
+from agents.workloads.base import FlatModel, sgd_step_
+from agents.workloads.factory import make_workload
+from tests.loopback import REPO, free_port
+
+BASE = ["workload.name='digits_deep'", "workload.hidden=32", "workload.depth=6",
+        "workload.lr=0.2", "workload.momentum=0.9", "run.eval_every=1000"]
+
+
+def make_run_dir(tmp: Path, overrides: list[str], name: str = "run"
+                 ) -> tuple[Path, cfgmod.ExperimentConfig]:
+    run_dir = tmp / name
+    (run_dir / "events").mkdir(parents=True)
+    cfg = cfgmod.load(REPO / "configs" / "digits.toml", [*BASE, *overrides])
+    (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
+    (run_dir / "secret").write_bytes(b"s3cret-for-tests-only-0123456789")
+    return run_dir, cfg
+
+
+def run_pipeline(tmp: Path, overrides: list[str], timeout_s: float = 120, name: str = "run"
+                 ) -> tuple[Path, cfgmod.ExperimentConfig, list[int]]:
+    """Every stage of every replica as its own process on 127.0.0.1; returns exit codes."""
+    run_dir, cfg = make_run_dir(tmp, overrides, name)
+    pc = cfg.pipeline
+    ports = [[free_port() for _ in range(pc.stages)] for _ in range(pc.replicas)]
+    procs = []
+    for r in range(pc.replicas):
+        peers = ",".join(f"127.0.0.1:{port}" for port in ports[r])
+        for s in range(pc.stages):
+            cmd = [sys.executable, "-m", "agents.stage", "--run-dir", str(run_dir),
+                   "--stage", str(s), "--replica", str(r), "--peers", peers]
+            if pc.replicas > 1:
+                cmd += ["--hub", f"127.0.0.1:{ports[0][s]}"]
+            log = open(run_dir / f"r{r}s{s}.log", "wb")
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    rcs = []
+    try:
+        for proc in procs:
+            rcs.append(proc.wait(timeout=timeout_s))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return run_dir, cfg, rcs
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(run_dir.glob("r*s*.log")))
+
+
+def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Tensor]:
+    """One process, unsplit model, plain SGD on the whole batch of every step (all replicas'
+    micro-batches): each piece's flat weights, for GPipe and 1F1B to match."""
+    pc = cfg.pipeline
+    w = make_workload(cfg.workload)
+    model = w.build_model(cfg.run.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.workload.lr,
+                          momentum=cfg.workload.momentum)
+    m, d = pc.micro_batches, pc.replicas
+    for k in range(steps):
+        opt.zero_grad()
+        for r in range(d):
+            for i in range(m):
+                b = micro_batch(w, pc, k * m + i, r)
+                (nn.functional.cross_entropy(model(b.x), b.y) / (m * d)).backward()
+        opt.step()
+    return _pieces(cfg, model)
+
+
+def _pieces(cfg: cfgmod.ExperimentConfig, model: nn.Module) -> list[torch.Tensor]:
+    pc = cfg.pipeline
+    n = pc.stages * pc.chunks
+    balance = list(pc.balance) or balance_by_params(model, n)
+    return [FlatModel(piece).flat_params.clone() for piece in split(model, balance)]
+
+
+def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Tensor]:
+    """One process applying the two-group schedule's two weight versions (PipeDream-2BW):
+    B (pieces p..2p-1) steps synchronously; A (pieces 0..p-1) is run at ``V_s`` with
+    ``V_0 = V_1 = W_0``, ``V_{s+1} = V_s - lr g_A(s-1)``, and after the last step its last
+    gradient is applied once more."""
+    pc = cfg.pipeline
+    w = make_workload(cfg.workload)
+    model = w.build_model(cfg.run.seed)
+    p, m, d = pc.stages, pc.micro_batches, pc.replicas
+    balance = list(pc.balance) or balance_by_params(model, 2 * p)
+    pieces = split(model, balance)
+    a_flat = [FlatModel(pc_) for pc_ in pieces[:p]]
+    b_flat = [FlatModel(pc_) for pc_ in pieces[p:]]
+    lr, mom = cfg.workload.lr, cfg.workload.momentum
+    a_buf = [torch.zeros_like(f.flat_params) for f in a_flat]
+    b_buf = [torch.zeros_like(f.flat_params) for f in b_flat]
+    pending: list[torch.Tensor] | None = None
+    a_steps = 0
+    for k in range(steps):
+        for f in a_flat + b_flat:
+            f.zero_grad()
+        for r in range(d):
+            for i in range(m):
+                bt = micro_batch(w, pc, k * m + i, r)
+                (nn.functional.cross_entropy(model(bt.x), bt.y) / (m * d)).backward()
+        for f, buf in zip(b_flat, b_buf, strict=True):
+            sgd_step_(f.flat_params, f.flat_grad, buf, lr=lr, momentum=mom, first=k == 0)
+        grads = [f.flat_grad.clone() for f in a_flat]
+        if pending is not None:  # V_{k+1} = V_k - lr g_A(k-1)
+            for f, g, buf in zip(a_flat, pending, a_buf, strict=True):
+                sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+            a_steps += 1
+        pending = grads
+    assert pending is not None
+    for f, g, buf in zip(a_flat, pending, a_buf, strict=True):
+        sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+    return [f.flat_params.clone() for f in a_flat + b_flat]
+
+
+def pipeline_pieces(run_dir: Path, cfg: cfgmod.ExperimentConfig, replica: int = 0
+                    ) -> list[torch.Tensor]:
+    """The pieces' final weights as the stages saved them, in pipeline-position order."""
+    pc = cfg.pipeline
+    out: list[torch.Tensor | None] = [None] * (pc.stages * pc.chunks)
+    for s in range(pc.stages):
+        node = f"s{s}" if pc.replicas == 1 else f"r{replica}s{s}"
+        saved = torch.load(run_dir / f"{node}_final_weights.pt")
+        for c, t in saved.items():
+            out[c * pc.stages + s] = t
+    assert all(t is not None for t in out)
+    return [t for t in out if t is not None]
