@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
 from tests.mininet_run import gradbed_run, leftovers
+from topo.qdisc import htb_burst_bytes
 
 pytestmark = [pytest.mark.mininet,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for Mininet")]
@@ -29,7 +31,11 @@ def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
         assert statistics.mean(ce[-6:]) < 0.8 * statistics.mean(ce[:6]), ce
     disp = amoe.dispatch_table(rows, 100.0)
     assert len(disp) == 24 and all(d["hosts"] == 4 for d in disp)
-    # The busiest link cannot carry payload faster than its shaped rate allows.
-    assert all(0 < d["efficiency"] <= 1.02 for d in disp), [d["efficiency"] for d in disp]
+    # The busiest link cannot carry more payload than its shaped rate allows in the
+    # phase, plus the HTB bucket it may have filled while idle.
+    burst = htb_burst_bytes(100.0, False)
+    for d in disp:
+        assert d["efficiency"] > 0
+        assert d["payload_bytes"] <= d["phase_s"] * 12.5e6 * TCP_GOODPUT_FRACTION + burst, d
     assert [r for r in rows if r.get("event") == "eval"]
     assert not leftovers()
