@@ -89,14 +89,18 @@ def check_gradient(sparse: tuple[Tensor, Tensor] | None, dense: Tensor | None, n
         return
     validate_sparse(sparse[0], sparse[1], numel, who=who)  # range first: scratch is numel long
     idx = sparse[0].to(torch.int64)
+    # Stamp each index's position into a reused scratch, then read the stamps back: with
+    # a duplicate, one of its positions was overwritten by the other. Two O(k) passes; no
+    # zeroing (every slot read was written in this call), no sort.
     scratch = _dup_scratch.get(numel)
     if scratch is None:
-        scratch = _dup_scratch[numel] = torch.zeros(numel, dtype=torch.int32)
-    scratch.index_fill_(0, idx, 0)
-    scratch.index_add_(0, idx, torch.ones(1, dtype=torch.int32).expand(idx.numel()))
-    dups = int(scratch[idx].amax()) - 1
-    if dups > 0:
-        raise PayloadError(f"{who}: duplicate indices (one index {dups + 1} times); this "
+        scratch = _dup_scratch[numel] = torch.empty(numel, dtype=torch.int64)
+    pos = torch.arange(idx.numel(), dtype=torch.int64)
+    scratch.index_put_((idx,), pos)
+    clash = scratch.index_select(0, idx) != pos
+    if bool(clash.any()):
+        first = int(idx[int(clash.nonzero()[0])])
+        raise PayloadError(f"{who}: duplicate indices (index {first} more than once); this "
                            "encoding sends each index once")
 
 

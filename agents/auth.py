@@ -29,6 +29,8 @@ import threading
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from agents.core.nodes import worker_index, worker_node
+
 KEY_BYTES = 32
 MAX_BUNDLE_BYTES = 4096
 
@@ -47,13 +49,14 @@ def workers_root(master: bytes) -> bytes:
 
 def worker_key(root: bytes, worker: int) -> bytes:
     """Worker ``worker``'s key from the PS's workers root."""
-    return derive(root, f"w{worker}")
+    return derive(root, worker_node(worker))
 
 
 def node_key(master: bytes, node: str) -> bytes:
     """The key node ``node`` proves itself with (to the PS, and on the control socket)."""
-    if node.startswith("w") and node[1:].isdigit():
-        return worker_key(workers_root(master), int(node[1:]))
+    worker = worker_index(node)
+    if worker is not None:
+        return worker_key(workers_root(master), worker)
     return derive(master, f"agent/{node}")
 
 

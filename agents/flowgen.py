@@ -161,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     so.add_argument("--connect", required=True, help="sink address, IP:PORT")
     so.add_argument("--bind", required=True)
     so.add_argument("--cdf", required=True)
+    so.add_argument("--cdf-format", default="auto")
+    so.add_argument("--cdf-interpolation", default="auto")
+    so.add_argument("--cdf-packet-bytes", type=int, default=0)
     so.add_argument("--load-mbps", type=float, required=True)
     so.add_argument("--duration-s", type=float, required=True)
     so.add_argument("--seed", type=int, default=0)
@@ -170,7 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "sink":
         return sink(args.bind, args.port)
     host, _, port = args.connect.rpartition(":")
-    flows = flow_arrivals(load_flow_cdf(args.cdf), args.load_mbps, args.duration_s, args.seed)
+    cdf = load_flow_cdf(args.cdf, format=args.cdf_format, interpolation=args.cdf_interpolation,
+                        packet_bytes=args.cdf_packet_bytes,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    flows = flow_arrivals(cdf, args.load_mbps, args.duration_s, args.seed)
     log = EventLog.for_node(args.run_dir, args.run_dir.name, args.node)
     src = Source(flows, (host, int(port)), args.bind, log, args.congestion,
                  args.max_concurrent)

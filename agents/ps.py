@@ -157,7 +157,7 @@ class ParameterServer:
         self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
         self.log = EventLog.for_node(run_dir, run_id, "ps")
         self.ctl = ControlClient(control_path(run_dir), "ps", keys.key)
-        self.workload = make_workload(cfg.workload)
+        self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
@@ -487,7 +487,8 @@ class ParameterServer:
         grad = self.model.flat_grad[s:e]
         params = self.model.flat_params[s:e]
         acc.result(mean_over=n_workers, out=grad)
-        mom = self.cfg.workload.momentum
+        # With DGC's momentum correction the workers applied the momentum before compressing.
+        mom = 0.0 if self.cfg.feedback.momentum_correction else self.cfg.workload.momentum
         if mom > 0 and self.momentum_buf is None:
             self.momentum_buf = torch.zeros_like(self.model.flat_params)
         sgd_step_(params, grad, None if self.momentum_buf is None else self.momentum_buf[s:e],

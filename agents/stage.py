@@ -162,7 +162,7 @@ class Stage:
             raise ValueError(f"--peers: {len(peers)} addresses for {self.p} stages")
         self.schedule = build_schedule(pc, cfg.run.iterations)
         self.actions = self.schedule.actions[stage]
-        self.workload = make_workload(cfg.workload)
+        self.workload = make_workload(cfg.workload, cfg.vision)
         model = self.workload.build_model(cfg.run.seed)
         pieces_n = self.schedule.positions
         balance = list(pc.balance) or balance_by_params(model, pieces_n)

@@ -42,6 +42,7 @@ import agents.compress  # noqa: F401  (registers every compressor)
 from agents import auth, codec, protocol, wire
 from agents.compress.base import Compressor, Payload, make
 from agents.compress.feedback import ErrorFeedback
+from agents.compress.staging import PayloadStager, Staged
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
@@ -126,18 +127,26 @@ class Worker:
         self.log = EventLog.for_node(run_dir, run_id, self.node)
         self.ctl = ControlClient(control_path(run_dir), self.node, key)
         self.device = device
-        self.workload = make_workload(cfg.workload)
+        self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
         self.workload.prepare(self.model.module, worker, cfg.run.seed)
-        # Weights arrive into host memory; on a GPU they are copied up chunk by chunk.
+        # Weights arrive into host memory; on a GPU they are copied up chunk by chunk, from
+        # pinned memory so the copy is asynchronous.
         self.host_params = (self.model.flat_params if device.type == "cpu"
-                            else torch.empty(self.model.numel, dtype=torch.float32))
+                            else torch.empty(self.model.numel, dtype=torch.float32,
+                                             pin_memory=device.type == "cuda"))
+        # Payloads go to the socket through pinned host buffers on CUDA (a no-op on the CPU).
+        self.stager = PayloadStager(device)
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
         params = dict(cfg.compress.params)
         if cfg.compress.index_encoding != "int32":
             params.setdefault("index_encoding", cfg.compress.index_encoding)
         self.compressor: Compressor = make(cfg.compress.name, **params)
-        self.ef = ErrorFeedback(self.compressor) if cfg.compress.error_feedback else None
+        # DGC's momentum correction: the momentum is applied here, before compression, and
+        # the PS steps without it (agents.compress.feedback).
+        mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0
+        self.ef = (ErrorFeedback(self.compressor, momentum=mc, masking=cfg.feedback.masking)
+                   if cfg.compress.error_feedback else None)
         self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
         self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers
                             * TCP_GOODPUT_FRACTION)
@@ -158,7 +167,7 @@ class Worker:
         """The configured ratio policy (agents/core/policies/, built by its registered name)."""
         ctx = RatioContext(gradient_bytes=self.model.numel * 4, planned_bps=self.planned_bps,
                            workers=workers or self.cfg.net.workers,
-                           trace_start_ns=trace_start_ns)
+                           trace_start_ns=trace_start_ns, worker=self.rank)
         return ratio_policy_from_config(self.cfg, ctx)
 
     # -- connection -----------------------------------------------------------------
@@ -312,6 +321,30 @@ class Worker:
         compress_s = 0.0
         sent_raw = 0
         wire_bytes = 0
+        # On CUDA chunk c's payload is copied to pinned host memory while chunk c+1 is
+        # compressed (one chunk of look-ahead); on the CPU each chunk is sent before the next
+        # is compressed, so the ratio policy sees every byte sent before it decides.
+        lookahead = 1 if self.stager.asynchronous else 0
+        ready: list[tuple[int, Staged, dict[str, Any], float, float, float]] = []
+
+        def send(c: int, staged: Staged, stats: dict[str, Any], ratio: float, keep: float,
+                 dt: float) -> None:
+            nonlocal wire_bytes, sent_raw
+            assert self.sock is not None
+            s, e = self.chunks[c]
+            assert self.session is not None
+            n = wire.send_message(self.sock, list(staged.host_tensors()),
+                                  msg_type=codec.MsgType.GRAD, run_tag=self.tag,
+                                  worker=self.rank, iteration=self.iteration, chunk=c,
+                                  mac=self.session.up)
+            wire_bytes += n
+            sent_raw += (e - s) * 4
+            self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
+                          ratio=ratio, keep=keep,
+                          raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
+                          residual_norm=float(stats.get("residual_norm", 0.0)),
+                          compress_s=dt)
+
         try:
             for c, (s, e) in enumerate(self.chunks):
                 with self.policy_lock:
@@ -322,21 +355,14 @@ class Worker:
                 grad = self.model.flat_grad[s:e]
                 ratio = self.element_ratio(d.keep)
                 payload, stats = self._compress(c, grad, ratio)
+                staged = self.stager.stage(c, payload)
                 dt = time.perf_counter() - tc0
                 compress_s += dt
-                tensors = [t.cpu() for t in payload.tensors]
-                assert self.session is not None
-                n = wire.send_message(self.sock, tensors, msg_type=codec.MsgType.GRAD,
-                                      run_tag=self.tag, worker=self.rank,
-                                      iteration=self.iteration, chunk=c,
-                                      mac=self.session.up)
-                wire_bytes += n
-                sent_raw += (e - s) * 4
-                self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
-                              ratio=ratio, keep=d.keep,
-                              raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
-                              residual_norm=float(stats.get("residual_norm", 0.0)),
-                              compress_s=dt)
+                ready.append((c, staged, stats, ratio, d.keep, dt))
+                while len(ready) > lookahead:
+                    send(*ready.pop(0))
+            while ready:
+                send(*ready.pop(0))
         finally:
             self.sampler.active.clear()
         send_s = time.perf_counter() - t0 - compress_s

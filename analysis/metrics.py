@@ -18,6 +18,7 @@ Inputs are the tables of :class:`analysis.load.Run` (``events`` with ``t_s``, ``
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -217,6 +218,35 @@ def queue_series(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
     ``backlog_pkts`` (instantaneous occupancy of the bfifo leaf at each ``tc -s`` sample)."""
     df = links[links["direction"] == direction].sort_values(["dev", "ts_ns"], kind="stable")
     return df[["t_s", "dev", "backlog_bytes", "backlog_pkts"]].reset_index(drop=True)
+
+
+TRANSPORT_COLUMNS = ("cwnd", "rtt_us", "pacing_rate_bps", "total_retrans")
+
+
+def transport_series(events: pd.DataFrame) -> pd.DataFrame:
+    """Each flow's transport state over time from the workers' ``tcp_info`` samples (one
+    flow per worker: its connection to the PS). Columns ``t_s``, ``node``, ``cwnd``
+    (segments), ``rtt_ms`` (the kernel's smoothed RTT, ``tcpi_rtt / 1000``),
+    ``pacing_rate_mbps`` (``tcpi_pacing_rate * 8 / 1e6``) and ``retrans`` (segments
+    retransmitted since the node's first sample: the running sum of the positive steps of
+    ``tcpi_total_retrans``, so a new connection's counter starting over adds nothing
+    negative)."""
+    cols = ["t_s", "node", "cwnd", "rtt_ms", "pacing_rate_mbps", "retrans"]
+    if events.empty or "event" not in events.columns:
+        return pd.DataFrame(columns=cols)
+    df = events[events["event"] == "tcp_info"]
+    if df.empty or not set(TRANSPORT_COLUMNS) <= set(df.columns):
+        return pd.DataFrame(columns=cols)
+    df = df.sort_values(["node", "ts_ns"], kind="stable")
+    out = pd.DataFrame({
+        "t_s": df["t_s"].astype(float), "node": df["node"].astype(str),
+        "cwnd": pd.to_numeric(df["cwnd"], errors="coerce"),
+        "rtt_ms": pd.to_numeric(df["rtt_us"], errors="coerce") / 1000,
+        "pacing_rate_mbps": pd.to_numeric(df["pacing_rate_bps"], errors="coerce") / 1e6})
+    total = pd.to_numeric(df["total_retrans"], errors="coerce").fillna(0.0)
+    step = total.groupby(out["node"], sort=False).diff().fillna(0.0).clip(lower=0.0)
+    out["retrans"] = step.groupby(out["node"], sort=False).cumsum()
+    return out.reset_index(drop=True)
 
 
 def drops(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
@@ -562,6 +592,24 @@ def headline(events: pd.DataFrame, links: pd.DataFrame, *, warmup_iterations: in
     return out
 
 
+
+def workers_lost(events: pd.DataFrame) -> list[dict[str, Any]]:
+    """Every worker the PS lost (its ``worker_lost`` events), in order, each
+    ``{"worker", "iter", "t_s", "reason"}``; ``t_s`` counts from the controller's
+    ``run_start`` (else the first event). Empty when none was lost; a worker that left by
+    the membership schedule (BYE) is not lost."""
+    if events.empty:
+        return []
+    lost = events[events["event"] == "worker_lost"].sort_values("ts_ns")
+    if lost.empty:
+        return []
+    starts = events.loc[events["event"] == "run_start", "ts_ns"]
+    t0 = int(starts.min()) if len(starts) else int(events["ts_ns"].min())
+    return [{"worker": int(r["worker"]), "iter": int(r["iter"]),
+             "t_s": round((int(r["ts_ns"]) - t0) / 1e9, 3), "reason": str(r.get("reason", ""))}
+            for _, r in lost.iterrows()]
+
+
 #: One line per column the summary and the report print: what it is, with its unit. The
 #: formula is in the docstring of the function named in brackets.
 GLOSSARY: dict[str, str] = {
@@ -597,6 +645,9 @@ GLOSSARY: dict[str, str] = {
     "background_flows": "background flows completed",
     "fct_s_p50": "median background flow completion time (s)",
     "fct_s_p99": "99th percentile background flow completion time (s)",
+    "workers_lost": "workers the PS lost (connection failed or sent garbage; not a scheduled "
+                    "leave): worker, iter, t_s since run start, reason",
     "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
     "stop_reason": "why the run ended",
+    "error": "the error that ended the run, when one did (a failed start, a crash)",
 }

@@ -8,6 +8,7 @@ Reads the expert hosts' events (``events/eN.jsonl`` or ``.parquet``; see
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,31 +43,47 @@ def _plain(v: Any) -> Any:
 
 
 def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
-    """One row per (host, step, layer): the two dispatch phases' times, the payload and
-    frame bytes through the host's link, the dispatch efficiency (payload) and the link
-    utilisation during dispatch (every frame byte, counts included, same formula)."""
-    acc: dict[tuple[str, int, int], Row] = defaultdict(
-        lambda: {"counts_s": 0.0, "tokens_s": 0.0, "payload_up": 0, "payload_down": 0,
-                 "bytes_up": 0, "bytes_down": 0})
+    """One row per (step, layer): the dispatch over all hosts, counts phase included
+    (from the last host entering ``dispatch_counts`` to the last host leaving
+    ``dispatch_tokens``: see :func:`~agents.core.moe_metrics.dispatch_efficiency`), the
+    busiest link's payload and frame bytes, the dispatch efficiency (payload) and the
+    link utilisation during dispatch (every frame byte, counts included, same formula);
+    ``arrival_spread_s``: last minus first host entering (waiting on the previous
+    phase's stragglers); ``counts_s``/``tokens_s`` are the hosts' medians."""
+    acc: dict[tuple[int, int], dict[str, Row]] = defaultdict(dict)
     for r in rows:
         if r.get("event") != "moe_phase" or r["phase"] not in ("dispatch_counts",
                                                                 "dispatch_tokens"):
             continue
-        a = acc[(r["node"], int(r["iter"]), int(r["layer"]))]
-        a["counts_s" if r["phase"] == "dispatch_counts" else "tokens_s"] += float(r["dur_s"])
-        if r["phase"] == "dispatch_tokens":
-            a["payload_up"] += int(r["payload_up"])
-            a["payload_down"] += int(r["payload_down"])
-        a["bytes_up"] += int(r["bytes_up"])
-        a["bytes_down"] += int(r["bytes_down"])
+        host = acc[(int(r["iter"]), int(r["layer"]))].setdefault(
+            r["node"], {"start_ns": None, "end_ns": 0, "counts_s": 0.0, "tokens_s": 0.0,
+                        "payload": 0, "frames_up": 0, "frames_down": 0})
+        if r["phase"] == "dispatch_counts":
+            host["start_ns"] = int(r["start_ns"])
+            host["counts_s"] = float(r["dur_s"])
+        else:
+            host["end_ns"] = int(r["end_ns"])
+            host["tokens_s"] = float(r["dur_s"])
+            host["payload"] = max(int(r["payload_up"]), int(r["payload_down"]))
+        host["frames_up"] += int(r["bytes_up"])
+        host["frames_down"] += int(r["bytes_down"])
     out = []
-    for (node, it, layer), a in sorted(acc.items()):
-        phase_s = a["counts_s"] + a["tokens_s"]
-        out.append({"node": node, "iter": it, "layer": layer, **a, "phase_s": phase_s,
-                    "efficiency": dispatch_efficiency(max(a["payload_up"], a["payload_down"]),
-                                                      phase_s, rate_mbps),
-                    "utilisation": dispatch_efficiency(max(a["bytes_up"], a["bytes_down"]),
-                                                       phase_s, rate_mbps)})
+    for (it, layer), hosts in sorted(acc.items()):
+        hs = [h for h in hosts.values() if h["start_ns"] is not None and h["end_ns"]]
+        if len(hs) != len(hosts) or not hs:
+            continue  # a host's phases are missing (a run cut short)
+        last_in = max(h["start_ns"] for h in hs)
+        phase_s = (max(h["end_ns"] for h in hs) - last_in) / 1e9
+        spread_s = (last_in - min(h["start_ns"] for h in hs)) / 1e9
+        payload = max(h["payload"] for h in hs)
+        frames = max(max(h["frames_up"], h["frames_down"]) for h in hs)
+        out.append({"iter": it, "layer": layer, "hosts": len(hs), "phase_s": phase_s,
+                    "arrival_spread_s": spread_s,
+                    "counts_s": statistics.median(h["counts_s"] for h in hs),
+                    "tokens_s": statistics.median(h["tokens_s"] for h in hs),
+                    "payload_bytes": payload, "frame_bytes": frames,
+                    "efficiency": dispatch_efficiency(payload, phase_s, rate_mbps),
+                    "utilisation": dispatch_efficiency(frames, phase_s, rate_mbps)})
     return out
 
 

@@ -6,7 +6,10 @@
 - iteration-time CDFs, one line per run;
 - accuracy against wall-clock time (time-to-accuracy curves, DAWNBench);
 - keep ratio and measured rate over time (the adaptive-ratio policy, DESIGN.md 1.1);
-- the Pantheon summary scatter (Yan et al. 2018): one point per run.
+- the Pantheon summary scatter (Yan et al. 2018): one point per run;
+- each flow's cwnd, RTT, pacing rate and retransmissions over time beside the bottleneck's
+  queue (from the workers' TCP_INFO samples; with real RTTs these decide what a congestion
+  control does, issue 21).
 
 Every function takes the tables of :mod:`analysis.load` / :mod:`analysis.metrics` and returns
 a :class:`matplotlib.figure.Figure` built without pyplot, so nothing touches global state or
@@ -242,3 +245,41 @@ def plot_summary_scatter(table: pd.DataFrame, x: str = "iter_time_s_mean",
     ax.set_ylabel(y.replace("_", " "))
     ax.set_title(title or "Runs: iteration time against final accuracy")
     return fig
+
+
+def plot_transport(events: pd.DataFrame, links: pd.DataFrame, direction: str = "up",
+                   title: str | None = None) -> Figure:
+    """Per flow (worker), from its ``tcp_info`` samples: cwnd, smoothed RTT, pacing rate
+    and cumulative retransmissions (:func:`analysis.metrics.transport_series`), and below
+    them the bottleneck queue on the same time axis."""
+    fig, axes = _figure(5, height=11.0)
+    tr = metrics.transport_series(events)
+    fig.suptitle(title or "Transport per flow (TCP_INFO) and the bottleneck queue")
+    panels = [("cwnd", "cwnd (segments)"), ("rtt_ms", "RTT (ms)"),
+              ("pacing_rate_mbps", "pacing rate (Mbit/s)"),
+              ("retrans", "retransmitted (segments, cumulative)")]
+    if tr.empty:
+        for ax, (_, what) in zip(axes[:4], panels, strict=True):
+            _no_data(ax, "tcp_info samples")
+            ax.set_ylabel(what)
+    else:
+        nodes = sorted(tr["node"].unique(), key=lambda n: (len(n), n))
+        for ax, (col, what) in zip(axes[:4], panels, strict=True):
+            for node in nodes:
+                d = tr[tr["node"] == node]
+                ax.plot(d["t_s"], d[col], lw=1.0, label=node)
+            ax.set_ylabel(what)
+        axes[0].legend(loc="upper right", fontsize="small", ncol=max(1, len(nodes) // 8))
+    q = metrics.queue_series(links, direction) if not links.empty else pd.DataFrame()
+    ax_q = axes[4]
+    if q.empty:
+        _no_data(ax_q, f"{direction}link samples")
+    else:
+        for dev, d in q.groupby("dev", sort=True):
+            ax_q.plot(d["t_s"], d["backlog_bytes"] / 1e3, lw=1.0, color="0.3",
+                      label=f"backlog ({dev})")
+        ax_q.legend(loc="upper right", fontsize="small")
+    ax_q.set_ylabel(f"{direction}link queue (kB)")
+    ax_q.set_xlabel("time since run start (s)")
+    return fig
+

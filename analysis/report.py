@@ -122,6 +122,10 @@ def _run_section(run: Run, label: str) -> str:
                           "Downlink bottleneck (PS to workers)"))
     parts.append(_img(plots.plot_worker_throughput(run.events),
                       "Per-worker goodput (send_done bytes), stacked"))
+    if not metrics.transport_series(run.events).empty:
+        parts.append(_img(plots.plot_transport(run.events, run.links),
+                          "Per flow: cwnd, RTT, pacing rate and retransmissions (TCP_INFO), "
+                          "beside the uplink queue"))
     if not run.decisions.empty:
         parts.append(_img(plots.plot_keep_ratio(run.decisions, run.links),
                           "Adaptive keep ratio and the bandwidth it reacted to"))

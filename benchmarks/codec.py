@@ -60,12 +60,18 @@ def summarize(times_s: list[float], size_bytes: int) -> dict[str, float]:
             "times_s": times_s}  # type: ignore[dict-item]
 
 
-def codec_round(t: torch.Tensor, crc: bool) -> tuple[float, dict[str, bool]]:
-    """One encode + decode in memory; returns seconds and the zero-copy checks."""
+def codec_round(t: torch.Tensor, crc: bool, mac: bool = False) -> tuple[float, dict[str, bool]]:
+    """One encode + decode in memory; returns seconds and the zero-copy checks. ``mac``:
+    also seal the header with a connection's FrameMac and verify it, as the agents do."""
+    seal, check = codec.FrameMac(b"k" * 32), codec.FrameMac(b"k" * 32)
     t0 = time.perf_counter()
     hb, mv = frame_for_tensor(t, msg_type=MsgType.GRAD, run_tag=TAG, worker=0, iteration=0,
                               chunk=0, crc=crc)
-    h = decode_header(hb, expect_tag=TAG)
+    if mac:
+        hb = seal.seal(hb)
+    h = decode_header(hb, expect_tag=None if mac else TAG)
+    if mac:
+        check.verify(hb)
     check_payload(h, mv)
     out = tensor_from_buffer(h, mv)
     dt = time.perf_counter() - t0
@@ -79,6 +85,7 @@ def bench_memory(t: torch.Tensor) -> dict[str, object]:
     zero_copy = True
     variants: list[tuple[str, bool, Callable[..., int]]] = [
         (f"crc_on_{CRC_BACKEND}", True, codec.payload_crc32),
+        (f"crc_on_{CRC_BACKEND}_mac", True, codec.payload_crc32),
         ("crc_off", False, codec.payload_crc32),
     ]
     if CRC_BACKEND != "zlib":
@@ -89,7 +96,7 @@ def bench_memory(t: torch.Tensor) -> dict[str, object]:
         try:
             times = []
             for _ in range(REPS_MEM):
-                dt, checks = codec_round(t, crc)
+                dt, checks = codec_round(t, crc, mac=name.endswith("_mac"))
                 times.append(dt)
                 zero_copy &= all(checks.values())
         finally:

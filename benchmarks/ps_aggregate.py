@@ -18,6 +18,8 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 - ``end_to_end_new_tensor``: the same with the mean in a new 100 MB tensor (the page
   faults of a fresh allocation cost more than the division).
 - ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
+- ``checked_validated_add``: ``validated_add`` plus :func:`check_gradient` per payload
+  (finite, bounded, no duplicate index), what the PS runs since issue 22.
 - ``validate``: :func:`validate_sparse` alone, to show the cost of the checks.
 - ``index_add``: the adds alone into a persistent, pre-zeroed accumulator.
 - ``sorted_index_add``: the adds after sorting each worker's indices (sort time included),
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 from _common import emit, log
 
-from agents.aggregate import SparseAccumulator, aggregate, validate_sparse
+from agents.aggregate import SparseAccumulator, aggregate, check_gradient, validate_sparse
 from agents.compress import k_for, make
 from agents.compress.base import Payload
 from agents.compress.randomk import random_subset
@@ -95,7 +97,16 @@ def bench(workers: int) -> dict[str, Any]:
             sp = topk.decompress_sparse(p)
             acc.add_sparse(sp[0], sp[1], who=who)
 
+    def checked_add() -> None:
+        # What the PS does per payload since issue 22: the sanity check (finite, bounded,
+        # no duplicate index), then the validated add.
+        for who, p in zip(names, payloads, strict=True):
+            sp = topk.decompress_sparse(p)
+            check_gradient(sp, None, N, who=who, max_abs=1e6, unique_indices=True)
+            acc.add_sparse(sp[0], sp[1], who=who)
+
     for name, fn, reps in (("validated_add", validated_add, 7),
+                           ("checked_validated_add", checked_add, 7),
                            ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
                                                             acc=bound, out=grad_buffer), 7),
                            ("end_to_end_separate_sum",

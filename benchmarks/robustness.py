@@ -31,8 +31,8 @@ before the first attack to the end of the last.
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -245,8 +245,8 @@ def main() -> None:
                            "numel": clean.numel()},
           "ps_peak_extra_mb": round(extra_mb, 2),
           "slow_connections": SLOW, "handshake_timeout_s": 2.0,
-          "config_overrides": CLEAN, "transport": "loopback TCP, real agent processes",
-          "run_dir": json.dumps(str(tmp))})
+          "config_overrides": CLEAN, "transport": "loopback TCP, real agent processes"})
+    shutil.rmtree(tmp, ignore_errors=True)  # the runs' directories: nothing left behind
 
 
 if __name__ == "__main__":

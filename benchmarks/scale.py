@@ -47,7 +47,7 @@ def bringup_s() -> dict[str, float]:
 
 def load_run(iterations: int, replay_bytes: int, compute_ms: float) -> dict[str, object]:
     out = Path(tempfile.mkdtemp(prefix="gradbed-scale-"))
-    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / "configs/demo.toml"),
+    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / "configs/digits.toml"),
             "--out", str(out), "--no-progress", "--set", f"net.workers={WORKERS}",
             "--set", "net.bottleneck_mbps=1000", "--set", "workload.name='replay'",
             "--set", f"workload.replay_bytes={replay_bytes}",

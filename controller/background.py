@@ -41,7 +41,7 @@ from controller import rundir
 from controller.agent_env import python_path
 from topo.cleanup import BACKGROUND_PORTS
 from topo.spec import HostSpec, NetSpec, SpecError
-from traces.pcap import read_capture, rewrite_pcap
+from traces.pcap import rewrite_pcap_file
 
 __all__ = ["BASE_PORT", "BackgroundTraffic", "FlowCommand", "commands", "flow_hosts", "peer",
            "read_report", "read_tcpreplay"]
@@ -115,7 +115,8 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: NetSpec, run_dir: Path,
             clients.append(FlowCommand(host, (
                 py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
                 "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
-                "--cdf", str(Path(bg.flow_cdf).resolve()), "--load-mbps", f"{bg.load_mbps:g}",
+                "--cdf", str(Path(bg.flow_cdf).resolve()), *cdf_options(bg),
+                "--load-mbps", f"{bg.load_mbps:g}",
                 "--duration-s", f"{seconds:g}", "--seed", str(cfg.run.seed * 1000 + j),
                 "--congestion", cc), "client", log))
             continue
@@ -239,12 +240,11 @@ class BackgroundTraffic:
             out = net.run(host, ["ip", "-o", "link", "show", "dev", f"{host}-eth0"]).stdout
             return out.split("link/ether", 1)[1].split()[0]
 
-        packets = read_capture(self.cfg.background.pcap)
         for c in self.cmds:
             dst = peer(self.spec, self.spec.host(c.host))
-            s = rewrite_pcap(packets, c.argv[-1], src_mac=mac(c.host),
-                             dst_mac=mac(dst.name), src_ip=self.spec.ip(c.host),
-                             dst_ip=dst.ip)
+            s = rewrite_pcap_file(self.cfg.background.pcap, c.argv[-1], src_mac=mac(c.host),
+                                  dst_mac=mac(dst.name), src_ip=self.spec.ip(c.host),
+                                  dst_ip=dst.ip)
             self.say(f"background {c.host}: {s.ipv4_packets} packets of "
                      f"{self.cfg.background.pcap}, {s.mean_mbps:.2f} Mbit/s at its own timing")
 
@@ -288,3 +288,11 @@ def _reap(p: subprocess.Popen[Any], timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+
+
+def cdf_options(bg: cfgmod.BackgroundConfig) -> tuple[str, ...]:
+    """How ``agents.flowgen`` reads the flow-size file (agents.core.flowsize.load_flow_cdf)."""
+    return ("--cdf-format", bg.flow_cdf_format,
+            "--cdf-interpolation", bg.flow_cdf_interpolation or "auto",
+            "--cdf-packet-bytes", str(bg.flow_cdf_packet_bytes))
+

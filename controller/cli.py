@@ -1,6 +1,6 @@
 """The ``gradbed`` command line.
 
-    gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR]
+    gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR] [--dry-run | --cli]
     gradbed sweep CONFIG.toml --grid key=v1,v2 [--grid ...] [--out DIR]
     gradbed probe            kernel capabilities as JSON
     gradbed cleanup          remove what a crashed or killed run left behind (idempotent)
@@ -44,29 +44,35 @@ def run_main(argv: Sequence[str]) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tc commands and agent command lines; change nothing")
+    ap.add_argument("--cli", action="store_true",
+                    help="build the network, start no role, and open Mininet's CLI on it")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except cfgmod.ConfigError as e:
         config_errors("gradbed run", e)
         return 2
-    if not args.dry_run:
-        try:
-            args.out = check_out_dir(args.out)
-        except OutDirError as e:
-            print(f"gradbed run: {e}", file=sys.stderr)
-            return 2
     from agents.core.bandwidth import TraceError, load_trace
     from agents.core.flowsize import load_flow_cdf
+    from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
     # A bad trace or flow-size file is named (file:line) before any network is built.
     def trace(path: str) -> object:
-        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0)
+        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0,
+                          max_rate_mbps=RATE_MAX_MBPS)
+
+    def flow_cdf(path: str) -> object:
+        # Says what it loaded and the distribution's mean, before anything is built.
+        bg = cfg.background
+        return load_flow_cdf(path, format=bg.flow_cdf_format,
+                             interpolation=bg.flow_cdf_interpolation,
+                             packet_bytes=bg.flow_cdf_packet_bytes,
+                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
 
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
-              else "", load_flow_cdf),
+              else "", flow_cdf),
              ("background.pcap", cfg.background.pcap, pcap_summary)]
     for field, path, loader in files:
         try:
@@ -105,10 +111,25 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
         return 0
     _need_root("run")
+    if args.cli:
+        from controller.interactive import open_cli
+
+        try:
+            open_cli(cfg, spec)
+        except (CapabilityError, SpecError, RoleError) as e:
+            print(f"gradbed run: {e}", file=sys.stderr)
+            return 2
+        return 0
+    # Checked (and made) only now: a config or trace error leaves no folder behind.
+    try:
+        args.out = check_out_dir(args.out)
+    except OutDirError as e:
+        print(f"gradbed run: {e}", file=sys.stderr)
+        return 2
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, spec=spec)
     try:
         run_dir = exp.run()
     except Exception as e:

@@ -47,13 +47,13 @@ from agents.core.policies import RatePolicy, make_rate_policy
 from agents.core.policies.base import CapChange
 from controller.control import ControlServer
 from topo.build import Network
-from topo.spec import NetSpec, SpecError
+from topo.spec import RATE_MAX_MBPS, NetSpec, SpecError
 from traces.replay import LeadTimer, TraceReplayer, calibrate_lead
 
 
 def load_config_trace(path: str, cfg: cfgmod.TraceConfig) -> BandwidthTrace:
     """Load a trace named in the config, scaled by ``trace.scale``."""
-    return load_scaled_trace(path, cfg.granularity_ms, cfg.scale)
+    return load_scaled_trace(path, cfg.granularity_ms, cfg.scale, max_rate_mbps=RATE_MAX_MBPS)
 
 
 def check_driver(cfg: cfgmod.ExperimentConfig, spec: NetSpec) -> None:

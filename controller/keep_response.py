@@ -7,10 +7,13 @@ It runs the same mathematics as a synchronous data-parallel run, with the projec
 - the gradient in the workers' flat send order (``FlatModel``), cut into the same chunks
   (``chunk_ranges``);
 - per worker and chunk, the registered compressor wrapped in ``ErrorFeedback`` (DESIGN
-  1.2), with the worker's seeded generator;
+  1.2; with ``momentum_correction``, DGC's momentum correction and masking, as
+  ``[feedback]`` configures the workers), or bare when ``error_feedback`` is off, with the
+  worker's seeded generator;
 - at the PS the mean over workers and SGD with ``torch.optim.SGD``'s momentum semantics
-  (``agents.workloads.base.sgd_step_``, the PS's own step), evaluated after every
-  ``eval_every``-th iteration, as ``agents/ps.py`` does.
+  (``agents.workloads.base.sgd_step_``, the PS's own step; without momentum when the
+  workers apply it), evaluated after every ``eval_every``-th iteration, as ``agents/ps.py``
+  does.
 
 What it leaves out is time: the network decides how long an iteration takes, not what it
 computes. ``tests/test_keep_response.py`` checks that with the ``none`` compressor it
@@ -41,6 +44,9 @@ class TrainingSpec:
     eval_every: int = 2
     seed: int = 0
     compressor: str = "topk"
+    error_feedback: bool = True        # compress.error_feedback
+    momentum_correction: bool = False  # feedback.momentum_correction (needs error feedback)
+    masking: bool = True               # feedback.masking
 
     def __post_init__(self) -> None:
         for name, ok in (("workers", self.workers >= 1), ("batch_size", self.batch_size >= 1),
@@ -49,6 +55,9 @@ class TrainingSpec:
                                                                    self.eval_every >= 1)):
             if not ok:
                 raise ValueError(f"TrainingSpec.{name} = {getattr(self, name)!r} is out of range")
+        if self.momentum_correction and not (self.error_feedback and self.momentum > 0):
+            raise ValueError("TrainingSpec.momentum_correction needs error_feedback and "
+                             "momentum > 0")
 
 
 def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
@@ -61,7 +70,9 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
     ps = FlatModel(workload.build_model(spec.seed))
     workers = [FlatModel(workload.build_model(spec.seed)) for _ in range(spec.workers)]
     chunks = chunk_ranges(ps.numel, spec.chunk_bytes)
-    feedback = [ErrorFeedback(make(spec.compressor)) for _ in range(spec.workers)]
+    worker_momentum = spec.momentum if spec.momentum_correction else 0.0
+    feedback = [ErrorFeedback(make(spec.compressor), momentum=worker_momentum,
+                              masking=spec.masking) for _ in range(spec.workers)]
     rngs = [torch.Generator().manual_seed(spec.seed * 7919 + w) for w in range(spec.workers)]
     momentum_buf = torch.zeros_like(ps.flat_params)
     evals: list[tuple[int, float]] = []
@@ -73,11 +84,16 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
             workload.loss(model.module, workload.batch(i, w, spec.workers,
                                                       spec.batch_size)).backward()
             for c, (s, e) in enumerate(chunks):
-                payload, _ = feedback[w].step(model.flat_grad[s:e], f"c{c}", keep, rngs[w])
+                if spec.error_feedback:
+                    payload, _ = feedback[w].step(model.flat_grad[s:e], f"c{c}", keep,
+                                                  rngs[w])
+                else:
+                    payload = feedback[w].inner.compress(model.flat_grad[s:e], f"c{c}", keep,
+                                                         rngs[w])
                 total[s:e] += feedback[w].inner.decompress(payload).view(-1)
         grad = total / spec.workers
-        sgd_step_(ps.flat_params, grad, momentum_buf, lr=spec.lr, momentum=spec.momentum,
-                  first=i == 0)
+        sgd_step_(ps.flat_params, grad, momentum_buf, lr=spec.lr,
+                  momentum=spec.momentum - worker_momentum, first=i == 0)
         if (i + 1) % spec.eval_every == 0:
             metrics = workload.evaluate(ps.module)
             if metrics is None:

@@ -33,8 +33,10 @@ from agents.core import config as cfgmod
 from controller.rundir import hand_over, make_dirs
 
 #: The config fields that name a file (section, field). A new path field is one line here.
+#: A field may hold one name or a table of them (``topo.traces``: shaping point -> trace).
 PATH_FIELDS: tuple[tuple[str, str], ...] = (
     ("trace", "up"), ("trace", "down"), ("background", "flow_cdf"), ("background", "pcap"),
+    ("topo", "traces"),
 )
 
 #: The shipped data: package, folder inside it, and the prefix a config writes for it.
@@ -90,10 +92,20 @@ def resolve_paths(cfg: cfgmod.ExperimentConfig, base_dir: Path,
     from_cli = set(cli_fields)
     sections: dict[str, object] = {}
     for section, name in PATH_FIELDS:
+        if not hasattr(cfg, section):
+            continue
         sec = sections.get(section, getattr(cfg, section))
-        base = cwd if f"{section}.{name}" in from_cli else base_dir
-        value = resolve_path(getattr(sec, name), base)
+        dotted = f"{section}.{name}"
+        base = cwd if any(f == dotted or f.startswith(dotted + ".") for f in from_cli) \
+            else base_dir
+        old = getattr(sec, name)
+        value: object = ({k: resolve_path(v, base) for k, v in old.items()}
+                         if isinstance(old, dict) else resolve_path(old, base))
         sections[section] = dataclasses.replace(sec, **{name: value})  # type: ignore[type-var]
+    # topo.traces: shaping point -> trace file, each resolved the same way.
+    base = cwd if any(f.startswith("topo.traces") for f in from_cli) else base_dir
+    traces = {point: resolve_path(path, base) for point, path in cfg.topo.traces.items()}
+    sections["topo"] = dataclasses.replace(cfg.topo, traces=traces)
     return dataclasses.replace(cfg, **sections)  # type: ignore[arg-type]
 
 

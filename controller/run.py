@@ -42,12 +42,23 @@ from topo.plan import build_plan, describe_impairments, describe_plan
 from topo.probe import probe
 from topo.shapes import shape_spec
 from topo.shapes.star import star_spec
-from topo.spec import NetSpec
+from topo.spec import NetSpec, SpecError
 
 __all__ = ["Experiment", "LinkSampler", "links_frame", "plan_commands", "shape_spec",
            "star_spec"]
 
 LINK_SAMPLE_S = 0.1
+
+
+def check_spec(cfg: cfgmod.ExperimentConfig, spec: NetSpec) -> None:
+    """Refuse a spec the run could not drive: the driver's checks (``check_driver``), and
+    data-parallel workers that do not match ``net.workers`` (the PS waits for that many,
+    numbered 0..N-1)."""
+    check_driver(cfg, spec)
+    ranks = sorted(h.rank for h in spec.hosts if h.role == "worker")
+    if ranks and ranks != list(range(cfg.net.workers)):
+        raise SpecError(f"the {spec.shape} places the worker role on ranks {ranks}; "
+                        f"net.workers = {cfg.net.workers} needs ranks 0..{cfg.net.workers - 1}")
 
 
 def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
@@ -57,7 +68,7 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
     roles would start. Pure: no root, nothing touched. Raises CapabilityError, SpecError
     or RoleError where the real run would."""
     spec = spec or shape_spec(cfg)
-    check_driver(cfg, spec)
+    check_spec(cfg, spec)
     out = describe_plan(spec, build_plan(spec, caps))
     out.insert(1, f"# congestion control in every host: {cfg.net.congestion}")
     out += describe_impairments(spec, caps)
@@ -66,7 +77,7 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
         out.append(f"$ {' '.join(c.argv)}   # in {c.host}, role {role.name}")
     for p in spec.places():
         if p.point.trace:
-            out.append(f"# then trace replay on {p.point.name} ({p.dev}): {p.point.trace} "
+            out.append(f"# then trace replay: {p.point.name}={p.point.trace} on {p.dev} "
                        f"every {cfg.trace.granularity_ms} ms with tc class change")
     if cfg.shaping.method != "none":
         out.append(f"# then link/N caps by {cfg.shaping.method}: "
@@ -124,7 +135,7 @@ def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, spec: NetSpec | None = None) -> None:
         # Relative file names in a config built in Python are the caller's; the agents run
         # elsewhere (controller.paths).
         self.cfg = resolve_paths(cfg, Path.cwd())
@@ -139,8 +150,10 @@ class Experiment:
         self.driver: Any = None
         self.runner: RoleRunner | None = None
         # A bad shape or trace placement is refused here, before any directory exists.
-        self.spec: NetSpec = shape_spec(cfg)
-        check_driver(cfg, self.spec)
+        # ``spec``: a network of the caller's own (gradbed's Python API) instead of the
+        # config's shape; the config still gives everything else.
+        self.spec: NetSpec = spec if spec is not None else shape_spec(self.cfg)
+        check_spec(cfg, self.spec)
         # The run's master key lives in this process only; agents get theirs on stdin.
         self._master = auth.new_master()
         self._net: Network | None = None
@@ -207,6 +220,8 @@ class Experiment:
         rundir.write_atomic(run_dir / "config.toml", cfgmod.dumps(cfg))
         meta = rundir.meta(run_dir, caps, started_ns, self.argv)
         rundir.write_json(run_dir / "meta.json", meta)
+        # The network as built: hosts, roles, every shaping point and where it sits.
+        rundir.write_json(run_dir / "network.json", self.spec.describe())
         self.say(f"run {run_dir.name}: {self.spec.shape}, {cfg.net.workers} workers, "
                  f"{cfg.net.bottleneck_mbps} Mbit/s bottleneck, {cfg.workload.name}, "
                  f"compress={cfg.compress.name}")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.core.events import EventLog
-from controller.roles import Role, RoleCommand, RoleContext, RoleError, RoleSession, placement
+from controller.roles import Role, RoleCommand, RoleContext, RoleSession, require_end
 
 READY_TIMEOUT_S = 60.0
 GRACE_S = 10.0
@@ -36,11 +36,7 @@ class RoleRunner:
         self.start = start
         self.say = say
         self.events = events
-        self.placed = placement(ctx.spec)
-        if not any(role.ends_run for role, _ in self.placed):
-            raise RoleError(f"no host of this {ctx.spec.shape} runs a role that ends the run "
-                            f"(roles placed: {[r.name for r, _ in self.placed] or 'none'}); "
-                            "a run needs one, such as ps (for a fabric: set topo.role)")
+        self.placed = require_end(ctx.spec)
         self.progress_nodes = {h.name for role, hosts in self.placed if role.reports_progress
                                for h in hosts}
         self.ready: set[str] = set()

@@ -19,22 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import headline
+from analysis.metrics import headline, workers_lost
 from analysis.pipeline import pipeline_metrics
-
-
-def workers_lost(events: pd.DataFrame) -> list[dict[str, Any]]:
-    """The ``workers_lost`` list of the summary (see the module docstring)."""
-    if events.empty:
-        return []
-    lost = events[events["event"] == "worker_lost"].sort_values("ts_ns")
-    if lost.empty:
-        return []
-    starts = events.loc[events["event"] == "run_start", "ts_ns"]
-    t0 = int(starts.min()) if len(starts) else int(events["ts_ns"].min())
-    return [{"worker": int(r["worker"]), "iter": int(r["iter"]),
-             "t_s": round((int(r["ts_ns"]) - t0) / 1e9, 3), "reason": str(r.get("reason", ""))}
-            for _, r in lost.iterrows()]
 
 
 def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]:

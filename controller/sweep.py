@@ -258,6 +258,9 @@ def load_sweep(path: str | Path, grid_args: Sequence[str] = (), sets: Sequence[s
         table = data.get(section)
         if isinstance(table, dict) and isinstance(table.get(name), str):
             table[name] = resolve_path(table[name], base_dir)
+        elif isinstance(table, dict) and isinstance(table.get(name), dict):
+            table[name] = {k: resolve_path(v, base_dir) if isinstance(v, str) else v
+                           for k, v in table[name].items()}
     return parse_sweep(data, grid_args, sets, repeat, source=str(path))
 
 

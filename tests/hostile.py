@@ -257,13 +257,15 @@ class PoisonWorker(threading.Thread):
             wire.send_message(s, poison_gradient(self.kind, self.chunk_numel),
                               msg_type=codec.MsgType.GRAD, run_tag=0, worker=self.worker,
                               iteration=0, chunk=0, mac=session.up)
-            s.settimeout(30)
+            s.settimeout(120)
             try:
                 while s.recv(65536):
                     pass
                 self.answer = "dropped"
+            except TimeoutError:
+                self.answer = "not dropped within 120 s"
             except OSError:
-                self.answer = "dropped"
+                self.answer = "dropped"  # a reset: the PS closed with our bytes unread
             s.close()
         except BaseException as e:  # reported by the caller
             self.answer = f"error: {e!r}"

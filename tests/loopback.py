@@ -43,7 +43,7 @@ def connect(port: int, timeout_s: float = 30.0) -> socket.socket:
 def make_run_dir(tmp: Path, overrides: list[str], name: str = "run") -> tuple[Path, cfgmod.ExperimentConfig]:
     run_dir = tmp / name
     (run_dir / "events").mkdir(parents=True)
-    cfg = cfgmod.load(REPO / "configs" / "demo.toml",
+    cfg = cfgmod.load(REPO / "configs" / "digits.toml",
                       [f"net.ps_port={free_port()}", *overrides])
     (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
     MASTERS[run_dir] = auth.new_master()

@@ -25,7 +25,7 @@ def make_run_dir(tmp: Path, overrides: list[str], name: str = "run"
                  ) -> tuple[Path, cfgmod.ExperimentConfig]:
     run_dir = tmp / name
     (run_dir / "events").mkdir(parents=True)
-    cfg = cfgmod.load(REPO / "configs" / "demo.toml", [*BASE, *overrides])
+    cfg = cfgmod.load(REPO / "configs" / "digits.toml", [*BASE, *overrides])
     (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
     (run_dir / "secret").write_bytes(b"s3cret-for-tests-only-0123456789")
     return run_dir, cfg

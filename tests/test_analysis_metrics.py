@@ -298,3 +298,31 @@ def test_load_runs_has_one_column_per_varied_key(tmp_path: Path) -> None:
     assert run_labels(table)[1].startswith("compress.name=none")
     with pytest.raises(RunLoadError, match="no run directories"):
         load_runs(str(tmp_path / "nothing" / "*"))
+
+
+def test_transport_series_converts_units_and_counts_retransmissions_across_restarts() -> None:
+    rows = [{"t_s": t, "node": "w0", "event": "tcp_info", "cwnd": c, "rtt_us": r,
+             "pacing_rate_bps": p, "total_retrans": x}
+            for t, c, r, p, x in [(0.0, 10, 40_000, 1e8, 0), (0.1, 20, 41_000, 2e8, 3),
+                                  (0.2, 15, 42_000, 1.5e8, 5),
+                                  (0.3, 10, 40_500, 1e8, 1)]]  # a new connection: 1
+    rows.append({"t_s": 0.05, "node": "w1", "event": "send_done", "bytes": 1})
+    tr = metrics.transport_series(_events(rows))
+    assert list(tr["node"]) == ["w0"] * 4
+    assert list(tr["rtt_ms"]) == [40.0, 41.0, 42.0, 40.5]
+    assert list(tr["pacing_rate_mbps"]) == [100.0, 200.0, 150.0, 100.0]
+    assert list(tr["retrans"]) == [0, 3, 5, 5]  # the restart's 1 is not a negative step
+    assert metrics.transport_series(_events([rows[-1]])).empty
+
+
+def test_transport_plot_and_report_show_every_flow(tmp_path: Path) -> None:
+    from analysis import plots
+    from analysis.report import render_report
+
+    run_dir = make_fake_run(tmp_path / "run", workers=3, iterations=5)
+    run = load_run(run_dir)
+    fig = plots.plot_transport(run.events, run.links)
+    cwnd_ax = fig.axes[0]
+    assert sorted(line.get_label() for line in cwnd_ax.get_lines()) == ["w0", "w1", "w2"]
+    assert len(fig.axes[4].get_lines()) >= 1  # the queue beside them
+    assert "cwnd, RTT, pacing rate and retransmissions" in render_report([run_dir])

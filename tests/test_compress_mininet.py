@@ -1,6 +1,6 @@
 """Top-k at 1 % with error feedback, on the emulated network, against dense (issue 3).
 
-Two real ``gradbed run`` runs of the demo workload (configs/demo.toml: digits MLP, hidden
+Two real ``gradbed run`` runs of the demo workload (configs/digits.toml: digits MLP, hidden
 512, 301 k parameters, lr 0.1, momentum 0.9 at the PS) with 2 workers through the 100 Mbit/s
 bottleneck, 80 iterations each, seed 0: ``compress.name = "none"`` and ``"topk"`` with
 ``ratio = 0.01`` and error feedback (DESIGN 1.2). Each run takes about 40-50 s.
@@ -48,7 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for name, extra in (("dense", ["compress.name=none"]),
                         ("topk", ["compress.name=topk", "compress.ratio=0.01",
                                   "compress.error_feedback=true"])):
-        run_dir, proc = gradbed_run("configs/demo.toml", [*COMMON, *extra], out, timeout_s=400)
+        run_dir, proc = gradbed_run("configs/digits.toml", [*COMMON, *extra], out, timeout_s=400)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         result[name] = summary(Path(run_dir))
     return result

@@ -115,5 +115,5 @@ def test_every_workload_the_config_accepts_is_built(name: str) -> None:
 def test_an_unknown_workload_name_lists_the_known_ones() -> None:
     from agents.workloads.factory import make_workload
 
-    with pytest.raises(ValueError, match="digits_cnn, digits_deep, digits_mlp, replay"):
+    with pytest.raises(ValueError, match="digits_cnn, digits_deep, digits_mlp, fashion_resnet, fashion_vit, replay"):
         make_workload(cfgmod.WorkloadConfig(name="gpt"))

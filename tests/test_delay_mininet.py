@@ -4,7 +4,7 @@ Two hosts (ps and w0) through a LinuxBridge, delay and loss configured on both d
 of the link between the switch and ps. On a kernel with netem the same specs go to netem
 instead, and the same physical checks apply (issue 21's tests):
 
-- ping and TCP_INFO's min_rtt within 5 % (or 0.2 ms) of the configured RTT at 1, 10 and
+- ping's minimum (-U) and TCP_INFO's min_rtt within 5 % (or 0.2 ms) of the configured RTT at 1, 10 and
   100 ms one-way;
 - one cubic flow through 100 Mbit/s with 20 ms each way and a 1-BDP queue reaches 0.95 of
   the TCP ceiling once slow start is over (iperf3);
@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,8 +44,11 @@ def rtt_tolerance_ms(rtt_ms: float) -> float:
     return max(0.05 * rtt_ms, 0.2)
 
 
-def ping_median_ms(net: StarNetwork, count: int, interval_s: float) -> float:
-    """ping's median RTT (the shared machine's stalls land in the mean), user to user (``-U``). Plain ping takes the reply's time from
+def ping_min_ms(net: StarNetwork, count: int, interval_s: float) -> float:
+    """ping's smallest RTT, user to user. The minimum is the path's own delay: a stall of
+    the pinging process or of the delay line on the shared machine (load average 15 on 2
+    cores was seen) only adds to single samples; a delay line that releases early or late
+    moves every sample, the minimum included. User to user (``-U``). Plain ping takes the reply's time from
     the kernel's receive stamp, set before the ingress hook where the receiving side's
     delay line holds the packet, so it would leave out w0's half of the delay (TCP takes
     its RTT samples when it processes the ACK, after the hook, and sees all of it).
@@ -55,7 +57,7 @@ def ping_median_ms(net: StarNetwork, count: int, interval_s: float) -> float:
                          str(interval_s), net.ip("ps")], timeout_s=60).stdout
     times = [float(t) for t in re.findall(r"time=([\d.]+) ms", out)]
     assert len(times) == count, out
-    return statistics.median(times)
+    return min(times)
 
 
 def tcp_min_rtt_ms(net: StarNetwork, port: int = 7007) -> float:
@@ -79,7 +81,7 @@ def test_rtt_is_the_configured_delay_each_way(delay_ms: float) -> None:
             rules = net.run("ps", ["iptables", "-t", "raw", "-S", "PREROUTING"]).stdout
             assert "NFQUEUE" in rules and "gradbed-impair" in rules
         rtt_ms = 2 * delay_ms
-        ping_ms = ping_median_ms(net, count=20 if delay_ms < 100 else 8, interval_s=0.05)
+        ping_ms = ping_min_ms(net, count=20 if delay_ms < 100 else 8, interval_s=0.05)
         tcp_ms = tcp_min_rtt_ms(net)
     assert abs(ping_ms - rtt_ms) <= rtt_tolerance_ms(rtt_ms), (ping_ms, rtt_ms)
     assert abs(tcp_ms - rtt_ms) <= rtt_tolerance_ms(rtt_ms), (tcp_ms, rtt_ms)

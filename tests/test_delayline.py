@@ -135,3 +135,18 @@ def test_kernel_queue_counters_parse() -> None:
     assert parse_queue_counters(text) == {100: {"portid": 31004, "held": 3,
                                                 "queue_dropped": 7, "user_dropped": 2,
                                                 "id_sequence": 10}}
+
+
+def test_the_heterogeneous_config_plans_delay_lines_and_w0s_cellular_uplink() -> None:
+    from pathlib import Path
+
+    from agents.core import config as cfgmod
+    from controller.run import plan_commands
+
+    cfg = cfgmod.load(Path(__file__).resolve().parents[1] / "configs" / "heterogeneous.toml")
+    caps = {"netem": False, "nfqueue": True, "xt_statistic": True,
+            "tcp_congestion_control": ["cubic"]}
+    text = "\n".join(plan_commands(cfg, caps))
+    assert text.count("-m topo.delayline --queue 100:15") == 5  # ps and the four workers
+    assert "trace replay on w0.up (w0-eth0): traces/data/cellular_like.log" in text
+    assert "rate 100000000bit" in text  # the workers' own 100 Mbit/s links

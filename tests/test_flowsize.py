@@ -5,7 +5,9 @@ times."""
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from agents.flowgen import Source
 from traces.generate import pareto_flow_cdf
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "traces" / "flowsize"
+SHARED = Path(os.environ.get("GRADBED_SHARED_TRACES", REPO.parent / "shared" / "traces")) / "flowsize"
 needs_shared = pytest.mark.skipif(not SHARED.exists(),
                                   reason=f"{SHARED} is absent (real traces live beside the repo)")
 
@@ -35,6 +37,76 @@ def test_real_cdfs_load_with_their_means():
     assert web.mean_bytes() == pytest.approx(1.711e6, rel=0.01)
     assert hadoop.mean_bytes() == pytest.approx(1.204e5, rel=0.01)
     assert web.cdf[-1] == 1.0 and web.sizes_bytes[-1] == 30_000_000
+
+
+@needs_shared
+def test_every_shared_flowsize_file_loads_and_says_its_mean():
+    for path in sorted(SHARED.iterdir()):
+        said: list[str] = []
+        cdf = load_flow_cdf(path, log=said.append)
+        assert cdf.mean_bytes() > 0
+        assert any(f"mean {cdf.mean_bytes():,.0f} bytes" in m for m in said), said
+    # HPCC's example flow list: its count line says 2 but 256 flows follow, then prose.
+    said = []
+    flows = load_flow_cdf(SHARED / "mix_flow_example.txt", log=said.append)
+    assert flows.interpolation == "step"
+    assert flows.sizes_bytes == (5e6, 1e7, 1.5e8, 2e8)
+    # 60 x 5 MB, 193 x 10 MB, 1 x 150 MB, 2 x 200 MB.
+    assert flows.mean_bytes() == pytest.approx((60 * 5e6 + 193 * 1e7 + 1.5e8 + 4e8) / 256)
+    assert any("says 2 flows, 256 follow" in m for m in said)
+
+
+LAYOUTS = {
+    # name: (text, kwargs, expected sizes, expected cdf)
+    "percent pairs": ("0 0\n1000 50\n3000 100\n", {}, (0, 1000, 3000), (0, 0.5, 1)),
+    "fraction pairs": ("0 0\n1000 0.5\n3000 1\n", {}, (0, 1000, 3000), (0, 0.5, 1)),
+    "mean line": ("1250\n0 0\n1000 0.5\n3000 1.0\n", {}, (0, 1000, 3000), (0, 0.5, 1)),
+    "packets": ("1 0\n2 50\n4 100\n", {"packet_bytes": 1460}, (1460, 2920, 5840),
+                (0, 0.5, 1)),
+    "tcl": ("1 1 0\n2 1 0.5\n4 1 1\n", {"packet_bytes": 1460}, (1460, 2920, 5840),
+            (0, 0.5, 1)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_published_layouts_are_detected(tmp_path, layout):
+    text, kw, sizes, cdf = LAYOUTS[layout]
+    path = tmp_path / "dist.txt"
+    path.write_text(text)
+    said: list[str] = []
+    got = load_flow_cdf(path, log=said.append, **kw)
+    assert got.sizes_bytes == sizes and got.cdf == pytest.approx(cdf)
+    assert got.interpolation == ("step" if layout == "tcl" else "linear")
+    assert said and "mean" in said[-1]
+    if layout == "mean line":
+        assert "gives the mean as 1250 bytes; the CDF's own mean is 1,250" in said[0]
+
+
+def test_step_and_linear_interpolation_differ_as_published():
+    lin = FlowSizeCDF((100, 1000), (0.5, 1.0))
+    step = FlowSizeCDF((100, 1000), (0.5, 1.0), interpolation="step")
+    assert lin.mean_bytes() == pytest.approx(0.5 * 100 + 0.5 * 550)
+    assert step.mean_bytes() == pytest.approx(0.5 * 100 + 0.5 * 1000)
+    rng = random.Random(1)
+    draws = {step.quantile(rng.random()) for _ in range(1000)}
+    assert draws == {100, 1000}  # only the listed sizes
+
+
+@pytest.mark.parametrize("text,kw,words", [
+    ("1250\n0 0\n1000 50\n2000 100\n", {"format": "pairs"},
+     "the first line looks like a mean, not a CDF point"),
+    ("0 0\n1000 50\n2000 100\n", {"format": "mean_pairs"}, "needs a first line holding"),
+    ("1 1 0\n2 1 1\n", {}, "Tcl-style CDFs (ns-2) give sizes in packets"),
+    ("0 0\n1000 0.5\n2000 0.9\n", {}, "the last point is 0.9, must be 1 (fraction)"),
+    ("0 0 0 0\n", {}, "4 fields is no known flow-size layout"),
+    ("0 0\n1 1\n", {"format": "csv"}, "format='csv'; allowed"),
+    ("0 0\n1 100\n", {"interpolation": "cubic"}, "interpolation='cubic'; allowed"),
+])
+def test_rejections_say_why(tmp_path, text, kw, words):
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=re.escape(words)):
+        load_flow_cdf(path, **kw)
 
 
 def test_mean_is_the_mean_of_what_quantile_samples():
@@ -55,8 +127,8 @@ def test_shipped_pareto_cdf_matches_its_generator():
 
 
 @pytest.mark.parametrize("text,line,words", [
-    ("0 0\n1000 abc\n", 2, "is not two numbers"),
-    ("0 0\n1000 50 7\n2000 100\n", 2, "expected 'size_bytes cdf_percent', got 3 fields"),
+    ("0 0\n1000 abc\n", 2, "cdf 'abc' is not a number"),
+    ("0 0\n1000 50 7\n2000 100\n", 2, "expected 'size cdf', got 3 fields"),
     ("0 0\n1000 60\n2000 50\n3000 100\n", 3, "goes below the line before it"),
     ("0 0\n1000 60\n500 80\n3000 100\n", 3, "goes below the line before it"),
     ("# sizes\n0 0\n1000 120\n", 3, "must be in [0, 100]"),
@@ -167,7 +239,7 @@ def test_gradbed_run_names_a_bad_flow_cdf(tmp_path, capsys):
                    "--set", 'background.kind="flows"', "--set", "background.load_mbps=5",
                    "--set", f'background.flow_cdf="{bad}"'])
     assert rc == 2
-    assert (f"test_tiny.toml: background.flow_cdf: {bad}:2: '1000 x' is not two numbers"
+    assert (f"test_tiny.toml: background.flow_cdf: {bad}:2: cdf 'x' is not a number"
             in capsys.readouterr().err)
 
 

@@ -192,7 +192,7 @@ def test_poisoned_gradients_drop_their_senders(tmp_path: Path) -> None:
     errors = {e["worker"]: e["error"] for e in _events(run_dir, "frame_error")}
     assert "non-finite" in errors[2] and "non-finite" in errors[3], errors
     assert "exceeds guard.max_abs_grad" in errors[4], errors
-    assert "duplicate indices" in errors[5], errors
+    assert "duplicate indices (index 0 more than once)" in errors[5], errors
     assert {e["worker"] for e in _events(run_dir, "worker_lost")} == {2, 3, 4, 5}
     steps = _events(run_dir, "ps_iter_done")
     assert [e["iter"] for e in steps] == list(range(20))
@@ -259,3 +259,37 @@ def test_control_socket_refuses_peers_without_the_key(tmp_path: Path) -> None:
     assert len(refused) == 2, got  # the keyless host and the client with the wrong key
     hellos = [m for m in got if m.get("type") == "hello"]
     assert len(hellos) == 1 and hellos[0]["node"] == "w0" and hellos[0]["pid"] > 0
+
+
+def test_check_gradient_names_each_problem() -> None:
+    from agents.aggregate import check_gradient
+    from agents.compress.base import PayloadError
+
+    idx = torch.tensor([4, 1, 7], dtype=torch.int32)
+    ok = torch.tensor([1.0, -2.0, 3.0])
+    check_gradient((idx, ok), None, 8, who="w", max_abs=10, unique_indices=True)
+    check_gradient(None, torch.full((8,), 1e20), 8, who="w", max_abs=0, unique_indices=False)
+    for vals, match in ((torch.tensor([1.0, float("nan"), 0.0]), "non-finite"),
+                        (torch.tensor([1.0, float("inf"), 0.0]), "non-finite"),
+                        (torch.tensor([1.0, -11.0, 0.0]), "exceeds guard.max_abs_grad")):
+        with pytest.raises(PayloadError, match=match):
+            check_gradient((idx, vals), None, 8, who="w", max_abs=10, unique_indices=True)
+    dup = torch.tensor([4, 1, 4], dtype=torch.int32)
+    with pytest.raises(PayloadError, match="index 4 more than once"):
+        check_gradient((dup, ok), None, 8, who="w", max_abs=10, unique_indices=True)
+    check_gradient((dup, ok), None, 8, who="w", max_abs=10, unique_indices=False)
+
+
+def test_a_connection_is_provably_dead_only_after_hangup() -> None:
+    """The second-HELLO rule: the old connection yields its slot only when it is dead."""
+    from agents.protocol import session
+    from agents.ps import _Conn
+
+    a, b = socket.socketpair()
+    conn = _Conn(0, a, "test", session(b"k" * 32, 0, 0, b"p" * 16, b"w" * 16))
+    try:
+        assert not conn.dead()
+        b.close()
+        assert conn.dead()
+    finally:
+        a.close()

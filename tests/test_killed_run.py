@@ -38,7 +38,7 @@ def test_cleanup_after_sigkill_of_the_controller(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "controller.cli", "run", "configs/test_tiny.toml", "--out",
             str(tmp_path), "--no-progress", "--set", "run.iterations=2000"]
     ctl = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180  # the network lock may be another test's for a while
+    deadline = time.monotonic() + 600  # the network lock may be another run's for a while
     run_dir = None
     while time.monotonic() < deadline and ctl.poll() is None:
         found = list(tmp_path.glob("tiny-*/events/ps.jsonl"))

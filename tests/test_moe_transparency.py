@@ -55,7 +55,7 @@ def run_hosts(tmp: Path, overrides: list[str], dump: bool = True, threads: bool 
     run_dir = tmp / "run"
     (run_dir / "events").mkdir(parents=True)
     hosts = int(next(o for o in overrides if o.startswith("moe.hosts=")).split("=")[1])
-    cfg = cfgmod.load(REPO / "configs" / "demo.toml",
+    cfg = cfgmod.load(REPO / "configs" / "digits.toml",
                       [*overrides, f"moe.port={free_ports(hosts)}"])
     (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
     (run_dir / "secret").write_bytes(b"s3cret-for-tests-only-0123456789")

@@ -94,7 +94,8 @@ def test_netlink_change_installs_what_tc_installs() -> None:
                     bottleneck_down=LinkSpec(rate_mbps=50, queue_bytes=500_000), offload=False)
     with StarNetwork(spec, log=None) as net:
         for direction in ("up", "down"):
-            host, dev = net._bottleneck_where(direction)
+            place = net.spec.place(direction)
+            host, dev = place.host, place.dev
             tc = net._dev_tc(host)
             for rate in (20.0, 3.5, 250.0):
                 t0 = time.perf_counter()

@@ -21,12 +21,15 @@ def test_other_names_are_not_workers(node: str) -> None:
 
 
 def test_the_topology_and_the_loader_use_the_same_names() -> None:
-    from topo.spec import LinkSpec, StarSpec
+    from topo.shapes.star import StarSpec
+    from topo.spec import LinkSpec
 
     spec = StarSpec(workers=3, worker_link=LinkSpec(rate_mbps=100.0),
                     bottleneck_up=LinkSpec(rate_mbps=10.0),
                     bottleneck_down=LinkSpec(rate_mbps=10.0))
     assert spec.worker_names() == ["w0", "w1", "w2"]
     assert all(is_worker_node(n) for n in spec.worker_names())
+    built = spec.net_spec()
+    assert [h.name for h in built.hosts if h.role == "worker"] == ["w0", "w1", "w2"]
     with pytest.raises(ValueError):
         worker_node(-1)

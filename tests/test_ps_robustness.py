@@ -62,6 +62,7 @@ class FakeWorker(threading.Thread):
 
     def _run(self) -> None:
         s = connect(self.port)
+        s.settimeout(150)  # admission waits for the real workers, slow on a loaded machine
         reader, session = handshake(s, self.run_dir, self.worker)
         self.welcomed = True
         for _ in range(self.nchunks):
@@ -121,7 +122,7 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         for f in fakes:
             f.start()
-        assert fakes[1].admitted.wait(timeout=90), "fake worker 3 was never admitted"
+        assert fakes[1].admitted.wait(timeout=180), "fake worker 3 was never admitted"
         # Mid-run: the PS is in iteration 0, waiting for worker 3's gradient.
         s = connect(port)
         try:

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cfg(*overrides: str) -> cfgmod.ExperimentConfig:
-    return cfgmod.load(REPO / "configs/demo.toml", list(overrides))
+    return cfgmod.load(REPO / "configs/digits.toml", list(overrides))
 
 
 def test_the_data_parallel_roles_are_registered_as_data():
@@ -153,3 +153,17 @@ def test_a_network_without_a_deciding_role_is_refused(tmp_path):
     with pytest.raises(RoleError, match="no host of this t runs a role that ends the run"):
         RoleRunner(RoleContext(cfg(), spec, tmp_path), lambda c: None,  # type: ignore[arg-type,return-value]
                    print, EventLog.for_node(tmp_path, "t", "controller"))
+
+
+def test_the_fabric_puts_topo_role_on_every_host_and_refuses_none(tmp_path):
+    from controller.run import plan_commands as dry_run
+
+    register(Role(name="t_stage", sections=(), host_kinds=("t_stage",), ends_run=True,
+                  commands=lambda ctx, hosts: [RoleCommand(h.name, ("stage", str(h.rank)))
+                                               for h in hosts]))
+    c = cfg('topo.shape="fabric"', "topo.hosts=3", 'topo.role="t_stage"')
+    lines = dry_run(c, {"netem": False})
+    assert [ln for ln in lines if ln.startswith("$ stage")] == [
+        f"$ stage {i}   # in gbh{i}, role t_stage" for i in range(3)]
+    with pytest.raises(RoleError, match="no host of this fabric runs a role that ends"):
+        dry_run(cfg('topo.shape="fabric"'), {"netem": False})

@@ -22,7 +22,7 @@ SUMMARY_KEYS = {"workers", "iterations", "wall_s", "iter_time_s_p50", "iter_time
 
 
 def test_two_worker_run_learns_and_cleans_up(tmp_path):
-    run_dir, proc = gradbed_run("configs/demo.toml",
+    run_dir, proc = gradbed_run("configs/digits.toml",
                                 ["net.workers=2", "run.iterations=20", "run.eval_every=5"],
                                 tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_two_worker_run_learns_and_cleans_up(tmp_path):
 
 
 def test_sigint_mid_run_leaves_a_loadable_directory_and_no_state(tmp_path):
-    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / "configs/demo.toml"),
+    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / "configs/digits.toml"),
             "--out", str(tmp_path), "--no-progress", "--set", "net.workers=2",
             "--set", "run.iterations=500"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -51,7 +51,7 @@ def test_sigint_mid_run_leaves_a_loadable_directory_and_no_state(tmp_path):
     deadline = time.monotonic() + 90
     ps_events = None
     while time.monotonic() < deadline:
-        found = list(Path(tmp_path).glob("demo-*/events/ps.jsonl"))
+        found = list(Path(tmp_path).glob("digits-*/events/ps.jsonl"))
         if found and found[0].read_text().count('"ps_iter_done"') >= 3:
             ps_events = found[0]
             break

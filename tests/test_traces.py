@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from traces import generate
 from traces.gradients import load_gradient_sizes, load_profile
 from traces.replay import TraceReplayer
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SHARED = Path(os.environ.get("GRADBED_SHARED_TRACES",
+                           Path(__file__).resolve().parents[1].parent / "shared" / "traces"))
 REPO_DATA = Path(__file__).resolve().parents[1] / "traces" / "data"
 
 
@@ -358,3 +360,60 @@ def test_gradbed_run_names_a_bad_trace_before_building_anything(
                      f'trace.{field}="{missing}"']) == 2
     assert f"{missing}: cannot read" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# -- big inputs (issue 21: a 200 MB trace read whole took 4.4 GB and 37 s) -------------------
+
+
+def test_a_big_rate_log_streams_in_bounded_time_and_memory(tmp_path):
+    import time
+    import tracemalloc
+
+    path = tmp_path / "big.log"
+    n = 200_000
+    with open(path, "w") as f:  # 200k lines (3.6 MB), the rate changing every 100 ms
+        f.writelines(f"{i / 1000:.3f} {10 + (i // 100) % 7}.000000\n" for i in range(n))
+    size_mb = path.stat().st_size / 1e6
+    t0 = time.monotonic()
+    load_rate_log(path)
+    took_s = time.monotonic() - t0
+    tracemalloc.start()
+    tr = load_rate_log(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(tr.times_s) == n // 100 and tr.period_s == pytest.approx(200.0)
+    out_bytes = len(tr.times_s) * 2 * 32  # two tuples of floats: pointer + float object
+    assert size_mb > 3
+    assert peak < 4 * out_bytes + 1_000_000, (peak, out_bytes)  # not the file's size
+    assert took_s < 10, took_s  # 0.6 s here
+
+
+def test_a_big_mahimahi_trace_streams_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "big.down"
+    with open(path, "w") as f:  # 360k opportunities: 12 per ms for 30 s, 144 Mbit/s
+        for ms in range(1, 30_001):
+            f.write(f"{ms}\n" * 12)
+    tracemalloc.start()
+    tr = load_mahimahi(path, granularity_s=0.1)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert tr.mean_mbps() == pytest.approx(144.0)
+    assert peak < 2_000_000, peak  # windows, not 1.2 M timestamps
+
+
+@pytest.mark.parametrize("name,text,line", [
+    ("fast.log", "0 100\n1 4800000\n2 100\n", 2),
+    ("fast.csv", "time_s,rate_mbps\n0 ,100\n1,20000\n", 3),
+    ("fast.down", "1\n" + "2\n" * 100_000 + "1000\n", 100_001),  # 12 Gbit/s in 0-0.1 s
+])
+def test_a_rate_above_the_shapers_maximum_names_its_line(tmp_path, name, text, line):
+    from topo.spec import RATE_MAX_MBPS
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TraceError, match=rf"^{path}:{line}: .*above the shaper's maximum "
+                                         rf"of 10000 Mbit/s"):
+        load_trace(path, max_rate_mbps=RATE_MAX_MBPS)
+    load_trace(path)  # without a maximum it loads (the trace itself is well formed)

@@ -191,6 +191,9 @@ class HostImpairment:
                     *[a for q, d in queues for a in ("--queue", f"{q}:{d:g}")]]
             if not self.realtime:
                 argv.append("--no-realtime")
+            spin = os.environ.get("GB_DELAYLINE_SPIN_US")  # for benchmarks/delay_fidelity.py
+            if spin:
+                argv += ["--spin-us", spin]
             self.tc.echo(argv, "delay line")
             if not self.tc.dry_run:
                 env = {**os.environ, "PYTHONPATH": _project_root() + os.pathsep

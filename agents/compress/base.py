@@ -8,9 +8,15 @@ registers itself by name; there is no central ``if/elif``. Unlike GRACE the keep
 argument of every ``compress`` call, so a controller can change it chunk by chunk, and
 randomness comes from a ``torch.Generator`` the caller passes in.
 
-A :class:`Payload` is what goes on the wire: a tuple of contiguous 1-D CPU tensors plus the
+A :class:`Payload` is what goes on the wire: a tuple of contiguous 1-D tensors plus the
 metadata needed to rebuild the original (numel, shape, dtype). Its :meth:`Payload.wire_bytes`
 is exact: the raw buffer bytes plus one frame header per part.
+
+Device: ``compress`` keeps the payload on the device of the tensor it was given (issue 20:
+compression stays on the GPU, nothing in it calls ``.cpu()``); only the payload is copied to
+host memory, by :mod:`agents.compress.staging`, when the worker sends it. Payloads read off
+the wire are CPU tensors, and ``decompress`` returns a tensor on the payload's device.
+Randomness on another device comes from :func:`device_generator`.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ class PayloadError(ValueError):
 class Payload:
     """One compressed tensor, ready for the codec.
 
-    ``tensors`` are contiguous 1-D CPU tensors sent as-is (e.g. float32 values + int32
-    indices); ``numel``/``shape``/``dtype`` describe the original dense tensor."""
+    ``tensors`` are contiguous 1-D tensors sent as-is (e.g. float32 values + int32
+    indices), on the compressed tensor's device until staged for the socket;
+    ``numel``/``shape``/``dtype`` describe the original dense tensor."""
 
     compressor: str
     tensors: tuple[Tensor, ...]
@@ -80,6 +87,16 @@ def k_for(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(ratio * numel)))
 
 
+def device_generator(rng: torch.Generator, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` for a compressor's random draws: ``rng`` itself when it is
+    already there (CPU), else a fresh one on ``device`` seeded by one draw from ``rng``, so a
+    seeded run stays reproducible and no random numbers cross the bus."""
+    if torch.device(rng.device).type == device.type:
+        return rng
+    seed = int(torch.randint(0, 2**62, (1,), generator=rng))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def flatten(tensor: Tensor) -> Tensor:
     """A contiguous 1-D view (or copy, if needed) of ``tensor``; stays on its device."""
     return tensor.detach().reshape(-1).contiguous()
@@ -102,7 +119,7 @@ class Compressor(ABC):
 
     @abstractmethod
     def decompress(self, payload: Payload) -> Tensor:
-        """Dense CPU tensor with the original shape and dtype."""
+        """Dense tensor with the original shape and dtype, on the payload's device."""
 
     def expected_parts(self) -> int | None:
         """Number of tensor parts a payload of this compressor carries (None: variable)."""

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from agents.compress.base import k_for, register
+from agents.compress.base import device_generator, k_for, register
 from agents.compress.sparse import SparseCompressor, indices_above, largest_of
 from agents.compress.topk import topk_indices
 
@@ -63,7 +63,8 @@ class DGCCompressor(SparseCompressor):
         if n < self.exact_below or 4 * k > n:
             return topk_indices(flat, k)
         s = min(n, max(self.min_sample, math.ceil(self.sample_ratio * n)))
-        pick = torch.randint(0, n, (s,), generator=rng).to(flat.device)
+        pick = torch.randint(0, n, (s,), generator=device_generator(rng, flat.device),
+                             device=flat.device)
         sample_abs = flat[pick].abs()
         lo, hi = math.ceil(LOW_FACTOR * k), math.floor(HIGH_FACTOR * k)
         rank = max(1, round(s * k / n))  # 1-based rank in the sample that maps to k

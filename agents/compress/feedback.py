@@ -17,6 +17,24 @@ the float rounding of one subtraction. For sparse compressors the residual is up
 at the sent indices (``R[idx] -= values``), which is the same subtraction done without
 densifying. Side effect: the wrapper owns one residual tensor per key (as large as the
 gradient); ``grad`` itself is never modified.
+
+**Momentum correction and momentum factor masking** (Lin et al., "Deep Gradient
+Compression", ICLR 2018, section 3.2, options ``momentum`` > 0 and ``masking``). With SGD
+momentum applied after aggregation, what a worker leaves in its residual misses the momentum
+it would have had, and a coordinate sent after T steps arrives as a plain sum instead of a
+discounted one; DGC moves the momentum onto the worker, before compression:
+
+    u = m u + g          (local momentum, "velocity"; clipping, when on, applies to g first)
+    v = v + u            (the residual accumulates velocities, not gradients)
+    sent = C(v);  v = v - sent
+    masking: u = 0 where sent    (sparse compressors: the sent indices; dense fallback: all)
+
+and the PS applies plain SGD (no momentum) to the mean of what was sent: with nothing
+compressed away and no masking this is exactly SGD with momentum m (tested). Masking stops a
+coordinate's stale velocity from pushing it again after it was sent. It needs a set of sent
+coordinates, so it applies to the sparse compressors only (topk, dgc, threshold, randomk);
+for the others (powersgd, qsgd, signsgd, fp16, none) the velocity is kept whole. The
+velocity is one more tensor per key.
 """
 
 from __future__ import annotations
@@ -40,11 +58,25 @@ def clip_threshold(t_global: float, n_workers: int) -> float:
 
 
 class ErrorFeedback:
-    """Wraps a :class:`Compressor`; keeps the residual ``R`` per key on the worker."""
+    """Wraps a :class:`Compressor`; keeps the residual ``R`` per key on the worker, and with
+    ``momentum`` > 0 the velocity ``u`` of DGC's momentum correction (module docstring)."""
 
-    def __init__(self, inner: Compressor) -> None:
+    def __init__(self, inner: Compressor, *, momentum: float = 0.0,
+                 masking: bool = True) -> None:
+        # momentum: 0 = plain error feedback (the PS applies any momentum); m in (0, 1) =
+        # DGC's momentum correction at m (then the PS must step without momentum).
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"error feedback momentum must be in [0, 1), got {momentum!r}")
         self.inner = inner
+        self.momentum = momentum
+        self.masking = masking
         self._residuals: dict[str, Tensor] = {}
+        self._velocity: dict[str, Tensor] = {}
+
+    def velocity(self, key: str) -> Tensor | None:
+        """DGC's local momentum ``u`` for ``key`` (None before its first step or without
+        momentum correction)."""
+        return self._velocity.get(key)
 
     @property
     def name(self) -> str:
@@ -57,6 +89,7 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Forget every residual (e.g. when the model is re-initialised)."""
         self._residuals.clear()
+        self._velocity.clear()
 
     def step(self, grad: Tensor, key: str, ratio: float, rng: torch.Generator, *,
              clip_norm: float | None = None) -> tuple[Payload, dict[str, Any]]:
@@ -68,23 +101,31 @@ class ErrorFeedback:
         if prev is not None and prev.shape != g.shape:
             raise ValueError(f"error feedback key {key!r}: gradient shape {tuple(g.shape)} "
                              f"differs from residual shape {tuple(prev.shape)}")
-        # G is a fresh buffer that becomes the new residual, so `grad` is never touched.
-        total = g.add(prev) if prev is not None else g.clone()
-        total = total.contiguous()  # the residual is updated through a flat view
-        norm_before = float(torch.linalg.vector_norm(total))
-        clipped = clip_norm is not None and norm_before > clip_norm
-        if clipped:
-            assert clip_norm is not None
-            total.mul_(clip_norm / norm_before)
+        if self.momentum > 0:
+            total, norm_before, clipped = self._momentum_step(g, prev, key, clip_norm)
+        else:
+            # G is a fresh buffer that becomes the new residual, so `grad` is never touched.
+            total = g.add(prev) if prev is not None else g.clone()
+            total = total.contiguous()  # the residual is updated through a flat view
+            norm_before = float(torch.linalg.vector_norm(total))
+            clipped = clip_norm is not None and norm_before > clip_norm
+            if clipped:
+                assert clip_norm is not None
+                total.mul_(clip_norm / norm_before)
         payload = self.inner.compress(total, key, ratio, rng)
         sparse = self.inner.decompress_sparse(payload)
+        u = self._velocity.get(key)
         if sparse is not None:
             idx, values = sparse
             flat = total.view(-1)
-            flat.index_add_(0, idx.to(flat.device), values.to(flat.device, flat.dtype),
-                            alpha=-1)
+            idx = idx.to(flat.device)
+            flat.index_add_(0, idx, values.to(flat.device, flat.dtype), alpha=-1)
+            if u is not None and self.masking:
+                u.view(-1)[idx] = 0.0  # momentum factor masking (int32 indices index fine)
         else:
             total.sub_(self.inner.decompress(payload).to(total.device))
+            if u is not None and self.masking and getattr(self.inner, "sparse", False):
+                u.zero_()  # a sparse compressor's dense fallback sent every coordinate
         self._residuals[key] = total
         stats = {
             "raw_bytes": g.numel() * g.element_size(),
@@ -94,3 +135,22 @@ class ErrorFeedback:
             "norm_before": norm_before,
         }
         return payload, stats
+
+    def _momentum_step(self, g: Tensor, prev: Tensor | None, key: str,
+                       clip_norm: float | None) -> tuple[Tensor, float, bool]:
+        """DGC's ``u = m u + g`` (``g`` clipped first, as DGC clips before accumulating) and
+        ``v = v + u``; returns the new ``v`` (a fresh buffer), ``||g||`` and whether it was
+        clipped."""
+        norm_before = float(torch.linalg.vector_norm(g))
+        clipped = clip_norm is not None and norm_before > clip_norm
+        if clipped:
+            assert clip_norm is not None
+            g = g * (clip_norm / norm_before)
+        u = self._velocity.get(key)
+        if u is None:  # u_0 = 0, so u_1 = g
+            u = g.clone().contiguous()
+            self._velocity[key] = u
+        else:
+            u.mul_(self.momentum).add_(g)
+        total = (u.add(prev) if prev is not None else u.clone()).contiguous()
+        return total, norm_before, clipped

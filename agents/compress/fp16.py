@@ -23,7 +23,7 @@ class FP16Compressor(Compressor):
     def compress(self, tensor: Tensor, key: str, ratio: float,
                  rng: torch.Generator) -> Payload:
         flat = flatten(tensor)
-        half = flat.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).cpu().contiguous()
+        half = flat.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16).contiguous()
         return Payload(self.name, (half,), flat.numel(), tuple(tensor.shape), tensor.dtype)
 
     def expected_parts(self) -> int | None:

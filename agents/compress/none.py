@@ -20,7 +20,7 @@ class NoneCompressor(Compressor):
                  rng: torch.Generator) -> Payload:
         # A copy, not a view: the caller may overwrite its gradient buffer while the payload
         # is still queued for the socket.
-        flat = flatten(tensor).cpu().clone()
+        flat = flatten(tensor).clone()  # stays on the tensor's device
         return Payload(self.name, (flat,), flat.numel(), tuple(tensor.shape), tensor.dtype)
 
     def expected_parts(self) -> int | None:

@@ -31,7 +31,14 @@ import math
 import torch
 from torch import Tensor
 
-from agents.compress.base import Compressor, Payload, PayloadError, flatten, register
+from agents.compress.base import (
+    Compressor,
+    Payload,
+    PayloadError,
+    device_generator,
+    flatten,
+    register,
+)
 
 MIN_FLAT_NUMEL = 4096
 
@@ -91,14 +98,15 @@ class PowerSGDCompressor(Compressor):
                 mat = flat.reshape(m, n)
                 q = self._q.get(key)
                 if q is None or q.shape != (n, r) or q.device != mat.device:
-                    q = torch.randn(n, r, generator=rng).to(mat.device)
+                    q = torch.randn(n, r, generator=device_generator(rng, mat.device),
+                                    device=mat.device)
                 p = orthogonalize(mat @ q)
                 q = mat.T @ p
                 self._q[key] = q
-                return Payload(self.name, (p.cpu().reshape(-1).contiguous(),
-                                           q.cpu().reshape(-1).contiguous()),
+                return Payload(self.name, (p.reshape(-1).contiguous(),
+                                           q.reshape(-1).contiguous()),
                                tensor.numel(), shape, tensor.dtype)
-        flat = flatten(tensor).cpu().clone()
+        flat = flatten(tensor).clone()
         return Payload(self.name, (flat,), flat.numel(), shape, tensor.dtype)
 
     def check_parts(self, payload: Payload) -> None:

@@ -20,7 +20,14 @@ import math
 import torch
 from torch import Tensor
 
-from agents.compress.base import Compressor, Payload, PayloadError, flatten, register
+from agents.compress.base import (
+    Compressor,
+    Payload,
+    PayloadError,
+    device_generator,
+    flatten,
+    register,
+)
 
 
 @register
@@ -42,7 +49,7 @@ class QSGDCompressor(Compressor):
 
     def compress(self, tensor: Tensor, key: str, ratio: float,
                  rng: torch.Generator) -> Payload:
-        flat = flatten(tensor).cpu().to(torch.float32)
+        flat = flatten(tensor).to(torch.float32)
         n = flat.numel()
         b = self._bucket(n)
         nb = math.ceil(n / b) if n else 0
@@ -52,7 +59,8 @@ class QSGDCompressor(Compressor):
         scaled = v.abs().mul_(scale[:, None])
         level = torch.floor(scaled)
         frac = scaled.sub_(level)
-        level += torch.rand(v.shape, generator=rng) < frac
+        level += torch.rand(v.shape, generator=device_generator(rng, v.device),
+                            device=v.device) < frac
         level.clamp_(max=self.levels).mul_(torch.sign(v))
         q = level.to(torch.int8).view(-1)[:n].contiguous()
         return Payload(self.name, (norms.contiguous(), q), n, tuple(tensor.shape), tensor.dtype)

@@ -40,4 +40,5 @@ class RandomKCompressor(SparseCompressor):
     name = "randomk"
 
     def select(self, flat: Tensor, ratio: float, rng: torch.Generator) -> Tensor:
+        # Drawn on the host (a set of k indices, not the tensor), then moved to the device.
         return random_subset(flat.numel(), k_for(flat.numel(), ratio), rng).to(flat.device)

@@ -28,12 +28,12 @@ def pack_bits(bits: Tensor) -> Tensor:
     """Pack a bool tensor into uint8, MSB first; the last byte is zero-padded."""
     n = bits.numel()
     padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, math.ceil(n / 8) * 8 - n))
-    return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` bits as bool."""
-    return ((packed[:, None] >> _SHIFTS) & 1).view(-1)[:n].bool()
+    return ((packed[:, None] >> _SHIFTS.to(packed.device)) & 1).view(-1)[:n].bool()
 
 
 @register
@@ -42,9 +42,9 @@ class SignSGDCompressor(Compressor):
 
     def compress(self, tensor: Tensor, key: str, ratio: float,
                  rng: torch.Generator) -> Payload:
-        flat = flatten(tensor).cpu()
+        flat = flatten(tensor)
         scale = flat.abs().mean(dtype=torch.float32).reshape(1) if flat.numel() else \
-            torch.zeros(1)
+            torch.zeros(1, device=flat.device)
         packed = pack_bits(flat >= 0)
         return Payload(self.name, (scale.to(torch.float32).contiguous(), packed),
                        flat.numel(), tuple(tensor.shape), tensor.dtype)

@@ -130,7 +130,7 @@ class SparseCompressor(Compressor):
 
     def pack_dense(self, flat: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Payload:
         """Every value, in order, as one part (see the module docstring)."""
-        return Payload(self.name, (flat.cpu().contiguous().clone(),), flat.numel(), shape,
+        return Payload(self.name, (flat.contiguous().clone(),), flat.numel(), shape,
                        dtype)
 
     def pack(self, idx: Tensor, flat: Tensor, shape: tuple[int, ...],
@@ -138,12 +138,14 @@ class SparseCompressor(Compressor):
         """Payload carrying ``flat[idx]`` with the configured index encoding."""
         if self.index_encoding == "delta":
             idx, _ = torch.sort(idx)
-            values = flat[idx].cpu().contiguous()
+            values = flat[idx].contiguous()
             gaps = torch.diff(idx, prepend=idx.new_zeros(1)) if idx.numel() else idx
+            # The varint coder is a host algorithm: the delta encoding copies the k gaps
+            # (not the tensor) to the host. int32 indices stay on the device.
             enc = varint_encode(gaps.cpu())
         else:
-            values = flat[idx].cpu().contiguous()
-            enc = idx.to(torch.int32).cpu().contiguous()
+            values = flat[idx].contiguous()
+            enc = idx.to(torch.int32).contiguous()
         if enc.numel() * enc.element_size() + values.numel() * values.element_size() \
                 >= flat.numel() * flat.element_size() and flat.numel() > 0:
             return self.pack_dense(flat, shape, dtype)
@@ -197,8 +199,8 @@ class SparseCompressor(Compressor):
         idx, values = sparse
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= payload.numel):
             raise PayloadError(f"{self.name}: index out of range [0, {payload.numel})")
-        out = torch.zeros(payload.numel, dtype=payload.dtype)
-        out[idx] = values.to(payload.dtype)
+        out = torch.zeros(payload.numel, dtype=payload.dtype, device=values.device)
+        out[idx.to(values.device)] = values.to(payload.dtype)
         return out.reshape(payload.shape)
 
 

@@ -13,7 +13,11 @@ NSDI 2013; Netravali et al., "Mahimahi", USENIX ATC 2015). Three file formats lo
 - Rate logs: ``time_s Mbps`` per line, ``#`` comments allowed.
 - CSV with the header ``time_s,rate_mbps``.
 
-Every loader error is a :class:`TraceError` naming ``file:line``.
+Every loader error is a :class:`TraceError` naming ``file:line``. Loaders stream their
+file (issue 21: a 200 MB trace read whole took 4.4 GB and 37 s): memory is the output's
+steps, kept in ``array('d')`` while loading, plus one line. ``max_rate_mbps`` (the
+shaper's maximum, ``topo.spec.RATE_MAX_MBPS``, passed by the controller) makes a rate
+above it an error naming the line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import bisect
 import math
 import os
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -193,7 +199,8 @@ def _same_rate(a: float, b: float) -> bool:
 
 def read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
     """``(name, lines)`` of a text file; TraceError naming it when it is missing,
-    unreadable or not text."""
+    unreadable or not text. For small files (flow-size CDFs); traces stream
+    (:func:`iter_lines`)."""
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -202,6 +209,22 @@ def read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
     except OSError as e:
         raise TraceError(f"{name}: cannot read: {e.strerror or e}") from e
     return name, text.splitlines()
+
+
+def iter_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
+    """``(lineno, line)`` of a text file, read as it goes: memory stays one line, not the
+    file (a 200 MB trace read whole took 4.4 GB). TraceError naming the file (and the
+    line, for bytes that are not text) when it is missing, unreadable or not text."""
+    name = str(path)
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8", newline=None) as f:
+            for lineno, line in enumerate(f, start=1):
+                yield lineno, line.rstrip("\n")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{name}:{lineno + 1}: not a text file ({e.reason})") from e
+    except OSError as e:
+        raise TraceError(f"{name}: cannot read: {e.strerror or e}") from e
 
 
 def split_pair(name: str, lineno: int, raw: str, what: str) -> tuple[str, str] | None:
@@ -227,47 +250,73 @@ def _parse_float(name: str, lineno: int, field: str, token: str) -> float:
     return value
 
 
-def _from_points(name: str, points: list[tuple[int, float, float]],
-                 period_s: float | None) -> BandwidthTrace:
-    """Build a trace from validated (lineno, time_s, rate_mbps) points.
+class _Points:
+    """(time_s, rate_mbps) steps as they stream in: checked against the previous line,
+    consecutive equal rates merged (the output has one step per change), stored in
+    ``array('d')`` (16 bytes a step)."""
 
-    The last point's rate holds for as long as the median step (so a log sampled every
-    second ends one second after its last line) unless ``period_s`` says otherwise.
-    """
-    times = [t for _, t, _ in points]
-    if period_s is None:
-        # Gaps of the file as written, before the first step is stretched back to 0.
-        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
-        period_s = times[-1] + (gaps[len(gaps) // 2] if gaps else 1.0)
-    if times[0] != 0.0:
-        # Nothing is known before the first line; its rate is taken to hold from 0 so the
-        # file's own timestamps (a step "at 10 s") stay where the file puts them.
-        times[0] = 0.0
-    return BandwidthTrace(tuple(times), tuple(r for _, _, r in points), period_s, name)
+    def __init__(self, name: str, max_rate_mbps: float | None) -> None:
+        self.name = name
+        self.max_rate_mbps = max_rate_mbps
+        self.times = array("d")
+        self.rates = array("d")
+        self.n = 0
+        self.first_t: float | None = None
+        self.last_t = -1.0
+        self.last_line = 0
+        self.gaps: dict[float, int] = {}  # gap -> count, for the median step
+
+    def add(self, lineno: int, time_token: str, rate_token: str) -> None:
+        name = self.name
+        t_s = _parse_float(name, lineno, "time_s", time_token)
+        rate = _parse_float(name, lineno, "rate_mbps", rate_token)
+        if t_s < 0.0:
+            raise TraceError(f"{name}:{lineno}: time_s {t_s} is negative")
+        if rate < 0.0:
+            raise TraceError(f"{name}:{lineno}: rate {rate} Mbit/s is negative")
+        if self.max_rate_mbps is not None and rate > self.max_rate_mbps:
+            raise TraceError(f"{name}:{lineno}: rate {rate:g} Mbit/s is above the shaper's "
+                             f"maximum of {self.max_rate_mbps:g} Mbit/s")
+        if self.n and t_s <= self.last_t:
+            what = "goes backwards" if t_s < self.last_t else "repeats"
+            raise TraceError(f"{name}:{lineno}: time_s {t_s} {what} (line {self.last_line} "
+                             f"has {self.last_t})")
+        if self.n:
+            gap = t_s - self.last_t
+            self.gaps[gap] = self.gaps.get(gap, 0) + 1
+        else:
+            self.first_t = t_s
+        self.n += 1
+        self.last_t, self.last_line = t_s, lineno
+        if self.rates and _same_rate(self.rates[-1], rate):
+            return
+        self.times.append(t_s)
+        self.rates.append(rate)
+
+    def median_gap(self) -> float:
+        total = sum(self.gaps.values())
+        if not total:
+            return 1.0
+        seen = 0
+        for gap in sorted(self.gaps):
+            seen += self.gaps[gap]
+            if seen > total // 2:
+                return gap
+        return 1.0  # unreachable
+
+    def trace(self, period_s: float | None) -> BandwidthTrace:
+        """The last point's rate holds for as long as the median step (so a log sampled
+        every second ends one second after its last line) unless ``period_s`` says
+        otherwise. Nothing is known before the first line; its rate is taken to hold from
+        0, so the file's own timestamps (a step "at 10 s") stay where the file puts them."""
+        if period_s is None:
+            period_s = self.last_t + self.median_gap()
+        self.times[0] = 0.0
+        return BandwidthTrace(tuple(self.times), tuple(self.rates), period_s, self.name)
 
 
-def _check_point(name: str, lineno: int, t_s: float, rate: float,
-                 prev: tuple[int, float, float] | None) -> None:
-    if t_s < 0.0:
-        raise TraceError(f"{name}:{lineno}: time_s {t_s} is negative")
-    if rate < 0.0:
-        raise TraceError(f"{name}:{lineno}: rate {rate} Mbit/s is negative")
-    if prev is not None and t_s <= prev[1]:
-        what = "goes backwards" if t_s < prev[1] else "repeats"
-        raise TraceError(f"{name}:{lineno}: time_s {t_s} {what} (line {prev[0]} has "
-                         f"{prev[1]})")
-
-
-def _append_point(name: str, lineno: int, time_token: str, rate_token: str,
-                  points: list[tuple[int, float, float]]) -> None:
-    """Parse one (time_s, rate_mbps) pair, check it against the previous point, keep it."""
-    t_s = _parse_float(name, lineno, "time_s", time_token)
-    rate = _parse_float(name, lineno, "rate_mbps", rate_token)
-    _check_point(name, lineno, t_s, rate, points[-1] if points else None)
-    points.append((lineno, t_s, rate))
-
-
-def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> BandwidthTrace:
+def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1,
+                  max_rate_mbps: float | None = None) -> BandwidthTrace:
     """Load a Mahimahi delivery-opportunity file, binned into ``granularity_s`` windows.
 
     Each window's rate is ``packets * 1500 * 8 / window_length``; the last window is shorter
@@ -278,11 +327,14 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> B
     """
     if not (math.isfinite(granularity_s) and granularity_s > 0.0):
         raise ValueError(f"granularity_s={granularity_s} must be a positive number")
-    name, lines = read_lines(path)
-    stamps_ms: list[int] = []
+    name = str(path)
+    counts: dict[int, int] = {}  # window -> opportunities (memory: the output's windows)
+    last_line_of: dict[int, int] = {}
     prev_ms = -1
     prev_line = 0
-    for lineno, raw in enumerate(lines, start=1):
+    run_at_prev = 0  # opportunities at exactly prev_ms (at the period they wrap to 0)
+    n = 0
+    for lineno, raw in iter_lines(path):
         s = raw.strip()
         if not s:
             continue
@@ -296,27 +348,37 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> B
         if ms < prev_ms:
             raise TraceError(f"{name}:{lineno}: timestamp {ms} ms goes backwards (line "
                              f"{prev_line} has {prev_ms} ms)")
-        stamps_ms.append(ms)
+        run_at_prev = run_at_prev + 1 if ms == prev_ms else 1
+        k = int(ms / 1000.0 / granularity_s + 1e-9)
+        counts[k] = counts.get(k, 0) + 1
+        last_line_of[k] = lineno
         prev_ms, prev_line = ms, lineno
-    if not stamps_ms:
+        n += 1
+    if not n:
         raise TraceError(f"{name}:1: empty trace: no delivery opportunities")
-    period_ms = stamps_ms[-1]
+    period_ms = prev_ms
     if period_ms <= 0:
         raise TraceError(f"{name}:{prev_line}: trace lasts 0 ms; Mahimahi needs the last "
                          f"timestamp to be > 0")
     period_s = period_ms / 1000.0
     n_windows = max(1, math.ceil(period_s / granularity_s - 1e-9))
-    counts = [0] * n_windows
-    for ms in stamps_ms:
-        phase_ms = ms % period_ms
-        k = min(int(phase_ms / 1000.0 / granularity_s + 1e-9), n_windows - 1)
-        counts[k] += 1
+    # The opportunities at exactly the period are time 0 of the next loop (Mahimahi).
+    k_end = int(period_ms / 1000.0 / granularity_s + 1e-9)
+    counts[k_end] -= run_at_prev
+    counts[0] = counts.get(0, 0) + run_at_prev
+    if k_end >= n_windows:  # only the wrapped ones were there
+        counts.pop(k_end)
     times: list[float] = []
     rates: list[float] = []
-    for k, c in enumerate(counts):
+    for k in range(n_windows):
+        c = counts.get(k, 0)
         a = k * granularity_s
         b = min((k + 1) * granularity_s, period_s)
         rate = c * MAHIMAHI_PACKET_BYTES * 8 / (b - a) / 1e6
+        if max_rate_mbps is not None and rate > max_rate_mbps:
+            raise TraceError(f"{name}:{last_line_of.get(k, prev_line)}: {c} opportunities in "
+                             f"the {granularity_s:g} s window at {a:g} s are {rate:g} Mbit/s, "
+                             f"above the shaper's maximum of {max_rate_mbps:g} Mbit/s")
         if rates and _same_rate(rates[-1], rate):
             continue
         times.append(a)
@@ -324,15 +386,16 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1) -> B
     return BandwidthTrace(tuple(times), tuple(rates), period_s, name)
 
 
-def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -> BandwidthTrace:
+def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None,
+                  max_rate_mbps: float | None = None) -> BandwidthTrace:
     """Load ``time_s Mbps`` lines (whitespace separated; ``#`` starts a comment).
 
     The last rate lasts one median step unless ``period_s`` is given, either as the argument
     or as a ``# period_s X`` comment line.
     """
-    name, lines = read_lines(path)
-    points: list[tuple[int, float, float]] = []
-    for lineno, raw in enumerate(lines, start=1):
+    name = str(path)
+    points = _Points(name, max_rate_mbps)
+    for lineno, raw in iter_lines(path):
         directive = raw.strip().lstrip("#").split()
         if raw.lstrip().startswith("#") and len(directive) == 2 and directive[0] == "period_s":
             # ``# period_s X`` (written by traces.generate.write_rate_log) keeps the loop length.
@@ -341,18 +404,19 @@ def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None) -
             continue
         pair = split_pair(name, lineno, raw, "time_s Mbps")
         if pair is not None:
-            _append_point(name, lineno, pair[0], pair[1], points)
-    if not points:
+            points.add(lineno, pair[0], pair[1])
+    if not points.n:
         raise TraceError(f"{name}:1: empty trace: no 'time_s Mbps' lines")
-    return _from_points(name, points, period_s)
+    return points.trace(period_s)
 
 
-def load_csv(path: str | os.PathLike[str], period_s: float | None = None) -> BandwidthTrace:
+def load_csv(path: str | os.PathLike[str], period_s: float | None = None,
+             max_rate_mbps: float | None = None) -> BandwidthTrace:
     """Load a CSV whose header is ``time_s,rate_mbps``."""
-    name, lines = read_lines(path)
-    points: list[tuple[int, float, float]] = []
+    name = str(path)
+    points = _Points(name, max_rate_mbps)
     header_seen = False
-    for lineno, raw in enumerate(lines, start=1):
+    for lineno, raw in iter_lines(path):
         s = raw.strip()
         if not s or s.startswith("#"):
             continue
@@ -365,43 +429,45 @@ def load_csv(path: str | os.PathLike[str], period_s: float | None = None) -> Ban
             continue
         if len(cells) != 2:
             raise TraceError(f"{name}:{lineno}: expected 2 columns, got {len(cells)}: {s!r}")
-        _append_point(name, lineno, cells[0], cells[1], points)
-    if not points:
+        points.add(lineno, cells[0], cells[1])
+    if not points.n:
         raise TraceError(f"{name}:1: empty trace: no data rows after the header")
-    return _from_points(name, points, period_s)
+    return points.trace(period_s)
 
 
 _MAHIMAHI_SUFFIXES = {".up", ".down", ".trace"}
 
 
-def load_trace(path: str | os.PathLike[str], granularity_s: float = 0.1) -> BandwidthTrace:
+def load_trace(path: str | os.PathLike[str], granularity_s: float = 0.1,
+               max_rate_mbps: float | None = None) -> BandwidthTrace:
     """Load any supported trace: by extension (.up/.down/.trace -> Mahimahi, .csv -> CSV),
-    else by content (a first data line of one integer -> Mahimahi, else a rate log)."""
+    else by content (a first data line of one integer -> Mahimahi, else a rate log).
+    ``max_rate_mbps``: a rate above it is an error naming the line."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in _MAHIMAHI_SUFFIXES:
-        return load_mahimahi(p, granularity_s)
+        return load_mahimahi(p, granularity_s, max_rate_mbps)
     if suffix == ".csv":
-        return load_csv(p)
-    name, lines = read_lines(p)
-    for raw in lines:
+        return load_csv(p, max_rate_mbps=max_rate_mbps)
+    for _lineno, raw in iter_lines(p):
         s = raw.split("#", 1)[0].strip()
         if not s:
             continue
         if s.isdigit():
-            return load_mahimahi(p, granularity_s)
+            return load_mahimahi(p, granularity_s, max_rate_mbps)
         if s.replace(" ", "") == "time_s,rate_mbps":
-            return load_csv(p)
+            return load_csv(p, max_rate_mbps=max_rate_mbps)
         break
-    return load_rate_log(p)
+    return load_rate_log(p, max_rate_mbps=max_rate_mbps)
 
 
 def load_scaled_trace(path: str | os.PathLike[str], granularity_ms: float,
-                      scale: float = 1.0) -> BandwidthTrace:
+                      scale: float = 1.0, max_rate_mbps: float | None = None
+                      ) -> BandwidthTrace:
     """A trace named in a config's ``[trace]`` section: loaded at ``granularity_ms`` and
     every rate multiplied by ``scale`` (the controller replays it; the oracle policy in the
-    workers reads its future)."""
-    tr = load_trace(path, granularity_s=granularity_ms / 1000.0)
+    workers reads its future). ``max_rate_mbps``: as :func:`load_trace`."""
+    tr = load_trace(path, granularity_s=granularity_ms / 1000.0, max_rate_mbps=max_rate_mbps)
     if scale != 1.0:
         tr = BandwidthTrace(times_s=tr.times_s,
                             rates_mbps=tuple(r * scale for r in tr.rates_mbps),

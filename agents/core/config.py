@@ -25,11 +25,13 @@ import tomli_w
 
 from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
+from agents.core.feedback_config import FeedbackConfig
 from agents.core.guard_config import GuardConfig
 from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.topo_config import TopoConfig
+from agents.core.vision_config import VisionConfig
 
 __all__ = ["ConfigError"]
 
@@ -128,7 +130,9 @@ class NetConfig:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    name: str = "digits_mlp"          # a registered workload (agents/workloads/): digits_mlp, ...
+    # a registered workload (agents/workloads/): digits_mlp, digits_cnn, fashion_resnet
+    # and fashion_vit (sized by [vision]), replay, ...
+    name: str = "digits_mlp"
     batch_size: int = 32              # per-worker batch; the global batch is N times this
     lr: float = 0.1                   # SGD learning rate at the PS
     momentum: float = 0.0             # SGD momentum at the PS
@@ -164,6 +168,9 @@ class WorkloadConfig:
 class CompressConfig:
     name: str = "none"                # compressor registered under this name
     ratio: float = 1.0                # fraction of elements kept; lower = fewer bytes, more residual
+    # One fixed keep ratio per worker (worker i keeps worker_ratios[i]) instead of the one
+    # `ratio`; empty = every worker keeps `ratio`. Only adaptive.policy = "fixed" reads it.
+    worker_ratios: tuple[float, ...] = ()
     error_feedback: bool = True       # keep what was not sent and add it next iteration
     clip_global: float = 0.0          # T_global for DGC-style local clipping; 0 = off
     index_encoding: str = "int32"     # sparse indices on the wire: int32 or delta
@@ -173,6 +180,8 @@ class CompressConfig:
     def validate(self, p: str) -> None:
         _check_name(COMPRESSOR, f"{p}.name", self.name)
         _check(0 < self.ratio <= 1, f"{p}.ratio", self.ratio, "must be in (0, 1]")
+        for i, r in enumerate(self.worker_ratios):
+            _check(0 < r <= 1, f"{p}.worker_ratios[{i}]", r, "must be in (0, 1]")
         _check(self.clip_global >= 0, f"{p}.clip_global", self.clip_global, "must be >= 0")
         _check(self.index_encoding in ("int32", "delta"), f"{p}.index_encoding",
                self.index_encoding, "must be int32 or delta")
@@ -305,7 +314,10 @@ class BackgroundConfig:
     flows: int = 0                    # bulk: flows per background host (iperf3 -P); 0 = none
     direction: str = "up"             # bulk: up = host -> PS, with the gradients; down = PS -> host
     rate_mbps: float = 0.0            # bulk: per flow (iperf3 -b); 0 = as fast as TCP goes
-    flow_cdf: str = ""                # flows: size_bytes cdf_percent file (agents/core/flowsize.py)
+    flow_cdf: str = ""                # flows: flow-size distribution file (agents/core/flowsize.py)
+    flow_cdf_format: str = "auto"     # flows: auto, pairs, mean_pairs, tcl or flows (a flow list)
+    flow_cdf_interpolation: str = ""  # flows: linear or step; "" = the format's habit
+    flow_cdf_packet_bytes: int = 0    # flows: sizes are packets of this many bytes; 0 = bytes
     load_mbps: float = 0.0            # flows: offered load per background host; 0 = none
     pcap: str = ""                    # pcap: capture replayed by every background host, looped
     pcap_mbps: float = 0.0            # pcap: tcpreplay --mbps; 0 = the capture's own timing
@@ -344,6 +356,14 @@ class BackgroundConfig:
                f'is for kind = "flows", not "{self.kind}"')
         _check(self.kind == "pcap" or not self.pcap, f"{p}.pcap", self.pcap,
                f'is for kind = "pcap", not "{self.kind}"')
+        _check(self.flow_cdf_format in ("auto", "pairs", "mean_pairs", "tcl", "flows"),
+               f"{p}.flow_cdf_format", self.flow_cdf_format,
+               "must be auto, pairs, mean_pairs, tcl or flows")
+        _check(self.flow_cdf_interpolation in ("", "linear", "step"),
+               f"{p}.flow_cdf_interpolation", self.flow_cdf_interpolation,
+               'must be "" (the format\'s habit), linear or step')
+        _check(0 <= self.flow_cdf_packet_bytes <= 65_536, f"{p}.flow_cdf_packet_bytes",
+               self.flow_cdf_packet_bytes, "must be in [0, 65536] (0 = sizes in bytes)")
         if self.kind == "flows":
             _check(self.load_mbps == 0 or bool(self.flow_cdf), f"{p}.flow_cdf",
                    self.flow_cdf, 'must name a flow-size CDF file for kind = "flows"')
@@ -367,6 +387,8 @@ class ExperimentConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -374,6 +396,13 @@ class ExperimentConfig:
         for i, entry in enumerate(self.membership.schedule):
             _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
                    f"must name a worker in [0, {self.net.workers - 1}]")
+        ratios = self.compress.worker_ratios
+        if ratios:
+            _check(len(ratios) == self.net.workers, "compress.worker_ratios", list(ratios),
+                   f"must have one ratio per worker (net.workers = {self.net.workers}), "
+                   f"not {len(ratios)}")
+            _check(self.adaptive.policy == "fixed", "compress.worker_ratios", list(ratios),
+                   f'is read by adaptive.policy = "fixed" only, not "{self.adaptive.policy}"')
         bg = self.background
         if bg.active and self.net.background_hosts < 1:
             field_, value = {"bulk": ("background.flows", bg.flows),
@@ -381,6 +410,12 @@ class ExperimentConfig:
                              "pcap": ("background.pcap", bg.pcap)}[bg.kind]
             _check(False, field_, value,
                    "needs net.background_hosts >= 1 (the hosts the flows start from)")
+        if self.feedback.momentum_correction:
+            _check(self.compress.error_feedback, "feedback.momentum_correction", True,
+                   "needs compress.error_feedback = true (the corrected momentum lives in "
+                   "the residual)")
+            _check(self.workload.momentum > 0, "feedback.momentum_correction", True,
+                   "needs workload.momentum > 0 (the momentum it moves onto the workers)")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -24,15 +24,21 @@ def drop_fraction(kept: Sequence[int], dropped: Sequence[int]) -> float:
 
 
 def dispatch_efficiency(payload_bytes: int, phase_s: float, rate_mbps: float) -> float:
-    """All-to-all dispatch efficiency of one host for one layer:
+    """All-to-all dispatch efficiency of one layer's dispatch in one step:
 
         payload_bytes / (phase_s x rate_mbps x 1e6 / 8 x TCP_GOODPUT_FRACTION)
 
-    ``payload_bytes``: the token bytes through the host's busier access-link direction
-    (max of sent and received; frame headers and counts are overhead, not payload);
-    ``phase_s``: both phases, counts included, from entering phase 1 to the last byte of
-    phase 2; ``rate_mbps``: the access link's shaped rate. 1 = the link carried payload at
-    the TCP goodput ceiling for the whole phase.
+    ``payload_bytes``: the token bytes through the busiest access-link direction of any
+    host (max over hosts of max(sent, received); frame headers and counts are overhead,
+    not payload): the bytes that bound the phase from below; ``phase_s``: both phases,
+    counts included, from the moment the last host enters phase 1 to the moment the last
+    host finishes phase 2. No host sends a token before it has every host's counts, so
+    no payload moves before that start; hosts that arrive earlier are waiting for the
+    previous phase's stragglers, which the timeline shows as their own cost (and
+    ``arrival_spread_s`` in the tables). One host's own phase time is no measure: its
+    peers' rows may already sit in its receive buffer when it starts.
+    ``rate_mbps``: the access links' shaped rate. 1 = the busiest link carried payload
+    at the TCP goodput ceiling for the whole phase.
     """
     if phase_s <= 0 or rate_mbps <= 0:
         raise ValueError(f"dispatch_efficiency: phase_s={phase_s}, rate_mbps={rate_mbps}")

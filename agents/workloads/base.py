@@ -22,6 +22,7 @@ from torch import nn
 
 from agents.core.config import WorkloadConfig
 from agents.core.registry import WORKLOAD, Registry
+from agents.core.vision_config import VisionConfig
 
 # Every workload, one file each in agents/workloads/, registered by name.
 WORKLOADS: Registry[Any] = Registry(WORKLOAD)
@@ -35,9 +36,15 @@ def register_workload(name: str) -> Callable[[_W], _W]:
     return WORKLOADS.register(name)
 
 
-def make_workload(cfg: WorkloadConfig) -> Workload:
-    """The workload ``cfg.name`` names, built from the ``[workload]`` section."""
-    workload: Workload = WORKLOADS.get(cfg.name, "workload.name").from_config(cfg)
+def make_workload(cfg: WorkloadConfig, vision: VisionConfig | None = None) -> Workload:
+    """The workload ``cfg.name`` names, built from the ``[workload]`` section; a workload
+    that declares ``sections = ("vision",)`` also gets the ``[vision]`` section (default
+    ``VisionConfig()``)."""
+    cls = WORKLOADS.get(cfg.name, "workload.name")
+    if "vision" in getattr(cls, "sections", ()):
+        workload: Workload = cls.from_config(cfg, vision or VisionConfig())
+    else:
+        workload = cls.from_config(cfg)
     return workload
 
 

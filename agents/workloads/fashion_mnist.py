@@ -157,6 +157,9 @@ class FashionMNIST(Workload):
         self.directory = directory
         self.strict_sizes = strict_sizes  # the published counts (tests use small files)
         self._perm: dict[int, torch.Tensor] = {}
+        # True: evaluate in training mode (BatchNorm normalises each evaluation batch by its
+        # own statistics; see fashion_resnet.py).
+        self.eval_batch_statistics = False
 
     def data(self) -> tuple[Split, Split]:
         return load(self.directory, strict_sizes=self.strict_sizes)
@@ -192,7 +195,7 @@ class FashionMNIST(Workload):
         _, test = self.data()
         n = min(self.eval_samples, len(test.labels))
         was_training = model.training
-        model.eval()
+        model.train(self.eval_batch_statistics)
         device = next(model.parameters()).device
         loss_sum, correct = 0.0, 0
         try:

@@ -137,9 +137,19 @@ def placement(spec: NetSpec) -> list[tuple[Role, tuple[HostSpec, ...]]]:
     return sorted(out, key=lambda rh: (rh[0].phase, rh[0].name))
 
 
+def require_end(spec: NetSpec) -> list[tuple[Role, tuple[HostSpec, ...]]]:
+    """:func:`placement`, refusing a network where no role decides when the run ends."""
+    placed = placement(spec)
+    if not any(role.ends_run for role, _ in placed):
+        raise RoleError(f"no host of this {spec.shape} runs a role that ends the run "
+                        f"(roles placed: {[r.name for r, _ in placed] or 'none'}); "
+                        "a run needs one, such as ps (for a fabric: set topo.role)")
+    return placed
+
+
 def plan_commands(ctx: RoleContext) -> list[tuple[Role, RoleCommand]]:
     """Every process the runner (or a role's session) would start, in start order."""
-    return [(role, c) for role, hosts in placement(ctx.spec)
+    return [(role, c) for role, hosts in require_end(ctx.spec)
             for c in role.commands(ctx, hosts)]
 
 

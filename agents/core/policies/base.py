@@ -50,13 +50,15 @@ class RatioContext:
 
     ``gradient_bytes`` is the dense float32 gradient; ``planned_bps`` this worker's planned
     TCP payload rate (its share of the nominal bottleneck); ``workers`` the active N;
-    ``trace_start_ns`` when the controller's trace replay started (trace time 0).
+    ``trace_start_ns`` when the controller's trace replay started (trace time 0);
+    ``worker`` this worker's rank (``compress.worker_ratios`` is indexed by it).
     """
 
     gradient_bytes: int
     planned_bps: float
     workers: int
     trace_start_ns: int = 0
+    worker: int = 0
 
 
 def check_sent(size_bytes: int, sent_bytes: int) -> int:

@@ -1,7 +1,8 @@
 """The fixed keep-ratio baseline (issue 4, item 5): GRACE/DGC-style constant top-k ratio.
 
 Every chunk of every iteration is sent at the same ``keep`` whatever the network does;
-``keep = 1`` is dense training. It answers through the same :class:`RatioPolicy` interface as
+``keep = 1`` is dense training. ``compress.worker_ratios`` gives each worker its own
+constant keep (the per-worker fixed ratios "chosen with hindsight" of issue 21). It answers through the same :class:`RatioPolicy` interface as
 the adaptive and oracle policies so a config swaps them by name.
 """
 
@@ -27,8 +28,15 @@ class FixedRatio:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, ctx: RatioContext) -> FixedRatio:
-        """Keeps ``compress.ratio`` of every chunk."""
-        return cls(keep=cfg.compress.ratio)
+        """Keeps ``compress.ratio`` of every chunk, or this worker's own entry of
+        ``compress.worker_ratios`` when that is set (per-worker fixed ratios, issue 21)."""
+        ratios = cfg.compress.worker_ratios
+        if not ratios:
+            return cls(keep=cfg.compress.ratio)
+        if not 0 <= ctx.worker < len(ratios):
+            raise ValueError(f"worker {ctx.worker}: compress.worker_ratios has "
+                             f"{len(ratios)} entries")
+        return cls(keep=ratios[ctx.worker])
 
     def __init__(self, keep: float = 1.0) -> None:
         if not (0.0 < keep <= 1.0):

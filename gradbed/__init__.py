@@ -1,0 +1,118 @@
+"""gradbed's Python API: topology scripts in the Mininet habit.
+
+A thin facade over the packages that do the work (``topo``, ``controller``,
+``agents.core``); see ``docs/roles_and_shapes.md``. Everything needs root only when it
+touches the kernel (:func:`run`, :func:`cli`, :class:`Network`)::
+
+    import gradbed
+
+    cfg = gradbed.load_config("configs/demo.toml", ["run.iterations=20"])
+    spec = gradbed.shape_spec(cfg)                          # the config's shape, as data
+    spec = spec.with_traces({"w0.up": "traces/data/cellular_like.trace"})
+    run_dir = gradbed.run(cfg, spec)                        # -> runs/demo-.../
+    print(gradbed.summary(run_dir)["iter_time_p50_s"])
+
+or a network of your own: ``gradbed.NetSpec(...)`` from ``HostSpec``, ``SwitchSpec``,
+``EdgeSpec`` and ``ShapingPoint`` (each with a ``LinkSpec``), roles put on hosts with
+:func:`place`, then ``gradbed.run(cfg, spec)``, or ``with gradbed.Network(spec) as net:
+net.run("w0", ["ping", "-c", "1", net.ip("ps")])``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agents.core.checks import ConfigError
+from agents.core.config import ExperimentConfig
+from controller.paths import load_config as _load
+from controller.roles import Role, RoleCommand, RoleContext, RoleError
+from controller.roles import get as role
+from controller.roles import names as role_names
+from controller.roles import register as register_role
+from controller.run import Experiment, plan_commands
+from topo.build import Network
+from topo.shapes import names as shape_names
+from topo.shapes import register as register_shape
+from topo.shapes import shape_spec
+from topo.shapes.star import StarSpec
+from topo.spec import (
+    EdgeSpec,
+    HostSpec,
+    LinkSpec,
+    NetSpec,
+    ShapingPoint,
+    SpecError,
+    SwitchSpec,
+)
+
+__all__ = [
+    "ConfigError", "EdgeSpec", "Experiment", "ExperimentConfig", "HostSpec", "LinkSpec",
+    "NetSpec", "Network", "Role", "RoleCommand", "RoleContext", "RoleError", "ShapingPoint",
+    "SpecError", "StarSpec", "SwitchSpec", "cli", "dry_run", "load_config", "place", "role",
+    "role_names", "register_role", "register_shape", "run", "shape_spec", "shape_names",
+    "summary",
+]
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """A TOML config (a path, or the name of a shipped one: ``"demo.toml"``) with dotted
+    overrides (``"net.workers=8"``, TOML values), validated, every file it names made
+    absolute (``controller.paths``); ``ConfigError`` names the field, the value and what is
+    allowed."""
+    return _load(path, list(overrides))
+
+
+def place(spec: NetSpec, roles: Mapping[str, str]) -> NetSpec:
+    """``spec`` with ``roles[host]`` (a registered role name, or "" for none) on those
+    hosts; the host's kind becomes the role's first host kind when it is not one of them.
+    An unknown host or role is an error naming it."""
+    hosts = {h.name for h in spec.hosts}
+    for name, r in roles.items():
+        if name not in hosts:
+            raise SpecError(f"place: host {name!r} is not in this {spec.shape}; allowed "
+                            f"{sorted(hosts)}")
+        if r:
+            role(r)  # RoleError naming the known roles
+
+    def put(h: HostSpec) -> HostSpec:
+        if h.name not in roles:
+            return h
+        r = roles[h.name]
+        kinds = role(r).host_kinds if r else (h.kind,)
+        return replace(h, role=r, kind=h.kind if h.kind in kinds else kinds[0])
+
+    return replace(spec, hosts=tuple(put(h) for h in spec.hosts))
+
+
+def run(cfg: ExperimentConfig, spec: NetSpec | None = None, *, out: str | Path = "runs",
+        progress: bool = True, quiet: bool = False) -> Path:
+    """Run one experiment (root): build ``spec`` (the config's shape when None), start
+    every host's role, and return the run directory, loadable even when interrupted."""
+    exp = Experiment(cfg, out_root=Path(out), progress=progress, quiet=quiet, spec=spec,
+                     argv=["gradbed.run"])
+    return exp.run()
+
+
+def dry_run(cfg: ExperimentConfig, spec: NetSpec | None = None,
+            caps: Mapping[str, Any] | None = None) -> list[str]:
+    """What :func:`run` would do, as ``gradbed run --dry-run`` prints it (no root)."""
+    from topo.probe import probe
+
+    return plan_commands(cfg, dict(caps) if caps is not None else probe(), spec)
+
+
+def cli(cfg: ExperimentConfig, spec: NetSpec | None = None) -> None:
+    """Build the network (root), start no role, and open Mininet's CLI on it."""
+    from controller.interactive import open_cli
+
+    open_cli(cfg, spec)
+
+
+def summary(run_dir: str | Path) -> dict[str, Any]:
+    """A run directory's ``summary.json``."""
+    result: dict[str, Any] = json.loads((Path(run_dir) / "summary.json").read_text())
+    return result
