@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from pathlib import Path
@@ -71,15 +72,22 @@ def attacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         while not any(h.msg_type.name == "GRAD" for h, _ in proxy.frames()):
             assert time.monotonic() < deadline, "worker 1 never sent a gradient"
             time.sleep(0.01)
-        slow = hostile.slow_connections(port, SLOW_CONNECTIONS)
-        captured = proxy.frames()
-        out["replayed_handshake"] = hostile.replay_handshake(port, captured)
-        grad = next(raw for h, raw in captured if h.msg_type.name == "GRAD")
-        out["replayed_grad"] = hostile.replay_frame(port, grad)
-        out["second_hello"] = hostile.second_hello(port, run_dir, 0)
-        out["file_reader"] = hostile.file_reader(port, run_dir, 1)
-        out["slow_closed"] = hostile.closed_count(slow, wait_s=10)
-        out["ps_alive_after_attacks"] = ps.poll() is None
+        # Worker 0 is held (SIGSTOP) while the attacks run, so the synchronous run cannot
+        # end before the slow connections time out, however fast the machine; its socket
+        # stays open, so the PS still sees it as alive. Held or not, the weights are the same.
+        workers[0].send_signal(signal.SIGSTOP)
+        try:
+            slow = hostile.slow_connections(port, SLOW_CONNECTIONS)
+            captured = proxy.frames()
+            out["replayed_handshake"] = hostile.replay_handshake(port, captured)
+            grad = next(raw for h, raw in captured if h.msg_type.name == "GRAD")
+            out["replayed_grad"] = hostile.replay_frame(port, grad)
+            out["second_hello"] = hostile.second_hello(port, run_dir, 0)
+            out["file_reader"] = hostile.file_reader(port, run_dir, 1)
+            out["slow_closed"] = hostile.closed_count(slow, wait_s=10)
+            out["ps_alive_after_attacks"] = ps.poll() is None
+        finally:
+            workers[0].send_signal(signal.SIGCONT)
         out["ps_rc"] = ps.wait(timeout=120)
         out["worker_rcs"] = [w.wait(timeout=30) for w in workers]
     finally:
