@@ -27,8 +27,6 @@ import torch
 from agents import auth, codec
 from agents.control import ControlClient
 from agents.core.events import read_jsonl
-from agents.workloads.base import FlatModel, chunk_ranges
-from agents.workloads.factory import make_workload
 from controller.control import ControlServer
 from tests import hostile
 from tests.loopback import (
@@ -177,25 +175,9 @@ def test_poisoned_gradients_drop_their_senders(tmp_path: Path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, [
         "net.workers=6", "workload.hidden=32", "run.iterations=20", "compress.name=topk",
         "compress.ratio=0.1", "run.seed=3", "guard.max_abs_grad=1e30"])
-    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
-    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
-    ps = start_ps(run_dir)
-    workers = [start_worker(run_dir, k, port) for k in (0, 1)]
-    fakes = [hostile.PoisonWorker(port, run_dir, 2 + i, len(chunks),
-                                  chunks[0][1] - chunks[0][0], kind)
-             for i, kind in enumerate(hostile.POISONS)]
-    try:
-        for f in fakes:
-            f.start()
-        for f in fakes:
-            f.join(timeout=180)
-        assert ps.wait(timeout=180) == 0
-        assert [w.wait(timeout=30) for w in workers] == [0, 0]
-    finally:
-        for p in [ps, *workers]:
-            if p.poll() is None:
-                p.kill()
+    ps_rc, worker_rcs, fakes = hostile.poisoned_run(run_dir, cfg, ps_wait_s=180)
+    assert ps_rc == 0
+    assert worker_rcs == [0, 0]
     assert [f.answer for f in fakes] == ["dropped"] * 4
     errors = {e["worker"]: e["error"] for e in _events(run_dir, "frame_error")}
     assert "non-finite" in errors[2] and "non-finite" in errors[3], errors
