@@ -45,8 +45,6 @@ from _common import emit, log
 from agents import auth, codec
 from agents.control import ControlClient
 from agents.core.events import read_jsonl
-from agents.workloads.base import FlatModel, chunk_ranges
-from agents.workloads.factory import make_workload
 from controller.control import ControlServer
 from tests import hostile
 from tests.loopback import (
@@ -137,24 +135,7 @@ def poison_run(tmp: Path) -> tuple[bool, str]:
     run_dir, cfg = make_run_dir(tmp, [
         "net.workers=6", "workload.hidden=32", "run.iterations=50", "compress.name=topk",
         "compress.ratio=0.1", "run.seed=3", "guard.max_abs_grad=1e30"], name="poison")
-    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
-    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
-    ps = start_ps(run_dir)
-    workers = [start_worker(run_dir, k, port) for k in (0, 1)]
-    fakes = [hostile.PoisonWorker(port, run_dir, 2 + i, len(chunks),
-                                  chunks[0][1] - chunks[0][0], kind)
-             for i, kind in enumerate(hostile.POISONS)]
-    try:
-        for f in fakes:
-            f.start()
-        for f in fakes:
-            f.join(timeout=180)
-        rc = ps.wait(timeout=300)
-    finally:
-        for p in [ps, *workers]:
-            if p.poll() is None:
-                p.kill()
+    rc, _, _ = hostile.poisoned_run(run_dir, cfg, ps_wait_s=300)
     errors = {e.get("worker"): e["error"] for e in ps_events(run_dir, "frame_error")}
     want = {2: "non-finite", 3: "non-finite", 4: "exceeds guard.max_abs_grad",
             5: "duplicate indices"}

@@ -110,8 +110,8 @@ def run_main(argv: Sequence[str]) -> int:
             print(f"gradbed run: {e}", file=sys.stderr)
             return 2
         return 0
-    _need_root("run")
     if args.cli:
+        _need_root("run")
         from controller.interactive import open_cli
 
         try:
@@ -126,6 +126,7 @@ def run_main(argv: Sequence[str]) -> int:
     except OutDirError as e:
         print(f"gradbed run: {e}", file=sys.stderr)
         return 2
+    _need_root("run")
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],

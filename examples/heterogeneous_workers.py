@@ -1,6 +1,6 @@
 """Heterogeneous workers: one worker behind a cellular uplink, the others at 100 Mbit/s.
 
-Every worker of the demo's star gets a 100 Mbit/s access link and the PS's link is made
+Every worker of the digits demo's star gets a 100 Mbit/s access link and the PS's link is made
 wide (1 Gbit/s), so each worker's own link is what limits it; then worker w0's uplink
 (the shaping point ``w0.up``, the egress of ``w0-eth0``) replays the cellular-like trace
 ``traces/data/cellular_like.trace`` (1-22 Mbit/s), stepped every 100 ms with
@@ -20,7 +20,7 @@ import gradbed
 
 def main() -> None:
     args = parse_args(__doc__ or "", iterations=30)
-    cfg = gradbed.load_config(ROOT / "configs" / "demo.toml", [
+    cfg = gradbed.load_config(ROOT / "configs" / "digits.toml", [
         f"run.iterations={args.iterations}",
         "net.worker_link_mbps=100",
         "net.bottleneck_mbps=1000",

@@ -13,7 +13,10 @@ from pathlib import Path
 import torch
 
 from agents import codec, protocol, wire
-from tests.loopback import connect, handshake, public_tag
+from agents.core.config import ExperimentConfig
+from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.factory import make_workload
+from tests.loopback import connect, handshake, public_tag, start_ps, start_worker
 
 
 def rss_peak_kb(pid: int) -> int:
@@ -269,3 +272,28 @@ class PoisonWorker(threading.Thread):
             s.close()
         except BaseException as e:  # reported by the caller
             self.answer = f"error: {e!r}"
+
+
+def poisoned_run(run_dir: Path, cfg: ExperimentConfig, ps_wait_s: float
+                 ) -> tuple[int, list[int], list[PoisonWorker]]:
+    """A run of ``cfg`` with two real workers (0, 1) and one PoisonWorker per kind of
+    POISONS as workers 2, 3, ...: returns the PS's exit code, the real workers' exit codes
+    and the fakes (each with its ``answer``). Every process is gone when it returns."""
+    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
+    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
+    port = cfg.net.ps_port
+    ps = start_ps(run_dir)
+    workers = [start_worker(run_dir, k, port) for k in (0, 1)]
+    fakes = [PoisonWorker(port, run_dir, 2 + i, len(chunks), chunks[0][1] - chunks[0][0], kind)
+             for i, kind in enumerate(POISONS)]
+    try:
+        for f in fakes:
+            f.start()
+        for f in fakes:
+            f.join(timeout=180)
+        rc = ps.wait(timeout=ps_wait_s)
+        return rc, [w.wait(timeout=30) for w in workers], fakes
+    finally:
+        for p in [ps, *workers]:
+            if p.poll() is None:
+                p.kill()

@@ -148,5 +148,5 @@ def test_the_heterogeneous_config_plans_delay_lines_and_w0s_cellular_uplink() ->
             "tcp_congestion_control": ["cubic"]}
     text = "\n".join(plan_commands(cfg, caps))
     assert text.count("-m topo.delayline --queue 100:15") == 5  # ps and the four workers
-    assert "trace replay on w0.up (w0-eth0): traces/data/cellular_like.log" in text
+    assert "trace replay: w0.up=traces/data/cellular_like.log on w0-eth0" in text
     assert "rate 100000000bit" in text  # the workers' own 100 Mbit/s links

@@ -34,8 +34,8 @@ def test_a_shape_from_a_config_roles_placed_and_the_dry_run():
         gradbed.dry_run(cfg, idle, caps={"netem": False})
     with pytest.raises(gradbed.SpecError, match="host 'w9' is not in this star"):
         gradbed.place(spec, {"w9": "worker"})
-    with pytest.raises(gradbed.RoleError, match="role 'stage' is not registered"):
-        gradbed.place(spec, {"w1": "stage"})
+    with pytest.raises(gradbed.RoleError, match="role 'nosuchrole' is not registered"):
+        gradbed.place(spec, {"w1": "nosuchrole"})
 
 
 def test_a_hand_built_network_runs_the_roles_it_names():

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from pathlib import Path
@@ -26,8 +27,6 @@ import torch
 from agents import auth, codec
 from agents.control import ControlClient
 from agents.core.events import read_jsonl
-from agents.workloads.base import FlatModel, chunk_ranges
-from agents.workloads.factory import make_workload
 from controller.control import ControlServer
 from tests import hostile
 from tests.loopback import (
@@ -71,15 +70,22 @@ def attacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         while not any(h.msg_type.name == "GRAD" for h, _ in proxy.frames()):
             assert time.monotonic() < deadline, "worker 1 never sent a gradient"
             time.sleep(0.01)
-        slow = hostile.slow_connections(port, SLOW_CONNECTIONS)
-        captured = proxy.frames()
-        out["replayed_handshake"] = hostile.replay_handshake(port, captured)
-        grad = next(raw for h, raw in captured if h.msg_type.name == "GRAD")
-        out["replayed_grad"] = hostile.replay_frame(port, grad)
-        out["second_hello"] = hostile.second_hello(port, run_dir, 0)
-        out["file_reader"] = hostile.file_reader(port, run_dir, 1)
-        out["slow_closed"] = hostile.closed_count(slow, wait_s=10)
-        out["ps_alive_after_attacks"] = ps.poll() is None
+        # Worker 0 is held (SIGSTOP) while the attacks run, so the synchronous run cannot
+        # end before the slow connections time out, however fast the machine; its socket
+        # stays open, so the PS still sees it as alive. Held or not, the weights are the same.
+        workers[0].send_signal(signal.SIGSTOP)
+        try:
+            slow = hostile.slow_connections(port, SLOW_CONNECTIONS)
+            captured = proxy.frames()
+            out["replayed_handshake"] = hostile.replay_handshake(port, captured)
+            grad = next(raw for h, raw in captured if h.msg_type.name == "GRAD")
+            out["replayed_grad"] = hostile.replay_frame(port, grad)
+            out["second_hello"] = hostile.second_hello(port, run_dir, 0)
+            out["file_reader"] = hostile.file_reader(port, run_dir, 1)
+            out["slow_closed"] = hostile.closed_count(slow, wait_s=10)
+            out["ps_alive_after_attacks"] = ps.poll() is None
+        finally:
+            workers[0].send_signal(signal.SIGCONT)
         out["ps_rc"] = ps.wait(timeout=120)
         out["worker_rcs"] = [w.wait(timeout=30) for w in workers]
     finally:
@@ -169,25 +175,9 @@ def test_poisoned_gradients_drop_their_senders(tmp_path: Path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, [
         "net.workers=6", "workload.hidden=32", "run.iterations=20", "compress.name=topk",
         "compress.ratio=0.1", "run.seed=3", "guard.max_abs_grad=1e30"])
-    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
-    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
-    ps = start_ps(run_dir)
-    workers = [start_worker(run_dir, k, port) for k in (0, 1)]
-    fakes = [hostile.PoisonWorker(port, run_dir, 2 + i, len(chunks),
-                                  chunks[0][1] - chunks[0][0], kind)
-             for i, kind in enumerate(hostile.POISONS)]
-    try:
-        for f in fakes:
-            f.start()
-        for f in fakes:
-            f.join(timeout=180)
-        assert ps.wait(timeout=180) == 0
-        assert [w.wait(timeout=30) for w in workers] == [0, 0]
-    finally:
-        for p in [ps, *workers]:
-            if p.poll() is None:
-                p.kill()
+    ps_rc, worker_rcs, fakes = hostile.poisoned_run(run_dir, cfg, ps_wait_s=180)
+    assert ps_rc == 0
+    assert worker_rcs == [0, 0]
     assert [f.answer for f in fakes] == ["dropped"] * 4
     errors = {e["worker"]: e["error"] for e in _events(run_dir, "frame_error")}
     assert "non-finite" in errors[2] and "non-finite" in errors[3], errors
