@@ -20,8 +20,13 @@ load drifts over all three alike; samples/s and bubble of each, and their ratios
 Part 3, recomputation (loopback): the most activation bytes a stage held, with and without
 recomputation, and with the saved memory spent on micro-batches twice as large.
 
+Part 4, time to accuracy (Mininet, ``configs/pipeline.toml`` as it is: 4 stages and the PS
+on the fabric, ``digits_deep`` hidden 128): each schedule for ``TTA_STEPS`` steps at 10 and
+100 Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
+``TTA_TARGET`` and ``final_accuracy`` from ``summary.json``.
+
 Run as root: ``flock /work/wt/measure.lock .venv/bin/python benchmarks/pipeline.py
-[--quick] [--parts bubble,sweep,memory]``; writes Gantt charts to ``docs/`` and prints one
+[--quick] [--parts bubble,sweep,memory,tta]``; writes Gantt charts to ``docs/`` and prints one
 JSON line last.
 """
 
@@ -48,6 +53,7 @@ PAD_MS = 40.0
 THR_PAD_MS = 20.0
 STEPS = 3
 THR_STEPS = 6
+TTA_STEPS, TTA_EVERY, TTA_TARGET = 60, 5, 0.8
 
 
 def one(tmp: Path, name: str, overrides: list[str], mb: int, m: int) -> tuple[Path, dict]:
@@ -110,11 +116,38 @@ def sweep(tmp: Path, rates: tuple[float, ...], repeats: int
     return rows, ratios, gantt_runs
 
 
+def time_to_accuracy(tmp: Path, rates: tuple[float, ...]) -> list[dict]:
+    """Part 4: every schedule to ``TTA_TARGET`` on the fabric, rate by rate."""
+    rows = []
+    for rate in rates:
+        for sched in SCHEDULES:
+            name = f"tta-{sched}-{rate:g}mbps"
+            run_dir = gradbed_run(REPO / "configs" / "pipeline.toml", name, [
+                f"pipeline.schedule='{sched}'", f"net.worker_link_mbps={rate}",
+                f"run.iterations={TTA_STEPS}", f"run.eval_every={TTA_EVERY}",
+                f"run.target_accuracy={TTA_TARGET}"], tmp)
+            s = json.loads((run_dir / "summary.json").read_text())
+            evals = load_events(run_dir)
+            evals = evals[(evals["event"] == "eval") & (evals["node"] == "ps")]
+            rows.append({"schedule": sched, "rate_mbps": rate,
+                         "time_to_target_s": s.get("time_to_target_s"),
+                         "iterations_to_target": s.get("iterations_to_target"),
+                         "final_accuracy": s.get("final_accuracy"),
+                         "samples_per_s": s["pipeline"]["samples_per_s"],
+                         "accuracy_by_step": {int(i) + 1: float(a) for i, a in
+                                              zip(evals["iter"], evals["accuracy"],
+                                                  strict=True)}})
+            log(f"{name}: time to {TTA_TARGET} {s.get('time_to_target_s')} s, final "
+                f"accuracy {s.get('final_accuracy')}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="p=2 only, m in {4, 8}, two rates")
-    ap.add_argument("--parts", default="bubble,sweep,memory",
-                    help="comma-separated: bubble (loopback), sweep (Mininet), memory")
+    ap.add_argument("--parts", default="bubble,sweep,memory,tta",
+                    help="comma-separated: bubble (loopback), sweep (Mininet), memory "
+                         "(loopback), tta (Mininet)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the sweep")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -164,6 +197,7 @@ def main() -> None:
                          "samples_per_s": r["samples_per_s"]})
         log(f"{name}: peak {max(r['peak_act_bytes'].values())} B, "
             f"{r['samples_per_s']:.1f} samples/s")
+    tta_rows = time_to_accuracy(tmp, (10.0, 100.0)) if "tta" in parts else []
     docs = REPO / "docs"
     docs.mkdir(exist_ok=True)
     charts = []
@@ -181,7 +215,9 @@ def main() -> None:
           "bubble": bubble_rows, "parts": sorted(parts),
           "sweep_shape": "fabric (Mininet, tc on every access link)",
           "repeats": args.repeats, "throughput": thr_rows, "ratios_to_1f1b": ratios,
-          "memory": mem_rows, "gantt": charts})
+          "memory": mem_rows, "tta": tta_rows,
+          "tta_settings": {"steps": TTA_STEPS, "eval_every": TTA_EVERY, "target": TTA_TARGET},
+          "gantt": charts})
 
 
 if __name__ == "__main__":
