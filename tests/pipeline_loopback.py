@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from agents.core import config as cfgmod
 from agents.partition import balance_by_params, split
-from agents.stage import micro_batch
+from agents.stage import is_eval_step, micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
 from agents.workloads.factory import make_workload
 from tests.loopback import REPO, free_port
@@ -73,9 +74,14 @@ def logs(run_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(run_dir.glob("r*.log")))
 
 
-def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Tensor]:
+AfterStep = Callable[[int, nn.Module], None]
+
+
+def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int,
+                     after_step: AfterStep | None = None) -> list[torch.Tensor]:
     """One process, unsplit model, plain SGD on the whole batch of every step (all replicas'
-    micro-batches): each piece's flat weights, for GPipe and 1F1B to match."""
+    micro-batches): each piece's flat weights, for GPipe and 1F1B to match.
+    ``after_step(k, model)`` is called after step ``k``'s update."""
     pc = cfg.pipeline
     w = make_workload(cfg.workload)
     model = w.build_model(cfg.run.seed)
@@ -89,6 +95,8 @@ def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Ten
                 b = micro_batch(w, pc, k * m + i, r)
                 (nn.functional.cross_entropy(model(b.x), b.y) / (m * d)).backward()
         opt.step()
+        if after_step is not None:
+            after_step(k, model)
     return _pieces(cfg, model)
 
 
@@ -99,11 +107,17 @@ def _pieces(cfg: cfgmod.ExperimentConfig, model: nn.Module) -> list[torch.Tensor
     return [FlatModel(piece).flat_params.clone() for piece in split(model, balance)]
 
 
-def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Tensor]:
+def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int,
+                        after_step: AfterStep | None = None, fresh: bool = True
+                        ) -> list[torch.Tensor]:
     """One process applying the two-group schedule's two weight versions (PipeDream-2BW):
     B (pieces p..2p-1) steps synchronously; A (pieces 0..p-1) is run at ``V_s`` with
     ``V_0 = V_1 = W_0``, ``V_{s+1} = V_s - lr g_A(s-1)``, and after the last step its last
-    gradient is applied once more."""
+    gradient is applied once more.
+
+    ``after_step(k, model)`` sees the model after step ``k`` with A at ``V_{k+2}`` (step
+    ``k``'s gradient applied: the version a stage sends the PS to evaluate), or with
+    ``fresh=False`` at ``V_{k+1}`` (the version step ``k+1``'s forwards use)."""
     pc = cfg.pipeline
     w = make_workload(cfg.workload)
     model = w.build_model(cfg.run.seed)
@@ -115,8 +129,14 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.
     lr, mom = cfg.workload.lr, cfg.workload.momentum
     a_buf = [torch.zeros_like(f.flat_params) for f in a_flat]
     b_buf = [torch.zeros_like(f.flat_params) for f in b_flat]
+    a_state = [t for f, buf in zip(a_flat, a_buf, strict=True) for t in (f.flat_params, buf)]
     pending: list[torch.Tensor] | None = None
     a_steps = 0
+
+    def step_a(grads: list[torch.Tensor]) -> None:
+        for f, g, buf in zip(a_flat, grads, a_buf, strict=True):
+            sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+
     for k in range(steps):
         for f in a_flat + b_flat:
             f.zero_grad()
@@ -128,14 +148,42 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.
             sgd_step_(f.flat_params, f.flat_grad, buf, lr=lr, momentum=mom, first=k == 0)
         grads = [f.flat_grad.clone() for f in a_flat]
         if pending is not None:  # V_{k+1} = V_k - lr g_A(k-1)
-            for f, g, buf in zip(a_flat, pending, a_buf, strict=True):
-                sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+            step_a(pending)
             a_steps += 1
         pending = grads
+        if after_step is not None and not fresh:
+            after_step(k, model)
+        elif after_step is not None:  # V_{k+2} for the call, then back to V_{k+1}
+            saved = [t.clone() for t in a_state]
+            step_a(pending)
+            after_step(k, model)
+            for t, keep in zip(a_state, saved, strict=True):
+                t.copy_(keep)
     assert pending is not None
-    for f, g, buf in zip(a_flat, pending, a_buf, strict=True):
-        sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+    step_a(pending)
     return [f.flat_params.clone() for f in a_flat + b_flat]
+
+
+def reference_evals(cfg: cfgmod.ExperimentConfig, fresh: bool = True
+                    ) -> dict[int, dict[str, float]]:
+    """The one-process reference of ``cfg``'s schedule (plain SGD for GPipe and 1F1B, the
+    2BW versions for two-group) evaluated on the workload's held-out set after every step
+    the pipeline's PS evaluates (:func:`agents.stage.is_eval_step`): step index -> metrics.
+    The PS's ``eval`` events of a run of ``cfg`` must equal these."""
+    w = make_workload(cfg.workload)
+    out: dict[int, dict[str, float]] = {}
+
+    def at(k: int, model: nn.Module) -> None:
+        if is_eval_step(cfg.run, k):
+            metrics = w.evaluate(model)
+            assert metrics is not None, f"{cfg.workload.name} has no held-out set"
+            out[k] = metrics
+
+    if cfg.pipeline.schedule == "two_group":
+        reference_two_group(cfg, cfg.run.iterations, at, fresh)
+    else:
+        reference_pieces(cfg, cfg.run.iterations, at)
+    return out
 
 
 def pipeline_pieces(run_dir: Path, cfg: cfgmod.ExperimentConfig, replica: int = 0

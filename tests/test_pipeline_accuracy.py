@@ -2,19 +2,25 @@
 evaluates the weights the stages send after every ``run.eval_every`` steps and after the
 last, with the data-parallel PS's ``eval``/``final_eval`` events, so the summary reports
 ``final_accuracy`` and ``time_to_target_s`` for pipeline runs too. Stages and PS as real
-processes over loopback TCP."""
+processes over loopback TCP.
+
+For the two-group schedule the PS assembles ``2p`` slices held two per stage (slice
+``c * p + s`` on stage ``s``) and the stale chunk has two weight versions: its evaluations
+must be the one-process 2BW reference's with the freshest version (``V_{k+2}`` after step
+``k``), and they are told apart from the stale version's and from plain SGD's."""
 
 from __future__ import annotations
 
 import math
 import tomllib
+from dataclasses import replace
 
 import pytest
 
 from agents.workloads.factory import make_workload
 from analysis.load import load_events
 from controller.summary import summarize
-from tests.pipeline_loopback import logs, reference_pieces, run_pipeline
+from tests.pipeline_loopback import logs, reference_evals, reference_pieces, run_pipeline
 
 
 def _reference_eval(cfg, steps: int) -> dict[str, float]:
@@ -61,3 +67,29 @@ def test_the_ps_evaluates_and_the_summary_has_time_to_accuracy(tmp_path, replica
     start = int(ev.loc[(ev["event"] == "ps_ready"), "ts_ns"].min())
     assert s["time_to_target_s"] == pytest.approx((first_hit["ts_ns"] - start) / 1e9)
     assert s["pipeline"]["steps"] == steps
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_ps_evaluates_the_two_group_model_at_its_freshest_version(tmp_path, replicas):
+    steps, every = 4, 2
+    run_dir, cfg, rcs = run_pipeline(tmp_path, [
+        "pipeline.stages=2", "pipeline.schedule='two_group'", "pipeline.micro_batches=4",
+        "pipeline.micro_batch_size=16", f"pipeline.replicas={replicas}",
+        "workload.depth=4", "workload.hidden=64", "workload.lr=0.1",
+        f"run.iterations={steps}", f"run.eval_every={every}"], ps=True)
+    assert rcs == [0] * len(rcs), logs(run_dir)
+    ev = load_events(run_dir)
+    evals = ev[(ev["event"] == "eval") & (ev["node"] == "ps")].sort_values("iter")
+    assert evals["iter"].tolist() == [1, 3]
+    want = reference_evals(cfg)
+    stale = reference_evals(cfg, fresh=False)
+    sync = reference_evals(replace(cfg, pipeline=replace(cfg.pipeline, schedule="1f1b")))
+    for row in evals.to_dict("records"):
+        k = row["iter"]
+        assert row["accuracy"] == want[k]["accuracy"]
+        assert math.isclose(row["loss"], want[k]["loss"], rel_tol=1e-5)
+        # Could fail: sub-model A's other version, or plain SGD, evaluates 1e-3 or more apart.
+        for other in (stale, sync):
+            assert not math.isclose(row["loss"], other[k]["loss"], rel_tol=1e-3)
+    final = ev[(ev["event"] == "final_eval") & (ev["node"] == "ps")]
+    assert final["accuracy"].tolist() == [want[steps - 1]["accuracy"]]
