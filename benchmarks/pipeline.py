@@ -20,10 +20,13 @@ load drifts over all three alike; samples/s and bubble of each, and their ratios
 Part 3, recomputation (loopback): the most activation bytes a stage held, with and without
 recomputation, and with the saved memory spent on micro-batches twice as large.
 
-Part 4, time to accuracy (Mininet, ``configs/pipeline.toml`` as it is: 4 stages and the PS
-on the fabric, ``digits_deep`` hidden 128): each schedule for ``TTA_STEPS`` steps at 10 and
-100 Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
-``TTA_TARGET`` and ``final_accuracy`` from ``summary.json``.
+Part 4, time to accuracy (Mininet, ``configs/pipeline.toml``: 4 stages and the PS on the
+fabric, ``digits_deep`` hidden 128): each schedule for ``TTA_STEPS`` steps at 10 and 100
+Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
+``TTA_TARGET`` and ``final_accuracy`` from ``summary.json``, for each of ``TTA_SETTINGS``
+(the config as it is, momentum 0.9; and momentum 0). Each run's accuracy curve is compared
+with its one-process reference's (``tests.pipeline_loopback.reference_evals``); then, in
+one process, the synchronous and the 2BW references over ``SWEEP_LR_MOMENTUM``.
 
 Run as root: ``flock /work/wt/measure.lock .venv/bin/python benchmarks/pipeline.py
 [--quick] [--parts bubble,sweep,memory,tta]``; writes Gantt charts to ``docs/`` and prints one
@@ -39,21 +42,32 @@ import tempfile
 from pathlib import Path
 from statistics import mean
 
+import torch
 from _common import REPO, emit, gradbed_run, log
 
 sys.path.insert(0, str(REPO))
 
+from agents.core import config as cfgmod  # noqa: E402
 from agents.core.schedules import Costs, make, simulate  # noqa: E402
 from analysis.load import load_events  # noqa: E402
 from analysis.pipeline import pipeline_metrics  # noqa: E402
 from analysis.timeline import host_timeline, plot_gantt  # noqa: E402
-from tests.pipeline_loopback import logs, run_pipeline  # noqa: E402
+from tests.pipeline_loopback import logs, reference_evals, run_pipeline  # noqa: E402
 
 PAD_MS = 40.0
 THR_PAD_MS = 20.0
 STEPS = 3
 THR_STEPS = 6
+SCHEDULES = ("gpipe", "1f1b", "two_group")
 TTA_STEPS, TTA_EVERY, TTA_TARGET = 60, 5, 0.8
+# (name, overrides of configs/pipeline.toml, schedules): the config as it is (lr 0.05,
+# momentum 0.9), and without momentum, where the two-group schedule's 2BW weights train.
+TTA_SETTINGS = (
+    ("momentum0.9", [], SCHEDULES),
+    ("momentum0", ["workload.momentum=0.0"], ("1f1b", "two_group")),
+)
+SWEEP_LR_MOMENTUM = ((0.05, 0.9), (0.02, 0.9), (0.01, 0.9), (0.005, 0.9), (0.002, 0.9),
+                     (0.05, 0.5), (0.02, 0.5), (0.05, 0.0), (0.1, 0.0))
 
 
 def one(tmp: Path, name: str, overrides: list[str], mb: int, m: int) -> tuple[Path, dict]:
@@ -82,9 +96,6 @@ def fabric_run(out: Path, name: str, sched: str, rate_mbps: float) -> tuple[Path
     return run_dir, {k: pp[k] for k in ("bubble", "bubble_ideal", "bubble_per_stage",
                                         "samples_per_s", "link_bytes_per_step",
                                         "peak_act_bytes")}
-
-
-SCHEDULES = ("gpipe", "1f1b", "two_group")
 
 
 def sweep(tmp: Path, rates: tuple[float, ...], repeats: int
@@ -116,29 +127,74 @@ def sweep(tmp: Path, rates: tuple[float, ...], repeats: int
     return rows, ratios, gantt_runs
 
 
+def _steps_to(curve: dict[int, float], target: float) -> int | None:
+    """The first evaluated step (1-based) whose accuracy reaches ``target``."""
+    return next((k for k, a in sorted(curve.items()) if a >= target), None)
+
+
+def _reference_curve(cfg: cfgmod.ExperimentConfig) -> dict[int, float]:
+    """Held-out accuracy of the one-process reference of ``cfg``'s schedule by step
+    (1-based): plain SGD for GPipe and 1F1B, the 2BW versions for two-group."""
+    return {k + 1: m["accuracy"] for k, m in reference_evals(cfg).items()}
+
+
 def time_to_accuracy(tmp: Path, rates: tuple[float, ...]) -> list[dict]:
-    """Part 4: every schedule to ``TTA_TARGET`` on the fabric, rate by rate."""
+    """Part 4: every schedule to ``TTA_TARGET`` on the fabric, setting by setting and rate
+    by rate, each next to its one-process reference (``matches_reference``: the PS's
+    accuracy after every evaluated step equals the reference's, exactly)."""
     rows = []
-    for rate in rates:
-        for sched in SCHEDULES:
-            name = f"tta-{sched}-{rate:g}mbps"
-            run_dir = gradbed_run(REPO / "configs" / "pipeline.toml", name, [
-                f"pipeline.schedule='{sched}'", f"net.worker_link_mbps={rate}",
-                f"run.iterations={TTA_STEPS}", f"run.eval_every={TTA_EVERY}",
-                f"run.target_accuracy={TTA_TARGET}"], tmp)
-            s = json.loads((run_dir / "summary.json").read_text())
-            evals = load_events(run_dir)
-            evals = evals[(evals["event"] == "eval") & (evals["node"] == "ps")]
-            rows.append({"schedule": sched, "rate_mbps": rate,
-                         "time_to_target_s": s.get("time_to_target_s"),
-                         "iterations_to_target": s.get("iterations_to_target"),
-                         "final_accuracy": s.get("final_accuracy"),
-                         "samples_per_s": s["pipeline"]["samples_per_s"],
-                         "accuracy_by_step": {int(i) + 1: float(a) for i, a in
-                                              zip(evals["iter"], evals["accuracy"],
-                                                  strict=True)}})
-            log(f"{name}: time to {TTA_TARGET} {s.get('time_to_target_s')} s, final "
-                f"accuracy {s.get('final_accuracy')}")
+    for setting, extra, schedules in TTA_SETTINGS:
+        for rate in rates:
+            for sched in schedules:
+                name = f"tta-{setting}-{sched}-{rate:g}mbps"
+                run_dir = gradbed_run(REPO / "configs" / "pipeline.toml", name, [
+                    f"pipeline.schedule='{sched}'", f"net.worker_link_mbps={rate}",
+                    f"run.iterations={TTA_STEPS}", f"run.eval_every={TTA_EVERY}",
+                    f"run.target_accuracy={TTA_TARGET}", *extra], tmp)
+                s = json.loads((run_dir / "summary.json").read_text())
+                ev = load_events(run_dir)
+                evals = ev[(ev["event"] == "eval") & (ev["node"] == "ps")]
+                curve = {int(i) + 1: float(a) for i, a in
+                         zip(evals["iter"], evals["accuracy"], strict=True)}
+                ref = _reference_curve(cfgmod.load(run_dir / "config.toml"))
+                # The training loss the last stage logs per step (mean over the step's
+                # micro-batches), every TTA_EVERY steps.
+                done = ev[(ev["event"] == "pp_step_done") & ev["loss"].notna()]
+                loss = {int(i) + 1: round(float(v), 4) for i, v in
+                        zip(done["iter"], done["loss"], strict=True)
+                        if (int(i) + 1) % TTA_EVERY == 0 or int(i) == 0}
+                rows.append({"setting": setting, "schedule": sched, "rate_mbps": rate,
+                             "time_to_target_s": s.get("time_to_target_s"),
+                             "iterations_to_target": s.get("iterations_to_target"),
+                             "final_accuracy": s.get("final_accuracy"),
+                             "samples_per_s": s["pipeline"]["samples_per_s"],
+                             "accuracy_by_step": curve, "loss_by_step": loss,
+                             "reference_accuracy_by_step": ref,
+                             "matches_reference": curve == ref})
+                log(f"{name}: time to {TTA_TARGET} {s.get('time_to_target_s')} s, final "
+                    f"accuracy {s.get('final_accuracy')}, reference's curve "
+                    f"{'matched' if curve == ref else 'NOT matched'}")
+    return rows
+
+
+def reference_sweep() -> list[dict]:
+    """Part 4's learning-rate and momentum sweep, one process (no network: the fabric runs
+    above equal their references): for each (lr, momentum) the synchronous reference (GPipe
+    and 1F1B) and the 2BW one (two-group), steps to ``TTA_TARGET`` and final accuracy."""
+    rows = []
+    for lr, mom in SWEEP_LR_MOMENTUM:
+        for sched in ("1f1b", "two_group"):
+            cfg = cfgmod.load(REPO / "configs" / "pipeline.toml", [
+                f"pipeline.schedule='{sched}'", f"workload.lr={lr}",
+                f"workload.momentum={mom}", f"run.iterations={TTA_STEPS}",
+                f"run.eval_every={TTA_EVERY}"])
+            curve = _reference_curve(cfg)
+            rows.append({"lr": lr, "momentum": mom,
+                         "weights": "2bw" if sched == "two_group" else "sync",
+                         "steps_to_target": _steps_to(curve, TTA_TARGET),
+                         "final_accuracy": curve[TTA_STEPS], "accuracy_by_step": curve})
+            log(f"reference {rows[-1]['weights']} lr {lr} momentum {mom}: steps to "
+                f"{TTA_TARGET} {rows[-1]['steps_to_target']}, final {curve[TTA_STEPS]:.3f}")
     return rows
 
 
@@ -151,6 +207,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the sweep")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    # The stages compute with one thread; the one-process references of part 4 must too,
+    # or their float sums round differently and the curves part after a few dozen steps.
+    torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="gradbed-pipeline-"))
     ps, ms = ((2,), (4, 8)) if args.quick else ((2, 4), (4, 8, 16))
     bubble_rows = []
@@ -198,6 +257,7 @@ def main() -> None:
         log(f"{name}: peak {max(r['peak_act_bytes'].values())} B, "
             f"{r['samples_per_s']:.1f} samples/s")
     tta_rows = time_to_accuracy(tmp, (10.0, 100.0)) if "tta" in parts else []
+    ref_rows = reference_sweep() if "tta" in parts else []
     docs = REPO / "docs"
     docs.mkdir(exist_ok=True)
     charts = []
@@ -215,8 +275,9 @@ def main() -> None:
           "bubble": bubble_rows, "parts": sorted(parts),
           "sweep_shape": "fabric (Mininet, tc on every access link)",
           "repeats": args.repeats, "throughput": thr_rows, "ratios_to_1f1b": ratios,
-          "memory": mem_rows, "tta": tta_rows,
-          "tta_settings": {"steps": TTA_STEPS, "eval_every": TTA_EVERY, "target": TTA_TARGET},
+          "memory": mem_rows, "tta": tta_rows, "tta_reference_sweep": ref_rows,
+          "tta_settings": {"steps": TTA_STEPS, "eval_every": TTA_EVERY, "target": TTA_TARGET,
+                           "settings": {n: o for n, o, _ in TTA_SETTINGS}},
           "gantt": charts})
 
 
