@@ -52,7 +52,7 @@ from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
-from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.base import FlatModel, chunk_layers, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 
@@ -143,6 +143,9 @@ class Worker:
         if cfg.compress.index_encoding != "int32":
             params.setdefault("index_encoding", cfg.compress.index_encoding)
         self.compressor: Compressor = make(cfg.compress.name, **params)
+        # Per-layer compressors (PowerSGD) see each chunk's layers; the others ignore them.
+        for c, (s, e) in enumerate(self.chunks):
+            self.compressor.set_layers(f"c{c}", chunk_layers(self.model.shapes, s, e))
         # DGC's momentum correction: the momentum is applied here, before compression, and
         # the PS steps without it (agents.compress.feedback).
         mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0
