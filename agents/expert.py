@@ -30,7 +30,7 @@ from agents import auth, codec, wire
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.moe.hosts import ExpertHost
-from agents.moe.mesh import Mesh
+from agents.moe.mesh import Mesh, file_keys, mesh_keys
 from agents.moe.model import load_data
 from agents.moe.zero import ParamClass, class_bytes
 
@@ -80,15 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
              [("127.0.0.1", m.port + i) for i in range(m.hosts)])
     run_id = args.run_dir.name
-    if args.auth == "stdin":
-        # The controller's key bundle (agents.auth) proves this host to the control
-        # socket; the mesh's frames carry the run's public tag, which keeps other runs
-        # out but authenticates no one: expert hosts share no key yet (see docs/moe.md).
-        auth.read_bundle()
-        auth.exit_with_controller()
-        secret = codec.PUBLIC_SECRET
-    else:
-        secret = (args.run_dir / "secret").read_bytes()
+    try:
+        if args.auth == "stdin":
+            # The controller's key bundle (agents.auth): this host's control key and the
+            # key of its link to every other expert host, which only the two ends hold.
+            link_keys = mesh_keys(auth.read_bundle(), args.host, m.hosts)
+            auth.exit_with_controller()
+            secret = codec.PUBLIC_SECRET
+        else:
+            secret = (args.run_dir / "secret").read_bytes()
+            link_keys = file_keys(secret, args.host, m.hosts)
+    except KeyError as e:
+        raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
     tag = codec.run_tag(run_id, secret)
     data = load_data(m.dataset)
     log = EventLog.for_node(args.run_dir, run_id, f"e{args.host}")
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     numels = [c.numel for c in probe.opt.classes.values()]
     limit = max_frame_bytes(cfg, data.tokens, numels)
     del probe
-    with Mesh(args.host, addrs, tag, crc=m.crc, max_payload_bytes=limit) as mesh:
+    with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
+              max_payload_bytes=limit) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed)
         formula = {c.value: class_bytes(sc.numel, m.hosts)
                    for c, sc in host.opt.classes.items()}

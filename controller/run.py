@@ -304,7 +304,7 @@ class Experiment:
                           stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
                           start_new_session=True)
         assert p.stdin is not None
-        p.stdin.write(auth.bundle_for(self._master, cmd.host).encode())
+        p.stdin.write(auth.bundle_for(self._master, cmd.host, cmd.links).encode())
         p.stdin.flush()
         return p
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from agents.moe.mesh import Mesh
+from agents.moe.mesh import Mesh, file_keys
 from agents.moe.zero import ParamClass, ShardedOptimizer, class_bytes, classify
 from tests.test_moe_transparency import free_ports
 
@@ -58,7 +58,8 @@ def test_zero_equals_plain_data_parallel(hosts: int) -> None:
 
     def host(h: int) -> None:
         try:
-            with Mesh(h, addrs, 99) as mesh:
+            with Mesh(h, addrs, 99, run_id="zero", keys=file_keys(b"zero test", h, hosts)
+                      ) as mesh:
                 model = make_model()
                 zopt = ShardedOptimizer(model, hosts=hosts, me=h, zero3_min_numel=100,
                                         lr=lr, momentum=mom)

@@ -2,7 +2,9 @@
 column of every event all follow them.
 
 - ``ps``: the parameter server; ``controller``: the controller's own events;
-- ``w0`` .. ``wN-1``: the data-parallel workers (``w`` and the worker's index, no padding).
+- ``w0`` .. ``wN-1``: the data-parallel workers (``w`` and the worker's index, no padding);
+- ``s0`` .. ``sP-1`` (one pipeline) or ``r{R}s{S}`` (replica R's stage S): pipeline stages;
+- ``e0`` .. ``eH-1``: MoE expert hosts.
 """
 
 from __future__ import annotations
@@ -32,3 +34,23 @@ def worker_index(node: str) -> int | None:
 def is_worker_node(node: str) -> bool:
     """Whether ``node`` names a worker (``w0``, ``w12``; not ``ps``, ``wx`` or ``w01``)."""
     return worker_index(node) is not None
+
+
+def stage_node(replica: int, stage: int, replicas: int) -> str:
+    """The node name of stage ``stage`` of pipeline replica ``replica`` (``s1``, ``r1s0``)."""
+    return f"s{stage}" if replicas == 1 else f"r{replica}s{stage}"
+
+
+def stage_links(replica: int, stage: int, stages: int, replicas: int
+                ) -> list[tuple[str, str, str]]:
+    """The ``stage`` mesh links a stage is an end of, as ``(mesh, it, peer)``: every other
+    stage of its replica (the schedule picks which it talks to), and with replicas, the
+    replica hub (replica 0's same stage, to or from every other replica's)."""
+    me = stage_node(replica, stage, replicas)
+    out = [("stage", me, stage_node(replica, s, replicas)) for s in range(stages)
+           if s != stage]
+    if replica > 0:
+        out.append(("stage", me, stage_node(0, stage, replicas)))
+    elif replicas > 1:
+        out += [("stage", me, stage_node(r, stage, replicas)) for r in range(1, replicas)]
+    return out

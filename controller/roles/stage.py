@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agents.core.nodes import stage_links
 from controller.roles import Role, RoleCommand, RoleContext, RoleError, register
 from topo.spec import HostSpec
 
@@ -31,7 +32,8 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
                 "--stage", str(s), "--replica", str(r), "--peers", peers, "--auth", "stdin"]
         if d > 1:
             argv += ["--hub", f"{ranked[s].ip}:{pc.base_port + s}"]
-        out.append(RoleCommand(h.name, tuple(argv)))
+        # The keys of the links this stage is an end of, on its stdin (agents.link).
+        out.append(RoleCommand(h.name, tuple(argv), links=tuple(stage_links(r, s, p, d))))
     return out
 
 
