@@ -221,7 +221,7 @@ class WorkerHandshake:
                                 f"{self.state.value!r}, expected WELCOME")
         assert self.session is not None
         try:
-            self.session.down.verify(raw_header)
+            self.session.down.verify(raw_header, body)
         except FrameError:
             self.state = WorkerState.FAILED
             raise

@@ -148,8 +148,10 @@ def test_expert_mesh_refuses_a_replayed_frame() -> None:
         view = list(addrs) if h == 0 else [("127.0.0.1", tap.port), addrs[1]]
         try:
             with Mesh(h, view, TAG, run_id=RUN, keys=keys[h], timeout_s=20) as mesh:
+                # Both exchanges carry the same step and chunk, so the replayed frame
+                # passes every header check and only its MAC can tell.
                 for step in range(2):
-                    out[(h, step)] = mesh.exchange(MsgType.TOKENS, step, 0,
+                    out[(h, step)] = mesh.exchange(MsgType.TOKENS, 0, 0,
                                                    {1 - h: torch.full((4,), float(h))},
                                                    {1 - h: 4})
                     if step == 0:
