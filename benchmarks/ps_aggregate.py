@@ -18,8 +18,13 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 - ``end_to_end_new_tensor``: the same with the mean in a new 100 MB tensor (the page
   faults of a fresh allocation cost more than the division).
 - ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
-- ``checked_validated_add``: ``validated_add`` plus :func:`check_gradient` per payload
-  (finite, bounded, no duplicate index), what the PS runs since issue 22.
+- ``checked_add``: what the PS runs per sparse payload since issue 22:
+  :meth:`SparseAccumulator.add_checked` (range, finite and bounded values, no duplicate
+  index), the duplicate test fused into the add (the sort that finds duplicates orders
+  the add). ``checked_vs_unchecked`` = its time over ``validated_add``'s, same run.
+- ``stamp_checked_add``: the check it replaced (issue 22's first version, kept here for
+  the side-by-side): stamp every index's position into an n-long int64 scratch and read
+  the stamps back (two more random passes over n), then the validated add.
 - ``validate``: :func:`validate_sparse` alone, to show the cost of the checks.
 - ``index_add``: the adds alone into a persistent, pre-zeroed accumulator.
 - ``sorted_index_add``: the adds after sorting each worker's indices (sort time included),
@@ -98,15 +103,27 @@ def bench(workers: int) -> dict[str, Any]:
             acc.add_sparse(sp[0], sp[1], who=who)
 
     def checked_add() -> None:
-        # What the PS does per payload since issue 22: the sanity check (finite, bounded,
-        # no duplicate index), then the validated add.
+        # What the PS does per sparse payload since issue 22.
         for who, p in zip(names, payloads, strict=True):
             sp = topk.decompress_sparse(p)
-            check_gradient(sp, None, N, who=who, max_abs=1e6, unique_indices=True)
+            acc.add_checked(sp[0], sp[1], who=who, max_abs=1e6, unique_indices=True)
+
+    scratch = torch.empty(N, dtype=torch.int64)
+
+    def stamp_checked_add() -> None:
+        for who, p in zip(names, payloads, strict=True):
+            sp = topk.decompress_sparse(p)
+            check_gradient(None, sp[1], N, who=who, max_abs=1e6, unique_indices=False)
+            validate_sparse(sp[0], sp[1], N, who=who)
+            idx = sp[0].to(torch.int64)
+            pos = torch.arange(idx.numel(), dtype=torch.int64)
+            scratch.index_put_((idx,), pos)
+            assert not bool((scratch.index_select(0, idx) != pos).any())
             acc.add_sparse(sp[0], sp[1], who=who)
 
     for name, fn, reps in (("validated_add", validated_add, 7),
-                           ("checked_validated_add", checked_add, 7),
+                           ("checked_add", checked_add, 7),
+                           ("stamp_checked_add", stamp_checked_add, 7),
                            ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
                                                             acc=bound, out=grad_buffer), 7),
                            ("end_to_end_separate_sum",
@@ -121,6 +138,11 @@ def bench(workers: int) -> dict[str, Any]:
         res[name] = {"best_ms": s * 1e3, "all_ms": [t * 1e3 for t in all_s],
                      "melem_per_s": elems / s / 1e6}
         log(f"W={workers} {name}: {s * 1e3:.1f} ms = {elems / s / 1e6:.0f} M elem/s")
+    res["checked_vs_unchecked"] = res["checked_add"]["best_ms"] / res["validated_add"]["best_ms"]
+    res["stamp_checked_vs_unchecked"] = (res["stamp_checked_add"]["best_ms"]
+                                         / res["validated_add"]["best_ms"])
+    log(f"W={workers} checked/unchecked {res['checked_vs_unchecked']:.2f} "
+        f"(stamp check: {res['stamp_checked_vs_unchecked']:.2f})")
     return res
 
 
@@ -131,6 +153,8 @@ def main() -> None:
     emit("ps_aggregate", headline,
          "M elements/s (16 workers, topk 1% of 25M, decode + validate + index_add)",
          ">= 50", {"n": N, "ratio": RATIO, "threads": torch.get_num_threads(),
+                   "checked_vs_unchecked_16": results["16"]["checked_vs_unchecked"],
+                   "checked_melem_per_s_16": results["16"]["checked_add"]["melem_per_s"],
                    "timing": "best of repeats (shared machine)", "results": results})
 
 

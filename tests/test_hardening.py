@@ -283,3 +283,36 @@ def test_a_connection_is_provably_dead_only_after_hangup() -> None:
         assert conn.dead()
     finally:
         a.close()
+
+
+def test_checked_add_is_the_plain_sum_and_adds_nothing_when_refused() -> None:
+    """The duplicate test fused into the add (SparseAccumulator.add_checked): the sum is
+    bit-identical to the unsorted add; a refused contribution (a duplicate, NaN or an
+    index out of range) leaves the accumulator exactly as it was."""
+    from agents.aggregate import SparseAccumulator
+    from agents.compress.base import PayloadError
+
+    g = torch.Generator().manual_seed(3)
+    n = 1000
+    contributions = [(torch.randperm(n, generator=g)[:100].to(torch.int32),
+                      torch.randn(100, generator=g)) for _ in range(3)]
+    plain, checked = SparseAccumulator(n), SparseAccumulator(n)
+    for acc in (plain, checked):
+        acc.expect(3)
+    for idx, vals in contributions:
+        plain.add_sparse(idx, vals)
+        checked.add_checked(idx, vals, who="w", max_abs=1e3, unique_indices=True)
+    assert torch.equal(plain.result(3), checked.result(3))
+    before = checked.result(3).clone()
+    idx, vals = contributions[0]
+    dup = idx.clone()
+    dup[57] = dup[3]
+    nan = vals.clone()
+    nan[10] = float("nan")
+    far = idx.clone()
+    far[99] = n
+    for i, v, match in ((dup, vals, f"index {int(idx[3])} more than once"),
+                        (idx, nan, "non-finite"), (far, vals, "out of range")):
+        with pytest.raises(PayloadError, match=match):
+            checked.add_checked(i, v, who="w", max_abs=1e3, unique_indices=True)
+        assert torch.equal(checked.result(3), before) and checked.added == 3
