@@ -14,14 +14,17 @@ import torch
 
 from agents import auth, codec, link
 from agents.codec import FrameError, MsgType
+from agents.core import config as cfgmod
 from agents.core.nodes import stage_links
 from agents.core.schedules import Kind
 from agents.moe.mesh import Mesh, file_keys
 from agents.stage import Stage, StageError
+from controller.roles import RoleContext, plan_commands
 from tests.hostile import CapturingProxy
 from tests.loopback import connect, free_port
 from tests.pipeline_loopback import make_run_dir
 from tests.test_moe_transparency import free_ports
+from topo.shapes import shape_spec
 
 SECRET = b"mesh auth test secret"
 RUN = "mesh-auth"
@@ -284,3 +287,19 @@ def test_stage_mesh_refuses_a_replayed_frame(tmp_path: Path) -> None:
             s1._take(Kind.RECV_ACT, 1, 0)
     finally:
         _close(s0, s1)
+
+
+def test_roles_hand_each_agent_only_its_own_links(tmp_path: Path) -> None:
+    """The runner writes ``bundle_for(master, host, cmd.links)`` down each agent's stdin:
+    every link a role names has that agent at one end, and each pair of neighbours names
+    the same link (so both ends derive one key)."""
+    repo = Path(__file__).resolve().parents[1]
+    cfg = cfgmod.load(repo / "configs/pipeline.toml",
+                      ["pipeline.stages=2", "pipeline.replicas=2", "topo.hosts=4"])
+    cmds = [c for _, c in plan_commands(RoleContext(cfg, shape_spec(cfg), tmp_path, "PY"))]
+    names = {c.host: {auth.link_name(m, a, b) for m, a, b in c.links} for c in cmds}
+    mine = {c.host: {a for _, a, _ in c.links} for c in cmds}
+    assert [len(mine[h]) for h in sorted(mine)] == [1, 1, 1, 1]  # one own name each
+    assert names["gbh3"] == {"stage/r1s0|r1s1", "stage/r0s1|r1s1"}  # its replica + hub
+    assert "stage/r0s0|r1s1" not in set().union(*names.values())  # not neighbours
+    assert names["gbh0"] & names["gbh1"] == {"stage/r0s0|r0s1"}
