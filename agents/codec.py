@@ -37,11 +37,11 @@ Authentication (``agents.protocol``): the handshake frames (HELLO, CHALLENGE,
 PROOF) carry the run's public tag, ``run_tag(run_id, PUBLIC_SECRET)``, which only
 keeps frames of another run apart. Once a worker has answered the PS's fresh
 challenge with an HMAC under its own key, every later frame of that connection
-carries in ``run_tag`` a MAC instead (:class:`FrameMac`): 8 bytes of HMAC-SHA256
-over the header, the payload itself and an implicit per-direction sequence number,
-under a key that exists only for this connection. A captured frame is worth nothing
-elsewhere: another connection has another key, and the same connection expects the
-next sequence number; a payload rewritten in the stream fails the MAC even where its
+carries in ``run_tag`` a MAC instead (:class:`FrameMac`): 8 bytes of Poly1305 (a
+one-time key per frame) over the header and the payload itself, keyed by an implicit
+per-direction sequence number under a key that exists only for this connection. A
+captured frame is worth nothing elsewhere: another connection has another key, and
+the same connection expects the next sequence number; a payload rewritten in the stream fails the MAC even where its
 CRC-32 was fixed up. The receiver checks the MAC once the payload is in, so what it
 reads before is bounded by the header checks alone (the chunk's expected size).
 
@@ -304,27 +304,75 @@ def check_payload(h: FrameHeader, payload: bytes | bytearray | memoryview) -> No
 _TAG = slice(10, 18)  # run_tag's bytes in the header
 
 
-#: Keyed MACs a connection can seal its frames with: the name and a factory of a fresh
-#: hashlib-style object (``update``, ``digest``). HMAC-SHA256 runs on the CPU's SHA
-#: extensions through OpenSSL (1.8 GB/s here) and is the default; keyed BLAKE2b is pure
-#: software (0.9 GB/s here). ``benchmarks/codec.py`` measures both side by side.
+class _HashMac:
+    """A keyed hashlib-style MAC, keyed once; each frame starts from a copy with its
+    sequence number (no per-frame key schedule)."""
+
+    def __init__(self, base: Any) -> None:
+        self._base = base
+
+    def start(self, seq: int) -> Any:
+        m = self._base.copy()
+        m.update(seq.to_bytes(8, "little"))
+        return m
+
+
+class _Poly1305Mac:
+    """Poly1305 (RFC 8439) under a one-time key per frame, ``HMAC-SHA256(key, seq)``:
+    never reused, since every connection direction has its own key and ``seq`` only
+    grows. OpenSSL's vectorised Poly1305 through ``cryptography``."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def start(self, seq: int) -> Any:
+        return _Poly1305Frame(_Poly1305(hmac.digest(self._key, seq.to_bytes(8, "little"),
+                                                    "sha256")))
+
+
+class _Poly1305Frame:
+    __slots__ = ("_p",)
+
+    def __init__(self, p: Any) -> None:
+        self._p = p
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._p.update(data)
+
+    def digest(self) -> bytes:
+        return bytes(self._p.finalize())
+
+
+#: Keyed MACs a connection can seal its frames with, by name. Poly1305 with a one-time
+#: key per frame is the default where ``cryptography`` is installed (about 10 GB/s here);
+#: HMAC-SHA256 runs on the CPU's SHA extensions (about 1.4-1.8 GB/s here) and is the
+#: fallback; keyed BLAKE2b is pure software (0.6-0.9 GB/s here). ``benchmarks/codec.py``
+#: measures each side by side. Both ends of a connection run on one machine, with one
+#: environment, so they pick the same.
 MAC_ALGORITHMS: dict[str, Callable[[bytes], Any]] = {
-    "hmac-sha256": lambda key: hmac.new(key, digestmod=hashlib.sha256),
-    "blake2b": lambda key: hashlib.blake2b(digest_size=8, key=key[:64]),
+    "hmac-sha256": lambda key: _HashMac(hmac.new(key, digestmod=hashlib.sha256)),
+    "blake2b": lambda key: _HashMac(hashlib.blake2b(digest_size=8, key=key[:64])),
 }
-MAC_ALGORITHM = "hmac-sha256"
+try:
+    from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
+except ImportError:  # pragma: no cover - cryptography is a dependency
+    MAC_ALGORITHM = "hmac-sha256"
+else:
+    MAC_ALGORITHMS["poly1305"] = _Poly1305Mac
+    MAC_ALGORITHM = "poly1305"
 
 
 class FrameMac:
     """One direction of one authenticated connection: seals or verifies frames in order.
 
-    ``tag = MAC(key, seq || header[0:10] || header[18:60] || payload)``, first 8 bytes:
-    every header field except the tag itself, the payload bytes themselves, and ``seq``,
-    the number of frames this direction carried before (never on the wire: TCP delivers
-    in order, so both ends count). The MAC is :data:`MAC_ALGORITHM` (HMAC-SHA256).
-    :meth:`seal` writes the tag and recomputes the header CRC; :meth:`verify` raises
-    FrameError on a forged, replayed, reordered, rewritten or foreign frame. Cost: one
-    pass over the payload on each side (~1.8 GB/s here), a few microseconds per frame.
+    ``tag = MAC_seq(key, header[0:10] || header[18:60] || payload)``, first 8 bytes:
+    every header field except the tag itself, the payload bytes themselves, under
+    ``seq``, the number of frames this direction carried before (never on the wire: TCP
+    delivers in order, so both ends count). The MAC is :data:`MAC_ALGORITHM` (Poly1305
+    with a one-time key per frame). :meth:`seal` writes the tag and recomputes the
+    header CRC; :meth:`verify` raises FrameError on a forged, replayed, reordered,
+    rewritten or foreign frame. Cost: one pass over the payload on each side (about
+    10 GB/s here) and a few microseconds per frame.
     """
 
     __slots__ = ("_base", "seq")
@@ -341,8 +389,7 @@ class FrameMac:
 
     def _tag(self, hdr: bytes | bytearray | memoryview,
              payload: bytes | bytearray | memoryview) -> bytes:
-        m = self._base.copy()
-        m.update(self.seq.to_bytes(8, "little"))
+        m = self._base.start(self.seq)
         m.update(hdr[:10])
         m.update(hdr[18:_BODY.size])
         m.update(payload)
