@@ -44,13 +44,8 @@ def stage_node(replica: int, stage: int, replicas: int) -> str:
 def stage_links(replica: int, stage: int, stages: int, replicas: int
                 ) -> list[tuple[str, str, str]]:
     """The ``stage`` mesh links a stage is an end of, as ``(mesh, it, peer)``: every other
-    stage of its replica (the schedule picks which it talks to), and with replicas, the
-    replica hub (replica 0's same stage, to or from every other replica's)."""
+    stage of its replica (the schedule picks which it talks to; replicas meet only at the
+    pipeline's PS)."""
     me = stage_node(replica, stage, replicas)
-    out = [("stage", me, stage_node(replica, s, replicas)) for s in range(stages)
-           if s != stage]
-    if replica > 0:
-        out.append(("stage", me, stage_node(0, stage, replicas)))
-    elif replicas > 1:
-        out += [("stage", me, stage_node(r, stage, replicas)) for r in range(1, replicas)]
-    return out
+    return [("stage", me, stage_node(replica, s, replicas)) for s in range(stages)
+            if s != stage]
