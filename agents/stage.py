@@ -60,7 +60,7 @@ from agents.compress.base import Compressor, PayloadError, make
 from agents.compress.feedback import ErrorFeedback
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
-from agents.core.nodes import stage_links, stage_node
+from agents.core.nodes import PS_NODE, stage_links, stage_node
 from agents.core.schedules import Action, Kind, Schedule, validate
 from agents.core.schedules import make as make_schedule
 from agents.pacing import set_max_pacing_rate
@@ -75,6 +75,11 @@ CONNECT_TIMEOUT_S = 60.0
 def ps_node_id(stage: int, replica: int, stages: int) -> int:
     """The id a stage gives the PS in its HELLO and frames: ``replica * p + stage``."""
     return replica * stages + stage
+
+
+def ps_index(stages: int, replicas: int) -> int:
+    """The pipeline PS's index in its links' handshakes: after every stage's."""
+    return stages * replicas
 
 
 def is_eval_step(run: Any, step: int) -> bool:
@@ -158,6 +163,7 @@ class _PSLink:
 
     sock: socket.socket
     reader: wire.FrameReader
+    conn: link.Link  # authenticated under the stage's key shared with the PS only
     outbox: queue.Queue[tuple[codec.MsgType, int, int, torch.Tensor] | None] = field(
         default_factory=queue.Queue)
     thread: threading.Thread | None = None
@@ -359,22 +365,27 @@ class Stage:
                       actions=len(self.actions))
 
     def connect_ps(self) -> None:
-        """Dial the PS (``--ps``) and say HELLO as ``stage`` ``replica * p + s``."""
+        """Dial the PS (``--ps``): an authenticated link (:mod:`agents.link`) as ``stage``
+        ``replica * p + s``, under the key only this stage and the PS hold."""
         if self.ps_addr is None:
             return
         sock = _dial(self.ps_addr)
         wire.set_socket_options(sock, nodelay=True, congestion=self.cfg.net.congestion)
         me = ps_node_id(self.s, self.replica, self.p)
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("stage", me),
-                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                                          worker=me)
-        wire.send_frame(sock, hdr, body)
         peer = f"ps ({wire.peer_name(sock)})"
-        link = _PSLink(sock, wire.FrameReader(sock, expect_tag=self.tag, peer=peer))
-        link.thread = threading.Thread(target=self._ps_send_loop, args=(link, peer),
-                                       daemon=True, name="send-ps")
-        link.thread.start()
-        self.ps_link = link
+        try:
+            lk = link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage", me=me,
+                           peer=ps_index(self.p, self.pc.replicas),
+                           key=self.keys.link_key("stage", self.node, PS_NODE),
+                           timeout_s=CONNECT_TIMEOUT_S, name=f"stage {self.node} -> {peer}")
+        except BaseException:
+            sock.close()
+            raise
+        ps_link = _PSLink(sock, lk.reader(), lk)
+        ps_link.thread = threading.Thread(target=self._ps_send_loop, args=(ps_link, peer),
+                                          daemon=True, name="send-ps")
+        ps_link.thread.start()
+        self.ps_link = ps_link
 
     def _ps_send_loop(self, link: _PSLink, peer: str) -> None:
         me = ps_node_id(self.s, self.replica, self.p)
@@ -385,8 +396,8 @@ class Stage:
             msg_type, step, chunk, t = item
             t0 = now_ns()
             try:
-                n = wire.send_message(link.sock, [t], msg_type=msg_type, run_tag=self.tag,
-                                      worker=me, iteration=step, chunk=chunk, peer=peer)
+                n = link.conn.send_message([t], msg_type=msg_type, worker=me,
+                                           iteration=step, chunk=chunk)
             except OSError as e:
                 link.error = f"{peer}: send failed: {e}"
                 self._fail(link.error)
@@ -746,10 +757,8 @@ class Stage:
         if link.thread is not None:
             link.thread.join(self.cfg.run.timeout_s)
         me = ps_node_id(self.s, self.replica, self.p)
-        hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
-                                          run_tag=self.tag, worker=me)
         try:
-            wire.send_frame(link.sock, hdr, body)
+            link.conn.send_bytes(b"done", msg_type=codec.MsgType.BYE, worker=me)
         except OSError as e:
             self._fail(f"{link.reader.peer}: BYE failed: {e}")
         link.sock.close()

@@ -33,8 +33,8 @@ TAG = codec.run_tag(RUN, codec.PUBLIC_SECRET)
 
 def test_bundles_hold_only_their_own_links() -> None:
     master = auth.new_master()
-    links = stage_links(1, 0, 3, 2)  # replica 1's stage 0 of 3: the stages of its replica
-    assert sorted(b for _, _, b in links) == ["r1s1", "r1s2"]
+    links = stage_links(1, 0, 3, 2)  # replica 1's stage 0 of 3: its replica, and the PS
+    assert sorted(b for _, _, b in links) == ["ps", "r1s1", "r1s2"]
     b = auth.decode_bundle(auth.bundle_for(master, "h4", links).encode())
     assert b.link_key("stage", "r1s0", "r1s1") == auth.pair_key(master, "stage", "r1s1", "r1s0")
     with pytest.raises(KeyError, match=r"no key for link stage/r0s1\|r1s0"):
@@ -296,11 +296,11 @@ def test_roles_hand_each_agent_only_its_own_links(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
     cfg = cfgmod.load(repo / "configs/pipeline.toml",
                       ["pipeline.stages=3", "pipeline.replicas=2", "topo.hosts=7"])
-    cmds = [c for _, c in plan_commands(RoleContext(cfg, shape_spec(cfg), tmp_path, "PY"))
-            if "agents.stage" in c.argv]
-    names = {c.host: {auth.link_name(m, a, b) for m, a, b in c.links} for c in cmds}
-    mine = {c.host: {a for _, a, _ in c.links} for c in cmds}
-    assert [len(mine[h]) for h in sorted(mine)] == [1] * 6  # one own name each
-    assert names["gbh4"] == {"stage/r1s0|r1s1", "stage/r1s1|r1s2"}  # its replica only
+    every = [c for _, c in plan_commands(RoleContext(cfg, shape_spec(cfg), tmp_path, "PY"))]
+    names = {c.host: {auth.link_name(m, a, b) for m, a, b in c.links} for c in every}
+    mine = {c.host: {a for _, a, _ in c.links} for c in every}
+    assert [len(mine[h]) for h in sorted(mine)] == [1] * 7  # one own name each
+    assert names["gbh4"] == {"stage/r1s0|r1s1", "stage/r1s1|r1s2", "stage/ps|r1s1"}
+    assert len(names["gbh6"]) == 6 and all("ps|" in n for n in names["gbh6"])  # the PS
     assert "stage/r0s1|r1s1" not in set().union(*names.values())  # not neighbours
     assert names["gbh0"] & names["gbh1"] == {"stage/r0s0|r0s1"}

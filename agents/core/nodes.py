@@ -44,8 +44,14 @@ def stage_node(replica: int, stage: int, replicas: int) -> str:
 def stage_links(replica: int, stage: int, stages: int, replicas: int
                 ) -> list[tuple[str, str, str]]:
     """The ``stage`` mesh links a stage is an end of, as ``(mesh, it, peer)``: every other
-    stage of its replica (the schedule picks which it talks to; replicas meet only at the
-    pipeline's PS)."""
+    stage of its replica (the schedule picks which it talks to) and the pipeline's PS
+    (``ps``, where replicas meet)."""
     me = stage_node(replica, stage, replicas)
     return [("stage", me, stage_node(replica, s, replicas)) for s in range(stages)
-            if s != stage]
+            if s != stage] + [("stage", me, PS_NODE)]
+
+
+def stage_ps_links(stages: int, replicas: int) -> list[tuple[str, str, str]]:
+    """The pipeline PS's links: one to every stage of every replica."""
+    return [("stage", PS_NODE, stage_node(r, s, replicas)) for r in range(replicas)
+            for s in range(stages)]
