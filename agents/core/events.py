@@ -228,6 +228,14 @@ _declare("moe_step", "expert", "one training step is over on this expert host",
          loss="cross entropy + aux_loss_coef x aux loss", ce="cross entropy",
          aux="sum of the layers' load-balancing losses", step_s="step time (s)",
          expert_uses="'layer.expert' this host ran, in order (forward, then reversed)")
+_declare("moe_offload", "expert", "this host's expert offload in one training step "
+         "(agents/moe/expert_offload.py; with moe.offload_budget_bytes > 0)",
+         policy="belady or lru", budget_bytes="device budget for experts (bytes)",
+         device="cpu (counted clones) or cuda", uses="expert fetches (forward + backward)",
+         transfers="host-to-device copies of an expert", bytes_moved="their bytes",
+         hits="uses that found the expert resident", evictions="experts evicted",
+         grad_bytes="device-to-host gradient bytes",
+         peak_device_bytes="most expert bytes held on the device in the step")
 _declare("moe_done", "expert", "the expert host finished its steps")
 
 # -- controller (controller/run.py, controller/driver.py) ------------------------------------
