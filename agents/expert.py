@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     with Mesh(args.host, addrs, tag, crc=m.crc, max_payload_bytes=limit) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed)
-        formula = {c.value: class_bytes(sc.numel, m.hosts)
+        formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}
         log.emit("moe_start", hosts=m.hosts, experts=m.experts, owned=host.mine,
                  expert_numel=host.opt.expert_numel,

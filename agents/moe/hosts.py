@@ -278,6 +278,8 @@ class ExpertHost:
         if self.offload is not None:
             self.offload.begin_step()
         t_start = now_ns()
+        self.opt.begin_step()
+        # ZeRO-3: gather for the forward, free, gather again for the backward, free.
         self.opt.gather_before_use(self.mesh, step)
         t = now_ns()
         self.log.phases.append(PhaseRecord("all_gather_zero3", -1, t_start, t))
@@ -285,11 +287,16 @@ class ExpertHost:
         x, y = host_batch(self.data, step, self.hosts, self.cfg.batch_size, self.me)
         logits = self.model(x)
         loss, ce = loss_fn(self.model, logits, y, self.cfg.aux_loss_coef)
+        self.opt.release()
         t_fwd = now_ns()
+        self.opt.gather_before_backward(self.mesh, step)
+        t_bg = now_ns()
         (loss / self.hosts).backward()
+        self.opt.release()
         t_bwd = now_ns()
         self.log.phases.append(PhaseRecord("forward", -1, t, t_fwd))
-        self.log.phases.append(PhaseRecord("backward", -1, t_fwd, t_bwd))
+        self.log.phases.append(PhaseRecord("all_gather_zero3_bwd", -1, t_fwd, t_bg))
+        self.log.phases.append(PhaseRecord("backward", -1, t_bg, t_bwd))
         if dump is not None:
             dump["logits"] = logits.detach().clone()
             for name, p in self.model.named_parameters():
@@ -319,6 +326,7 @@ class ExpertHost:
         self._set_step(step, CHUNK_EVAL)
         if self.offload is not None:
             self.offload.begin_step()  # its own uses; the masters are current
+        self.opt.gather_before_use(self.mesh, step)  # the updated ZeRO-3 shards
         per = n_images // self.hosts
         sl = slice(self.me * per, (self.me + 1) * per)
         x, y = self.data.floats(self.data.x_test[sl]), self.data.y_test[sl]
@@ -334,6 +342,7 @@ class ExpertHost:
                                      dict.fromkeys(self.mesh.peers, 3), DType.FLOAT64)
             for t in got.values():
                 totals += t
+        self.opt.release()
         self._set_step(step)
         return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2])}
 
