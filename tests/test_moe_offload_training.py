@@ -91,3 +91,17 @@ def test_offload_fetches_in_the_training_order_and_frees_evicted_copies() -> Non
         assert torch.equal(xs[k].grad, xr[k].grad)
         for p, q in zip(experts[k].parameters(), ref[k].parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("override, field", [
+    ('moe.offload_policy="fifo"', "moe.offload_policy"),
+    ("moe.offload_budget_bytes=-1", "moe.offload_budget_bytes"),
+    ('moe.offload_device="tpu"', "moe.offload_device"),
+    ("topo.class_sample_ms=0.1", "topo.class_sample_ms"),
+])
+def test_bad_offload_and_sampling_settings_name_their_field(override: str, field: str) -> None:
+    from agents.core import config as cfgmod
+    from agents.core.checks import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        cfgmod.load("configs/moe.toml", [override])
