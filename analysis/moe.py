@@ -128,7 +128,13 @@ def dispatch_link_table(dispatch: list[Row], samples: Any, rate_mbps: float,
     :func:`~agents.core.moe_metrics.dispatch_link_efficiency`; with ``burst_bytes``
     also ``link_efficiency_burst_allowed`` = bytes / (phase x rate + burst), the bound
     that counts a full HTB bucket as capacity. ``sample_gap_ms``: the widest spacing of
-    the samples around the window's two ends (the interpolation's resolution)."""
+    the samples around the window's two ends (the interpolation's resolution);
+    ``link_bytes_inner``/``link_bytes_outer``: the busiest point's bytes between the
+    samples just inside and just outside the window, which bound its true bytes from
+    below and above without interpolating, and
+    ``link_efficiency_burst_allowed_inner`` = inner / (phase x rate + burst), a lower
+    bound on the link's efficiency whatever the bucket held and however the samples
+    fell."""
     import numpy as np
 
     by_point = {str(p): g.sort_values("ts_ns") for p, g in samples.groupby("point")}
@@ -142,10 +148,19 @@ def dispatch_link_table(dispatch: list[Row], samples: Any, rate_mbps: float,
         data_bytes = bytes_between(g["ts_ns"].to_numpy(), g["data_bytes"].to_numpy(), start,
                                    end)
         ts = by_point[busiest]["ts_ns"].to_numpy()
+        cum = by_point[busiest]["sent_bytes"].to_numpy()
         gaps = []
         for t in (start, end):
             i = int(np.searchsorted(ts, t))
             gaps.append((ts[min(i, len(ts) - 1)] - ts[max(i - 1, 0)]) / 1e6)
+        # Bounds that need no interpolation: between the samples just inside the window
+        # (at most what it carried) and just outside it (at least).
+        i0 = int(np.searchsorted(ts, start, "left"))
+        i1 = int(np.searchsorted(ts, end, "right")) - 1
+        o0 = max(int(np.searchsorted(ts, start, "right")) - 1, 0)
+        o1 = min(int(np.searchsorted(ts, end, "left")), len(ts) - 1)
+        inner = float(cum[i1] - cum[i0]) if i1 > i0 else 0.0
+        outer = float(cum[o1] - cum[o0])
         link_bytes = per_point[busiest]
         phase_s = float(d["phase_s"])
         out.append({"iter": d["iter"], "layer": d["layer"], "phase_s": phase_s,
@@ -156,6 +171,9 @@ def dispatch_link_table(dispatch: list[Row], samples: Any, rate_mbps: float,
                                                                 rate_mbps),
                     "link_efficiency_burst_allowed":
                         link_bytes / (phase_s * rate_mbps * 1e6 / 8 + burst_bytes),
+                    "link_bytes_inner": inner, "link_bytes_outer": outer,
+                    "link_efficiency_burst_allowed_inner":
+                        inner / (phase_s * rate_mbps * 1e6 / 8 + burst_bytes),
                     "formula_efficiency": d["efficiency"],
                     "sample_gap_ms": max(gaps)})
     return out

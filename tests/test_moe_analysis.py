@@ -78,6 +78,11 @@ def test_tables() -> None:
     assert lk["link_efficiency"] == pytest.approx(1.0, rel=0.01)
     assert lk["link_efficiency_burst_allowed"] == pytest.approx(125_000 / 137_500, rel=0.01)
     assert lk["sample_gap_ms"] == pytest.approx(20, rel=0.01)
+    # No interpolation: samples inside (1.06-1.14 s) and outside (1.04-1.16 s).
+    assert lk["link_bytes_inner"] == pytest.approx(100_000, rel=0.001)
+    assert lk["link_bytes_outer"] == pytest.approx(150_000, rel=0.001)
+    assert lk["link_efficiency_burst_allowed_inner"] == pytest.approx(100_000 / 137_500,
+                                                                      rel=0.01)
     assert dispatch_link_efficiency(1.25e6, 1.0, 10.0) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="not the window"):
         amoe.bytes_between(ts[2:], [0] * 5, d["start_ns"], d["end_ns"])
