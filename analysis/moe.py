@@ -175,7 +175,7 @@ def dispatch_link_table(dispatch: list[Row], samples: Any, rate_mbps: float,
                     "link_efficiency_burst_allowed_inner":
                         inner / (phase_s * rate_mbps * 1e6 / 8 + burst_bytes),
                     "formula_efficiency": d["efficiency"],
-                    "sample_gap_ms": max(gaps)})
+                    "sample_gap_ms": float(max(gaps))})
     return out
 
 

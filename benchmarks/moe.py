@@ -114,7 +114,7 @@ def part_dispatch(out: Path) -> dict[str, Any]:
             "link_data_bytes_median": statistics.median(d["link_data_bytes"] for d in link),
             # Windows whose ends both had a sample within 3 ms on each side (the sampler
             # shares 2 cores with 4 training hosts and sometimes stalls).
-            "well_sampled": sum(d["sample_gap_ms"] <= 3.0 for d in link),
+            "well_sampled": int(sum(d["sample_gap_ms"] <= 3.0 for d in link)),
             "link_efficiency_well_sampled_median": statistics.median(
                 [d["link_efficiency"] for d in link if d["sample_gap_ms"] <= 3.0]
                 or [float("nan")]),
@@ -352,7 +352,7 @@ def main() -> int:
     plots(details)
     headline = details["dispatch"]["100"]["link_efficiency_median"] if "dispatch" in details \
         else float("nan")
-    saved.write_text(json.dumps(details, indent=1))
+    saved.write_text(json.dumps(details, indent=1, default=float))
     emit("moe", headline, "busiest access link's HTB class bytes / (phase x rate), from tc "
          "class samples every 2 ms (formula figure beside it: efficiency_median)",
          ">= 0.9 at 100 Mbit/s", details)
