@@ -11,7 +11,9 @@ decides when the run ends: when every host has run ``run.iterations`` steps.
 Events (``RUN/events/eH.jsonl``, declared in :mod:`agents.core.events`): ``moe_phase``
 per phase of every step (the timeline), ``moe_route`` per layer and step (tokens,
 drops and imbalance per expert), ``moe_class_bytes`` per step (bytes per parameter
-class and their formula), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
+class and their formula), ``moe_offload`` per step with
+``moe.offload_budget_bytes`` > 0 (expert transfers into the device budget and bytes
+moved), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
 ``--dump DIR`` also writes each step's logits, local gradients and updated weights to
 ``DIR/hH_sS.npz`` (the transparency test reads them; numpy, no pickle).
 """
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
               max_payload_bytes=limit) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed)
-        formula = {c.value: class_bytes(sc.numel, m.hosts)
+        formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}
         log.emit("moe_start", hosts=m.hosts, experts=m.experts, owned=host.mine,
                  expert_numel=host.opt.expert_numel,
@@ -121,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             log.emit("moe_class_bytes", step, **{f"{k}_bytes": v
                                                  for k, v in r["bytes_by_class"].items()},
                      **{f"{k}_formula_bytes": v for k, v in formula.items()})
+            if r["offload"] is not None:
+                log.emit("moe_offload", step, policy=m.offload_policy,
+                         budget_bytes=m.offload_budget_bytes, device=m.offload_device,
+                         **r["offload"])
             log.emit("moe_step", step, loss=r["loss"], ce=r["ce"], aux=r["aux"],
                      step_s=r["step_s"], expert_uses=[f"{lay}.{e}" for lay, e in
                                                       r["expert_uses"]])

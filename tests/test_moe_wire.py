@@ -47,8 +47,8 @@ def test_counts_bounded_by_capacity() -> None:
 def test_step_phases_as_data() -> None:
     labels = [p.label() for p in step_phases(2)]
     assert labels == ["ALL_GATHER", "COUNTS:0", "TOKENS:0", "EXPERT_OUT:0", "COUNTS:1",
-                      "TOKENS:1", "EXPERT_OUT:1", "EXPERT_OUT_GRAD:1", "TOKENS_GRAD:1",
-                      "EXPERT_OUT_GRAD:0", "TOKENS_GRAD:0", "REDUCE_SCATTER",
+                      "TOKENS:1", "EXPERT_OUT:1", "ALL_GATHER", "EXPERT_OUT_GRAD:1",
+                      "TOKENS_GRAD:1", "EXPERT_OUT_GRAD:0", "TOKENS_GRAD:0", "REDUCE_SCATTER",
                       "REDUCE_SCATTER", "ALL_GATHER"]
 
 
