@@ -84,6 +84,9 @@ class RunConfig:
                f"must be {' or '.join(ALLOCATORS)}")
 
 
+LOSS_MODELS = ("statistic", "seeded")
+
+
 @dataclass(frozen=True)
 class NetConfig:
     workers: int = 4                  # N worker hosts behind the switch
@@ -93,6 +96,11 @@ class NetConfig:
     queue_bytes: int = 1_000_000      # bfifo limit on the bottleneck; deeper = more delay, fewer drops
     delay_ms: float = 0.0             # one-way delay on the bottleneck (netem, else NFQUEUE)
     loss_pct: float = 0.0             # random loss on the bottleneck (netem, else statistic)
+    # "statistic": netem, else the kernel's statistic match (cannot be seeded: the packets
+    # lost differ between runs); "seeded": the delay line (NFQUEUE) drops the packets a
+    # PRNG seeded from run.seed and the link's name draws (topo.loss): the same packets in
+    # every run with the same seed.
+    loss_model: str = "statistic"
     congestion: str = "cubic"         # TCP congestion control in every host: reno, cubic, bbr
     offload: bool = False             # GSO/TSO/GRO; off gives packet-exact queues
     # Every host's own egress sends pure ACKs ahead of its queued data, within the same
@@ -120,6 +128,8 @@ class NetConfig:
                "must be in [0, 10000] ms")
         _check(0 <= self.loss_pct <= 100, f"{p}.loss_pct", self.loss_pct,
                "must be in [0, 100] %")
+        _check(self.loss_model in LOSS_MODELS, f"{p}.loss_model", self.loss_model,
+               f"must be one of {', '.join(LOSS_MODELS)}")
         _check(self.congestion in ("reno", "cubic", "bbr"), f"{p}.congestion",
                self.congestion, "must be one of reno, cubic, bbr")
         _check(0 <= self.background_hosts <= 32, f"{p}.background_hosts",
