@@ -104,8 +104,8 @@ class Impairment:
     @property
     def loss_key(self) -> str:
         """The link's name in the seeded draw: the receiving interface and the sources the
-        rule matches (``ps-eth0<-10.0.0.1,10.0.0.2``; ``<-any`` for every source)."""
-        return f"{self.dev}<-{','.join(self.sources) or 'any'}"
+        rule matches (``ps-eth0/10.0.0.1,10.0.0.2``; ``/any`` for every source)."""
+        return f"{self.dev}/{','.join(self.sources) or 'any'}"
 
 
 def mechanisms(caps: Mapping[str, Any], seeded_loss: bool = False) -> dict[str, str | None]:
