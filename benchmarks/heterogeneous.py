@@ -103,6 +103,21 @@ def delivery_rates_mbps(ev: pd.DataFrame) -> dict[str, float]:
             for n, g in ti.groupby("node")}
 
 
+def rt_updates(ev: pd.DataFrame) -> dict[str, dict[str, int]]:
+    """Per worker, from its adaptive ``decision`` events after the warm-up: the iterations
+    decided, and in how many the stable rate ``rt`` differed from the previous one's (how
+    often the policy's view of its own link changed). Empty for the fixed policy."""
+    if "rt_bps" not in ev:
+        return {}
+    dec = ev[(ev["event"] == "decision") & (ev["iter"] >= WARMUP)]
+    out: dict[str, dict[str, int]] = {}
+    for n, g in dec.groupby("node"):
+        first = g.sort_values("ts_ns").groupby("iter")["rt_bps"].first()
+        changed = int((first.diff().abs() > 0).sum())
+        out[str(n)] = {"iterations": len(first), "rt_changed": changed}
+    return out
+
+
 def describe(run_dir: Path, planned_s: float | None,
              planned_p99_s: float | None = None) -> dict[str, Any]:
     ev = load_events(run_dir)
@@ -121,6 +136,7 @@ def describe(run_dir: Path, planned_s: float | None,
         "iter_s_p99": {n: round(v, 4) for n, v in p99.items()},
         "wire_over_dense": {n: round(v, 4) for n, v in sent.items()},
         "delivery_rate_mbps": {n: round(v, 2) for n, v in delivery_rates_mbps(ev).items()},
+        "rt_updates": rt_updates(ev),
         "run_dir": str(run_dir)}
     if planned_s:
         out["p99_over_planned"] = {n: round(v / planned_s, 3) for n, v in p99.items()}
