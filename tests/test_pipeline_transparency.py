@@ -96,3 +96,34 @@ def test_measured_link_bytes_timeline_and_bubble(tmp_path):
     assert (tl["end_s"] >= tl["start_s"]).all() and set(tl["lane"]) == {"compute", "send"}
     assert 0.0 < met.bubble < 1.0 and len(met.bubble_per_stage) == p
     assert all(v > 0 for v in met.peak_act_bytes.values())
+
+
+def test_fp16_both_ways_halves_the_bytes_and_stays_close(tmp_path):
+    """fp16 activations and gradients: the planner's bytes at 2 bytes per element equal the
+    measured, the weights stay near the exact run's but are not equal to them (the
+    compression did happen)."""
+    from agents.partition import balance_by_params, boundary_shapes, split
+    from agents.stage import micro_batch
+    from agents.workloads.base import make_workload
+    from analysis.load import load_events
+    from analysis.pipeline import pipeline_metrics
+    from analysis.planner import pipeline_link_bytes
+
+    m, b = 4, 8
+    run_dir, cfg, rcs = run_pipeline(tmp_path, [
+        "pipeline.stages=2", "pipeline.schedule='1f1b'", f"pipeline.micro_batches={m}",
+        f"pipeline.micro_batch_size={b}", f"run.iterations={STEPS}",
+        "pipeline.act_compress='fp16'", "pipeline.grad_compress='fp16'"])
+    assert rcs == [0, 0], logs(run_dir)
+    w = make_workload(cfg.workload)
+    model = w.build_model(0)
+    shapes = boundary_shapes(split(model, balance_by_params(model, 2)),
+                             micro_batch(w, cfg.pipeline, 0, 0).x)
+    want = pipeline_link_bytes([shapes[0].numel()], 2, m, act_bytes_per_element=2,
+                               grad_bytes_per_element=2)
+    met = pipeline_metrics(load_events(run_dir), micro_batches=m, micro_batch_size=b, skip=0)
+    assert met.link_bytes_per_step == {("s0", "s1"): want[(0, 1)], ("s1", "s0"): want[(1, 0)]}
+    got, exact = pipeline_pieces(run_dir, cfg), reference_pieces(cfg, STEPS)
+    for g, e in zip(got, exact, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=5e-3)
+    assert _far(got, exact, 1e-7)

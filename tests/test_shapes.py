@@ -3,6 +3,8 @@ Pure: no root."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agents.core import config as cfgmod
@@ -199,3 +201,13 @@ def test_a_new_shape_is_one_registered_function():
     assert any("tc class replace dev w0-eth0" in ln and "rate 7000000bit" in ln for ln in lines)
     assert any("tc class replace dev ps-eth0" in ln for ln in lines)
     assert sum("-m agents.worker" in ln for ln in lines) == 1
+
+
+def test_a_node_placed_on_another_machine_is_refused_before_anything_is_built():
+    spec = shape_spec(cfg())
+    assert build_plan(spec, NFQ)  # every node local: the plan builds
+    w1 = next(h for h in spec.hosts if h.name == "w1")
+    remote = dataclasses.replace(spec, hosts=tuple(
+        dataclasses.replace(h, placement="rack2") if h is w1 else h for h in spec.hosts))
+    with pytest.raises(SpecError, match=r"w1.placement='rack2'.*Cluster Edition"):
+        build_plan(remote, NFQ)

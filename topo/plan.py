@@ -27,7 +27,7 @@ from typing import Any
 
 from topo import qdisc
 from topo.netfilter import Impairment, delay_queues, loss_args, mechanisms, rule_commands
-from topo.spec import LinkSpec, NetSpec, PointPlace, ShapingPoint
+from topo.spec import LinkSpec, NetSpec, PointPlace, ShapingPoint, SpecError
 
 
 @dataclass(frozen=True)
@@ -157,10 +157,28 @@ def point_steps(place: PointPlace, caps: Mapping[str, Any], offload: bool,
     return [Step(place.host, place.dev, place.point.name, tuple(c)) for c in cmds]
 
 
+def require_local(spec: NetSpec) -> None:
+    """Refuse a spec that places a host or switch on another machine.
+
+    The spec carries each node's ``placement`` so that a network can later be spread with
+    Mininet Cluster Edition (``RemoteHost``, ``RemoteLink``) without changing shapes or
+    roles; this builder runs every node in this kernel, so it names the first node placed
+    elsewhere instead of silently building it here."""
+    placed = [(h.name, h.placement) for h in spec.hosts]
+    placed += [(s.name, s.placement) for s in spec.switches]
+    for name, placement in placed:
+        if placement:
+            raise SpecError(f"{name}.placement={placement!r}: this builder puts "
+                            "every node on this machine; placing nodes on other machines "
+                            "(Mininet Cluster Edition) is not supported yet, leave it \"\"")
+
+
 def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
     """Every command that shapes ``spec``'s network once Mininet made its namespaces,
     veths and bridges: offload settings on every interface, then every shaping point.
-    Raises ``CapabilityError`` before anything is built when the kernel cannot do it."""
+    Raises ``SpecError`` for a node placed on another machine and ``CapabilityError``
+    when the kernel cannot do it, before anything is built."""
+    require_local(spec)
     require_impairments(spec, caps)
     seeded = spec.loss_seed is not None
     shaping = [s for place in spec.places()

@@ -1,0 +1,34 @@
+"""The stage role's command lines from a fabric spec (no processes, no root)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agents.core import config as cfgmod
+from controller.roles import RoleContext, RoleError, get, plan_commands
+from topo.shapes import shape_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_replica_r_stage_s_runs_on_host_r_times_p_plus_s(tmp_path):
+    cfg = cfgmod.load(REPO / "configs/pipeline.toml",
+                      ["pipeline.stages=2", "pipeline.replicas=2", "topo.hosts=4"])
+    role = get("stage")
+    assert role.ends_run and role.host_kinds == ("stage",) and "pipeline" in role.sections
+    planned = [(c.host, c.argv) for _, c in plan_commands(RoleContext(
+        cfg, shape_spec(cfg), tmp_path, python="PY"))]
+    assert [h for h, _ in planned] == ["gbh0", "gbh1", "gbh2", "gbh3"]
+    host3 = planned[3][1]
+    assert host3 == ("PY", "-m", "agents.stage", "--run-dir", str(tmp_path), "--stage", "1",
+                     "--replica", "1", "--peers", "10.0.0.12:6000,10.0.0.13:6001",
+                     "--auth", "stdin", "--hub", "10.0.0.11:6001")
+
+
+def test_host_count_must_be_stages_times_replicas(tmp_path):
+    cfg = cfgmod.load(REPO / "configs/pipeline.toml", ["topo.hosts=3"])
+    with pytest.raises(RoleError, match=r"3 stage hosts for pipeline.stages=4 x "
+                                        r"pipeline.replicas=1 \(set topo.hosts = 4\)"):
+        plan_commands(RoleContext(cfg, shape_spec(cfg), tmp_path, python="PY"))
