@@ -77,6 +77,9 @@ TRACE = REPO / "traces" / "data" / "cellular_like.log"
 OUT = Path(os.environ.get("GB_HET_OUT", str(REPO / "runs" / "bench-heterogeneous")))
 ITERATIONS = int(os.environ.get("GB_HET_ITERS", "100"))
 REPEATS = int(os.environ.get("GB_HET_REPEATS", "3"))
+# Extra --set overrides for the adaptive runs (planned and adaptive), e.g.
+# 'adaptive.rate_source="upload"'; separated by ';'.
+ADAPTIVE_SET = [x for x in os.environ.get("GB_HET_ADAPTIVE_SET", "").split(";") if x]
 KEEPS = tuple(float(k) for k in os.environ.get("GB_HET_KEEPS", "0.1,0.03").split(","))
 WARMUP = 3
 TARGET = 0.9
@@ -251,7 +254,7 @@ def main() -> int:
     t_start = time.monotonic()
     load_start = os.getloadavg()[0]
     trace = load_trace(str(TRACE), granularity_s=0.1)
-    adaptive = ['adaptive.policy="adaptive"', *TOPK]
+    adaptive = ['adaptive.policy="adaptive"', *TOPK, *ADAPTIVE_SET]
     fixed = ['adaptive.policy="fixed"', *TOPK]
     rounds = [one_round(rep, adaptive, fixed) for rep in range(REPEATS)]
     summary = summarize(rounds)
@@ -291,7 +294,7 @@ def main() -> int:
          {"config": str(CONFIG.relative_to(REPO)), "trace_w0": str(TRACE.relative_to(REPO)),
           "trace_mean_mbps": round(trace.mean_mbps(), 3), "rtt_ms": 30,
           "iterations": ITERATIONS, "warmup_iterations": WARMUP, "target_accuracy": TARGET,
-          "repeats": REPEATS, "order": list(rounds[0]), "summary": summary,
+          "repeats": REPEATS, "adaptive_set": ADAPTIVE_SET, "order": list(rounds[0]), "summary": summary,
           "rounds": rounds, "best_fixed": best_fixed,
           "headline_rule": "per round: p99 of w0's iter_s after warm-up in the adaptive run "
                            "/ median iter_s of the same round's no-trace adaptive run; the "

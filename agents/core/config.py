@@ -267,6 +267,12 @@ class AdaptiveConfig:
     # tcp_wmem's 16 MB) swallows a whole gradient in a few ms, before any rate sample, and
     # every keep is decided blind.
     notsent_lowat_bytes: int = 16_384
+    # Where the adaptive policy's rate samples come from. "writes": bytes_acked deltas
+    # sample_ms apart while the gradient is written (none when the writes take less than
+    # sample_ms). "upload": also one sample per iteration, the ACK clock of the whole
+    # upload (agents.core.policies.adaptive.ack_clock_rate_bps), and with carry_rt the
+    # samples carry across iterations like rt, so short compressed uploads still move rt.
+    rate_source: str = "writes"
 
     def __post_init__(self) -> None:
         self.validate("adaptive")
@@ -288,6 +294,8 @@ class AdaptiveConfig:
         _check(1024 <= self.notsent_lowat_bytes <= 64 << 20, f"{p}.notsent_lowat_bytes",
                self.notsent_lowat_bytes, "must be in [1024, 67108864] bytes")
         _check(0 < self.plan_keep <= 1, f"{p}.plan_keep", self.plan_keep, "must be in (0, 1]")
+        _check(self.rate_source in ("writes", "upload"), f"{p}.rate_source",
+               self.rate_source, "must be writes or upload")
 
 
 @dataclass(frozen=True)
