@@ -105,6 +105,8 @@ class MsgType(IntEnum):
     CONTROL = 12  # small JSON control message
     CHALLENGE = 13  # PS -> worker: a fresh nonce the worker must MAC (agents.protocol)
     PROOF = 14  # worker -> PS: HMAC of the challenge under the worker's key
+    # Pipeline (agents/stage.py, agents/stage_ps.py). Codes 20-29.
+    SLICE_WEIGHTS = 20  # pipeline: a stage's slice weights to the PS, which evaluates them
     # MoE (agents/moe/exchange.py). Codes from 40 up, away from other appenders.
     EXPERT_OUT = 40  # MoE: expert outputs back to the tokens' hosts, in dispatch order
     EXPERT_OUT_GRAD = 41  # MoE backward: gradients of the expert outputs, to the experts

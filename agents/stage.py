@@ -28,9 +28,12 @@ schedule's ``R`` action re-runs it with autograd just before the stage waits for
 downstream gradient. Activation bytes held are counted exactly: every tensor autograd saves
 (``torch.autograd.graph.saved_tensors_hooks``) plus the stashed inputs.
 
-With ``pipeline.replicas = d > 1``, stage ``s`` of replica 0 also averages the stage-``s``
-gradients of the d replicas at every optimizer step (a PS for that slice, on the stage's
-own host): the others send theirs (``GRAD``) and get the mean back (``UPDATE``).
+With ``--ps HOST:PORT`` the stage also talks to the pipeline's PS (:mod:`agents.stage_ps`)
+over one more connection: with ``pipeline.replicas = d > 1`` every optimizer step sends the
+chunk's slice gradient (``GRAD``) and waits for the mean over the d replicas (``UPDATE``);
+replica 0 sends its slice weights (``SLICE_WEIGHTS``) after the steps the PS evaluates at
+(``run.eval_every``, and the last), so the PS can measure held-out accuracy. ``d > 1``
+needs the PS.
 """
 
 from __future__ import annotations
@@ -64,6 +67,17 @@ from agents.workloads.factory import make_workload
 
 ACT, GRAD = codec.MsgType.ACTIVATION, codec.MsgType.GRADIENT_BACK
 CONNECT_TIMEOUT_S = 60.0
+
+
+def ps_node_id(stage: int, replica: int, stages: int) -> int:
+    """The id a stage gives the PS in its HELLO and frames: ``replica * p + stage``."""
+    return replica * stages + stage
+
+
+def is_eval_step(run: Any, step: int) -> bool:
+    """Whether the PS evaluates after step ``step``: every ``run.eval_every`` steps and
+    after the last (the data-parallel PS's cadence)."""
+    return (step + 1) % run.eval_every == 0 or step + 1 == run.iterations
 
 
 class StageError(RuntimeError):
@@ -135,6 +149,19 @@ class _Held:
 
 
 @dataclass
+class _PSLink:
+    """The connection to the pipeline's PS. Sends go through ``outbox`` to one sender
+    thread, in order; the averaged gradient is read back on the main thread."""
+
+    sock: socket.socket
+    reader: wire.FrameReader
+    outbox: queue.Queue[tuple[codec.MsgType, int, int, torch.Tensor] | None] = field(
+        default_factory=queue.Queue)
+    thread: threading.Thread | None = None
+    error: str | None = None
+
+
+@dataclass
 class _Peer:
     """One TCP connection to a neighbour stage."""
 
@@ -150,16 +177,19 @@ class _Peer:
 class Stage:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
                  secret: bytes, stage: int, peers: list[tuple[str, int]], replica: int = 0,
-                 hub: tuple[str, int] | None = None) -> None:
+                 ps: tuple[str, int] | None = None) -> None:
         pc = cfg.pipeline
         self.cfg, self.pc = cfg, pc
         self.s, self.p, self.replica = stage, pc.stages, replica
         self.node = f"s{stage}" if pc.replicas == 1 else f"r{replica}s{stage}"
         self.log = _LockedLog(EventLog.for_node(run_dir, run_id, self.node))
         self.tag = codec.run_tag(run_id, secret)
-        self.peers_addr, self.hub_addr = peers, hub
+        self.peers_addr, self.ps_addr = peers, ps
         if len(peers) != self.p:
             raise ValueError(f"--peers: {len(peers)} addresses for {self.p} stages")
+        if pc.replicas > 1 and ps is None:
+            raise ValueError(f"--ps: pipeline.replicas = {pc.replicas} averages the stage "
+                             "gradients through the PS; give its HOST:PORT")
         self.schedule = build_schedule(pc, cfg.run.iterations)
         self.actions = self.schedule.actions[stage]
         self.workload = make_workload(cfg.workload, cfg.vision)
@@ -206,9 +236,7 @@ class Stage:
         self.failure: str | None = None
         self.down: _Peer | None = None
         self.up: _Peer | None = None
-        self.hub_conns: list[tuple[socket.socket, wire.FrameReader]] = []
-        self.hub_sock: socket.socket | None = None
-        self.hub_reader: wire.FrameReader | None = None
+        self.ps_link: _PSLink | None = None
         self.srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
@@ -234,8 +262,6 @@ class Stage:
 
         def accept_all() -> None:
             want = (1 if up is not None else 0)
-            if self.pc.replicas > 1 and self.replica == 0:
-                want += self.pc.replicas - 1
             self.srv.settimeout(CONNECT_TIMEOUT_S)
             try:
                 while want:
@@ -251,9 +277,6 @@ class Stage:
                     if hello.role == "stage" and up is not None and hello.worker == up \
                             and "up" not in accepted:
                         accepted["up"] = (sock, reader)
-                    elif (hello.role == "worker" and self.replica == 0
-                          and 1 <= hello.worker < self.pc.replicas):
-                        self.hub_conns.append((sock, reader))
                     else:
                         raise codec.FrameError(f"{reader.peer}: hello {hello.role} "
                                                f"{hello.worker} is not a neighbour of stage "
@@ -272,15 +295,6 @@ class Stage:
                                               worker=self.s)
             wire.send_frame(sock, hdr, body)
             self.down = _Peer(dn, sock, f"stage {dn} ({wire.peer_name(sock)})")
-        if self.pc.replicas > 1 and self.replica > 0:
-            assert self.hub_addr is not None, "--hub is needed with pipeline.replicas > 1"
-            hs = _dial(self.hub_addr)
-            hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", self.replica),
-                                              msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                                              worker=self.replica)
-            wire.send_frame(hs, hdr, body)
-            self.hub_sock = hs
-            self.hub_reader = wire.FrameReader(hs, expect_tag=self.tag)
         t.join(CONNECT_TIMEOUT_S + 5)
         if "error" in accepted:
             raise StageError(f"stage {self.s}: accepting neighbours: {accepted['error']}")
@@ -305,6 +319,43 @@ class Stage:
                       chunks=self.schedule.chunks, schedule=self.pc.schedule,
                       params=sum(v[0].numel for v in self.versions.values()),
                       actions=len(self.actions))
+
+    def connect_ps(self) -> None:
+        """Dial the PS (``--ps``) and say HELLO as ``stage`` ``replica * p + s``."""
+        if self.ps_addr is None:
+            return
+        sock = _dial(self.ps_addr)
+        wire.set_socket_options(sock, nodelay=True, congestion=self.cfg.net.congestion)
+        me = ps_node_id(self.s, self.replica, self.p)
+        hdr, body = codec.frame_for_bytes(codec.hello_payload("stage", me),
+                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
+                                          worker=me)
+        wire.send_frame(sock, hdr, body)
+        peer = f"ps ({wire.peer_name(sock)})"
+        link = _PSLink(sock, wire.FrameReader(sock, expect_tag=self.tag, peer=peer))
+        link.thread = threading.Thread(target=self._ps_send_loop, args=(link, peer),
+                                       daemon=True, name="send-ps")
+        link.thread.start()
+        self.ps_link = link
+
+    def _ps_send_loop(self, link: _PSLink, peer: str) -> None:
+        me = ps_node_id(self.s, self.replica, self.p)
+        while True:
+            item = link.outbox.get()
+            if item is None:
+                return
+            msg_type, step, chunk, t = item
+            t0 = now_ns()
+            try:
+                n = wire.send_message(link.sock, [t], msg_type=msg_type, run_tag=self.tag,
+                                      worker=me, iteration=step, chunk=chunk, peer=peer)
+            except OSError as e:
+                link.error = f"{peer}: send failed: {e}"
+                self._fail(link.error)
+                return
+            self.log.emit("pp_ps_send", iter=step, chunk=chunk, bytes=n, start_ns=t0,
+                          end_ns=now_ns(),
+                          kind="G" if msg_type == codec.MsgType.GRAD else "W")
 
     # -- receiving (reader threads) -------------------------------------------------------
 
@@ -515,43 +566,42 @@ class Stage:
     # -- data-parallel replicas ------------------------------------------------------------
 
     def _average_replicas(self, step: int, chunk: int, grad: torch.Tensor) -> None:
-        d = self.pc.replicas
-        if d == 1:
+        """Replace ``grad`` by its mean over the d replicas: send it to the PS and wait for
+        the mean (the PS answers only when all d are in, so ``grad`` is not touched while
+        the sender thread still writes it)."""
+        if self.pc.replicas == 1:
             return
-        if self.replica > 0:
-            assert self.hub_sock is not None and self.hub_reader is not None
-            wire.send_message(self.hub_sock, [grad], msg_type=codec.MsgType.GRAD,
-                              run_tag=self.tag, worker=self.replica, iteration=step,
-                              chunk=chunk)
-            parts = self.hub_reader.read_message()
-            h, t = parts[0]
-            if (h.msg_type != codec.MsgType.UPDATE or h.iteration != step or h.chunk != chunk
-                    or len(parts) != 1 or t.numel() != grad.numel()
-                    or t.dtype != torch.float32):
-                raise StageError(f"hub: expected the mean gradient of step {step} chunk "
-                                 f"{chunk}, got {h.describe()}")
-            grad.copy_(t)
+        link = self.ps_link
+        assert link is not None
+        link.outbox.put((codec.MsgType.GRAD, step, chunk, grad))
+        try:
+            parts = link.reader.read_message()
+        except wire.ConnectionClosed as e:
+            raise StageError(f"{link.reader.peer}: closed while stage {self.s} waited for "
+                             f"the mean gradient of step {step} chunk {chunk} ({e})") from None
+        h, t = parts[0]
+        if (h.msg_type != codec.MsgType.UPDATE or h.iteration != step or h.chunk != chunk
+                or len(parts) != 1 or t.numel() != grad.numel() or t.dtype != torch.float32
+                or not bool(torch.isfinite(t).all())):
+            raise StageError(f"{link.reader.peer}: expected the mean gradient of step {step} "
+                             f"chunk {chunk} ({grad.numel()} float32), got {h.describe()} "
+                             f"with {[(x.dtype, x.numel()) for _, x in parts]}")
+        grad.copy_(t.reshape(-1))
+
+    def _send_weights(self, step: int) -> None:
+        """Replica 0, after an evaluated step: every chunk's freshest weights to the PS (a
+        stale chunk's just-updated version, what ``final_params`` gives after the last)."""
+        if self.ps_link is None or self.replica != 0 or not is_eval_step(self.cfg.run, step):
             return
-        total = grad.clone()
-        for _sock, reader in self.hub_conns:
-            parts = reader.read_message()
-            h, t = parts[0]
-            if (h.msg_type != codec.MsgType.GRAD or h.iteration != step or h.chunk != chunk
-                    or len(parts) != 1 or t.numel() != grad.numel()
-                    or t.dtype != torch.float32 or not torch.isfinite(t).all()):
-                raise StageError(f"{reader.peer}: expected replica stage gradient of step "
-                                 f"{step} chunk {chunk}, got {h.describe()}")
-            total += t
-        total /= d
-        grad.copy_(total)
-        for sock, _ in self.hub_conns:
-            wire.send_message(sock, [grad], msg_type=codec.MsgType.UPDATE, run_tag=self.tag,
-                              worker=0, iteration=step, chunk=chunk)
+        for c, vs in self.versions.items():
+            self.ps_link.outbox.put((codec.MsgType.SLICE_WEIGHTS, step, c,
+                                     vs[step % len(vs)].flat_params.clone()))
 
     # -- the schedule --------------------------------------------------------------------
 
     def run(self) -> int:
         self.connect()
+        self.connect_ps()
         m = self.pc.micro_batches
         step_start = now_ns()
         outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -601,6 +651,7 @@ class Stage:
                               peak_held_bytes=self.peak_held_bytes,
                               bytes_down=self.down.bytes_sent if self.down else 0,
                               bytes_up=self.up.bytes_sent if self.up else 0)
+                self._send_weights(a.mb)
                 step_start = now_ns()
         self._finish()
         return 0
@@ -636,6 +687,8 @@ class Stage:
         for peer in (self.down, self.up):
             if peer is not None:
                 peer.threads[0].join(self.cfg.run.timeout_s)
+        if self.ps_link is not None:
+            self._close_ps(self.ps_link)
         if self.failure is not None:
             raise StageError(self.failure)
         out = {c: self.final_params(c).clone() for c in self.versions}
@@ -649,6 +702,22 @@ class Stage:
             if peer is not None:
                 peer.sock.close()
         self.srv.close()
+
+
+    def _close_ps(self, link: _PSLink) -> None:
+        """Everything queued for the PS goes out, then BYE (nothing more comes back: every
+        mean was read before the last optimizer step ended)."""
+        link.outbox.put(None)
+        if link.thread is not None:
+            link.thread.join(self.cfg.run.timeout_s)
+        me = ps_node_id(self.s, self.replica, self.p)
+        hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
+                                          run_tag=self.tag, worker=me)
+        try:
+            wire.send_frame(link.sock, hdr, body)
+        except OSError as e:
+            self._fail(f"{link.reader.peer}: BYE failed: {e}")
+        link.sock.close()
 
 
 def _clone_module(module: nn.Module) -> nn.Module:
@@ -685,7 +754,8 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     ap.add_argument("--stage", required=True, type=int)
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--peers", required=True, help="HOST:PORT of every stage of this replica")
-    ap.add_argument("--hub", default=None, help="HOST:PORT of replica 0's same stage (d > 1)")
+    ap.add_argument("--ps", default=None, help="HOST:PORT of the pipeline's PS (averages "
+                    "the replicas' stage gradients, evaluates; needed with d > 1)")
     ap.add_argument("--auth", choices=("stdin", "file"), default="file",
                     help="stdin: started by the controller (key bundle on stdin, exit when "
                          "it goes); file: RUN/secret names the run (tests, by hand)")
@@ -701,9 +771,9 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     else:
         secret = (args.run_dir / "secret").read_bytes()
     torch.set_num_threads(1)
-    hub = parse_peers(args.hub)[0] if args.hub else None
+    ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
-               parse_peers(args.peers), args.replica, hub)
+               parse_peers(args.peers), args.replica, ps)
     try:
         return st.run()
     except (StageError, ConnectionError, codec.FrameError, OSError) as e:

@@ -47,12 +47,13 @@ from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from agents.core.events import EventLog, now_ns
+from agents.core.feedback_config import warmup_keep
 from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.core.policies.adaptive import ack_clock_rate_bps
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
-from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.base import FlatModel, chunk_layers, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 
@@ -143,6 +144,9 @@ class Worker:
         if cfg.compress.index_encoding != "int32":
             params.setdefault("index_encoding", cfg.compress.index_encoding)
         self.compressor: Compressor = make(cfg.compress.name, **params)
+        # Per-layer compressors (PowerSGD) see each chunk's layers; the others ignore them.
+        for c, (s, e) in enumerate(self.chunks):
+            self.compressor.set_layers(f"c{c}", chunk_layers(self.model.shapes, s, e))
         # DGC's momentum correction: the momentum is applied here, before compression, and
         # the PS steps without it (agents.compress.feedback).
         mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0
@@ -380,12 +384,14 @@ class Worker:
                     self.log.emit("decision", iter=self.iteration, chunk=c, **d.as_event())
                 tc0 = time.perf_counter()
                 grad = self.model.flat_grad[s:e]
-                ratio = self.element_ratio(d.keep)
+                # DGC's sparsity warm-up loosens the keep over the first iterations.
+                keep = warmup_keep(self.iteration, d.keep, self.cfg.feedback.warmup_iterations)
+                ratio = self.element_ratio(keep)
                 payload, stats = self._compress(c, grad, ratio)
                 staged = self.stager.stage(c, payload)
                 dt = time.perf_counter() - tc0
                 compress_s += dt
-                ready.append((c, staged, stats, ratio, d.keep, dt))
+                ready.append((c, staged, stats, ratio, keep, dt))
                 while len(ready) > lookahead:
                     send(*ready.pop(0))
             while ready:

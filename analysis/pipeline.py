@@ -17,6 +17,10 @@ its micro-batches, and its optimizer steps):
 - ``samples_per_s`` = ``steps * m * micro_batch_size * d / wall_s``;
 - ``link_bytes_per_step[(src, dst)]`` = wire bytes (headers included) the stage ``src``
   sent to ``dst`` per step (every step counted);
+- ``dp_link_bytes_per_step[(src, dst)]`` = data-parallel wire bytes per step (every step
+  counted) between a stage and the pipeline's PS (``d > 1``): its slice gradients up
+  (``pp_ps_send`` of kind ``G``, keyed ``(rRsS, "ps")``) and the means down
+  (``ps_slice_sent``, keyed ``("ps", rRsS)``); weights sent for evaluation not included;
 - ``peak_act_bytes[stage]`` = the most bytes of activations the stage held at once
   (autograd's saved tensors plus stashed inputs), from its ``pp_done``.
 """
@@ -41,6 +45,7 @@ class PipelineMetrics:
     samples_per_s: float
     link_bytes_per_step: dict[tuple[str, str], float]
     peak_act_bytes: dict[str, int]
+    dp_link_bytes_per_step: dict[tuple[str, str], float]
 
 
 def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_size: int,
@@ -69,6 +74,15 @@ def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_si
         node, to = str(key[0]), int(key[1])  # type: ignore[index]
         prefix = node[: node.rfind("s")]  # replica prefix ("" or "rK")
         links[(node, f"{prefix}s{to}")] = float(total) / steps_all
+    dp: dict[tuple[str, str], float] = {}
+    up = events[events["event"] == "pp_ps_send"]
+    up = up[up["kind"] == "G"] if len(up) else up
+    for src, total in up.groupby(up["node"].astype(str))["bytes"].sum().items():
+        dp[(str(src), "ps")] = float(total) / steps_all
+    down = events[events["event"] == "ps_slice_sent"]
+    if len(down):
+        for dst, total in down.groupby(down["to"].astype(str))["bytes"].sum().items():
+            dp[("ps", str(dst))] = float(total) / steps_all
     done = events[events["event"] == "pp_done"]
     peak = {str(r["node"]): int(r["peak_held_bytes"]) for r in done.to_dict("records")}
     return PipelineMetrics(
@@ -76,4 +90,4 @@ def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_si
         bubble_ideal=bubble / (1 - bubble) if bubble < 1 else float("inf"),
         bubble_per_stage=per_stage,
         samples_per_s=steps * micro_batches * micro_batch_size * replicas / wall,
-        link_bytes_per_step=links, peak_act_bytes=peak)
+        link_bytes_per_step=links, peak_act_bytes=peak, dp_link_bytes_per_step=dp)

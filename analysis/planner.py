@@ -259,3 +259,31 @@ def pipeline_link_bytes(boundary_numels: list[int], stages: int, micro_batches: 
         out[(b, a)] = out.get((b, a), 0.0) + micro_batches * (numel * grad_bytes_per_element
                                                              + header_bytes)
     return out
+
+
+def pipeline_dp_link_bytes(piece_numels: list[int], stages: int, replicas: int, *,
+                           bytes_per_element: int = 4, header_bytes: int = 64
+                           ) -> dict[tuple[int, int], float]:
+    """Data-parallel bytes per step, each way, on the link of stage ``s`` of every replica
+    of a (t = 1, p, d) pipeline whose stage gradients the PS averages
+    (:mod:`agents.stage_ps`).
+
+    ``piece_numels[i]`` is the parameter count of pipeline position ``i`` (position ``i``
+    sits on stage ``i % stages``). Once per step every replica's stage sends each of its
+    pieces' gradients to the PS and receives the mean, one message each way per piece:
+    ``dp(s) = sum over its pieces of (numel * bytes + header)`` up, and the same down;
+    0 when ``d = 1`` (nothing to average). Returns ``{(replica, stage): dp(s)}``; the PS's
+    own link carries the sum over all of them, each way.
+
+    Against :func:`plan`'s ring all-reduce, ``2 (d-1)/d * N`` per GPU: the PS sends each
+    replica ``N`` (the slice) and takes ``N``, equal to the ring's at ``d = 2`` and below
+    it by ``(d-2)/d * N`` for larger ``d``, at the price of the PS's link carrying ``d N``.
+    """
+    if replicas < 1 or stages < 1:
+        raise ValueError(f"stages={stages} and replicas={replicas} must be >= 1")
+    if replicas == 1:
+        return {}
+    per_stage = [0.0] * stages
+    for i, n in enumerate(piece_numels):
+        per_stage[i % stages] += n * bytes_per_element + header_bytes
+    return {(r, s): per_stage[s] for r in range(replicas) for s in range(stages)}

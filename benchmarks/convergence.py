@@ -9,10 +9,14 @@ ResNet), identical but for the compression:
 
 - ``dense``: ``compress.name = "none"``, SGD momentum 0.9 at the PS;
 - ``topk_0.1pct_ef_mc``: top-k 0.1 %, error feedback, ``feedback.momentum_correction`` (the
-  momentum moves onto the workers, masking on; the PS steps without momentum);
+  momentum moves onto the workers, masking on; the PS steps without momentum) and DGC's
+  sparsity warm-up (``feedback.warmup_iterations`` from the config: 75 % ... 99.6 % sparsity
+  in four stages, then 99.9 %);
 - ``topk_1pct_no_ef``: top-k 1 %, ``compress.error_feedback = false``, momentum at the PS.
 
-Accuracy is the PS's ``final_accuracy`` on all 10,000 test images after the last iteration.
+Accuracy is the PS's ``final_accuracy`` on all 10,000 test images after the last iteration;
+the details also carry each run's curve (the PS's ``eval`` events, every ``run.eval_every``
+iterations) and the mean of its last two evaluations, a less noisy reading at a constant lr.
 Headline: ``100 x (acc_dense - acc_topk_0.1pct_ef_mc)``, in points (target <= 0.5); also
 ``100 x (acc_dense - acc_topk_1pct_no_ef)`` (target >= 1). ``GB_CONV_SET`` (comma-separated
 dotted overrides) resizes every run; ``GB_CONV_OUT`` is where the run directories go.
@@ -30,13 +34,26 @@ from _common import REPO, emit, gradbed_run, log
 
 CONFIG = REPO / "configs" / "convergence.toml"
 OUT = Path(os.environ.get("GB_CONV_OUT", str(REPO / "runs" / "bench-convergence")))
+# The top-k 0.1 % run keeps the config's feedback.warmup_iterations (DGC's warm-up is part
+# of its recipe); the other two turn it off (dense has nothing to warm up; GRACE's no-EF arm
+# is plain top-k).
 RUNS: dict[str, list[str]] = {
-    "dense": ['compress.name="none"'],
+    "dense": ['compress.name="none"', "feedback.warmup_iterations=0"],
     "topk_0.1pct_ef_mc": ['compress.name="topk"', "compress.ratio=0.001",
                           "compress.error_feedback=true", "feedback.momentum_correction=true"],
     "topk_1pct_no_ef": ['compress.name="topk"', "compress.ratio=0.01",
-                        "compress.error_feedback=false"],
+                        "compress.error_feedback=false", "feedback.warmup_iterations=0"],
 }
+
+
+def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
+    """(iteration + 1, accuracy) of every PS ``eval`` event of a run, in order."""
+    curve = []
+    for line in (run_dir / "events" / "ps.jsonl").read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("event") == "eval" and ev.get("accuracy") is not None:
+            curve.append((int(ev["iter"]) + 1, float(ev["accuracy"])))
+    return curve
 
 
 def main() -> int:
@@ -52,7 +69,11 @@ def main() -> int:
         t1 = time.monotonic()
         run_dir = gradbed_run(CONFIG, f"conv-{name}", [*sets, *extra], out, timeout_s=3600)
         s = json.loads((run_dir / "summary.json").read_text())
+        curve = eval_curve(run_dir)
         results[name] = {"final_accuracy": s.get("final_accuracy"),
+                         "last_two_mean": (round(sum(a for _, a in curve[-2:]) / 2, 5)
+                                           if len(curve) >= 2 else None),
+                         "curve": curve,
                          "iterations": s.get("iterations"),
                          "iter_s_mean": s.get("iter_time_s_mean"),
                          "bytes_up_per_iter": s.get("bytes_up_per_iter"),

@@ -9,23 +9,37 @@ MLP, then a sleep, so 2 shared cores are not the bottleneck). Measured bubble/to
 difference in percentage points (target <= 5).
 
 Part 2, the link matters: p = 4, m = 8, ``digits_deep`` (hidden 512: 64 KB per activation
-message), compute padded to ``THR_PAD_MS`` per stage share, every stage-to-stage socket
-paced at 10, 100 and 1000 Mbit/s (``pipeline.pace_mbps``, SO_MAX_PACING_RATE on loopback:
-the pacing shaping method; the fabric shape's tc links are the Mininet form). Samples/s of
-GPipe, 1F1B and the two-group schedule, and the two-group gain over 1F1B.
+message), compute padded to ``THR_PAD_MS`` per stage share, in real Mininet: ``gradbed run
+configs/pipeline.toml`` on the ``fabric`` shape (4 stage hosts and the pipeline's PS),
+every access link shaped both ways by tc at 10, 100 and 1000 Mbit/s
+(``net.worker_link_mbps``). GPipe, 1F1B and the two-group schedule run side by side,
+interleaved (rate by rate, schedule after schedule, ``--repeats`` rounds), so the machine's
+load drifts over all three alike; samples/s and bubble of each, and their ratios to 1F1B
+(per round, and the mean over rounds).
 
-Run: ``.venv/bin/python benchmarks/pipeline.py [--quick]``; writes Gantt charts to
-``docs/`` and prints one JSON line last.
+Part 3, recomputation (loopback): the most activation bytes a stage held, with and without
+recomputation, and with the saved memory spent on micro-batches twice as large.
+
+Part 4, time to accuracy (Mininet, ``configs/pipeline.toml`` as it is: 4 stages and the PS
+on the fabric, ``digits_deep`` hidden 128): each schedule for ``TTA_STEPS`` steps at 10 and
+100 Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
+``TTA_TARGET`` and ``final_accuracy`` from ``summary.json``.
+
+Run as root: ``flock /work/wt/measure.lock .venv/bin/python benchmarks/pipeline.py
+[--quick] [--parts bubble,sweep,memory,tta]``; writes Gantt charts to ``docs/`` and prints one
+JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
+from statistics import mean
 
-from _common import REPO, emit, log
+from _common import REPO, emit, gradbed_run, log
 
 sys.path.insert(0, str(REPO))
 
@@ -39,6 +53,7 @@ PAD_MS = 40.0
 THR_PAD_MS = 20.0
 STEPS = 3
 THR_STEPS = 6
+TTA_STEPS, TTA_EVERY, TTA_TARGET = 60, 5, 0.8
 
 
 def one(tmp: Path, name: str, overrides: list[str], mb: int, m: int) -> tuple[Path, dict]:
@@ -55,14 +70,91 @@ def one(tmp: Path, name: str, overrides: list[str], mb: int, m: int) -> tuple[Pa
                      "peak_act_bytes": met.peak_act_bytes}
 
 
+def fabric_run(out: Path, name: str, sched: str, rate_mbps: float) -> tuple[Path, dict]:
+    """One schedule in Mininet on the fabric, every access link tc-shaped at the rate."""
+    run_dir = gradbed_run(REPO / "configs" / "pipeline.toml", name, [
+        "workload.name='digits_deep'", "workload.hidden=512", "workload.depth=6",
+        "pipeline.stages=4", f"pipeline.schedule='{sched}'", "pipeline.micro_batches=8",
+        "pipeline.micro_batch_size=32", f"pipeline.compute_pad_ms={THR_PAD_MS}",
+        f"net.worker_link_mbps={rate_mbps}", f"run.iterations={THR_STEPS}", "topo.hosts=5"],
+        out)
+    pp = json.loads((run_dir / "summary.json").read_text())["pipeline"]
+    return run_dir, {k: pp[k] for k in ("bubble", "bubble_ideal", "bubble_per_stage",
+                                        "samples_per_s", "link_bytes_per_step",
+                                        "peak_act_bytes")}
+
+
+SCHEDULES = ("gpipe", "1f1b", "two_group")
+
+
+def sweep(tmp: Path, rates: tuple[float, ...], repeats: int
+          ) -> tuple[list[dict], dict, dict[str, Path]]:
+    """Part 2: every (round, rate, schedule) in Mininet; rows, ratios to 1F1B, Gantt runs."""
+    rows = []
+    gantt_runs: dict[str, Path] = {}
+    for rnd in range(repeats):
+        for rate in rates:
+            for sched in SCHEDULES:
+                name = f"thr-{sched}-{rate:g}mbps-r{rnd}"
+                run_dir, r = fabric_run(tmp, name, sched, rate)
+                rows.append({"round": rnd, "schedule": sched, "rate_mbps": rate, **r})
+                log(f"{name}: {r['samples_per_s']:.1f} samples/s, bubble {r['bubble']:.3f}")
+                if rate == 100.0 and rnd == 0:
+                    gantt_runs[sched] = run_dir
+    ratios: dict[str, dict[str, float]] = {}
+    for rate in rates:
+        per = {}
+        for sched in ("gpipe", "two_group"):
+            rs = []
+            for rnd in range(repeats):
+                by = {r["schedule"]: r["samples_per_s"] for r in rows
+                      if r["rate_mbps"] == rate and r["round"] == rnd}
+                rs.append(by[sched] / by["1f1b"])
+            per[f"{sched}_over_1f1b"] = mean(rs)
+            per[f"{sched}_over_1f1b_rounds"] = rs  # type: ignore[assignment]
+        ratios[f"{rate:g}"] = per
+    return rows, ratios, gantt_runs
+
+
+def time_to_accuracy(tmp: Path, rates: tuple[float, ...]) -> list[dict]:
+    """Part 4: every schedule to ``TTA_TARGET`` on the fabric, rate by rate."""
+    rows = []
+    for rate in rates:
+        for sched in SCHEDULES:
+            name = f"tta-{sched}-{rate:g}mbps"
+            run_dir = gradbed_run(REPO / "configs" / "pipeline.toml", name, [
+                f"pipeline.schedule='{sched}'", f"net.worker_link_mbps={rate}",
+                f"run.iterations={TTA_STEPS}", f"run.eval_every={TTA_EVERY}",
+                f"run.target_accuracy={TTA_TARGET}"], tmp)
+            s = json.loads((run_dir / "summary.json").read_text())
+            evals = load_events(run_dir)
+            evals = evals[(evals["event"] == "eval") & (evals["node"] == "ps")]
+            rows.append({"schedule": sched, "rate_mbps": rate,
+                         "time_to_target_s": s.get("time_to_target_s"),
+                         "iterations_to_target": s.get("iterations_to_target"),
+                         "final_accuracy": s.get("final_accuracy"),
+                         "samples_per_s": s["pipeline"]["samples_per_s"],
+                         "accuracy_by_step": {int(i) + 1: float(a) for i, a in
+                                              zip(evals["iter"], evals["accuracy"],
+                                                  strict=True)}})
+            log(f"{name}: time to {TTA_TARGET} {s.get('time_to_target_s')} s, final "
+                f"accuracy {s.get('final_accuracy')}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="p=2 only, m in {4, 8}, two rates")
+    ap.add_argument("--parts", default="bubble,sweep,memory,tta",
+                    help="comma-separated: bubble (loopback), sweep (Mininet), memory "
+                         "(loopback), tta (Mininet)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the sweep")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="gradbed-pipeline-"))
     ps, ms = ((2,), (4, 8)) if args.quick else ((2, 4), (4, 8, 16))
     bubble_rows = []
-    for sched in ("gpipe", "1f1b"):
+    for sched in ("gpipe", "1f1b") if "bubble" in parts else ():
         for p in ps:
             for m in ms:
                 name = f"bubble-{sched}-p{p}-m{m}"
@@ -81,33 +173,23 @@ def main() -> None:
                 bubble_rows.append(row)
                 log(f"{name}: bubble {r['bubble']:.4f} formula {formula:.4f} "
                     f"({row['diff_points']:+.2f} points)")
-    worst = max(abs(r["diff_points"]) for r in bubble_rows)
+    worst = max((abs(r["diff_points"]) for r in bubble_rows), default=float("nan"))
 
     rates = (10.0, 100.0) if args.quick else (10.0, 100.0, 1000.0)
-    thr_rows = []
-    gantt_runs = {}
-    for rate in rates:
-        for sched in ("gpipe", "1f1b", "two_group"):
-            name = f"thr-{sched}-{rate:g}mbps"
-            run_dir, r = one(tmp, name, [
-                "workload.name='digits_deep'", "workload.hidden=512", "workload.depth=6",
-                "pipeline.stages=4", f"pipeline.schedule='{sched}'",
-                "pipeline.micro_batches=8", "pipeline.micro_batch_size=32",
-                f"pipeline.compute_pad_ms={THR_PAD_MS}", f"pipeline.pace_mbps={rate}",
-                f"run.iterations={THR_STEPS}"], 32, 8)
-            thr_rows.append({"schedule": sched, "rate_mbps": rate, **r})
-            log(f"{name}: {r['samples_per_s']:.1f} samples/s, bubble {r['bubble']:.3f}")
-            if rate == 100.0:
-                gantt_runs[sched] = run_dir
+    thr_rows: list[dict] = []
+    ratios: dict = {}
+    gantt_runs: dict[str, Path] = {}
+    if "sweep" in parts:
+        thr_rows, ratios, gantt_runs = sweep(tmp, rates, args.repeats)
     # Part 3: recomputation's memory, and spending it on a micro-batch twice as large.
     mem_rows = []
-    for rec, mbs in ((False, 32), (True, 32), (True, 64)):
+    for rec, mbs in ((False, 32), (True, 32), (True, 64)) if "memory" in parts else ():
         name = f"mem-1f1b-recompute{int(rec)}-b{mbs}"
         _, r = one(tmp, name, [
             "workload.name='digits_deep'", "workload.hidden=512", "workload.depth=6",
             "pipeline.stages=4", "pipeline.schedule='1f1b'", "pipeline.micro_batches=8",
             f"pipeline.micro_batch_size={mbs}", f"pipeline.recompute={str(rec).lower()}",
-            f"pipeline.compute_pad_ms={THR_PAD_MS}", f"pipeline.pace_mbps={rates[-1]}",
+            f"pipeline.compute_pad_ms={THR_PAD_MS}", "pipeline.pace_mbps=1000",
             f"run.iterations={STEPS}"], mbs, 8)
         mem_rows.append({"recompute": rec, "micro_batch_size": mbs,
                          "peak_act_bytes": r["peak_act_bytes"],
@@ -115,10 +197,7 @@ def main() -> None:
                          "samples_per_s": r["samples_per_s"]})
         log(f"{name}: peak {max(r['peak_act_bytes'].values())} B, "
             f"{r['samples_per_s']:.1f} samples/s")
-    gain = {}
-    for rate in rates:
-        by = {r["schedule"]: r["samples_per_s"] for r in thr_rows if r["rate_mbps"] == rate}
-        gain[f"{rate:g}"] = by["two_group"] / by["1f1b"] - 1
+    tta_rows = time_to_accuracy(tmp, (10.0, 100.0)) if "tta" in parts else []
     docs = REPO / "docs"
     docs.mkdir(exist_ok=True)
     charts = []
@@ -126,14 +205,18 @@ def main() -> None:
         tl = host_timeline(load_events(run_dir))
         window = tl[(tl["iter"] >= 3) & (tl["iter"] <= 4)]  # two steady-state steps
         out = plot_gantt(tl, docs / f"pipeline_gantt_{sched}.png",
-                         title=f"{sched}, p=4, m=8, 100 Mbit/s per link: steps 3-4 of "
+                         title=f"{sched}, p=4, m=8, fabric, tc 100 Mbit/s per link: steps 3-4 of "
                                f"{THR_STEPS}",
                          t_range=(window["start_s"].min(), window["end_s"].max()))
         charts.append(str(out.relative_to(REPO)))
     emit("pipeline", round(worst, 3), "points",
          "measured GPipe/1F1B bubble within 5 points of (p-1)/(m+p-1)",
-         {"pad_ms": PAD_MS, "thr_pad_ms": THR_PAD_MS, "steps": STEPS, "thr_steps": THR_STEPS, "bubble": bubble_rows,
-          "throughput": thr_rows, "two_group_gain_over_1f1b": gain, "memory": mem_rows,
+         {"pad_ms": PAD_MS, "thr_pad_ms": THR_PAD_MS, "steps": STEPS, "thr_steps": THR_STEPS,
+          "bubble": bubble_rows, "parts": sorted(parts),
+          "sweep_shape": "fabric (Mininet, tc on every access link)",
+          "repeats": args.repeats, "throughput": thr_rows, "ratios_to_1f1b": ratios,
+          "memory": mem_rows, "tta": tta_rows,
+          "tta_settings": {"steps": TTA_STEPS, "eval_every": TTA_EVERY, "target": TTA_TARGET},
           "gantt": charts})
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from agents.compress import ErrorFeedback, make
-from agents.workloads.base import FlatModel, Workload, chunk_ranges, sgd_step_
+from agents.workloads.base import FlatModel, Workload, chunk_layers, chunk_ranges, sgd_step_
 
 __all__ = ["TrainingSpec", "iterations_to_target", "train"]
 
@@ -73,6 +73,9 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
     worker_momentum = spec.momentum if spec.momentum_correction else 0.0
     feedback = [ErrorFeedback(make(spec.compressor), momentum=worker_momentum,
                               masking=spec.masking) for _ in range(spec.workers)]
+    for fb in feedback:  # as the worker does: per-layer compressors see each chunk's layers
+        for c, (s, e) in enumerate(chunks):
+            fb.inner.set_layers(f"c{c}", chunk_layers(ps.shapes, s, e))
     rngs = [torch.Generator().manual_seed(spec.seed * 7919 + w) for w in range(spec.workers)]
     momentum_buf = torch.zeros_like(ps.flat_params)
     evals: list[tuple[int, float]] = []

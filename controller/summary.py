@@ -38,6 +38,8 @@ def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]
             "link_bytes_per_step": {f"{a}->{b}": v for (a, b), v
                                     in m.link_bytes_per_step.items()},
             "peak_act_bytes": m.peak_act_bytes,
+            "dp_link_bytes_per_step": {f"{a}->{b}": v for (a, b), v
+                                       in m.dp_link_bytes_per_step.items()},
             "first_loss": float(losses.sort_values("iter")["loss"].iloc[0]) if len(losses)
             else None,
             "final_loss": float(losses.sort_values("iter")["loss"].iloc[-1]) if len(losses)

@@ -31,22 +31,32 @@ def make_run_dir(tmp: Path, overrides: list[str], name: str = "run"
     return run_dir, cfg
 
 
-def run_pipeline(tmp: Path, overrides: list[str], timeout_s: float = 120, name: str = "run"
-                 ) -> tuple[Path, cfgmod.ExperimentConfig, list[int]]:
-    """Every stage of every replica as its own process on 127.0.0.1; returns exit codes."""
+def run_pipeline(tmp: Path, overrides: list[str], timeout_s: float = 120, name: str = "run",
+                 ps: bool | None = None) -> tuple[Path, cfgmod.ExperimentConfig, list[int]]:
+    """Every stage of every replica as its own process on 127.0.0.1, and the pipeline's PS
+    (``agents.stage_ps``) when ``ps`` (default: only when ``pipeline.replicas > 1``, which
+    needs it); returns the exit codes, the PS's last."""
     run_dir, cfg = make_run_dir(tmp, overrides, name)
     pc = cfg.pipeline
+    with_ps = pc.replicas > 1 if ps is None else ps
     ports = [[free_port() for _ in range(pc.stages)] for _ in range(pc.replicas)]
+    ps_port = free_port()
     procs = []
     for r in range(pc.replicas):
         peers = ",".join(f"127.0.0.1:{port}" for port in ports[r])
         for s in range(pc.stages):
             cmd = [sys.executable, "-m", "agents.stage", "--run-dir", str(run_dir),
                    "--stage", str(s), "--replica", str(r), "--peers", peers]
-            if pc.replicas > 1:
-                cmd += ["--hub", f"127.0.0.1:{ports[0][s]}"]
+            if with_ps:
+                cmd += ["--ps", f"127.0.0.1:{ps_port}"]
             log = open(run_dir / f"r{r}s{s}.log", "wb")
             procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    if with_ps:
+        log = open(run_dir / "r_ps.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "agents.stage_ps", "--run-dir", str(run_dir), "--host",
+             "127.0.0.1", "--port", str(ps_port)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
     rcs = []
     try:
         for proc in procs:
@@ -60,7 +70,7 @@ def run_pipeline(tmp: Path, overrides: list[str], timeout_s: float = 120, name: 
 
 
 def logs(run_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(run_dir.glob("r*s*.log")))
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(run_dir.glob("r*.log")))
 
 
 def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Tensor]:

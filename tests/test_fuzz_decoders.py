@@ -210,3 +210,25 @@ def test_memory_stayed_bounded() -> None:
 def test_thousand_brackets_is_a_clean_error(depth: int) -> None:
     with pytest.raises(codec.FrameError, match="nested deeper"):
         codec.parse_hello(b"[" * min(depth, codec.MAX_HELLO_BYTES))
+
+
+@SETTINGS
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12),
+       st.lists(st.integers(-3, 40), min_size=0, max_size=12),
+       st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), st.integers(1, 64))
+def test_powersgd_layered_payload_decoder(raw_header: list[int], small_header: list[int],
+                                          n_p: int, n_q: int, n_dense: int,
+                                          numel: int) -> None:
+    """PowerSGD's per-layer wire format (an int32 (numel, m, r) header, P, Q, dense): any
+    header and part sizes either decode to exactly ``numel`` values or raise PayloadError,
+    the one error the PS's _accumulate reports; never another exception. Small headers
+    make consistent ones likely, large ones probe overflow."""
+    comp = make("powersgd")
+    for header in (raw_header, small_header):
+        parts = [torch.tensor(header, dtype=torch.int32), torch.ones(n_p), torch.ones(n_q),
+                 torch.ones(n_dense)]
+        try:
+            payload = comp.from_parts(parts, numel, (numel,), torch.float32)
+        except PayloadError:
+            continue
+        assert comp.decompress(payload).shape == (numel,)

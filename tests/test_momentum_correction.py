@@ -110,3 +110,29 @@ def test_config_needs_error_feedback_and_momentum() -> None:
         cfgmod.from_dict({**base, "compress": {"name": "topk", "error_feedback": False}})
     with pytest.raises(cfgmod.ConfigError, match="needs workload.momentum > 0"):
         cfgmod.from_dict({**base, "workload": {"momentum": 0.0}})
+
+
+def test_sparsity_warmup_schedule_is_dgcs() -> None:
+    """DGC section 3.4: sparsity 75 %, 93.75 %, 98.4375 %, 99.6 %, then the configured 99.9 %,
+    in four equal stages of the warm-up."""
+    from agents.core.feedback_config import warmup_keep
+    w = 400  # four stages of 100 iterations
+    keeps = [warmup_keep(i, 0.001, w) for i in (0, 99, 100, 199, 200, 299, 300, 399, 400, 10**6)]
+    assert keeps == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625,
+                     0.00390625, 0.00390625, 0.001, 0.001]
+    sparsity = [round(100 * (1 - warmup_keep(i, 0.001, w)), 4) for i in (0, 100, 200, 300, 400)]
+    assert sparsity == [75.0, 93.75, 98.4375, 99.6094, 99.9]
+    # Never sparser than configured; off when W = 0; uneven stage lengths still cover W.
+    assert warmup_keep(250, 0.05, w) == 0.05 and warmup_keep(50, 0.5, w) == 0.5
+    assert warmup_keep(0, 0.001, 0) == 0.001
+    assert [warmup_keep(i, 0.001, 6) for i in range(7)] == [
+        0.25, 0.25, 0.0625, 0.015625, 0.015625, 0.00390625, 0.001]
+    with pytest.raises(ValueError, match="iteration"):
+        warmup_keep(-1, 0.001, w)
+
+
+def test_warmup_config_is_checked() -> None:
+    cfg = cfgmod.from_dict({"feedback": {"warmup_iterations": 1876}})
+    assert cfg.feedback.warmup_iterations == 1876
+    with pytest.raises(cfgmod.ConfigError, match="feedback.warmup_iterations"):
+        cfgmod.from_dict({"feedback": {"warmup_iterations": -1}})

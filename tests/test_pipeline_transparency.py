@@ -127,3 +127,37 @@ def test_fp16_both_ways_halves_the_bytes_and_stays_close(tmp_path):
     for g, e in zip(got, exact, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=5e-3)
     assert _far(got, exact, 1e-7)
+
+
+def test_replicas_average_through_the_ps_as_the_planner_predicts(tmp_path):
+    """d = 3 pipelines of 2 stages: the PS (agents.stage_ps) averages every stage's
+    gradient once per step; every replica ends at the unsplit model's weights on the
+    combined batch, and the measured data-parallel bytes per link per step equal the
+    planner's (t = 1, p, d) prediction within 1 %, both ways."""
+    from agents.partition import balance_by_params, split
+    from agents.workloads.base import FlatModel, make_workload
+    from analysis.load import load_events
+    from analysis.pipeline import pipeline_metrics
+    from analysis.planner import pipeline_dp_link_bytes
+
+    p, d, m, b, steps = 2, 3, 2, 8, 2
+    run_dir, cfg, rcs = run_pipeline(tmp_path, [
+        f"pipeline.stages={p}", "pipeline.schedule='gpipe'", f"pipeline.micro_batches={m}",
+        f"pipeline.micro_batch_size={b}", f"pipeline.replicas={d}", f"run.iterations={steps}"])
+    assert rcs == [0] * (p * d + 1), logs(run_dir)
+    want = reference_pieces(cfg, steps)
+    for r in range(d):
+        _close(pipeline_pieces(run_dir, cfg, r), want)
+    assert _far(reference_pieces(cfg, steps + 1), want)
+    ev = load_events(run_dir)
+    means = ev[ev["event"] == "ps_slice_mean"]
+    assert len(means) == steps * p and set(means["replicas"]) == {d}
+    model = make_workload(cfg.workload).build_model(0)
+    numels = [FlatModel(x).numel for x in split(model, balance_by_params(model, p))]
+    predicted = pipeline_dp_link_bytes(numels, p, d)
+    got = pipeline_metrics(ev, micro_batches=m, micro_batch_size=b, replicas=d,
+                           skip=0).dp_link_bytes_per_step
+    assert len(got) == 2 * p * d
+    for (r, s), v in predicted.items():
+        for key in ((f"r{r}s{s}", "ps"), ("ps", f"r{r}s{s}")):
+            assert abs(got[key] - v) <= 0.01 * v, (key, got[key], v)

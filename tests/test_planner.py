@@ -8,7 +8,14 @@ from fractions import Fraction
 import pytest
 
 from analysis.cli import plan_main
-from analysis.planner import Layout, Links, ModelShape, model_flops, plan
+from analysis.planner import (
+    Layout,
+    Links,
+    ModelShape,
+    model_flops,
+    pipeline_dp_link_bytes,
+    plan,
+)
 
 YUAN = ModelShape(layers=76, hidden=16384, seq=2048)
 YUAN_LAYOUT = Layout(t=8, p=38, d=7, global_batch=3360, micro_batch=1)
@@ -99,3 +106,16 @@ def test_plan_cli_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["links"]["pp_gbps"] == 100.0
     assert plan_main([*args[:-2], "--d", "9"]) == 2  # 3360 is not a multiple of 9
     assert "not a multiple" in capsys.readouterr().err
+
+
+def test_pipeline_dp_link_bytes_per_replica_stage():
+    # Two chunks per stage (two-group): stage s holds positions s and s + p.
+    got = pipeline_dp_link_bytes([10, 20, 30, 40], stages=2, replicas=3)
+    assert got == {(r, s): v for r in range(3)
+                   for s, v in ((0, 10 * 4 + 64 + 30 * 4 + 64), (1, 20 * 4 + 64 + 40 * 4 + 64))}
+    assert pipeline_dp_link_bytes([10, 20], stages=2, replicas=1) == {}
+    # At d = 2 a replica's link carries what plan()'s ring all-reduce sends per GPU.
+    n = 1000
+    assert pipeline_dp_link_bytes([n], 1, 2, header_bytes=0)[(0, 0)] == 2 * (2 - 1) / 2 * n * 4
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pipeline_dp_link_bytes([1], stages=0, replicas=2)

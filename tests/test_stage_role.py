@@ -13,22 +13,26 @@ from topo.shapes import shape_spec
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_replica_r_stage_s_runs_on_host_r_times_p_plus_s(tmp_path):
+def test_replica_r_stage_s_runs_on_host_r_times_p_plus_s_and_the_ps_on_the_last(tmp_path):
     cfg = cfgmod.load(REPO / "configs/pipeline.toml",
-                      ["pipeline.stages=2", "pipeline.replicas=2", "topo.hosts=4"])
+                      ["pipeline.stages=2", "pipeline.replicas=2", "topo.hosts=5"])
     role = get("stage")
     assert role.ends_run and role.host_kinds == ("stage",) and "pipeline" in role.sections
     planned = [(c.host, c.argv) for _, c in plan_commands(RoleContext(
         cfg, shape_spec(cfg), tmp_path, python="PY"))]
-    assert [h for h, _ in planned] == ["gbh0", "gbh1", "gbh2", "gbh3"]
-    host3 = planned[3][1]
-    assert host3 == ("PY", "-m", "agents.stage", "--run-dir", str(tmp_path), "--stage", "1",
-                     "--replica", "1", "--peers", "10.0.0.12:6000,10.0.0.13:6001",
-                     "--auth", "stdin", "--hub", "10.0.0.11:6001")
+    assert sorted(h for h, _ in planned) == ["gbh0", "gbh1", "gbh2", "gbh3", "gbh4"]
+    by_host = dict(planned)
+    assert by_host["gbh3"] == ("PY", "-m", "agents.stage", "--run-dir", str(tmp_path),
+                               "--stage", "1", "--replica", "1", "--peers",
+                               "10.0.0.12:6000,10.0.0.13:6001", "--auth", "stdin",
+                               "--ps", "10.0.0.14:6000")
+    assert by_host["gbh4"] == ("PY", "-m", "agents.stage_ps", "--run-dir", str(tmp_path),
+                               "--port", "6000", "--auth", "stdin")
 
 
-def test_host_count_must_be_stages_times_replicas(tmp_path):
-    cfg = cfgmod.load(REPO / "configs/pipeline.toml", ["topo.hosts=3"])
-    with pytest.raises(RoleError, match=r"3 stage hosts for pipeline.stages=4 x "
-                                        r"pipeline.replicas=1 \(set topo.hosts = 4\)"):
+def test_host_count_must_be_stages_times_replicas_plus_the_ps(tmp_path):
+    cfg = cfgmod.load(REPO / "configs/pipeline.toml", ["topo.hosts=4"])
+    with pytest.raises(RoleError, match=r"4 stage hosts for pipeline.stages=4 x "
+                                        r"pipeline.replicas=1 and the PS \(set topo.hosts = "
+                                        r"5\)"):
         plan_commands(RoleContext(cfg, shape_spec(cfg), tmp_path, python="PY"))

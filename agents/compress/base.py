@@ -121,6 +121,14 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> Tensor:
         """Dense tensor with the original shape and dtype, on the payload's device."""
 
+    def set_layers(self, key: str, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Tell the compressor how the flat tensor it will get under ``key`` splits into
+        layers: the shapes of its consecutive pieces, in flat order (numels summing to the
+        tensor's; :func:`agents.workloads.base.chunk_layers`). Compressors that work per
+        layer (PowerSGD: one matrix per layer) use it; the default ignores it, since the
+        others work element by element or on the whole tensor."""
+        return None
+
     def expected_parts(self) -> int | None:
         """Number of tensor parts a payload of this compressor carries (None: variable)."""
         return None

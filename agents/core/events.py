@@ -197,6 +197,18 @@ _declare("pp_done", "stage", "the stage finished every step",
          peak_held_bytes="peak activation bytes held", bytes_down="bytes sent downstream",
          bytes_up="bytes sent upstream")
 _declare("stage_error", "stage", "the stage stopped on an error", error="the message")
+_declare("pp_ps_send", "stage", "a message to the pipeline's PS written to the kernel",
+         kind="G (slice gradient, d > 1) or W (slice weights for evaluation)",
+         chunk="model chunk", bytes="bytes on the wire (frame included)",
+         start_ns="start (CLOCK_MONOTONIC)", end_ns="end (CLOCK_MONOTONIC)")
+
+# -- the pipeline's PS (agents/stage_ps.py; node ps) -----------------------------------------
+_declare("ps_slice_mean", "ps", "the PS averaged one stage chunk's gradient over the d "
+         "replicas and queued the mean to each", stage="stage index", chunk="model chunk",
+         replicas="gradients averaged (d)", bytes="wire bytes of the mean to one replica")
+_declare("ps_slice_sent", "ps", "the PS's sender thread wrote one mean to a stage",
+         to="the stage's node (rRsS)", chunk="model chunk",
+         bytes="bytes on the wire (frame included)")
 
 # -- MoE expert host (agents/expert.py; nodes e0..eH-1) ---------------------------------------
 _declare("moe_start", "expert", "the expert host joined the mesh and built its shards",

@@ -12,8 +12,9 @@ registration order, the order backprop produces gradients in (as DDP buckets do)
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -70,6 +71,11 @@ class FlatModel:
             self.layout.append((names[id(p)], offset, n))
             offset += n
 
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The parameters' shapes in send order (the flat buffers' layout)."""
+        return [tuple(p.shape) for p in self.params]
+
     def zero_grad(self) -> None:
         self.flat_grad.zero_()
 
@@ -96,6 +102,38 @@ def chunk_ranges(numel: int, chunk_bytes: int, itemsize: int = 4) -> list[tuple[
     order. Chunks are the unit of compression, framing and adaptive-ratio decisions."""
     step = max(1, chunk_bytes // itemsize)
     return [(s, min(s + step, numel)) for s in range(0, numel, step)]
+
+
+def chunk_layers(shapes: Sequence[tuple[int, ...]], start: int,
+                 end: int) -> list[tuple[int, ...]]:
+    """The layer pieces of the flat range [start, end) of parameters laid out consecutively
+    with ``shapes`` (send order, as :class:`FlatModel` packs them), as shapes in flat order.
+
+    A parameter wholly inside the range keeps its shape. One cut by the range's ends is split
+    along its rows (its matrix view is ``shape[0] x rest``, as PowerSGD sees it): a partial
+    row at the cut (1-D), the whole rows inside (``(rows, rest)``), a partial row at the
+    other cut (1-D). 1-D parameters stay 1-D. The pieces' numels sum to ``end - start``."""
+    pieces: list[tuple[int, ...]] = []
+    offset = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        lo, hi = max(offset, start) - offset, min(offset + n, end) - offset
+        offset += n
+        if lo >= hi:
+            continue
+        if lo == 0 and hi == n or len(shape) < 2:
+            pieces.append(tuple(shape) if lo == 0 and hi == n else (hi - lo,))
+            continue
+        row = n // shape[0]
+        first_row_end = min(hi, -(-lo // row) * row)  # the first row boundary at or after lo
+        last_row_start = max(first_row_end, hi // row * row)
+        if first_row_end > lo:
+            pieces.append((first_row_end - lo,))
+        if last_row_start > first_row_end:
+            pieces.append(((last_row_start - first_row_end) // row, row))
+        if hi > last_row_start:
+            pieces.append((hi - last_row_start,))
+    return pieces
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """The pipeline stage role (``agents/stage.py``): one process per stage of each of the
 ``pipeline.replicas`` pipelines, activations forward and gradients backward over the
-fabric's shaped access links (DESIGN.md 1.3; GPipe, 1F1B, the seed's two-group schedule).
+fabric's shaped access links (DESIGN.md 1.3; GPipe, 1F1B, the seed's two-group schedule),
+and the pipeline's PS (``agents/stage_ps.py``) on a host of its own.
 
 Placement: the fabric's hosts of kind ``stage``, by rank: host ``r * p + s`` runs stage
-``s`` of replica ``r``, listening on ``pipeline.base_port + s``; replica 0's stage ``s``
-also averages that stage's gradients over the replicas (``--hub``). The run ends when
-every stage has exited.
+``s`` of replica ``r``, listening on ``pipeline.base_port + s``; host ``p * d`` runs the PS
+(on ``pipeline.base_port``), which averages each stage's gradients over the d replicas once
+per step and evaluates the model (``topo.hosts = p * d + 1``). The run ends when every
+stage and the PS have exited.
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     pc = ctx.cfg.pipeline
     p, d = pc.stages, pc.replicas
     ranked = sorted(hosts, key=lambda h: h.rank)
-    if p < 2 or len(ranked) != p * d:
+    if p < 2 or len(ranked) != p * d + 1:
         raise RoleError(f"stage: {len(ranked)} stage hosts for pipeline.stages={p} x "
-                        f"pipeline.replicas={d} (set topo.hosts = {max(p, 2) * d})")
-    out = []
-    for h in ranked:
+                        f"pipeline.replicas={d} and the PS (set topo.hosts = "
+                        f"{max(p, 2) * d + 1})")
+    ps = ranked[p * d]
+    out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.stage_ps", "--run-dir",
+                                 str(ctx.run_dir), "--port", str(pc.base_port),
+                                 "--auth", "stdin"))]
+    for h in ranked[:p * d]:
         r, s = divmod(h.rank, p)
         peers = ",".join(f"{ranked[r * p + i].ip}:{pc.base_port + i}" for i in range(p))
-        argv = [ctx.python, "-m", "agents.stage", "--run-dir", str(ctx.run_dir),
-                "--stage", str(s), "--replica", str(r), "--peers", peers, "--auth", "stdin"]
-        if d > 1:
-            argv += ["--hub", f"{ranked[s].ip}:{pc.base_port + s}"]
-        out.append(RoleCommand(h.name, tuple(argv)))
+        out.append(RoleCommand(h.name, (
+            ctx.python, "-m", "agents.stage", "--run-dir", str(ctx.run_dir), "--stage", str(s),
+            "--replica", str(r), "--peers", peers, "--auth", "stdin",
+            "--ps", f"{ps.ip}:{pc.base_port}")))
     return out
 
 
