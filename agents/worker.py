@@ -50,6 +50,7 @@ from agents.core.events import EventLog, now_ns
 from agents.core.feedback_config import warmup_keep
 from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
+from agents.core.policies.adaptive import ack_clock_rate_bps
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
 from agents.workloads.base import FlatModel, chunk_layers, chunk_ranges
@@ -308,6 +309,32 @@ class Worker:
         index_bytes = 4.0 if self.cfg.compress.index_encoding == "int32" else 1.5
         return max(self.cfg.adaptive.keep_min, keep * 4.0 / (4.0 + index_bytes))
 
+    def time_upload(self, poll_s: float = 0.0005, limit_s: float = 2.0) -> None:
+        """One rate sample for the upload just written (``adaptive.rate_source =
+        "upload"``): read ``bytes_acked`` every ``poll_s`` until nothing written is left
+        unacknowledged, and hand ``ack_clock_rate_bps`` of the readings to the policy.
+        The PS answers only after the whole gradient arrived, so this ends before the
+        reply would be read; ``limit_s`` bounds it if the ACKs stall."""
+        assert self.sock is not None
+        samples: list[tuple[int, int]] = []
+        deadline = time.monotonic() + limit_s
+        info = read_tcp_info(self.sock)
+        while True:
+            samples.append((now_ns(), int(info.bytes_acked or 0)))
+            if (info.unacked_pkts == 0 and not info.notsent_bytes) or time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+            info = read_tcp_info(self.sock)
+        rate_bps = ack_clock_rate_bps(samples)
+        ts = samples[-1][0]
+        self.log.emit("tcp_info", iter=self.iteration, bytes_acked=samples[-1][1],
+                      delivery_rate_bps=(info.delivery_rate_bytes_per_s or 0) * 8,
+                      rtt_us=info.rtt_us, cwnd=info.snd_cwnd_pkts,
+                      pacing_rate_bps=(info.pacing_rate_bytes_per_s or 0) * 8,
+                      total_retrans=info.total_retrans, rate_bps=rate_bps)
+        if rate_bps is not None and rate_bps > 0:
+            self.observe_rate(rate_bps, ts)
+
     def send_gradient(self) -> tuple[float, float, int]:
         assert self.sock is not None
         total_raw = self.model.numel * 4
@@ -372,6 +399,8 @@ class Worker:
         finally:
             self.sampler.active.clear()
         send_s = time.perf_counter() - t0 - compress_s
+        if self.cfg.adaptive.rate_source == "upload" and self.policy.decides_in_flight:
+            self.time_upload()
         self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s,
                       start_ns=start_ns)
         return compress_s, send_s, wire_bytes

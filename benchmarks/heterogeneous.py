@@ -5,7 +5,10 @@ and section 5's adaptive-ratio target).
 replaying ``traces/data/cellular_like.log`` (mean 10.5 Mbit/s), 15 ms one-way delay on the
 bottleneck each way (30 ms RTT; the NFQUEUE delay line on this kernel), the digits MLP
 (hidden 256: 340 KB of float32 gradient per worker), plain SGD, target 90 % held-out
-accuracy. Runs, one after the other, each a real ``gradbed run`` (Mininet, real TCP):
+accuracy. ``GB_HET_REPEATS`` rounds (default 3), each running every policy below once in
+the same order, so that the policies are interleaved in time and a slow spell of the shared
+machine hits one round of each rather than all runs of one policy. Each run is a real
+``gradbed run`` (Mininet, real TCP):
 
 - ``planned``: the same config with w0's trace removed (every worker at 100 Mbit/s) and the
   adaptive policy, which then keeps (nearly) everything: the iteration time the adaptive
@@ -25,10 +28,14 @@ accuracy. Runs, one after the other, each a real ``gradbed run`` (Mininet, real 
   link, so their delivery rate is RTT-bound (27 Mbit/s median in the first run) and
   scaling by it gave w0 a keep of 0.28, as slow as fixed 0.3.
 
-Per run: every worker's p99 ``iter_s`` after the warm-up, over the planned time (w0's is the
-headline for adaptive; DESIGN's target <= 1.2), and TTA as ``benchmarks/cellular_tta.py``
+Per run: every worker's p99 ``iter_s`` after the warm-up, over the planned time of the same
+round (**p99 / planned**; w0's for adaptive, as the median over the rounds, is the headline;
+DESIGN's target <= 1.2), and TTA as ``benchmarks/cellular_tta.py``
 defines it (from the first iteration's start to the first eval >= the target; ``None`` =
-not reached within the run's iterations, never extrapolated).
+not reached within the run's iterations, never extrapolated). Every figure is reported per
+round and as median, min and max over the rounds (``details.summary``); the best uniform
+fixed keep is the one with the lowest median TTA, and each run's TTA gain is against that
+keep's run in the same round.
 
 The bound (``benchmarks/tta_headroom.py``'s model, ``analysis.tta_model``): iterations to
 the target per keep are measured in this process (``controller.keep_response``: 4 workers,
@@ -69,6 +76,10 @@ CONFIG = REPO / "configs" / "heterogeneous.toml"
 TRACE = REPO / "traces" / "data" / "cellular_like.log"
 OUT = Path(os.environ.get("GB_HET_OUT", str(REPO / "runs" / "bench-heterogeneous")))
 ITERATIONS = int(os.environ.get("GB_HET_ITERS", "100"))
+REPEATS = int(os.environ.get("GB_HET_REPEATS", "3"))
+# Extra --set overrides for the adaptive runs (planned and adaptive), e.g.
+# 'adaptive.rate_source="upload"'; separated by ';'.
+ADAPTIVE_SET = [x for x in os.environ.get("GB_HET_ADAPTIVE_SET", "").split(";") if x]
 KEEPS = tuple(float(k) for k in os.environ.get("GB_HET_KEEPS", "0.1,0.03").split(","))
 WARMUP = 3
 TARGET = 0.9
@@ -95,6 +106,21 @@ def delivery_rates_mbps(ev: pd.DataFrame) -> dict[str, float]:
             for n, g in ti.groupby("node")}
 
 
+def rt_updates(ev: pd.DataFrame) -> dict[str, dict[str, int]]:
+    """Per worker, from its adaptive ``decision`` events after the warm-up: the iterations
+    decided, and in how many the stable rate ``rt`` differed from the previous one's (how
+    often the policy's view of its own link changed). Empty for the fixed policy."""
+    if "rt_bps" not in ev:
+        return {}
+    dec = ev[(ev["event"] == "decision") & (ev["iter"] >= WARMUP)]
+    out: dict[str, dict[str, int]] = {}
+    for n, g in dec.groupby("node"):
+        first = g.sort_values("ts_ns").groupby("iter")["rt_bps"].first()
+        changed = int((first.diff().abs() > 0).sum())
+        out[str(n)] = {"iterations": len(first), "rt_changed": changed}
+    return out
+
+
 def describe(run_dir: Path, planned_s: float | None,
              planned_p99_s: float | None = None) -> dict[str, Any]:
     ev = load_events(run_dir)
@@ -113,6 +139,7 @@ def describe(run_dir: Path, planned_s: float | None,
         "iter_s_p99": {n: round(v, 4) for n, v in p99.items()},
         "wire_over_dense": {n: round(v, 4) for n, v in sent.items()},
         "delivery_rate_mbps": {n: round(v, 2) for n, v in delivery_rates_mbps(ev).items()},
+        "rt_updates": rt_updates(ev),
         "run_dir": str(run_dir)}
     if planned_s:
         out["p99_over_planned"] = {n: round(v / planned_s, 3) for n, v in p99.items()}
@@ -164,21 +191,19 @@ def model_bound(trace: BandwidthTrace, best_fixed: dict[str, Any], best_keep: fl
             "best_gain": round(1 - best / best_fixed_model, 4)}
 
 
-def main() -> int:
-    t_start = time.monotonic()
-    trace = load_trace(str(TRACE), granularity_s=0.1)
-    adaptive = ['adaptive.policy="adaptive"', *TOPK]
-    fixed = ['adaptive.policy="fixed"', *TOPK]
-    ref = run("planned", [*adaptive, "topo.traces={}"], None)
-    planned_s = statistics.median(ref["iter_s_median"].values())
-    ref["p99_over_planned"] = {n: round(v / planned_s, 3) for n, v in ref["iter_s_p99"].items()}
-    # The planned run's own p99: what this machine's stalls alone make of the planned time.
-    planned_p99_s = statistics.median(ref["iter_s_p99"].values())
-    log(f"planned iteration time {planned_s:.4f} s (p99 {planned_p99_s:.4f} s)")
-    runs = {"adaptive": run("adaptive", adaptive, planned_s, planned_p99_s)}
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of one figure over the repeats."""
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4)}
+
+
+def one_round(rep: int, adaptive: list[str], fixed: list[str]) -> dict[str, dict[str, Any]]:
+    """One run of every policy, in a fixed order; ``per_worker*`` from this round's runs."""
+    runs = {"planned": run(f"planned-r{rep}", [*adaptive, "topo.traces={}"], None),
+            "adaptive": run(f"adaptive-r{rep}", adaptive, None)}
     for k in KEEPS:
-        runs[f"fixed_{k:g}"] = run(f"fixed_{k:g}", [*fixed, f"compress.ratio={k}"],
-                                   planned_s, planned_p99_s)
+        runs[f"fixed_{k:g}"] = run(f"fixed_{k:g}-r{rep}", [*fixed, f"compress.ratio={k}"],
+                                   None)
     reached = {n: r["tta_s"] for n, r in runs.items()
                if n.startswith("fixed_") and r["tta_s"] is not None}
     best_fixed = min(reached, key=lambda n: reached[n]) if reached else None
@@ -190,42 +215,96 @@ def main() -> int:
         w0_keep = round(min(1.0, max(0.001, base * share * index_cost)), 4)
         ratios = [w0_keep] + [base] * (WORKERS - 1)
         log(f"{name}: w0 at {share:.3f} of the planned rate: worker_ratios {ratios}")
-        runs[name] = run(name, [*fixed, f"compress.worker_ratios={ratios}"], planned_s,
-                         planned_p99_s)
+        runs[name] = run(f"{name}-r{rep}", [*fixed, f"compress.worker_ratios={ratios}"], None)
         runs[name]["worker_ratios"] = ratios
-    gains = {n: (round(1 - r["tta_s"] / reached[best_fixed], 4)
-                 if best_fixed and r["tta_s"] is not None else None)
-             for n, r in runs.items()}
+    # Each run against this round's planned run, the one nearest to it in time.
+    planned_s = statistics.median(runs["planned"]["iter_s_median"].values())
+    planned_p99_s = statistics.median(runs["planned"]["iter_s_p99"].values())
+    for r in runs.values():
+        r["p99_over_planned"] = {n: round(v / planned_s, 3) for n, v in r["iter_s_p99"].items()}
+        r["p99_over_planned_p99"] = {n: round(v / planned_p99_s, 3)
+                                     for n, v in r["iter_s_p99"].items()}
+    runs["planned"]["planned_iter_s"] = round(planned_s, 4)
+    runs["planned"]["planned_p99_s"] = round(planned_p99_s, 4)
+    return runs
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per policy over the rounds: w0's and the worst worker's p99 / planned, TTA, and TTA
+    against the round's best uniform fixed keep, each as median, min and max."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        rs = [r[name] for r in rounds if name in r]
+        row: dict[str, Any] = {
+            "rounds": len(rs),
+            "w0_p99_over_planned": spread([r["p99_over_planned"]["w0"] for r in rs]),
+            "worst_p99_over_planned": spread([max(r["p99_over_planned"].values())
+                                              for r in rs]),
+            "w0_p99_over_planned_p99": spread([r["p99_over_planned_p99"]["w0"] for r in rs]),
+            "w0_iter_s_median": spread([r["iter_s_median"]["w0"] for r in rs]),
+            "w0_wire_over_dense": spread([r["wire_over_dense"]["w0"] for r in rs])}
+        ttas = [r["tta_s"] for r in rs if r["tta_s"] is not None]
+        row["tta_s"] = spread(ttas) if ttas else None
+        row["tta_reached"] = f"{len(ttas)}/{len(rs)}"
+        out[name] = row
+    return out
+
+
+def main() -> int:
+    t_start = time.monotonic()
+    load_start = os.getloadavg()[0]
+    trace = load_trace(str(TRACE), granularity_s=0.1)
+    adaptive = ['adaptive.policy="adaptive"', *TOPK, *ADAPTIVE_SET]
+    fixed = ['adaptive.policy="fixed"', *TOPK]
+    rounds = [one_round(rep, adaptive, fixed) for rep in range(REPEATS)]
+    summary = summarize(rounds)
+    # The best uniform fixed keep: the lowest median TTA over the rounds.
+    fixed_tta = {n: row["tta_s"]["median"] for n, row in summary.items()
+                 if n.startswith("fixed_") and row["tta_s"] is not None}
+    best_fixed = min(fixed_tta, key=lambda n: fixed_tta[n]) if fixed_tta else None
+    for rnd in rounds:  # each policy's TTA against the same round's best fixed keep
+        ref_tta = rnd[best_fixed]["tta_s"] if best_fixed else None
+        for r in rnd.values():
+            r["gain_over_best_fixed"] = (round(1 - r["tta_s"] / ref_tta, 4)
+                                         if ref_tta and r["tta_s"] is not None else None)
+    for name, row in summary.items():
+        gains = [r[name]["gain_over_best_fixed"] for r in rounds
+                 if r[name]["gain_over_best_fixed"] is not None]
+        row["gain_over_best_fixed"] = spread(gains) if gains else None
     bound: dict[str, Any] | str
     if best_fixed is None:
         bound = "no uniform fixed keep reached the target: no overhead to model from"
     else:
         t0 = time.monotonic()
-        bound = model_bound(trace, runs[best_fixed], float(best_fixed.split("_")[1]))
+        keep = float(best_fixed.split("_")[1])
+        typical = {"iter_s_mean": statistics.median(r[best_fixed]["iter_s_mean"]
+                                                    for r in rounds)}
+        bound = model_bound(trace, typical, keep)
         log(f"model: {bound} ({time.monotonic() - t0:.0f} s)")
-    ad_gain = gains["adaptive"]
+    ad_gain = (summary["adaptive"]["gain_over_best_fixed"] or {}).get("median")
     taken = (round(ad_gain / bound["best_gain"], 3)
              if isinstance(bound, dict) and ad_gain is not None and bound["best_gain"] > 0
              else None)
-    headline = runs["adaptive"]["p99_over_planned"]["w0"]
-    emit("heterogeneous", headline, "w0's p99 iteration time / planned time (adaptive)",
+    headline = summary["adaptive"]["w0_p99_over_planned"]["median"]
+    log(json.dumps(summary))
+    emit("heterogeneous", headline,
+         f"w0's p99 iteration time / planned time (adaptive), median of {REPEATS} rounds",
          "<= 1.2 (DESIGN 5: a worker whose own link drops stays within 1.2x the planned "
          "time) and adaptive's TTA takes most of the modelled headroom",
          {"config": str(CONFIG.relative_to(REPO)), "trace_w0": str(TRACE.relative_to(REPO)),
           "trace_mean_mbps": round(trace.mean_mbps(), 3), "rtt_ms": 30,
           "iterations": ITERATIONS, "warmup_iterations": WARMUP, "target_accuracy": TARGET,
-          "planned_iter_s": round(planned_s, 4), "planned_p99_s": round(planned_p99_s, 4),
-          "planned_run": ref,
-          "runs": runs, "best_fixed": best_fixed,
-          "gain_over_best_fixed": gains,
-          "headline_rule": "p99 of w0's iter_s after warm-up in the adaptive run / median "
-                           "iter_s of the no-trace adaptive run (p99_over_planned_p99: over "
-                           "the no-trace run's own p99, the machine's noise floor)",
+          "repeats": REPEATS, "adaptive_set": ADAPTIVE_SET, "order": list(rounds[0]), "summary": summary,
+          "rounds": rounds, "best_fixed": best_fixed,
+          "headline_rule": "per round: p99 of w0's iter_s after warm-up in the adaptive run "
+                           "/ median iter_s of the same round's no-trace adaptive run; the "
+                           "headline is the median over the rounds (p99_over_planned_p99: "
+                           "over the no-trace run's own p99, the machine's noise floor)",
           "tta_headroom_bound": bound, "adaptive_share_of_headroom": taken,
-          "machine_note": "2 shared cores, load ~10",
+          "machine_note": "2 shared cores",
+          "load_avg_1m_start_end": [load_start, os.getloadavg()[0]],
           "elapsed_s": round(time.monotonic() - t_start, 1)})
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

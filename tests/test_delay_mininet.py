@@ -10,7 +10,9 @@ instead, and the same physical checks apply (issue 21's tests):
   the TCP ceiling once slow start is over (iperf3);
 - 1 % configured loss drops 1 % +- 0.2 % of 100k packets, and TCP retransmits about as
   many segments;
-- a delay line that dies takes its link down (fail closed) and is reported.
+- a delay line that dies takes its link down (fail closed) and is reported;
+- seeded loss (``loss_seed``): two runs with the same seed lose the same datagrams, the
+  ones ``topo.loss.drops`` names; another seed loses others; both at 1 +- 0.2 %.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.test_topo_mininet import assert_nothing_left
 from topo.build import StarNetwork
-from topo.netfilter import ImpairmentError
+from topo.loss import drops
+from topo.netfilter import Impairment, ImpairmentError
 from topo.shapes.star import StarSpec
 from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec
 
@@ -172,4 +176,46 @@ def test_a_dead_delay_line_takes_its_link_down_and_is_reported() -> None:
     record = net.impairment_record()
     ps = next(h for h in record["hosts"] if h["host"] == "ps")
     assert ps["delay_line_died"] and ps["delay_line_died"].startswith("exit -9")
+    assert_nothing_left()
+
+
+def seeded_loss_run(seed: int, count: int) -> tuple[set[int], dict]:
+    """Send ``count`` numbered UDP datagrams w0 -> ps through 1 % seeded loss (no delay);
+    return the numbers that did not arrive, and the impairment record."""
+    lossy = LinkSpec(rate_mbps=None, loss_pct=1.0)
+    spec = replace(two_hosts(lossy, LinkSpec(rate_mbps=None)).net_spec(), loss_seed=seed)
+    probe = str(REPO / "tests" / "udp_seq.py")
+    with StarNetwork(spec) as net:
+        server = net.popen("ps", [sys.executable, probe, "serve", "7100", "1.0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert server.stderr is not None and server.stderr.readline().strip() == "ready"
+        net.run("w0", [sys.executable, probe, "send", net.ip("ps"), "7100", str(count),
+                       "10000"], timeout_s=60)
+        out, _ = server.communicate(timeout=30)
+    got = set(json.loads(out))
+    return set(range(count)) - got, net.impairment_record()
+
+
+def test_seeded_loss_loses_the_same_packets_for_the_same_seed() -> None:
+    count = 20_000
+    first, record = seeded_loss_run(seed=42, count=count)
+    if record["loss_mechanism"] != "seeded":
+        pytest.skip(f"no NFQUEUE on this kernel (loss by {record['loss_mechanism']})")
+    again, _ = seeded_loss_run(seed=42, count=count)
+    other, _ = seeded_loss_run(seed=43, count=count)
+    assert record["loss_seeded"] is True and record["loss_seed"] == 42
+    ps = next(h for h in record["hosts"] if h["host"] == "ps")
+    assert ps["loss"] == "seeded" and ps["loss_seeded"] is True
+    assert all(c["queue_dropped"] == 0 and c["user_dropped"] == 0
+               for c in ps["kernel_queue_counters"].values())
+    # The kernel numbers a new queue's packets from 1: datagram i is packet i + 1, and
+    # the delay line dropped exactly the ones the pure draw names.
+    key = Impairment("ps-eth0", loss_pct=1.0, loss_seed=42).loss_key
+    assert first == {i for i in range(count) if drops(42, key, i + 1, 1.0)}
+    assert ps["delay_line_stats"]["queues"][0]["dropped"] == len(first)
+    assert again == first
+    # Another seed: independent draws share about 1 % of the ~200 losses.
+    assert len(other & first) < 0.1 * len(first), (len(other & first), len(first))
+    for lost in (first, other):
+        assert abs(100 * len(lost) / count - 1.0) <= 0.2, len(lost)
     assert_nothing_left()

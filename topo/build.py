@@ -161,17 +161,22 @@ class Network:
                   f"{', '.join(s.name for s in spec.switches)}")
         self._run_steps(plan)
         for place in spec.places():
-            link = delay_loss(place, self.caps)  # as its qdiscs have it
+            link = delay_loss(place, self.caps, self._seeded)  # as its qdiscs have it
             if link.shaped:
                 self._rates[place.dev] = link.rate_mbps
                 self._auto_queue[place.dev] = link.queue_bytes is None
                 self._ack_first[place.dev] = qdisc.acks_first(link, place.point.ack_first)
-        if not self._netem:
-            for host, imps in _impairments(spec).items():
+        # Without netem every delay and loss; with it only a seeded loss.
+        if not self._netem or self._seeded:
+            for host, imps in _impairments(spec, netem=self._netem).items():
                 hi = HostImpairment(host, self.pid(host), imps, tc=self.tc)
                 # Appended first: a start that fails halfway is still torn down.
                 self.host_impairments.append(hi)
                 hi.__enter__()
+
+    @property
+    def _seeded(self) -> bool:
+        return self.spec.loss_seed is not None
 
     @property
     def _netem(self) -> bool:
@@ -187,6 +192,8 @@ class Network:
         delay line did: for the run's meta.json."""
         return {"delay_mechanism": self.mechanisms["delay"] if self._any("delay_ms") else None,
                 "loss_mechanism": self.mechanisms["loss"] if self._any("loss_pct") else None,
+                "loss_seeded": self._seeded and self._any("loss_pct"),
+                "loss_seed": self.spec.loss_seed,
                 "hosts": self.impairment_records
                 or [hi.record() for hi in self.host_impairments]}
 
@@ -305,7 +312,7 @@ class Network:
         """
         place = self.spec.place(point)
         self._change_rate(place.host, place.dev, rate_mbps, f"point {point}", queue_bytes,
-                          delay_loss(place, self.caps or {}).needs_netem)
+                          delay_loss(place, self.caps or {}, self._seeded).needs_netem)
 
     def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
                             queue_bytes: int | None = None) -> None:

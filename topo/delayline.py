@@ -12,6 +12,11 @@ release time (``select`` has microsecond resolution)
 or when a packet arrives, so a packet leaves within a fraction of a millisecond of its due
 time; ``DelayStats`` records how late.
 
+Seeded loss (``net.loss_model = "seeded"``): a queue may also lose packets, each decided
+by ``topo.loss`` from the run's seed, the link's name and the kernel's packet id; a lost
+packet gets its own ``NF_DROP`` verdict as its notice is read (all of one read's drops in
+one datagram), before any batch verdict covers its id, and is never held.
+
 Because the delay is on the receiving side, the sender's own stack is untouched: TCP small
 queues, the pacing and the qdiscs see an ordinary link, and the RTT the sender measures
 includes the delay (a sender-side hold would stall the socket through TCP small queues).
@@ -43,6 +48,8 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+
+from topo.loss import LossDraw, LossError
 
 # linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nfnetlink_queue.h
 NETLINK_NETFILTER = 12
@@ -149,6 +156,13 @@ def verdict_batch(queue: int, last_id: int, verdict: int = NF_ACCEPT) -> bytes:
                     _attr(NFQA_VERDICT_HDR, struct.pack("!II", verdict, last_id)))
 
 
+def verdict_one(queue: int, packet_id: int, verdict: int = NF_DROP) -> bytes:
+    """One message giving the packet ``packet_id`` of ``queue`` its own verdict."""
+    _check_queue(queue)
+    return _message(NFQNL_MSG_VERDICT, queue,
+                    _attr(NFQA_VERDICT_HDR, struct.pack("!II", verdict, packet_id)))
+
+
 @dataclass(frozen=True)
 class Packet:
     """A queued packet's notice: which queue, the kernel's packet id, and when the
@@ -209,6 +223,7 @@ class DelayStats:
     queue: int
     delay_ms: float
     packets: int = 0
+    dropped: int = 0
     batches: int = 0
     max_held: int = 0
     late_max_us: float = 0.0
@@ -226,11 +241,14 @@ class DelayLine:
 
     Ids rise by one per packet in each queue, and a constant delay keeps arrival order, so
     the held packets are a FIFO and releasing "every id <= X" is exactly "every packet
-    older than the delay".
+    older than the delay". With ``loss``, ``arrive`` returns False for a packet the seeded
+    draw loses: it is not held, and the caller drops it (``verdict_one``) before the next
+    batch verdict.
     """
 
     queue: int
     delay_ms: float
+    loss: LossDraw | None = None
     held: deque[tuple[int, int]] = field(default_factory=deque)  # (due_ns, packet_id)
     stats: DelayStats = field(init=False)
 
@@ -242,9 +260,14 @@ class DelayLine:
         self.stats = DelayStats(queue=self.queue, delay_ms=self.delay_ms)
         self._delay_ns = round(self.delay_ms * 1e6)
 
-    def arrive(self, packet_id: int, now_ns: int) -> None:
+    def arrive(self, packet_id: int, now_ns: int) -> bool:
+        """Hold ``packet_id`` until its due time; False (not held) when it is lost."""
+        if self.loss is not None and self.loss.drops(packet_id):
+            self.stats.dropped += 1
+            return False
         self.held.append((now_ns + self._delay_ns, packet_id))
         self.stats.max_held = max(self.stats.max_held, len(self.held))
+        return True
 
     def next_due_ns(self) -> int | None:
         return self.held[0][0] if self.held else None
@@ -275,6 +298,22 @@ def parse_queue_arg(text: str) -> tuple[int, float]:
         raise DelayLineError(f"--queue {text!r}: expected QUEUE:DELAY_MS, e.g. 1:20") from None
     DelayLine(queue, delay_ms)  # validates both
     return queue, delay_ms
+
+
+def parse_loss_arg(text: str) -> tuple[int, LossDraw]:
+    """``Q:LOSS_PCT:SEED:LINK`` (queue, loss in percent, seed, the link's name) from the
+    command line; the link name may itself hold colons."""
+    parts = text.split(":", 3)
+    try:
+        if len(parts) != 4:
+            raise ValueError
+        queue, loss_pct, seed, link = int(parts[0]), float(parts[1]), int(parts[2]), parts[3]
+        _check_queue(queue)
+        return queue, LossDraw(seed, link, loss_pct)
+    except (ValueError, LossError, DelayLineError) as e:
+        detail = "" if type(e) is ValueError else f" ({e})"
+        raise DelayLineError(f"--loss {text!r}: expected QUEUE:LOSS_PCT:SEED:LINK, e.g. "
+                             f"100:1:42:ps-eth0{detail}") from None
 
 
 class _Stop(Exception):
@@ -404,6 +443,7 @@ def serve(lines: Sequence[DelayLine], *, ready_path: str | None = None,
                     select.select([sock], [], [], 0)
                 # Drain every notice that is waiting, stamping each with the time it is
                 # read: the process never lags the kernel by more than one loop turn.
+                drop: list[bytes] = []
                 while True:
                     try:
                         n = sock.recv_into(buf)
@@ -416,13 +456,15 @@ def serve(lines: Sequence[DelayLine], *, ready_path: str | None = None,
                             if line is None:
                                 continue
                             rx = item.rx_real_ns
-                            if rx is not None and 0 <= now - rx <= trust[item.queue]:
-                                line.arrive(item.packet_id, rx)
-                            else:
+                            if rx is None or not 0 <= now - rx <= trust[item.queue]:
                                 untrusted += 1
-                                line.arrive(item.packet_id, now)
+                                rx = now
+                            if not line.arrive(item.packet_id, rx):
+                                drop.append(verdict_one(line.queue, item.packet_id))
                         elif item.code != 0:
                             errors[-item.code] = errors.get(-item.code, 0) + 1
+                if drop:  # before any batch verdict that covers their ids
+                    sock.send(b"".join(drop))
                 now = clock()
                 for line in lines:
                     last = line.due(now)
@@ -457,6 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "\n\n")[0])
     ap.add_argument("--queue", action="append", required=True, metavar="Q:DELAY_MS",
                     help="an NFQUEUE number and the one-way delay its packets get")
+    ap.add_argument("--loss", action="append", default=[], metavar="Q:LOSS_PCT:SEED:LINK",
+                    help="seeded loss on queue Q (topo.loss): LOSS_PCT percent of its "
+                         "packets, drawn from SEED and the link's name LINK")
     ap.add_argument("--ready", help="file created once every queue is bound")
     ap.add_argument("--stats", help="JSON file written at exit with what was released")
     ap.add_argument("--maxlen", type=int, default=QUEUE_MAXLEN_PKTS,
@@ -468,7 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="stay SCHED_OTHER (releases then wait behind busy processes)")
     args = ap.parse_args(argv)
     try:
-        lines = [DelayLine(*parse_queue_arg(q)) for q in args.queue]
+        losses = dict(parse_loss_arg(x) for x in args.loss)
+        lines = [DelayLine(q, d, losses.pop(q, None))
+                 for q, d in (parse_queue_arg(x) for x in args.queue)]
+        if losses:
+            raise DelayLineError(f"--loss for queue(s) {sorted(losses)} without a --queue")
         serve(lines, ready_path=args.ready, stats_path=args.stats, maxlen_pkts=args.maxlen,
               realtime=not args.no_realtime, spin_ns=int(args.spin_us * 1000))
     except DelayLineError as e:

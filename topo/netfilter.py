@@ -5,11 +5,16 @@ applied where the packets *arrive*, in the receiving host's namespace, so the se
 stack is untouched and it sees a real RTT and a real loss on the wire (not a local
 error, not a socket stalled by TCP small queues):
 
-- loss: ``iptables -t raw -A PREROUTING -i DEV [-s SRC] -m statistic --mode random
-  --probability p -j DROP``. The kernel draws from ``get_random_u32()``, which cannot be
+- loss: ``iptables -t raw -A PREROUTING -i DEV [-s SRC] ! -d 224.0.0.0/4 -m statistic
+  --mode random --probability p -j DROP`` (multicast, IGMP included, is left alone). The kernel draws from ``get_random_u32()``, which cannot be
   seeded: the loss pattern differs between runs (the rate does not), and the record says
-  ``seeded: false``.
-- delay: ``iptables -t raw -A PREROUTING -i DEV [-s SRC] -j NFQUEUE --queue-num Q``
+  ``loss_seeded: false``.
+- seeded loss (``net.loss_model = "seeded"``, ``Impairment.loss_seed``): no statistic rule;
+  the packets go to the host's NFQUEUE (with or without a delay) and the delay line drops
+  each one ``topo.loss`` draws from the seed, the link's name (``Impairment.loss_key``) and
+  the kernel's packet id. The same seed loses the same packets; ``loss_seeded: true``.
+- delay: ``iptables -t raw -A PREROUTING -i DEV [-s SRC] ! -d 224.0.0.0/4 -j NFQUEUE
+  --queue-num Q``
   and one ``topo.delayline`` process in the host holding every queue of that host for
   its delay. Lost packets are dropped before they reach the queue.
 
@@ -44,6 +49,10 @@ RULE_COMMENT = "gradbed-impair"
 # First NFQUEUE number gradbed uses in a host (one per distinct delay); queues are per
 # network namespace, so every host can start at the same number.
 FIRST_QUEUE = 100
+# Multicast is no emulated flow, and it is left alone: the IGMP reports a host sends
+# when its interface comes up (0.0.0.0 > 224.0.0.22, seen seconds into a run) would
+# otherwise take a seeded loss's packet ids at a random moment and shift every draw after.
+MULTICAST = "224.0.0.0/4"
 READY_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 3.0
 DELAYLINE_MODULE = "topo.delayline"
@@ -63,12 +72,15 @@ class Impairment:
     sources: IPv4 source addresses the rule matches; empty matches every packet (the
         delay of a link that ends in this host; a link that ends in a switch is the
         sum of the paths through it, see ``topo.build``).
+    loss_seed: None for the kernel's unseeded statistic match; an integer (the run's
+        seed) for the delay line's seeded draw (``topo.loss``).
     """
 
     dev: str
     delay_ms: float = 0.0
     loss_pct: float = 0.0
     sources: tuple[str, ...] = ()
+    loss_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.delay_ms <= 10_000.0:
@@ -80,14 +92,34 @@ class Impairment:
     def active(self) -> bool:
         return self.delay_ms > 0 or self.loss_pct > 0
 
+    @property
+    def seeded_loss(self) -> bool:
+        return self.loss_pct > 0 and self.loss_seed is not None
 
-def mechanisms(caps: Mapping[str, Any]) -> dict[str, str | None]:
+    @property
+    def queued(self) -> bool:
+        """Whether the packets go to the delay line (a delay, or a seeded loss)."""
+        return self.delay_ms > 0 or self.seeded_loss
+
+    @property
+    def loss_key(self) -> str:
+        """The link's name in the seeded draw: the receiving interface and the sources the
+        rule matches (``ps-eth0/10.0.0.1,10.0.0.2``; ``/any`` for every source)."""
+        return f"{self.dev}/{','.join(self.sources) or 'any'}"
+
+
+def mechanisms(caps: Mapping[str, Any], seeded_loss: bool = False) -> dict[str, str | None]:
     """Which mechanism gives delay and loss on this kernel (``topo.probe``'s caps):
-    netem where present, else NFQUEUE (delay) and the statistic match (loss), else None."""
+    netem where present, else NFQUEUE (delay) and the statistic match (loss), else None.
+    ``seeded_loss``: loss by the delay line's seeded draw ("seeded", NFQUEUE), netem or not."""
+    if seeded_loss:
+        loss = "seeded" if caps.get("nfqueue") else None
+    else:
+        loss = "netem" if caps.get("netem") else (
+            "statistic" if caps.get("xt_statistic") else None)
     return {
         "delay": "netem" if caps.get("netem") else ("nfqueue" if caps.get("nfqueue") else None),
-        "loss": "netem" if caps.get("netem") else (
-            "statistic" if caps.get("xt_statistic") else None),
+        "loss": loss,
     }
 
 
@@ -99,8 +131,9 @@ def _probability(loss_pct: float) -> str:
 def rule_commands(imps: Sequence[Impairment], op: str = "-A",
                   first_queue: int = FIRST_QUEUE) -> list[list[str]]:
     """iptables argv lists for ``imps`` (``op``: ``-A`` installs, ``-D`` removes); the
-    i-th impairment with a delay gets queue ``first_queue + i``. Loss rules come before
-    the queue rules, so a lost packet never costs the delay line anything."""
+    i-th impairment with a delay or a seeded loss gets queue ``first_queue + i``. Loss rules
+    (the unseeded statistic match) come before the queue rules, so a packet lost there
+    never costs the delay line anything."""
     if op not in ("-A", "-D"):
         raise ValueError(f"op={op!r}; allowed '-A', '-D'")
     loss: list[list[str]] = []
@@ -110,11 +143,12 @@ def rule_commands(imps: Sequence[Impairment], op: str = "-A",
             head = ["iptables", "-w", "-t", "raw", op, "PREROUTING", "-i", imp.dev]
             if src is not None:
                 head += ["-s", src]
+            head += ["!", "-d", MULTICAST]
             tag = ["-m", "comment", "--comment", RULE_COMMENT]
-            if imp.loss_pct > 0:
+            if imp.loss_pct > 0 and not imp.seeded_loss:
                 loss.append([*head, "-m", "statistic", "--mode", "random", "--probability",
                              _probability(imp.loss_pct), *tag, "-j", "DROP"])
-            if imp.delay_ms > 0:
+            if imp.queued:
                 delay.append([*head, *tag, "-j", "NFQUEUE", "--queue-num",
                               str(first_queue + i)])
     return loss + delay
@@ -122,8 +156,16 @@ def rule_commands(imps: Sequence[Impairment], op: str = "-A",
 
 def delay_queues(imps: Sequence[Impairment], first_queue: int = FIRST_QUEUE,
                  ) -> list[tuple[int, float]]:
-    """(queue, delay_ms) of every impairment with a delay, as ``rule_commands`` numbers them."""
-    return [(first_queue + i, imp.delay_ms) for i, imp in enumerate(imps) if imp.delay_ms > 0]
+    """(queue, delay_ms) of every impairment whose packets go to the delay line (a delay or
+    a seeded loss), as ``rule_commands`` numbers them."""
+    return [(first_queue + i, imp.delay_ms) for i, imp in enumerate(imps) if imp.queued]
+
+
+def loss_args(imps: Sequence[Impairment], first_queue: int = FIRST_QUEUE) -> list[str]:
+    """The delay line's ``--loss Q:LOSS_PCT:SEED:LINK`` arguments for the seeded losses."""
+    return [a for i, imp in enumerate(imps) if imp.seeded_loss
+            for a in ("--loss", f"{first_queue + i}:{imp.loss_pct!r}:{imp.loss_seed}:"
+                                f"{imp.loss_key}")]
 
 
 def parse_queue_counters(text: str) -> dict[int, dict[str, int]]:
@@ -188,7 +230,8 @@ class HostImpairment:
             ready = os.path.join(self._dir, "ready")
             argv = [self.python, "-m", DELAYLINE_MODULE, "--ready", ready,
                     "--stats", os.path.join(self._dir, "stats.json"),
-                    *[a for q, d in queues for a in ("--queue", f"{q}:{d:g}")]]
+                    *[a for q, d in queues for a in ("--queue", f"{q}:{d!r}")],
+                    *loss_args(self.imps)]
             if not self.realtime:
                 argv.append("--no-realtime")
             spin = os.environ.get("GB_DELAYLINE_SPIN_US")  # for benchmarks/delay_fidelity.py
@@ -279,8 +322,9 @@ class HostImpairment:
             "host": self.host,
             "impairments": [asdict(i) for i in self.imps],
             "delay": "nfqueue" if any(i.delay_ms > 0 for i in self.imps) else None,
-            "loss": "statistic" if any(i.loss_pct > 0 for i in self.imps) else None,
-            "loss_seeded": False,
+            "loss": ("seeded" if any(i.seeded_loss for i in self.imps) else "statistic")
+            if any(i.loss_pct > 0 for i in self.imps) else None,
+            "loss_seeded": any(i.seeded_loss for i in self.imps),
             "delay_line_pid": None if self.proc is None else self.proc.pid,
             "delay_line_died": self.died,
             "delay_line_cpu_s": self.cpu_s,

@@ -7,7 +7,9 @@ host, or the root namespace for a switch port), the interface, and what it is fo
 interface's offload settings, or the shaping point it installs (``topo.qdisc``'s
 HTB -> [netem ->] bfifo chain on the egress of the point's interface).
 
-Delay and loss go into netem on the point's own egress where the kernel has netem.
+Delay and loss go into netem on the point's own egress where the kernel has netem
+(loss only while ``NetSpec.loss_seed`` is None: a seeded loss always goes to the delay line,
+netem or not, since neither netem nor the statistic match draws from a seed here).
 Elsewhere (``topo.netfilter``) they are applied where the packets arrive: for every
 receiving host H and source S, :func:`impairments` sums the delays of the shaping points
 on the path S -> H (a host's uplink, a trunk, the receiver's downlink...) and combines
@@ -24,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from topo import qdisc
-from topo.netfilter import Impairment, delay_queues, mechanisms, rule_commands
+from topo.netfilter import Impairment, delay_queues, loss_args, mechanisms, rule_commands
 from topo.spec import LinkSpec, NetSpec, PointPlace, ShapingPoint, SpecError
 
 
@@ -41,27 +43,32 @@ class Step:
         return self.dev if self.host is None else f"{self.dev} (in {self.host})"
 
 
-def delay_loss(place: PointPlace, caps: Mapping[str, Any]) -> LinkSpec:
+def delay_loss(place: PointPlace, caps: Mapping[str, Any], seeded: bool = False) -> LinkSpec:
     """The link one shaping point's qdisc chain installs: with its delay and loss (netem,
     added by ``qdisc.shaping_commands``) where the kernel has netem; without them
     elsewhere, where :func:`impairments` applies them with netfilter at the receivers.
+    ``seeded``: the loss is the delay line's seeded draw, never netem's.
     ``require_impairments`` has refused a kernel with neither."""
     link = place.point.link
-    return link if caps.get("netem") else replace(link, delay_ms=0.0, loss_pct=0.0)
+    if not caps.get("netem"):
+        return replace(link, delay_ms=0.0, loss_pct=0.0)
+    return replace(link, loss_pct=0.0) if seeded else link
 
 
 def require_impairments(spec: NetSpec, caps: Mapping[str, Any]) -> dict[str, str | None]:
     """The delay and loss mechanisms a build of ``spec`` uses (``topo.netfilter
     .mechanisms``); raises CapabilityError naming the shaping point's field when it asks
     for one this kernel lacks."""
-    mech = mechanisms(caps)
+    seeded = spec.loss_seed is not None
+    mech = mechanisms(caps, seeded_loss=seeded)
     for place in spec.places():
         p = place.point
         who = p.origin or f"point {p.name}"
         for field, value, kind, need in (("delay_ms", p.link.delay_ms, "delay",
                                           "netem or NFQUEUE (iptables)"),
                                          ("loss_pct", p.link.loss_pct, "loss",
-                                          "netem or the statistic match (iptables)")):
+                                          "NFQUEUE (iptables) for a seeded loss" if seeded
+                                          else "netem or the statistic match (iptables)")):
             if value > 0 and mech[kind] is None:
                 raise qdisc.CapabilityError(
                     f"{who}.{field}={value:g} needs {need} (shaping point {p.name} on "
@@ -89,12 +96,13 @@ def paths(spec: NetSpec, src: str) -> dict[str, tuple[list[ShapingPoint], str]]:
     return found
 
 
-def impairments(spec: NetSpec) -> dict[str, list[Impairment]]:
+def impairments(spec: NetSpec, netem: bool = False) -> dict[str, list[Impairment]]:
     """Per receiving host, the netfilter impairments that give every path of ``spec`` its
     delay and loss: H delays what S sends by the sum of ``delay_ms`` over the points on
     S -> H (:func:`paths`) and drops it with ``1 - prod(1 - loss_pct / 100)``. Sources
     with the same figures share one rule group; a group of every other host matches any
-    source."""
+    source. ``netem``: the kernel has netem, which does the delay (and an unseeded loss),
+    so only a seeded loss (``spec.loss_seed``) is left here."""
     hosts = spec.host_names()
     from_src = {s: paths(spec, s) for s in hosts}
     out: dict[str, list[Impairment]] = {}
@@ -104,15 +112,18 @@ def impairments(spec: NetSpec) -> dict[str, list[Impairment]]:
             if src == h or h not in from_src[src]:
                 continue
             points, dev = from_src[src][h]
-            delay_ms = sum(p.link.delay_ms for p in points)
+            delay_ms = 0.0 if netem else sum(p.link.delay_ms for p in points)
             keep = 1.0
             for p in points:
                 keep *= 1 - p.link.loss_pct / 100
             loss_pct = round(100 * (1 - keep), 9)
+            if netem and spec.loss_seed is None:
+                loss_pct = 0.0
             if delay_ms > 0 or loss_pct > 0:
                 groups.setdefault((delay_ms, loss_pct, dev), []).append(spec.ip(src))
         imps = [Impairment(dev=dev, delay_ms=d, loss_pct=lp,
-                           sources=() if len(ips) == len(hosts) - 1 else tuple(ips))
+                           sources=() if len(ips) == len(hosts) - 1 else tuple(ips),
+                           loss_seed=spec.loss_seed if lp > 0 else None)
                 for (d, lp, dev), ips in groups.items()]
         if imps:
             out[h] = imps
@@ -123,23 +134,25 @@ def describe_impairments(spec: NetSpec, caps: Mapping[str, Any]) -> list[str]:
     """The delay and loss part of the dry run: the mechanisms, and without netem each
     host's delay line and iptables rules (what ``topo.build.Network`` installs)."""
     mech = require_impairments(spec, caps)
-    out = [f"# delay by {mech['delay']}, loss by {mech['loss']}"]
-    if caps.get("netem"):
-        return out
-    for host, imps in impairments(spec).items():
+    out = [f"# delay by {mech['delay']}, loss by {mech['loss']}"
+           + (f" (seed {spec.loss_seed})" if spec.loss_seed is not None else "")]
+    for host, imps in impairments(spec, netem=bool(caps.get("netem"))).items():
         out.append(f"# delay and loss arriving at {host}")
         queues = delay_queues(imps)
         if queues:
             out.append("$ python -m topo.delayline "
-                       + " ".join(f"--queue {q}:{d:g}" for q, d in queues) + f"   # in {host}")
+                       + " ".join(f"--queue {q}:{d!r}" for q, d in queues)
+                       + "".join(f" {a}" for a in loss_args(imps)) + f"   # in {host}")
         for argv in rule_commands(imps):
             out.append("$ " + " ".join(argv) + f"   # in {host}")
     return out
 
 
-def point_steps(place: PointPlace, caps: Mapping[str, Any], offload: bool) -> list[Step]:
+def point_steps(place: PointPlace, caps: Mapping[str, Any], offload: bool,
+                seeded: bool = False) -> list[Step]:
     """The steps that install one shaping point (empty for an unshaped one)."""
-    cmds = qdisc.shaping_commands(place.dev, delay_loss(place, caps), caps, offload=offload,
+    cmds = qdisc.shaping_commands(place.dev, delay_loss(place, caps, seeded), caps,
+                                  offload=offload,
                                   ack_first=place.point.ack_first)
     return [Step(place.host, place.dev, place.point.name, tuple(c)) for c in cmds]
 
@@ -167,7 +180,9 @@ def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
     when the kernel cannot do it, before anything is built."""
     require_local(spec)
     require_impairments(spec, caps)
-    shaping = [s for place in spec.places() for s in point_steps(place, caps, spec.offload)]
+    seeded = spec.loss_seed is not None
+    shaping = [s for place in spec.places()
+               for s in point_steps(place, caps, spec.offload, seeded)]
     offload = [Step(host, dev, "offload", tuple(c))
                for host, dev, segs in spec.interfaces()
                for c in qdisc.offload_commands(dev, spec.offload, segs)]

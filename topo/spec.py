@@ -309,6 +309,10 @@ class NetSpec:
         qdisc counters in wire frames; on lowers CPU per byte.
     watch: shaping points whose qdisc counters the run samples every 100 ms into
         ``links.parquet`` (a point with a trace is sampled as well).
+    loss_seed: None: ``loss_pct`` uses netem or the kernel's statistic match, which
+        cannot be seeded; an integer (``run.seed`` when ``net.loss_model = "seeded"``):
+        the delay line loses packets drawn from it (``topo.loss``), the same packets in
+        every run with the same seed.
     """
 
     shape: str
@@ -317,10 +321,16 @@ class NetSpec:
     edges: tuple[EdgeSpec, ...]
     offload: bool = False
     watch: tuple[str, ...] = ()
+    loss_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.offload, bool):
             raise SpecError(f"offload={self.offload!r} is not a bool; allowed true/false")
+        if self.loss_seed is not None and (
+                isinstance(self.loss_seed, bool) or not isinstance(self.loss_seed, int)
+                or not 0 <= self.loss_seed < 1 << 63):
+            raise SpecError(f"loss_seed={self.loss_seed!r}; allowed None or an integer "
+                            "0..2^63-1")
         if not 1 <= len(self.hosts) <= HOSTS_MAX:
             raise SpecError(f"{len(self.hosts)} hosts; allowed 1..{HOSTS_MAX}")
         names: set[str] = set()
@@ -432,4 +442,5 @@ class NetSpec:
             "points": {p.point.name: {"dev": p.dev, "in": p.host or "root",
                                       **p.point.describe()} for p in self.places()},
             "watch": list(self.watch),
+            "loss_seed": self.loss_seed,
         }

@@ -84,6 +84,9 @@ class RunConfig:
                f"must be {' or '.join(ALLOCATORS)}")
 
 
+LOSS_MODELS = ("statistic", "seeded")
+
+
 @dataclass(frozen=True)
 class NetConfig:
     workers: int = 4                  # N worker hosts behind the switch
@@ -93,6 +96,11 @@ class NetConfig:
     queue_bytes: int = 1_000_000      # bfifo limit on the bottleneck; deeper = more delay, fewer drops
     delay_ms: float = 0.0             # one-way delay on the bottleneck (netem, else NFQUEUE)
     loss_pct: float = 0.0             # random loss on the bottleneck (netem, else statistic)
+    # "statistic": netem, else the kernel's statistic match (cannot be seeded: the packets
+    # lost differ between runs); "seeded": the delay line (NFQUEUE) drops the packets a
+    # PRNG seeded from run.seed and the link's name draws (topo.loss): the same packets in
+    # every run with the same seed.
+    loss_model: str = "statistic"
     congestion: str = "cubic"         # TCP congestion control in every host: reno, cubic, bbr
     offload: bool = False             # GSO/TSO/GRO; off gives packet-exact queues
     # Every host's own egress sends pure ACKs ahead of its queued data, within the same
@@ -120,6 +128,8 @@ class NetConfig:
                "must be in [0, 10000] ms")
         _check(0 <= self.loss_pct <= 100, f"{p}.loss_pct", self.loss_pct,
                "must be in [0, 100] %")
+        _check(self.loss_model in LOSS_MODELS, f"{p}.loss_model", self.loss_model,
+               f"must be one of {', '.join(LOSS_MODELS)}")
         _check(self.congestion in ("reno", "cubic", "bbr"), f"{p}.congestion",
                self.congestion, "must be one of reno, cubic, bbr")
         _check(0 <= self.background_hosts <= 32, f"{p}.background_hosts",
@@ -257,6 +267,12 @@ class AdaptiveConfig:
     # tcp_wmem's 16 MB) swallows a whole gradient in a few ms, before any rate sample, and
     # every keep is decided blind.
     notsent_lowat_bytes: int = 16_384
+    # Where the adaptive policy's rate samples come from. "writes": bytes_acked deltas
+    # sample_ms apart while the gradient is written (none when the writes take less than
+    # sample_ms). "upload": also one sample per iteration, the ACK clock of the whole
+    # upload (agents.core.policies.adaptive.ack_clock_rate_bps), and with carry_rt the
+    # samples carry across iterations like rt, so short compressed uploads still move rt.
+    rate_source: str = "writes"
 
     def __post_init__(self) -> None:
         self.validate("adaptive")
@@ -278,6 +294,8 @@ class AdaptiveConfig:
         _check(1024 <= self.notsent_lowat_bytes <= 64 << 20, f"{p}.notsent_lowat_bytes",
                self.notsent_lowat_bytes, "must be in [1024, 67108864] bytes")
         _check(0 < self.plan_keep <= 1, f"{p}.plan_keep", self.plan_keep, "must be in (0, 1]")
+        _check(self.rate_source in ("writes", "upload"), f"{p}.rate_source",
+               self.rate_source, "must be writes or upload")
 
 
 @dataclass(frozen=True)

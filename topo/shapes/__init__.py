@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
+from dataclasses import replace
 
 from agents.core.config import ExperimentConfig
 from topo.spec import NetSpec, SpecError
@@ -49,7 +50,8 @@ def get(name: str) -> Shape:
 def shape_spec(cfg: ExperimentConfig) -> NetSpec:
     """The network a config asks for (pure: no root needed): its shape's spec, with the
     traces of ``trace.up``/``trace.down`` (the ``up``/``down`` points) and of
-    ``topo.traces`` on their shaping points."""
+    ``topo.traces`` on their shaping points, and ``run.seed`` as the loss seed when
+    ``net.loss_model = "seeded"``."""
     spec = get(cfg.topo.shape)(cfg)
     traces = {}
     for point, path in (("up", cfg.trace.up), ("down", cfg.trace.down)):
@@ -59,4 +61,6 @@ def shape_spec(cfg: ExperimentConfig) -> NetSpec:
                                 "for the same shaping point; keep one")
             traces[point] = path
     traces.update(cfg.topo.traces)
+    if cfg.net.loss_model == "seeded":
+        spec = replace(spec, loss_seed=cfg.run.seed)
     return spec.with_traces(traces) if traces else spec

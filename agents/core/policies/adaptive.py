@@ -93,6 +93,28 @@ def chunk_keep(size_bytes: int, sent_bytes: int, overall: float,
     return _clamp((overall * size_bytes - sent_bytes) / remaining, keep_min, 1.0)
 
 
+def ack_clock_rate_bps(samples: list[tuple[int, int]]) -> float | None:
+    """The rate an upload's ACKs came back at: ``samples`` are (ts_ns, bytes_acked)
+    readings taken while the upload drains, in time order; the rate is the bytes acked
+    between the first and the last reading at which ``bytes_acked`` rose, over the time
+    between them, in bits/s:
+
+        rate = 8 x (acked_last_rise - acked_first_rise) / (t_last_rise - t_first_rise)
+
+    The first rise's own bytes are left out (they were sent before the first reading), so
+    neither the RTT before the first ACK nor a delayed final ACK after the last rise counts.
+    None with fewer than two rises (nothing to time)."""
+    rises: list[tuple[int, int]] = []
+    prev: int | None = None
+    for ts_ns, acked in samples:
+        if prev is not None and acked > prev:
+            rises.append((ts_ns, acked))
+        prev = acked
+    if len(rises) < 2 or rises[-1][0] <= rises[0][0]:
+        return None
+    return 8e9 * (rises[-1][1] - rises[0][1]) / (rises[-1][0] - rises[0][0])
+
+
 def _raw_chunk_keep(formula: str, r0_bps: float, rt_bps: float) -> float:
     # Unclamped chunk ratio, only used to name the clamp in the decision's reason.
     return rt_bps / r0_bps if formula == "consistent" else (r0_bps - rt_bps) / r0_bps
@@ -153,8 +175,11 @@ class AdaptiveRatio:
         self._r0_bps = r0_bps
         if not carry:
             self._rt_bps = None
-        self._window.clear()
-        self._ewma = None
+        # With one upload sample per iteration (rate_source "upload"), stability compares
+        # consecutive iterations' samples, so the window carries over with rt.
+        if not (carry and self.config.rate_source == "upload"):
+            self._window.clear()
+            self._ewma = None
         self._ts_ns = ts_ns
 
     def observe(self, rate_bps: float, ts_ns: int) -> None:
