@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from agents.core import config as cfgmod
+from agents.core.lr_schedule import lr_at
 from agents.partition import balance_by_params, split
 from agents.stage import micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
@@ -83,6 +84,8 @@ def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Ten
                           momentum=cfg.workload.momentum)
     m, d = pc.micro_batches, pc.replicas
     for k in range(steps):
+        for group in opt.param_groups:  # the stages step with the scheduled lr of step k
+            group["lr"] = _lr(cfg, k)
         opt.zero_grad()
         for r in range(d):
             for i in range(m):
@@ -90,6 +93,12 @@ def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.Ten
                 (nn.functional.cross_entropy(model(b.x), b.y) / (m * d)).backward()
         opt.step()
     return _pieces(cfg, model)
+
+
+def _lr(cfg: cfgmod.ExperimentConfig, step: int) -> float:
+    wl = cfg.workload
+    return lr_at(wl.lr, step, cfg.run.iterations, wl.lr_schedule, wl.lr_decay_at,
+                 wl.lr_decay_factor)
 
 
 def _pieces(cfg: cfgmod.ExperimentConfig, model: nn.Module) -> list[torch.Tensor]:
@@ -103,7 +112,8 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.
     """One process applying the two-group schedule's two weight versions (PipeDream-2BW):
     B (pieces p..2p-1) steps synchronously; A (pieces 0..p-1) is run at ``V_s`` with
     ``V_0 = V_1 = W_0``, ``V_{s+1} = V_s - lr g_A(s-1)``, and after the last step its last
-    gradient is applied once more."""
+    gradient is applied once more. A gradient of step ``k`` is applied with step ``k``'s
+    scheduled lr."""
     pc = cfg.pipeline
     w = make_workload(cfg.workload)
     model = w.build_model(cfg.run.seed)
@@ -112,7 +122,7 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.
     pieces = split(model, balance)
     a_flat = [FlatModel(pc_) for pc_ in pieces[:p]]
     b_flat = [FlatModel(pc_) for pc_ in pieces[p:]]
-    lr, mom = cfg.workload.lr, cfg.workload.momentum
+    mom = cfg.workload.momentum
     a_buf = [torch.zeros_like(f.flat_params) for f in a_flat]
     b_buf = [torch.zeros_like(f.flat_params) for f in b_flat]
     pending: list[torch.Tensor] | None = None
@@ -125,16 +135,19 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int) -> list[torch.
                 bt = micro_batch(w, pc, k * m + i, r)
                 (nn.functional.cross_entropy(model(bt.x), bt.y) / (m * d)).backward()
         for f, buf in zip(b_flat, b_buf, strict=True):
-            sgd_step_(f.flat_params, f.flat_grad, buf, lr=lr, momentum=mom, first=k == 0)
+            sgd_step_(f.flat_params, f.flat_grad, buf, lr=_lr(cfg, k), momentum=mom,
+                      first=k == 0)
         grads = [f.flat_grad.clone() for f in a_flat]
         if pending is not None:  # V_{k+1} = V_k - lr g_A(k-1)
             for f, g, buf in zip(a_flat, pending, a_buf, strict=True):
-                sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+                sgd_step_(f.flat_params, g, buf, lr=_lr(cfg, k - 1), momentum=mom,
+                          first=a_steps == 0)
             a_steps += 1
         pending = grads
     assert pending is not None
     for f, g, buf in zip(a_flat, pending, a_buf, strict=True):
-        sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+        sgd_step_(f.flat_params, g, buf, lr=_lr(cfg, steps - 1), momentum=mom,
+                  first=a_steps == 0)
     return [f.flat_params.clone() for f in a_flat + b_flat]
 
 
