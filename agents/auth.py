@@ -9,7 +9,12 @@ a pipe only the controller holds the other end of:
 - worker k: ``key_k = HMAC(HMAC(master, "workers"), "w{k}")``, its own and no other;
 - the PS: its own control key and ``HMAC(master, "workers")``, from which it derives any
   worker's key to check that worker's challenge response;
-- background hosts: nothing.
+- background hosts: nothing;
+- an agent of a mesh (pipeline stages, MoE expert hosts): the pair key of every link it
+  is an end of, ``pair_key(master, mesh, a, b) = HMAC(derive(master, "mesh/<mesh>"),
+  "<a>|<b>")`` with ``a < b`` (the two ends' names in that mesh), and no other. Two
+  agents sharing a link key are its two ends, so no agent can pass for another to a
+  third (:mod:`agents.link` runs the challenge-response over it).
 
 The pipe stays open for the agent's life: EOF on it means the controller is gone, and
 the agent ends itself (:func:`exit_with_controller`), so a ``kill -9`` of the controller
@@ -26,13 +31,14 @@ import secrets
 import select
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from agents.core.nodes import worker_index, worker_node
 
 KEY_BYTES = 32
-MAX_BUNDLE_BYTES = 4096
+MAX_BUNDLE_BYTES = 1 << 16  # a mesh agent holds one 32-byte key per link
 
 
 def new_master() -> bytes:
@@ -60,36 +66,91 @@ def node_key(master: bytes, node: str) -> bytes:
     return derive(master, f"agent/{node}")
 
 
+def link_name(mesh: str, a: str, b: str) -> str:
+    """The name of the link between ``a`` and ``b`` of ``mesh``: the same from either end."""
+    if a == b or not a or not b or "|" in a + b:
+        raise ValueError(f"link of mesh {mesh!r}: ends {a!r} and {b!r} must be two "
+                         "different non-empty names without '|'")
+    lo, hi = sorted((a, b))
+    return f"{mesh}/{lo}|{hi}"
+
+
+def pair_key(master: bytes, mesh: str, a: str, b: str) -> bytes:
+    """The key only the two ends of one mesh link hold (see the module docstring)."""
+    _, _, ends = link_name(mesh, a, b).partition("/")
+    return derive(derive(master, f"mesh/{mesh}"), ends)
+
+
+def file_master(secret: bytes) -> bytes:
+    """The master of an agent started by hand or by a test with ``--auth file``: derived
+    from ``RUN/secret``, which every process that can read the run directory knows, so it
+    keeps other runs out and authenticates no one (runs started by the controller use
+    ``--auth stdin``)."""
+    return derive(secret, "file master")
+
+
+Link = tuple[str, str, str]  # (mesh, this agent's name in it, the peer's name)
+
+
 @dataclass(frozen=True)
 class KeyBundle:
-    """What one agent is told: its node name, its key, and (the PS only) the workers'
-    root key."""
+    """What one agent is told: its node name, its key, (the PS only) the workers' root
+    key, and (a mesh agent) the key of each link it is an end of, by :func:`link_name`."""
 
     node: str
     key: bytes
     workers_root: bytes = b""
+    links: tuple[tuple[str, bytes], ...] = ()
 
     def encode(self) -> bytes:
-        obj = {"node": self.node, "key": self.key.hex()}
+        obj: dict[str, object] = {"node": self.node, "key": self.key.hex()}
         if self.workers_root:
             obj["workers_root"] = self.workers_root.hex()
+        if self.links:
+            obj["links"] = {name: key.hex() for name, key in self.links}
         return json.dumps(obj).encode() + b"\n"
 
+    def link_key(self, mesh: str, me: str, peer: str) -> bytes:
+        """The key of link ``me``-``peer`` of ``mesh``; KeyError naming it if we hold none
+        (``peer`` is not a neighbour of ours)."""
+        name = link_name(mesh, me, peer)
+        for n, key in self.links:
+            if n == name:
+                return key
+        raise KeyError(f"no key for link {name} in {self.node}'s bundle "
+                       f"({len(self.links)} links)")
 
-def bundle_for(master: bytes, node: str) -> KeyBundle:
+
+def bundle_for(master: bytes, node: str, links: Sequence[Link] = ()) -> KeyBundle:
+    """Node ``node``'s bundle; ``links``: the mesh links it is an end of, as
+    ``(mesh, its name there, the peer's name)`` (the role that places it knows them)."""
     return KeyBundle(node, node_key(master, node),
-                     workers_root(master) if node == "ps" else b"")
+                     workers_root(master) if node == "ps" else b"",
+                     tuple((link_name(m, a, b), pair_key(master, m, a, b))
+                           for m, a, b in links))
+
+
+def file_bundle(secret: bytes, node: str, links: Sequence[Link] = ()) -> KeyBundle:
+    """The bundle of an agent started with ``--auth file`` (see :func:`file_master`)."""
+    return bundle_for(file_master(secret), node, links)
 
 
 def decode_bundle(line: bytes) -> KeyBundle:
     try:
         obj = json.loads(line.decode())
+        links = obj.get("links", {})
+        if not isinstance(links, dict):
+            raise TypeError("links: not an object")
         bundle = KeyBundle(str(obj["node"]), bytes.fromhex(obj["key"]),
-                           bytes.fromhex(obj.get("workers_root", "")))
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+                           bytes.fromhex(obj.get("workers_root", "")),
+                           tuple((str(n), bytes.fromhex(k)) for n, k in links.items()))
+    except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as e:
         raise ValueError(f"key bundle on stdin: malformed ({e})") from None
     if len(bundle.key) != KEY_BYTES:
         raise ValueError(f"key bundle on stdin: key of {len(bundle.key)} bytes")
+    bad = [n for n, k in bundle.links if len(k) != KEY_BYTES]
+    if bad:
+        raise ValueError(f"key bundle on stdin: link {bad[0]} has a key of the wrong size")
     return bundle
 
 

@@ -11,7 +11,9 @@ decides when the run ends: when every host has run ``run.iterations`` steps.
 Events (``RUN/events/eH.jsonl``, declared in :mod:`agents.core.events`): ``moe_phase``
 per phase of every step (the timeline), ``moe_route`` per layer and step (tokens,
 drops and imbalance per expert), ``moe_class_bytes`` per step (bytes per parameter
-class and their formula), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
+class and their formula), ``moe_offload`` per step with
+``moe.offload_budget_bytes`` > 0 (expert transfers into the device budget and bytes
+moved), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
 ``--dump DIR`` also writes each step's logits, local gradients and updated weights to
 ``DIR/hH_sS.npz`` (the transparency test reads them; numpy, no pickle).
 """
@@ -30,7 +32,7 @@ from agents import auth, codec, wire
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.moe.hosts import ExpertHost
-from agents.moe.mesh import Mesh
+from agents.moe.mesh import Mesh, file_keys, mesh_keys
 from agents.moe.model import load_data
 from agents.moe.zero import ParamClass, class_bytes
 
@@ -80,15 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
              [("127.0.0.1", m.port + i) for i in range(m.hosts)])
     run_id = args.run_dir.name
-    if args.auth == "stdin":
-        # The controller's key bundle (agents.auth) proves this host to the control
-        # socket; the mesh's frames carry the run's public tag, which keeps other runs
-        # out but authenticates no one: expert hosts share no key yet (see docs/moe.md).
-        auth.read_bundle()
-        auth.exit_with_controller()
-        secret = codec.PUBLIC_SECRET
-    else:
-        secret = (args.run_dir / "secret").read_bytes()
+    try:
+        if args.auth == "stdin":
+            # The controller's key bundle (agents.auth): this host's control key and the
+            # key of its link to every other expert host, which only the two ends hold.
+            link_keys = mesh_keys(auth.read_bundle(), args.host, m.hosts)
+            auth.exit_with_controller()
+            secret = codec.PUBLIC_SECRET
+        else:
+            secret = (args.run_dir / "secret").read_bytes()
+            link_keys = file_keys(secret, args.host, m.hosts)
+    except KeyError as e:
+        raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
     tag = codec.run_tag(run_id, secret)
     data = load_data(m.dataset)
     log = EventLog.for_node(args.run_dir, run_id, f"e{args.host}")
@@ -99,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     numels = [c.numel for c in probe.opt.classes.values()]
     limit = max_frame_bytes(cfg, data.tokens, numels)
     del probe
-    with Mesh(args.host, addrs, tag, crc=m.crc, max_payload_bytes=limit) as mesh:
+    with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
+              max_payload_bytes=limit) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed)
-        formula = {c.value: class_bytes(sc.numel, m.hosts)
+        formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}
         log.emit("moe_start", hosts=m.hosts, experts=m.experts, owned=host.mine,
                  expert_numel=host.opt.expert_numel,
@@ -117,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             log.emit("moe_class_bytes", step, **{f"{k}_bytes": v
                                                  for k, v in r["bytes_by_class"].items()},
                      **{f"{k}_formula_bytes": v for k, v in formula.items()})
+            if r["offload"] is not None:
+                log.emit("moe_offload", step, policy=m.offload_policy,
+                         budget_bytes=m.offload_budget_bytes, device=m.offload_device,
+                         **r["offload"])
             log.emit("moe_step", step, loss=r["loss"], ce=r["ce"], aux=r["aux"],
                      step_s=r["step_s"], expert_uses=[f"{lay}.{e}" for lay, e in
                                                       r["expert_uses"]])

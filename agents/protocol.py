@@ -88,7 +88,11 @@ class PSHandshake:
 
     ``key_for(w)`` gives worker w's key; ``nonce`` is this connection's fresh challenge
     (the PS draws it from ``secrets``; tests pass their own). Any error moves to FAILED,
-    and a failed handshake accepts nothing more."""
+    and a failed handshake accepts nothing more.
+
+    The acceptor of a mesh link (:mod:`agents.link`) is the same machine with its own
+    ``role`` and the ``peers`` it has a link key for: a HELLO from anyone else is refused
+    before any challenge."""
 
     run_id: str
     workers: int
@@ -97,6 +101,8 @@ class PSHandshake:
     state: HandshakeState = HandshakeState.AWAIT_HELLO
     hello: codec.Hello | None = None
     join_at: int = 0
+    role: str = "worker"
+    peers: frozenset[int] | None = None  # None: every index below ``workers``
 
     def _expect(self, state: HandshakeState, h: FrameHeader, msg: MsgType) -> None:
         if self.state is not state:
@@ -111,9 +117,16 @@ class PSHandshake:
         self._expect(HandshakeState.AWAIT_HELLO, h, MsgType.HELLO)
         try:
             hello = codec.parse_hello(body)
-            if hello.role != "worker" or hello.worker >= self.workers:
-                raise ProtocolError(f"hello.worker: {hello.worker} ({hello.role}) is not a "
-                                    f"worker of this run (0..{self.workers - 1})")
+            allowed = (hello.worker in self.peers if self.peers is not None
+                       else hello.worker < self.workers)
+            if hello.role != self.role or not allowed:
+                want = (sorted(self.peers) if self.peers is not None
+                        else f"0..{self.workers - 1}")
+                raise ProtocolError(f"hello.worker: {hello.role} {hello.worker} is not a "
+                                    f"{self.role} this end accepts ({want})")
+            if hello.worker != h.worker:
+                raise ProtocolError(f"hello.worker: {hello.worker}, but its frame says "
+                                    f"{h.worker}")
             if len(hello.nonce) != codec.NONCE_BYTES:
                 raise ProtocolError(f"hello.nonce: missing (need {codec.NONCE_BYTES} bytes)")
         except FrameError:
@@ -132,7 +145,7 @@ class PSHandshake:
         want = proof(key, self.run_id, w, self.nonce, self.hello.nonce)
         if len(body) != PROOF_BYTES or not hmac.compare_digest(bytes(body), want):
             self.state = HandshakeState.FAILED
-            raise ProtocolError(f"proof: worker {w} failed the challenge (wrong key, or a "
+            raise ProtocolError(f"proof: {self.role} {w} failed the challenge (wrong key, or a "
                                 "replayed handshake)")
         self.state = HandshakeState.AUTHENTICATED
         return session(key, w, self.join_at, self.nonce, self.hello.nonce)
@@ -167,13 +180,14 @@ class WorkerHandshake:
     state: WorkerState = WorkerState.START
     join_at: int = 0
     session: Session | None = None
+    role: str = "worker"  # the dialer of a mesh link says its own (agents.link)
 
     def hello(self, join_at: int) -> bytes:
         if self.state is not WorkerState.START:
             raise ProtocolError(f"hello: already sent (state {self.state.value!r})")
         self.join_at = join_at
         self.state = WorkerState.AWAIT_CHALLENGE
-        return codec.hello_payload("worker", self.worker, self.nonce)
+        return codec.hello_payload(self.role, self.worker, self.nonce)
 
     def _refused(self, h: FrameHeader, body: bytes | memoryview) -> None:
         if h.msg_type == MsgType.ERROR:
@@ -207,7 +221,7 @@ class WorkerHandshake:
                                 f"{self.state.value!r}, expected WELCOME")
         assert self.session is not None
         try:
-            self.session.down.verify(raw_header)
+            self.session.down.verify(raw_header, body)
         except FrameError:
             self.state = WorkerState.FAILED
             raise

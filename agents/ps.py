@@ -451,16 +451,20 @@ class ParameterServer:
             who = f"worker {w} chunk {h.chunk}"
             dense = None if sparse is not None else \
                 self.compressor.decompress(payload).reshape(-1)
-            check_gradient(sparse, dense, e - s, who=who,
-                           max_abs=self.cfg.guard.max_abs_grad,
-                           unique_indices=isinstance(self.compressor, SparseCompressor))
             a = acc[h.chunk]
-            if a.added == 0:
-                a.expect(len(self.active))
             if sparse is not None:
-                a.add_sparse(*sparse, who=who)  # validates indices and lengths first
+                # Every check first (range, finite, bounded, no duplicate index), then the
+                # add in the order the duplicate test sorted: nothing added if it fails.
+                if a.added == 0:
+                    a.expect(len(self.active))
+                a.add_checked(*sparse, who=who, max_abs=self.cfg.guard.max_abs_grad,
+                              unique_indices=isinstance(self.compressor, SparseCompressor))
             else:
                 assert dense is not None
+                check_gradient(None, dense, e - s, who=who,
+                               max_abs=self.cfg.guard.max_abs_grad, unique_indices=False)
+                if a.added == 0:
+                    a.expect(len(self.active))
                 a.add_dense(dense, who=who)
         except (PayloadError, ValueError, RuntimeError, IndexError, TypeError) as err:
             msg = str(err) if str(err).startswith(f"worker {w}") \

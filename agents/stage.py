@@ -7,7 +7,9 @@ Run inside a stage host as ``python -m agents.stage --run-dir RUN --stage S [--r
    pieces by ``pipeline.balance`` (or evenly by parameter count) and keeps its own: piece
    ``chunk * p + stage`` for each chunk (one chunk; two for the two-group schedule);
 2. connects to its downstream neighbour and accepts its upstream one (a ring for the
-   two-group schedule), both with a HELLO that the run tag authenticates;
+   two-group schedule), each an authenticated :class:`agents.link.Link` under the key
+   only the link's two ends hold (from the controller through stdin), with a MAC and a
+   sequence number on every frame;
 3. runs its schedule (:mod:`agents.core.schedules`, validated first) action by action:
    forwards and backwards of micro-batches, recomputation, optimizer steps. Activations
    go downstream (``ACTIVATION``) and gradients upstream (``GRADIENT_BACK``) through the
@@ -53,12 +55,13 @@ import torch
 from torch import nn
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents import auth, codec, wire
+from agents import auth, codec, link, wire
 from agents.compress.base import Compressor, PayloadError, make
 from agents.compress.feedback import ErrorFeedback
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
+from agents.core.nodes import PS_NODE, stage_links, stage_node
 from agents.core.schedules import Action, Kind, Schedule, validate
 from agents.core.schedules import make as make_schedule
 from agents.pacing import set_max_pacing_rate
@@ -73,6 +76,11 @@ CONNECT_TIMEOUT_S = 60.0
 def ps_node_id(stage: int, replica: int, stages: int) -> int:
     """The id a stage gives the PS in its HELLO and frames: ``replica * p + stage``."""
     return replica * stages + stage
+
+
+def ps_index(stages: int, replicas: int) -> int:
+    """The pipeline PS's index in its links' handshakes: after every stage's."""
+    return stages * replicas
 
 
 def is_eval_step(run: Any, step: int) -> bool:
@@ -156,6 +164,7 @@ class _PSLink:
 
     sock: socket.socket
     reader: wire.FrameReader
+    conn: link.Link  # authenticated under the stage's key shared with the PS only
     outbox: queue.Queue[tuple[codec.MsgType, int, int, torch.Tensor] | None] = field(
         default_factory=queue.Queue)
     thread: threading.Thread | None = None
@@ -173,16 +182,31 @@ class _Peer:
         default_factory=queue.Queue)
     bytes_sent: int = 0
     threads: list[threading.Thread] = field(default_factory=list)
+    conn: link.Link | None = None  # the authenticated link (None only in unit tests)
+
+    @property
+    def link(self) -> link.Link:
+        if self.conn is None:
+            raise StageError(f"{self.peer}: not connected")
+        return self.conn
 
 
 class Stage:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
                  secret: bytes, stage: int, peers: list[tuple[str, int]], replica: int = 0,
-                 ps: tuple[str, int] | None = None) -> None:
+                 ps: tuple[str, int] | None = None, keys: auth.KeyBundle | None = None
+                 ) -> None:
+        """``secret`` names the run (the frames' tag); ``keys``: this stage's bundle with
+        the key of every link it is an end of (without it, derived from ``secret`` as
+        ``--auth file`` does: tests and runs by hand)."""
         pc = cfg.pipeline
         self.cfg, self.pc = cfg, pc
         self.s, self.p, self.replica = stage, pc.stages, replica
-        self.node = f"s{stage}" if pc.replicas == 1 else f"r{replica}s{stage}"
+        self.node = stage_node(replica, stage, pc.replicas)
+        self.run_id = run_id
+        self.keys = keys or auth.file_bundle(secret, self.node,
+                                             stage_links(replica, stage, pc.stages,
+                                                         pc.replicas))
         self.log = _LockedLog(EventLog.for_node(run_dir, run_id, self.node))
         self.tag = codec.run_tag(run_id, secret)
         self.peers_addr, self.ps_addr = peers, ps
@@ -257,59 +281,79 @@ class Stage:
         assert len(dn) <= 1 and len(up) <= 1
         return (dn.pop() if dn else None), (up.pop() if up else None)
 
+    def _rank(self, replica: int, stage: int) -> int:
+        """A stage's index in the handshake: unique over every replica's stages."""
+        return replica * self.p + stage
+
+    def _link_key(self, replica: int, stage: int) -> bytes:
+        return self.keys.link_key("stage", self.node,
+                                  stage_node(replica, stage, self.pc.replicas))
+
+    def _dial_link(self, addr: tuple[str, int], replica: int, stage: int, what: str
+                   ) -> link.Link:
+        sock = _dial(addr)
+        try:
+            return link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
+                             me=self._rank(self.replica, self.s),
+                             peer=self._rank(replica, stage),
+                             key=self._link_key(replica, stage),
+                             timeout_s=CONNECT_TIMEOUT_S,
+                             name=f"stage {self.node} -> {what} ({wire.peer_name(sock)})")
+        except BaseException:
+            sock.close()
+            raise
+
     def connect(self) -> None:
         dn, up = self._needs()
         accepted: dict[str, Any] = {}
+        # Who may dial us, by handshake index: the upstream stage only.
+        keys = {}
+        if up is not None:
+            keys[self._rank(self.replica, up)] = self._link_key(self.replica, up)
 
         def accept_all() -> None:
-            want = (1 if up is not None else 0)
-            self.srv.settimeout(CONNECT_TIMEOUT_S)
+            deadline = time.monotonic() + CONNECT_TIMEOUT_S
             try:
-                while want:
+                while "up" not in accepted and keys:
+                    self.srv.settimeout(max(0.1, deadline - time.monotonic()))
                     sock, addr = self.srv.accept()
-                    sock.settimeout(None)
-                    reader = wire.FrameReader(sock, expect_tag=self.tag,
-                                              peer=f"{addr[0]}:{addr[1]}")
-                    h, body = reader.read_frame()
-                    hello = codec.parse_hello(body)
-                    if h.msg_type != codec.MsgType.HELLO:
-                        raise codec.FrameError(f"{reader.peer}: expected HELLO, got "
-                                               f"{h.msg_type.name}")
-                    if hello.role == "stage" and up is not None and hello.worker == up \
-                            and "up" not in accepted:
-                        accepted["up"] = (sock, reader)
-                    else:
-                        raise codec.FrameError(f"{reader.peer}: hello {hello.role} "
-                                               f"{hello.worker} is not a neighbour of stage "
-                                               f"{self.s}")
-                    want -= 1
-            except (OSError, codec.FrameError) as e:
+                    try:
+                        lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag,
+                                         role="stage", me=self._rank(self.replica, self.s),
+                                         keys=keys, timeout_s=CONNECT_TIMEOUT_S,
+                                         name=f"stage {self.node} <- {addr[0]}:{addr[1]}")
+                    except link.LinkError as e:
+                        # A stranger, or a stage claiming to be another: refuse it and
+                        # keep waiting for the real neighbour.
+                        self.log.emit("frame_error", peer=f"{addr[0]}:{addr[1]}",
+                                      error=str(e))
+                        print(f"{self.node}: {e}", file=sys.stderr, flush=True)
+                        sock.close()
+                        continue
+                    accepted["up"] = lk
+            except OSError as e:
                 accepted["error"] = e
 
         t = threading.Thread(target=accept_all, daemon=True)
         t.start()
         if dn is not None:
-            sock = _dial(self.peers_addr[dn])
-            wire.set_socket_options(sock, nodelay=True, congestion=self.cfg.net.congestion)
-            hdr, body = codec.frame_for_bytes(codec.hello_payload("stage", self.s),
-                                              msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                                              worker=self.s)
-            wire.send_frame(sock, hdr, body)
-            self.down = _Peer(dn, sock, f"stage {dn} ({wire.peer_name(sock)})")
+            lk = self._dial_link(self.peers_addr[dn], self.replica, dn, f"stage {dn}")
+            wire.set_socket_options(lk.sock, nodelay=True, congestion=self.cfg.net.congestion)
+            self.down = _Peer(dn, lk.sock, lk.name, conn=lk)
         t.join(CONNECT_TIMEOUT_S + 5)
         if "error" in accepted:
             raise StageError(f"stage {self.s}: accepting neighbours: {accepted['error']}")
         if up is not None:
             if "up" not in accepted:
                 raise StageError(f"stage {self.s}: upstream stage {up} never connected")
-            sock, reader = accepted["up"]
-            self.up = _Peer(up, sock, f"stage {up} ({reader.peer})")
+            lk = accepted["up"]
+            self.up = _Peer(up, lk.sock, lk.name, conn=lk)
         for peer in (self.down, self.up):
             if peer is None:
                 continue
             if self.pc.pace_mbps > 0:  # the pacing shaping method, per stage-to-stage link
                 set_max_pacing_rate(peer.sock, self.pc.pace_mbps * 1e6)
-            reader = wire.FrameReader(peer.sock, expect_tag=self.tag, peer=peer.peer)
+            reader = peer.link.reader()
             for target, name in ((self._read_loop, "read"), (self._send_loop, "send")):
                 args = (peer, reader) if name == "read" else (peer,)
                 th = threading.Thread(target=target, args=args, daemon=True,
@@ -322,22 +366,27 @@ class Stage:
                       actions=len(self.actions))
 
     def connect_ps(self) -> None:
-        """Dial the PS (``--ps``) and say HELLO as ``stage`` ``replica * p + s``."""
+        """Dial the PS (``--ps``): an authenticated link (:mod:`agents.link`) as ``stage``
+        ``replica * p + s``, under the key only this stage and the PS hold."""
         if self.ps_addr is None:
             return
         sock = _dial(self.ps_addr)
         wire.set_socket_options(sock, nodelay=True, congestion=self.cfg.net.congestion)
         me = ps_node_id(self.s, self.replica, self.p)
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("stage", me),
-                                          msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                                          worker=me)
-        wire.send_frame(sock, hdr, body)
         peer = f"ps ({wire.peer_name(sock)})"
-        link = _PSLink(sock, wire.FrameReader(sock, expect_tag=self.tag, peer=peer))
-        link.thread = threading.Thread(target=self._ps_send_loop, args=(link, peer),
-                                       daemon=True, name="send-ps")
-        link.thread.start()
-        self.ps_link = link
+        try:
+            lk = link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage", me=me,
+                           peer=ps_index(self.p, self.pc.replicas),
+                           key=self.keys.link_key("stage", self.node, PS_NODE),
+                           timeout_s=CONNECT_TIMEOUT_S, name=f"stage {self.node} -> {peer}")
+        except BaseException:
+            sock.close()
+            raise
+        ps_link = _PSLink(sock, lk.reader(), lk)
+        ps_link.thread = threading.Thread(target=self._ps_send_loop, args=(ps_link, peer),
+                                          daemon=True, name="send-ps")
+        ps_link.thread.start()
+        self.ps_link = ps_link
 
     def _ps_send_loop(self, link: _PSLink, peer: str) -> None:
         me = ps_node_id(self.s, self.replica, self.p)
@@ -348,8 +397,8 @@ class Stage:
             msg_type, step, chunk, t = item
             t0 = now_ns()
             try:
-                n = wire.send_message(link.sock, [t], msg_type=msg_type, run_tag=self.tag,
-                                      worker=me, iteration=step, chunk=chunk, peer=peer)
+                n = link.conn.send_message([t], msg_type=msg_type, worker=me,
+                                           iteration=step, chunk=chunk)
             except OSError as e:
                 link.error = f"{peer}: send failed: {e}"
                 self._fail(link.error)
@@ -441,9 +490,8 @@ class Stage:
             msg_type, mb, chunk, tensors = item
             t0 = now_ns()
             try:
-                n = wire.send_message(peer.sock, tensors, msg_type=msg_type, run_tag=self.tag,
-                                      worker=self.s, iteration=mb, chunk=chunk,
-                                      peer=peer.peer)
+                n = peer.link.send_message(tensors, msg_type=msg_type, worker=self.s,
+                                           iteration=mb, chunk=chunk)
             except OSError as e:
                 self._fail(f"{peer.peer}: send failed: {e}")
                 return
@@ -681,10 +729,8 @@ class Stage:
         for peer in (self.down, self.up):
             if peer is None:
                 continue
-            hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
-                                              run_tag=self.tag, worker=self.s)
             try:
-                wire.send_frame(peer.sock, hdr, body)
+                peer.link.send_bytes(b"done", msg_type=codec.MsgType.BYE, worker=self.s)
             except OSError:
                 pass
         for peer in (self.down, self.up):
@@ -714,10 +760,8 @@ class Stage:
         if link.thread is not None:
             link.thread.join(self.cfg.run.timeout_s)
         me = ps_node_id(self.s, self.replica, self.p)
-        hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
-                                          run_tag=self.tag, worker=me)
         try:
-            wire.send_frame(link.sock, hdr, body)
+            link.conn.send_bytes(b"done", msg_type=codec.MsgType.BYE, worker=me)
         except OSError as e:
             self._fail(f"{link.reader.peer}: BYE failed: {e}")
         link.sock.close()
@@ -764,11 +808,12 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
                          "it goes); file: RUN/secret names the run (tests, by hand)")
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
+    keys: auth.KeyBundle | None = None
     if args.auth == "stdin":
-        # As the expert hosts do: the controller's key bundle proves this host to the
-        # control socket; stage-to-stage frames carry the run's public tag, which keeps
-        # other runs out but authenticates no one (stages share no key yet).
-        auth.read_bundle()
+        # The controller's key bundle (agents.auth): this stage's control key and the
+        # key of each stage link it is an end of, which only the link's two ends hold.
+        # (The connection to the pipeline's PS still carries the run's public tag.)
+        keys = auth.read_bundle()
         auth.exit_with_controller()
         secret = codec.PUBLIC_SECRET
     else:
@@ -776,7 +821,7 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     torch.set_num_threads(1)
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
-               parse_peers(args.peers), args.replica, ps)
+               parse_peers(args.peers), args.replica, ps, keys)
     try:
         return st.run()
     except (StageError, ConnectionError, codec.FrameError, OSError) as e:

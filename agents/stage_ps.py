@@ -44,15 +44,15 @@ from pathlib import Path
 
 import torch
 
-from agents import auth, codec, wire
+from agents import auth, codec, link, wire
 from agents.aggregate import check_gradient
 from agents.compress.base import PayloadError
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
-from agents.core.nodes import PS_NODE
+from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
 from agents.core.schedules import Kind, Schedule
 from agents.partition import balance_by_params, split
-from agents.stage import CONNECT_TIMEOUT_S, _LockedLog, build_schedule, is_eval_step
+from agents.stage import CONNECT_TIMEOUT_S, _LockedLog, build_schedule, is_eval_step, ps_index
 from agents.workloads.base import FlatModel
 from agents.workloads.factory import make_workload
 
@@ -74,6 +74,7 @@ class _Conn:
     sock: socket.socket
     peer: str
     expect: list[tuple[codec.MsgType, int, int]]
+    conn: link.Link | None = None  # authenticated under the key this stage and the PS hold
     outbox: queue.Queue[tuple[int, int, torch.Tensor] | None] = field(
         default_factory=queue.Queue)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -102,10 +103,18 @@ def expected_messages(schedule: Schedule, stage: int, replica: int, replicas: in
 
 class StagePS:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
-                 secret: bytes, *, host: str = "0.0.0.0", port: int = 6000) -> None:
+                 secret: bytes, *, host: str = "0.0.0.0", port: int = 6000,
+                 keys: auth.KeyBundle | None = None) -> None:
+        """``keys``: the PS's bundle, with the key of its link to every stage (without it,
+        derived from ``secret`` as ``--auth file`` does)."""
         pc = cfg.pipeline
         self.cfg, self.pc = cfg, pc
         self.p, self.d = pc.stages, pc.replicas
+        self.run_id = run_id
+        bundle = keys or auth.file_bundle(secret, PS_NODE, stage_ps_links(self.p, self.d))
+        self.link_keys = {r * self.p + s: bundle.link_key("stage", PS_NODE,
+                                                          stage_node(r, s, self.d))
+                          for r in range(self.d) for s in range(self.p)}
         self.log = _LockedLog(EventLog.for_node(run_dir, run_id, PS_NODE))
         self.tag = codec.run_tag(run_id, secret)
         self.schedule = build_schedule(pc, cfg.run.iterations)
@@ -150,27 +159,24 @@ class StagePS:
                 raise StagePSError(f"ps: stages {', '.join(missing)} never connected "
                                    f"within {CONNECT_TIMEOUT_S:g} s") from None
             peer = f"{addr[0]}:{addr[1]}"
-            sock.settimeout(CONNECT_TIMEOUT_S)
             try:
-                reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer,
-                                          max_payload_bytes=codec.MAX_HELLO_BYTES)
-                h, body = reader.read_frame()
-                if h.msg_type != codec.MsgType.HELLO:
-                    raise codec.FrameError(f"{peer}: expected HELLO, got {h.msg_type.name}")
-                hello = codec.parse_hello(body)
-                r, s = divmod(hello.worker, self.p)
-                if hello.role != "stage" or r >= self.d or (r, s) in self.conns:
-                    raise codec.FrameError(f"{peer}: hello {hello.role} {hello.worker} is "
-                                           f"not a stage this PS still waits for")
-            except (OSError, codec.FrameError, wire.ConnectionClosed) as e:
+                # Challenge-response under the key this PS shares with that stage only
+                # (agents.link): a stage cannot pass for another, nor can anyone else.
+                lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
+                                 me=ps_index(self.p, self.d),
+                                 keys={i: k for i, k in self.link_keys.items()
+                                       if divmod(i, self.p) not in self.conns},
+                                 timeout_s=CONNECT_TIMEOUT_S, name=f"ps <- {peer}")
+            except (OSError, codec.FrameError) as e:
                 self.log.emit("frame_error", peer=peer, error=str(e))
                 sock.close()
                 continue  # a stranger: the stages may still come
             sock.settimeout(None)
+            r, s = divmod(lk.peer, self.p)
             conn = _Conn(r, s, sock, f"{conn_name(r, s)} ({peer})",
-                         expected_messages(self.schedule, s, r, self.d, self.cfg.run))
+                         expected_messages(self.schedule, s, r, self.d, self.cfg.run), lk)
             self.conns[(r, s)] = conn
-            reader.max_payload_bytes = self.max_payload_bytes
+            reader = lk.reader(self.max_payload_bytes)
             for target, args in ((self._read_loop, (conn, reader)), (self._send_loop, (conn,))):
                 th = threading.Thread(target=target, args=args, daemon=True,
                                       name=f"{target.__name__}-{conn.node}")
@@ -197,8 +203,9 @@ class StagePS:
                 return
             step, chunk, mean = item
             try:
-                n = wire.send_message(conn.sock, [mean], msg_type=UPDATE, run_tag=self.tag,
-                                      worker=0, iteration=step, chunk=chunk, peer=conn.peer)
+                assert conn.conn is not None
+                n = conn.conn.send_message([mean], msg_type=UPDATE, worker=0,
+                                           iteration=step, chunk=chunk)
             except OSError as e:
                 self.events.put((conn, None, [], f"{conn.peer}: send failed: {e}"))
                 return
@@ -346,16 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                          "it goes); file: RUN/secret names the run (tests, by hand)")
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
+    keys: auth.KeyBundle | None = None
     if args.auth == "stdin":
-        # As the stages: the bundle proves this host to the controller; stage frames carry
-        # the run's public tag (the stage mesh has no per-agent keys yet).
-        auth.read_bundle()
+        # The controller's key bundle: this host's control key and the key of its link to
+        # every stage (agents.link).
+        keys = auth.read_bundle()
         auth.exit_with_controller()
         secret = codec.PUBLIC_SECRET
     else:
         secret = (args.run_dir / "secret").read_bytes()
     torch.set_num_threads(1)
-    ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port)
+    ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
+                 keys=keys)
     try:
         return ps.serve()
     except (StagePSError, OSError, codec.FrameError) as e:

@@ -63,9 +63,10 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
                mac: FrameMac | None = None) -> int:
     """Send one frame (header + payload) with scatter-gather ``sendmsg``; returns bytes sent.
 
-    ``mac``: the connection's sending :class:`~agents.codec.FrameMac`; the header is
-    sealed with the next sequence number here, so frames must be sent in the order
-    they are sealed (callers hold the connection's send lock around both).
+    ``mac``: the connection's sending :class:`~agents.codec.FrameMac`; the frame (its
+    header and payload) is sealed with the next sequence number here, so frames must be
+    sent in the order they are sealed (callers hold the connection's send lock around
+    both).
 
     Partial sends (a full socket buffer, a signal) are resumed by slicing the
     memoryviews, which never copies the payload. With ``progress``, every ``sendmsg``
@@ -76,7 +77,7 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
     with a note naming the peer and how far the frame got.
     """
     if mac is not None:
-        header_bytes = mac.seal(header_bytes)
+        header_bytes = mac.seal(header_bytes, payload_mv)
     bufs = [memoryview(header_bytes).cast("B"), memoryview(payload_mv).cast("B")]
     total = len(bufs[0]) + len(bufs[1])
     bufs = [b for b in bufs if len(b)]
@@ -180,8 +181,10 @@ class FrameReader:
 
     ``expect_tag`` (per call, or the default given here) rejects frames whose run
     tag differs: frames from another run. Once the connection is authenticated, set
-    ``mac`` (the receiving :class:`~agents.codec.FrameMac`): every header is then
-    checked against it instead of the tag, before its payload is read.
+    ``mac`` (the receiving :class:`~agents.codec.FrameMac`): the tag is then not
+    checked, and every frame's MAC (header and payload) is, as soon as its payload is
+    in and before it is returned; until then only the header's own checks and the
+    caps below bound what is read.
 
     ``max_payload_bytes`` caps every payload before anything is allocated for it; a
     receiver that knows what the next message may weigh passes a tighter ``bound``
@@ -234,8 +237,6 @@ class FrameReader:
         try:
             h = decode_header(self._hdr_mv, expect_tag=None if self.mac else tag,
                               max_payload_bytes=self.max_payload_bytes)
-            if self.mac is not None:
-                self.mac.verify(self._hdr_mv)
         except FrameError as e:
             raise FrameError(f"{self.peer}: frame {self.frames_read}: {e}") from e
         return h
@@ -255,6 +256,8 @@ class FrameReader:
         dst = mv[:h.payload_len]
         self._recv_exact(dst, f"payload of {h.describe()}")
         try:
+            if self.mac is not None:
+                self.mac.verify(self._hdr_mv, dst)
             check_payload(h, dst)
         except FrameError as e:
             raise FrameError(f"{self.peer}: {e}") from e

@@ -14,7 +14,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from agents.core.moe_metrics import dispatch_efficiency, drop_fraction, load_imbalance
+from agents.core.moe_metrics import (
+    dispatch_efficiency,
+    dispatch_link_efficiency,
+    drop_fraction,
+    load_imbalance,
+)
 
 Row = dict[str, Any]
 
@@ -78,12 +83,99 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
         payload = max(h["payload"] for h in hs)
         frames = max(max(h["frames_up"], h["frames_down"]) for h in hs)
         out.append({"iter": it, "layer": layer, "hosts": len(hs), "phase_s": phase_s,
+                    "start_ns": last_in, "end_ns": max(h["end_ns"] for h in hs),
                     "arrival_spread_s": spread_s,
                     "counts_s": statistics.median(h["counts_s"] for h in hs),
                     "tokens_s": statistics.median(h["tokens_s"] for h in hs),
                     "payload_bytes": payload, "frame_bytes": frames,
                     "efficiency": dispatch_efficiency(payload, phase_s, rate_mbps),
                     "utilisation": dispatch_efficiency(frames, phase_s, rate_mbps)})
+    return out
+
+
+def load_class_samples(run_dir: Path) -> Any:
+    """The run's HTB class samples (``classes.parquet``; :mod:`agents.core.class_samples`)
+    as a DataFrame, or None when the run did not sample them (``topo.class_sample_ms``)."""
+    path = run_dir / "classes.parquet"
+    if not path.exists():
+        return None
+    import pandas as pd
+
+    return pd.read_parquet(path)
+
+
+def bytes_between(ts_ns: Any, sent_bytes: Any, start_ns: int, end_ns: int) -> float:
+    """A cumulative counter's growth from ``start_ns`` to ``end_ns``, each end linearly
+    interpolated between the samples around it. Raises ValueError when the samples do
+    not cover the window (nothing to interpolate from)."""
+    import numpy as np
+
+    ts = np.asarray(ts_ns, dtype=np.float64)
+    cum = np.asarray(sent_bytes, dtype=np.float64)
+    if len(ts) < 2 or ts[0] > start_ns or ts[-1] < end_ns:
+        raise ValueError(f"class samples cover [{ts[0] if len(ts) else None}, "
+                         f"{ts[-1] if len(ts) else None}] ns, not the window "
+                         f"[{start_ns}, {end_ns}]")
+    a, b = np.interp([start_ns, end_ns], ts, cum)
+    return float(b - a)
+
+
+def dispatch_link_table(dispatch: list[Row], samples: Any, rate_mbps: float,
+                        burst_bytes: int = 0) -> list[Row]:
+    """Per dispatch (rows of :func:`dispatch_table`): the bytes every shaped point's HTB
+    class let out over the dispatch window, the busiest point (and its bytes without
+    pure ACKs where the point queues them apart, ``link_data_bytes``) and its
+    :func:`~agents.core.moe_metrics.dispatch_link_efficiency`; with ``burst_bytes``
+    also ``link_efficiency_burst_allowed`` = bytes / (phase x rate + burst), the bound
+    that counts a full HTB bucket as capacity. ``sample_gap_ms``: the widest spacing of
+    the samples around the window's two ends (the interpolation's resolution);
+    ``link_bytes_inner``/``link_bytes_outer``: the busiest point's bytes between the
+    samples just inside and just outside the window, which bound its true bytes from
+    below and above without interpolating, and
+    ``link_efficiency_burst_allowed_inner`` = inner / (phase x rate + burst), a lower
+    bound on the link's efficiency whatever the bucket held and however the samples
+    fell."""
+    import numpy as np
+
+    by_point = {str(p): g.sort_values("ts_ns") for p, g in samples.groupby("point")}
+    out = []
+    for d in dispatch:
+        start, end = int(d["start_ns"]), int(d["end_ns"])
+        per_point = {p: bytes_between(g["ts_ns"].to_numpy(), g["sent_bytes"].to_numpy(),
+                                      start, end) for p, g in by_point.items()}
+        busiest = max(per_point, key=lambda p: per_point[p])
+        g = by_point[busiest]
+        data_bytes = bytes_between(g["ts_ns"].to_numpy(), g["data_bytes"].to_numpy(), start,
+                                   end)
+        ts = by_point[busiest]["ts_ns"].to_numpy()
+        cum = by_point[busiest]["sent_bytes"].to_numpy()
+        gaps = []
+        for t in (start, end):
+            i = int(np.searchsorted(ts, t))
+            gaps.append((ts[min(i, len(ts) - 1)] - ts[max(i - 1, 0)]) / 1e6)
+        # Bounds that need no interpolation: between the samples just inside the window
+        # (at most what it carried) and just outside it (at least).
+        i0 = int(np.searchsorted(ts, start, "left"))
+        i1 = int(np.searchsorted(ts, end, "right")) - 1
+        o0 = max(int(np.searchsorted(ts, start, "right")) - 1, 0)
+        o1 = min(int(np.searchsorted(ts, end, "left")), len(ts) - 1)
+        inner = float(cum[i1] - cum[i0]) if i1 > i0 else 0.0
+        outer = float(cum[o1] - cum[o0])
+        link_bytes = per_point[busiest]
+        phase_s = float(d["phase_s"])
+        out.append({"iter": d["iter"], "layer": d["layer"], "phase_s": phase_s,
+                    "busiest_point": busiest, "link_bytes": link_bytes,
+                    "link_data_bytes": data_bytes,
+                    "payload_bytes": d["payload_bytes"],
+                    "link_efficiency": dispatch_link_efficiency(link_bytes, phase_s,
+                                                                rate_mbps),
+                    "link_efficiency_burst_allowed":
+                        link_bytes / (phase_s * rate_mbps * 1e6 / 8 + burst_bytes),
+                    "link_bytes_inner": inner, "link_bytes_outer": outer,
+                    "link_efficiency_burst_allowed_inner":
+                        inner / (phase_s * rate_mbps * 1e6 / 8 + burst_bytes),
+                    "formula_efficiency": d["efficiency"],
+                    "sample_gap_ms": float(max(gaps))})
     return out
 
 
@@ -122,7 +214,8 @@ def plot_timeline(rows: Iterable[Row], path: Path, steps: tuple[int, int]) -> No
     colours = {"forward": "#4c72b0", "backward": "#8172b2", "expert": "#64b5cd",
                "dispatch_counts": "#c44e52", "dispatch_tokens": "#dd8452",
                "combine": "#55a868", "combine_grad": "#937860", "tokens_grad": "#da8bc3",
-               "all_gather_zero3": "#8c8c8c", "reduce_scatter_and_update": "#ccb974"}
+               "all_gather_zero3": "#8c8c8c", "all_gather_zero3_bwd": "#5c5c5c",
+               "reduce_scatter_and_update": "#ccb974"}
     ph = [r for r in rows if r.get("event") == "moe_phase" and steps[0] <= r["iter"] < steps[1]]
     if not ph:
         return

@@ -60,18 +60,25 @@ def summarize(times_s: list[float], size_bytes: int) -> dict[str, float]:
             "times_s": times_s}  # type: ignore[dict-item]
 
 
-def codec_round(t: torch.Tensor, crc: bool, mac: bool = False) -> tuple[float, dict[str, bool]]:
+MAC_VARIANTS = ("header_only", *codec.MAC_ALGORITHMS)
+
+
+def codec_round(t: torch.Tensor, crc: bool, mac: str = "") -> tuple[float, dict[str, bool]]:
     """One encode + decode in memory; returns seconds and the zero-copy checks. ``mac``:
-    also seal the header with a connection's FrameMac and verify it, as the agents do."""
-    seal, check = codec.FrameMac(b"k" * 32), codec.FrameMac(b"k" * 32)
+    also seal the frame with a connection's FrameMac and verify it, as the agents do:
+    ``header_only`` is the MAC before it covered the payload (header and payload CRC
+    only), otherwise the named algorithm over header and payload (agents.codec)."""
+    algo = codec.MAC_ALGORITHM if mac in ("", "header_only") else mac
+    seal, check = codec.FrameMac(b"k" * 32, algo), codec.FrameMac(b"k" * 32, algo)
     t0 = time.perf_counter()
     hb, mv = frame_for_tensor(t, msg_type=MsgType.GRAD, run_tag=TAG, worker=0, iteration=0,
                               chunk=0, crc=crc)
+    covered = b"" if mac == "header_only" else mv
     if mac:
-        hb = seal.seal(hb)
+        hb = seal.seal(hb, covered)
     h = decode_header(hb, expect_tag=None if mac else TAG)
     if mac:
-        check.verify(hb)
+        check.verify(hb, covered)
     check_payload(h, mv)
     out = tensor_from_buffer(h, mv)
     dt = time.perf_counter() - t0
@@ -85,7 +92,7 @@ def bench_memory(t: torch.Tensor) -> dict[str, object]:
     zero_copy = True
     variants: list[tuple[str, bool, Callable[..., int]]] = [
         (f"crc_on_{CRC_BACKEND}", True, codec.payload_crc32),
-        (f"crc_on_{CRC_BACKEND}_mac", True, codec.payload_crc32),
+        *[(f"crc_on_{CRC_BACKEND}_mac_{m}", True, codec.payload_crc32) for m in MAC_VARIANTS],
         ("crc_off", False, codec.payload_crc32),
     ]
     if CRC_BACKEND != "zlib":
@@ -96,13 +103,13 @@ def bench_memory(t: torch.Tensor) -> dict[str, object]:
         try:
             times = []
             for _ in range(REPS_MEM):
-                dt, checks = codec_round(t, crc, mac=name.endswith("_mac"))
+                dt, checks = codec_round(t, crc, mac=name.partition("_mac_")[2])
                 times.append(dt)
                 zero_copy &= all(checks.values())
         finally:
             codec.payload_crc32 = default_crc
         res[name] = summarize(times, t.numel() * t.element_size())
-        log(f"(a) {name:14s} median {res[name]['median_gbps']:.2f} GB/s "  # type: ignore[index]
+        log(f"(a) {name:28s} median {res[name]['median_gbps']:.2f} GB/s "  # type: ignore[index]
             f"best {res[name]['best_gbps']:.2f} GB/s")  # type: ignore[index]
     res["zero_copy_verified"] = zero_copy
     # Raw CRC speed, so the CRC share of the codec time is visible.
@@ -149,20 +156,23 @@ def bench_tcp(t: torch.Tensor) -> dict[str, object]:
     res: dict[str, object] = {}
     cli, conn = tcp_pair()
     try:
-        reader = FrameReader(conn, expect_tag=TAG)
         raw = bytes(t.view(torch.uint8).numpy())
         sink = bytearray(size)
         sink_mv = memoryview(sink)
         prealloc = torch.empty_like(t)
         prealloc.zero_()  # touch the pages once, as a long-lived receive buffer would be
         for name in ("raw_socket_floor", "crc_on", "crc_off", "crc_on_prealloc",
-                     "crc_off_prealloc"):
+                     "crc_off_prealloc", "crc_on_mac_prealloc"):
+            mac_tx = codec.FrameMac(b"k" * 32) if "_mac" in name else None
+            reader = FrameReader(conn, expect_tag=TAG,
+                                 mac=codec.FrameMac(b"k" * 32) if mac_tx else None)
             times: list[float] = []
             for i in range(REPS_NET):
                 go = threading.Event()
                 err: list[BaseException] = []
 
                 def send(name: str = name, i: int = i, go: threading.Event = go,
+                         mac_tx: codec.FrameMac | None = mac_tx,
                          err: list[BaseException] = err) -> None:
                     try:
                         go.wait()
@@ -171,7 +181,7 @@ def bench_tcp(t: torch.Tensor) -> dict[str, object]:
                         else:
                             send_message(cli, [t], msg_type=MsgType.GRAD, run_tag=TAG,
                                          worker=0, iteration=i, chunk=0,
-                                         crc=name.startswith("crc_on"))
+                                         crc=name.startswith("crc_on"), mac=mac_tx)
                     except BaseException as e:  # noqa: BLE001 - re-raised below
                         err.append(e)
 
@@ -201,7 +211,8 @@ def bench_tcp(t: torch.Tensor) -> dict[str, object]:
         cli.close()
         conn.close()
     floor = res["raw_socket_floor"]["median_gbps"]  # type: ignore[index]
-    for name in ("crc_on", "crc_off", "crc_on_prealloc", "crc_off_prealloc"):
+    for name in ("crc_on", "crc_off", "crc_on_prealloc", "crc_off_prealloc",
+                 "crc_on_mac_prealloc"):
         res[f"{name}_vs_raw_floor"] = res[name]["median_gbps"] / floor  # type: ignore[index]
     return res
 
@@ -222,6 +233,9 @@ def main() -> None:
         "in_memory": mem,
         "loopback_tcp": net,
         "codec_vs_torch_save_load": pickle_ratio,
+        "frame_mac": codec.MAC_ALGORITHM,
+        "mac_vs_no_mac": {m: mem[f"{key}_mac_{m}"]["median_gbps"] / headline  # type: ignore[index]
+                          for m in MAC_VARIANTS},
         "user_space_payload_copies": {
             "encode": 0, "decode_in_memory": 0, "tcp_receive": 0,
             "how_verified": "data pointers: payload view == tensor.data_ptr(); decoded "

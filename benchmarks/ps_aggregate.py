@@ -18,8 +18,14 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 - ``end_to_end_new_tensor``: the same with the mean in a new 100 MB tensor (the page
   faults of a fresh allocation cost more than the division).
 - ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
-- ``checked_validated_add``: ``validated_add`` plus :func:`check_gradient` per payload
-  (finite, bounded, no duplicate index), what the PS runs since issue 22.
+- ``checked_add``: what the PS runs per sparse payload since issue 22:
+  :meth:`SparseAccumulator.add_checked` (range, finite and bounded values, no duplicate
+  index), the duplicate test fused into the add (the sort that finds duplicates orders
+  the add). ``checked_vs_unchecked`` = its time over ``validated_add``'s, same run.
+  These three run interleaved, round by round (best of 7 each).
+- ``stamp_checked_add``: the check it replaced (issue 22's first version, kept here for
+  the side-by-side): stamp every index's position into an n-long int64 scratch and read
+  the stamps back (two more random passes over n), then the validated add.
 - ``validate``: :func:`validate_sparse` alone, to show the cost of the checks.
 - ``index_add``: the adds alone into a persistent, pre-zeroed accumulator.
 - ``sorted_index_add``: the adds after sorting each worker's indices (sort time included),
@@ -30,6 +36,7 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -98,16 +105,42 @@ def bench(workers: int) -> dict[str, Any]:
             acc.add_sparse(sp[0], sp[1], who=who)
 
     def checked_add() -> None:
-        # What the PS does per payload since issue 22: the sanity check (finite, bounded,
-        # no duplicate index), then the validated add.
+        # What the PS does per sparse payload since issue 22.
         for who, p in zip(names, payloads, strict=True):
             sp = topk.decompress_sparse(p)
-            check_gradient(sp, None, N, who=who, max_abs=1e6, unique_indices=True)
+            acc.add_checked(sp[0], sp[1], who=who, max_abs=1e6, unique_indices=True)
+
+    scratch = torch.empty(N, dtype=torch.int64)
+
+    def stamp_checked_add() -> None:
+        for who, p in zip(names, payloads, strict=True):
+            sp = topk.decompress_sparse(p)
+            check_gradient(None, sp[1], N, who=who, max_abs=1e6, unique_indices=False)
+            validate_sparse(sp[0], sp[1], N, who=who)
+            idx = sp[0].to(torch.int64)
+            pos = torch.arange(idx.numel(), dtype=torch.int64)
+            scratch.index_put_((idx,), pos)
+            assert not bool((scratch.index_select(0, idx) != pos).any())
             acc.add_sparse(sp[0], sp[1], who=who)
 
-    for name, fn, reps in (("validated_add", validated_add, 7),
-                           ("checked_validated_add", checked_add, 7),
-                           ("end_to_end", lambda: aggregate(payloads, topk, workers=names,
+    # The three compared for the checks' cost run interleaved, round by round, so a
+    # burst of load elsewhere on the shared machine hits all three alike.
+    side = {"validated_add": validated_add, "checked_add": checked_add,
+            "stamp_checked_add": stamp_checked_add}
+    times: dict[str, list[float]] = {n: [] for n in side}
+    for fn in side.values():
+        fn()
+    for _ in range(7):
+        for n, fn in side.items():
+            t0 = time.perf_counter()
+            fn()
+            times[n].append(time.perf_counter() - t0)
+    for n, ts in times.items():
+        res[n] = {"best_ms": min(ts) * 1e3, "all_ms": [t * 1e3 for t in ts],
+                  "melem_per_s": elems / min(ts) / 1e6}
+        log(f"W={workers} {n}: {min(ts) * 1e3:.1f} ms = {elems / min(ts) / 1e6:.0f} M elem/s"
+            " (interleaved)")
+    for name, fn, reps in (("end_to_end", lambda: aggregate(payloads, topk, workers=names,
                                                             acc=bound, out=grad_buffer), 7),
                            ("end_to_end_separate_sum",
                             lambda: aggregate(payloads, topk, workers=names, acc=persistent,
@@ -121,16 +154,33 @@ def bench(workers: int) -> dict[str, Any]:
         res[name] = {"best_ms": s * 1e3, "all_ms": [t * 1e3 for t in all_s],
                      "melem_per_s": elems / s / 1e6}
         log(f"W={workers} {name}: {s * 1e3:.1f} ms = {elems / s / 1e6:.0f} M elem/s")
+    res["checked_vs_unchecked"] = res["checked_add"]["best_ms"] / res["validated_add"]["best_ms"]
+    res["checked_vs_unchecked_median"] = (statistics.median(times["checked_add"])
+                                          / statistics.median(times["validated_add"]))
+    res["stamp_checked_vs_unchecked"] = (res["stamp_checked_add"]["best_ms"]
+                                         / res["validated_add"]["best_ms"])
+    log(f"W={workers} checked/unchecked {res['checked_vs_unchecked']:.2f} "
+        f"(stamp check: {res['stamp_checked_vs_unchecked']:.2f})")
     return res
 
 
 def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     results = {str(w): bench(w) for w in (4, 16)}
+    threads = torch.get_num_threads()
+    # The PS itself runs torch on one thread (agents.ps); torch.sort in particular slows
+    # down on two threads of this loaded 2-core machine, so the checks' cost is also
+    # measured as the PS pays it.
+    torch.set_num_threads(1)
+    results["16_one_thread"] = bench(16)
     headline = results["16"]["validated_add"]["melem_per_s"]
     emit("ps_aggregate", headline,
          "M elements/s (16 workers, topk 1% of 25M, decode + validate + index_add)",
-         ">= 50", {"n": N, "ratio": RATIO, "threads": torch.get_num_threads(),
+         ">= 50", {"n": N, "ratio": RATIO, "threads": threads,
+                   "checked_vs_unchecked_16": results["16"]["checked_vs_unchecked"],
+                   "checked_vs_unchecked_16_one_thread":
+                       results["16_one_thread"]["checked_vs_unchecked"],
+                   "checked_melem_per_s_16": results["16"]["checked_add"]["melem_per_s"],
                    "timing": "best of repeats (shared machine)", "results": results})
 
 

@@ -30,6 +30,7 @@ from agents.core.links import LINK_COLUMNS
 from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
+from controller.class_sampler import ClassSampler
 from controller.control import ControlServer
 from controller.driver import check_driver
 from controller.paths import resolve_paths
@@ -228,6 +229,7 @@ class Experiment:
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
+        class_sampler: ClassSampler | None = None
         ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
         old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
         assert self.events is not None
@@ -244,6 +246,9 @@ class Experiment:
                 net.set_congestion_control(cfg.net.congestion)
                 sampler = LinkSampler(net)
                 sampler.start()
+                if cfg.topo.class_sample_ms > 0:
+                    class_sampler = ClassSampler(net, cfg.topo.class_sample_ms / 1000)
+                    class_sampler.start()
                 from controller.driver import NetworkDriver
 
                 self.driver = NetworkDriver(cfg, net, ctl, self.events, self.say)
@@ -271,6 +276,10 @@ class Experiment:
                 if sampler is not None:
                     sampler.stop_event.set()
                     sampler.join(timeout=2)
+                if class_sampler is not None:
+                    class_sampler.stop_event.set()
+                    class_sampler.join(timeout=2)
+                    class_sampler.write(run_dir / "classes.parquet")
                 ctl.close()
                 if self._bar is not None:
                     self._bar.close()
@@ -304,7 +313,7 @@ class Experiment:
                           stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
                           start_new_session=True)
         assert p.stdin is not None
-        p.stdin.write(auth.bundle_for(self._master, cmd.host).encode())
+        p.stdin.write(auth.bundle_for(self._master, cmd.host, cmd.links).encode())
         p.stdin.flush()
         return p
 

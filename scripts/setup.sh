@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 APT_PKGS=(mininet bridge-utils iperf3 iputils-ping iproute2 ethtool tcpdump tcpreplay psmisc
           iptables             # delay (NFQUEUE) and loss (statistic) without netem
+          python3-cryptography # Poly1305 frame MACs (the venv sees system site-packages)
           dataset-fashion-mnist)  # Fashion-MNIST IDX files, read by agents/workloads
 # Chromium renders the HTML report in the test suite; only the tests ask for it.
 if [ "${GRADBED_WITH_CHROMIUM:-0}" = "1" ]; then APT_PKGS+=(chromium); fi

@@ -56,18 +56,34 @@ class CapturingProxy(threading.Thread):
         self.srv = socket.create_server(("127.0.0.1", 0))
         self.port = self.srv.getsockname()[1]
         self.up = bytearray()
+        self.lock = threading.Lock()
+        self.upstream: socket.socket | None = None
+        self.connected = threading.Event()
+
+    def inject(self, raw: bytes) -> None:
+        """Send ``raw`` to the server as if the client had sent it (a replay on the link),
+        between two of the client's writes."""
+        self.connected.wait(30)
+        assert self.upstream is not None
+        with self.lock:
+            self.upstream.sendall(raw)
 
     def run(self) -> None:
         cli, _ = self.srv.accept()
         ps = connect(self.ps_port)
         ps.settimeout(None)
+        self.upstream = ps
+        self.connected.set()
 
         def pump(a: socket.socket, b: socket.socket, keep: bytearray | None) -> None:
             try:
                 while data := a.recv(1 << 16):
-                    if keep is not None:
+                    if keep is None:
+                        b.sendall(data)
+                        continue
+                    with self.lock:  # the client's bytes and injected ones never interleave
                         keep += data
-                    b.sendall(data)
+                        b.sendall(data)
             except OSError:
                 pass
             for x in (a, b):

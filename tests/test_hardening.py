@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from agents import auth, codec
+from agents import auth, codec, wire
 from agents.control import ControlClient
 from agents.core.events import read_jsonl
 from controller.control import ControlServer
@@ -283,3 +283,84 @@ def test_a_connection_is_provably_dead_only_after_hangup() -> None:
         assert conn.dead()
     finally:
         a.close()
+
+
+def test_checked_add_is_the_plain_sum_and_adds_nothing_when_refused() -> None:
+    """The duplicate test fused into the add (SparseAccumulator.add_checked): the sum is
+    bit-identical to the unsorted add; a refused contribution (a duplicate, NaN or an
+    index out of range) leaves the accumulator exactly as it was."""
+    from agents.aggregate import SparseAccumulator
+    from agents.compress.base import PayloadError
+
+    g = torch.Generator().manual_seed(3)
+    n = 1000
+    contributions = [(torch.randperm(n, generator=g)[:100].to(torch.int32),
+                      torch.randn(100, generator=g)) for _ in range(3)]
+    plain, checked = SparseAccumulator(n), SparseAccumulator(n)
+    for acc in (plain, checked):
+        acc.expect(3)
+    for idx, vals in contributions:
+        plain.add_sparse(idx, vals)
+        checked.add_checked(idx, vals, who="w", max_abs=1e3, unique_indices=True)
+    assert torch.equal(plain.result(3), checked.result(3))
+    before = checked.result(3).clone()
+    idx, vals = contributions[0]
+    dup = idx.clone()
+    dup[57] = dup[3]
+    nan = vals.clone()
+    nan[10] = float("nan")
+    far = idx.clone()
+    far[99] = n
+    for i, v, match in ((dup, vals, f"index {int(idx[3])} more than once"),
+                        (idx, nan, "non-finite"), (far, vals, "out of range")):
+        with pytest.raises(PayloadError, match=match):
+            checked.add_checked(i, v, who="w", max_abs=1e3, unique_indices=True)
+        assert torch.equal(checked.result(3), before) and checked.added == 3
+
+
+def test_a_model_that_becomes_non_finite_stops_the_run(tmp_path: Path) -> None:
+    """Every gradient passes the checks and the model still overflows: the bound is off
+    (guard.max_abs_grad = 0), worker 2 sends a finite 3e38 in chunk 0 of iteration 0 and
+    the SGD step (lr 10) takes that weight to infinity. The PS stops the run at once
+    with a clear stop reason, the real workers are told and exit, no process is left,
+    and the run directory loads."""
+    from agents.workloads.base import FlatModel, chunk_ranges
+    from agents.workloads.factory import make_workload
+    from analysis.load import load_events
+
+    run_dir, cfg = make_run_dir(tmp_path, [
+        "net.workers=3", "workload.hidden=32", "run.iterations=50", "run.eval_every=1000",
+        "compress.name=topk", "compress.ratio=0.1", "workload.lr=10",
+        "guard.max_abs_grad=0", "run.timeout_s=60"])
+    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
+    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
+    ps = start_ps(run_dir)
+    workers = [start_worker(run_dir, k, cfg.net.ps_port) for k in (0, 1)]
+    s = connect(cfg.net.ps_port)
+    try:
+        s.settimeout(60)
+        reader, session = hostile.handshake(s, run_dir, 2)
+        for _ in chunks:
+            reader.read_message()
+        for c, _ in enumerate(chunks):
+            values, idx = hostile.poison_gradient("oversize", 16)
+            if c:
+                values[7] = 1.0  # only chunk 0 carries the huge (finite) value
+            wire.send_message(s, [values, idx], msg_type=codec.MsgType.GRAD, run_tag=0,
+                              worker=2, iteration=0, chunk=c, mac=session.up)
+        assert ps.wait(timeout=60) == 0
+        assert [w.wait(timeout=30) for w in workers] == [0, 0]
+    finally:
+        s.close()
+        for p in [ps, *workers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.poll() is not None for p in [ps, *workers])
+    done = _events(run_dir, "ps_done")
+    assert done[-1]["reason"] == "model became non-finite at iteration 0", done
+    assert [e["iter"] for e in _events(run_dir, "ps_iter_done")] == [0]
+    assert not _events(run_dir, "worker_lost")  # no gradient was refused
+    ev = load_events(run_dir)
+    assert "model became non-finite at iteration 0" in set(
+        ev.loc[ev["event"] == "frame_error", "error"])

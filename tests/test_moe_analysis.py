@@ -6,7 +6,12 @@ import math
 
 import pytest
 
-from agents.core.moe_metrics import dispatch_efficiency, drop_fraction, load_imbalance
+from agents.core.moe_metrics import (
+    dispatch_efficiency,
+    dispatch_link_efficiency,
+    drop_fraction,
+    load_imbalance,
+)
 from analysis import moe as amoe
 
 
@@ -52,3 +57,32 @@ def test_tables() -> None:
     (r,) = amoe.route_table(rows)
     assert r["kept"] == [4, 4] and r["dropped"] == [1, 0] and r["hosts"] == 2
     assert r["imbalance"] == 1.0 and r["drop_fraction"] == pytest.approx(1 / 9)
+    # The same window measured by the links' HTB class samples (2 ms apart, 10 ms here
+    # for brevity): gbh1.down sends 1.25 MB/s (10 Mbit/s) from 1.03 s on, gbh0.up half.
+    import pandas as pd
+
+    ts = [int(t * 1e9) for t in (1.00, 1.04, 1.06, 1.10, 1.14, 1.16, 1.20)]
+
+    def cum(rate_bps: float, t0: float) -> list[int]:
+        return [int(max(0.0, t / 1e9 - t0) * rate_bps) for t in ts]
+    samples = pd.DataFrame(
+        [{"ts_ns": t, "point": p, "sent_bytes": b, "data_bytes": b * 0.98}
+         for p, series in (("gbh1.down", cum(1.25e6, 1.03)), ("gbh0.up", cum(0.625e6, 1.03)))
+         for t, b in zip(ts, series, strict=True)])
+    (lk,) = amoe.dispatch_link_table([d], samples, 10.0, burst_bytes=12_500)
+    assert lk["busiest_point"] == "gbh1.down"
+    # 1.05-1.15 s at 1.25 MB/s; the ends interpolated inside 1.04-1.06 and 1.14-1.16,
+    # where the counter is linear, so exactly.
+    assert lk["link_bytes"] == pytest.approx(125_000, rel=0.01)
+    assert lk["link_data_bytes"] == pytest.approx(0.98 * 125_000, rel=0.01)
+    assert lk["link_efficiency"] == pytest.approx(1.0, rel=0.01)
+    assert lk["link_efficiency_burst_allowed"] == pytest.approx(125_000 / 137_500, rel=0.01)
+    assert lk["sample_gap_ms"] == pytest.approx(20, rel=0.01)
+    # No interpolation: samples inside (1.06-1.14 s) and outside (1.04-1.16 s).
+    assert lk["link_bytes_inner"] == pytest.approx(100_000, rel=0.001)
+    assert lk["link_bytes_outer"] == pytest.approx(150_000, rel=0.001)
+    assert lk["link_efficiency_burst_allowed_inner"] == pytest.approx(100_000 / 137_500,
+                                                                      rel=0.01)
+    assert dispatch_link_efficiency(1.25e6, 1.0, 10.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="not the window"):
+        amoe.bytes_between(ts[2:], [0] * 5, d["start_ns"], d["end_ns"])

@@ -170,6 +170,11 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
             assert b["expert_bytes"] == 0
             assert b["zero3_bytes"] == b["zero3_formula_bytes"] > 0
             assert b["zero2_bytes"] == b["zero2_formula_bytes"] > 0
+            # ZeRO-3: reduce-scatter and two all-gathers (forward, backward); ZeRO-2: one
+            # each. One frame (64-byte header + the shard) to every peer per collective.
+            for kind, n in (("zero3", 3), ("zero2", 2)):
+                shard = -(-start[f"{kind}_numel"] // H)
+                assert b[f"{kind}_formula_bytes"] == n * (H - 1) * (4 * shard + 64)
     # Dispatch bytes (both phases, headers included) equal dispatch_bytes() of the
     # rows each host routed to each peer's experts.
     for h in range(H):

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from agents import codec, wire
+from agents import codec, link, wire
 from agents.codec import DType, FrameError, MsgType
 from agents.moe.exchange import Expect, check_counts, check_header, step_phases
-from agents.moe.mesh import Mesh
+from agents.moe.mesh import Mesh, file_keys
 from tests.test_moe_transparency import free_ports
 
 TAG = 0x1234
@@ -47,8 +47,8 @@ def test_counts_bounded_by_capacity() -> None:
 def test_step_phases_as_data() -> None:
     labels = [p.label() for p in step_phases(2)]
     assert labels == ["ALL_GATHER", "COUNTS:0", "TOKENS:0", "EXPERT_OUT:0", "COUNTS:1",
-                      "TOKENS:1", "EXPERT_OUT:1", "EXPERT_OUT_GRAD:1", "TOKENS_GRAD:1",
-                      "EXPERT_OUT_GRAD:0", "TOKENS_GRAD:0", "REDUCE_SCATTER",
+                      "TOKENS:1", "EXPERT_OUT:1", "ALL_GATHER", "EXPERT_OUT_GRAD:1",
+                      "TOKENS_GRAD:1", "EXPERT_OUT_GRAD:0", "TOKENS_GRAD:0", "REDUCE_SCATTER",
                       "REDUCE_SCATTER", "ALL_GATHER"]
 
 
@@ -61,6 +61,10 @@ def dial(addr: tuple[str, int]) -> socket.socket:
     raise TimeoutError(addr)
 
 
+SECRET = b"moe wire test secret"
+RUN = "moe-wire"
+
+
 def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int,
                  after: threading.Thread | None = None) -> None:
     """Host 1 of 2 by hand: a correct handshake, then a TOKENS frame of ``numel``."""
@@ -68,12 +72,10 @@ def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int,
         after.join()
     s = dial(addr)
     try:
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("expert", 1),
-                                          msg_type=MsgType.HELLO, run_tag=tag, worker=1)
-        wire.send_frame(s, hdr, body)
-        wire.FrameReader(s, expect_tag=tag).read_frame()
-        wire.send_message(s, [torch.zeros(numel)], msg_type=MsgType.TOKENS, run_tag=tag,
-                          worker=1, iteration=0, chunk=0)
+        lk = link.dial(s, run_id=RUN, run_tag=tag, role="expert", me=1, peer=0,
+                       key=file_keys(SECRET, 1, 2)[0], timeout_s=10, name="hostile")
+        lk.send_message([torch.zeros(numel)], msg_type=MsgType.TOKENS, worker=1,
+                        iteration=0, chunk=0)
         s.recv(1 << 20)  # until host 0 drops us
     except OSError:
         pass
@@ -98,7 +100,8 @@ def test_mesh_refuses_strangers_and_wrong_sizes(capsys: pytest.CaptureFixture[st
                               kwargs=dict(tag=TAG, numel=1000, after=first))
     first.start()
     second.start()
-    with Mesh(0, addrs, TAG, max_payload_bytes=1 << 20, timeout_s=20) as mesh:
+    with Mesh(0, addrs, TAG, run_id=RUN, keys=file_keys(SECRET, 0, 2),
+              max_payload_bytes=1 << 20, timeout_s=20) as mesh:
         # open() returned: the stranger was refused, the right tag got in.
         # Host 0 expects 12 elements; the peer sends 1000.
         with pytest.raises(FrameError, match="numel: got 1000, expected 12"):
@@ -113,7 +116,8 @@ def test_mesh_caps_one_frame() -> None:
     t = threading.Thread(target=hostile_peer, args=(addrs[0],),
                          kwargs=dict(tag=TAG, numel=1 << 20))
     t.start()
-    with Mesh(0, addrs, TAG, max_payload_bytes=1 << 16, timeout_s=20) as mesh:
+    with Mesh(0, addrs, TAG, run_id=RUN, keys=file_keys(SECRET, 0, 2),
+              max_payload_bytes=1 << 16, timeout_s=20) as mesh:
         with pytest.raises(FrameError, match="too large"):
             mesh.exchange(MsgType.TOKENS, 0, 0, {1: torch.zeros(3)}, {1: 1 << 20})
     t.join()

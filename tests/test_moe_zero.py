@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from agents.moe.mesh import Mesh
+from agents.moe.mesh import Mesh, file_keys
 from agents.moe.zero import ParamClass, ShardedOptimizer, class_bytes, classify
 from tests.test_moe_transparency import free_ports
 
@@ -35,10 +35,16 @@ def test_classify() -> None:
     assert classify("embed.weight", w, 101) is ParamClass.ZERO2
     assert class_bytes(10, 1) == 0 and class_bytes(0, 4) == 0
     assert class_bytes(10, 3) == 2 * 2 * (4 * 4 + 64)  # shard ceil(10/3) = 4
+    assert class_bytes(10, 3, "zero2") == 2 * 2 * (4 * 4 + 64)
+    assert class_bytes(10, 3, "zero3") == 3 * 2 * (4 * 4 + 64)  # + the backward's gather
 
 
-@pytest.mark.parametrize("hosts", [3])
-def test_zero_equals_plain_data_parallel(hosts: int) -> None:
+@pytest.mark.parametrize("regather", [True, False])
+def test_zero_equals_plain_data_parallel(regather: bool) -> None:
+    """ZeRO-3 gathers before the forward, frees, gathers again before the backward and
+    frees: the weights are plain data parallelism's. Without the backward's gather the
+    backward reads the freed (NaN) copy, and the weights are not."""
+    hosts = 3
     steps, lr, mom = 4, 0.1, 0.9
     # Plain data parallelism: every replica applies the mean of the hosts' gradients.
     ref = make_model()
@@ -58,16 +64,23 @@ def test_zero_equals_plain_data_parallel(hosts: int) -> None:
 
     def host(h: int) -> None:
         try:
-            with Mesh(h, addrs, 99) as mesh:
+            with Mesh(h, addrs, 99, run_id="zero", keys=file_keys(b"zero test", h, hosts)
+                      ) as mesh:
                 model = make_model()
                 zopt = ShardedOptimizer(model, hosts=hosts, me=h, zero3_min_numel=100,
                                         lr=lr, momentum=mom)
                 seen = []
                 for s in range(steps):
+                    zopt.begin_step()
                     zopt.gather_before_use(mesh, s)
                     zopt.zero_grad()
                     x, y = data(s, h)
-                    (nn.functional.cross_entropy(model(x), y) / hosts).backward()
+                    loss = nn.functional.cross_entropy(model(x), y) / hosts
+                    zopt.release()
+                    if regather:
+                        zopt.gather_before_backward(mesh, s)
+                    loss.backward()
+                    zopt.release()
                     sent0 = sum(mesh.sent.values())
                     zopt.step(mesh, s)
                     b = zopt.bytes_by_class()
@@ -87,13 +100,17 @@ def test_zero_equals_plain_data_parallel(hosts: int) -> None:
     assert not errors, errors
     n3 = 7 * 33 + 33 * 5  # the two weight matrices: split (ZeRO-3)
     n2 = 33 + 5     # the biases: ZeRO-2
+    if not regather:
+        assert all(torch.isnan(finals[h]["0.weight"]).any() for h in range(hosts))
+        return
     for h in range(hosts):
         for name, p in ref.named_parameters():
             torch.testing.assert_close(finals[h][name], p.detach(), atol=1e-6, rtol=1e-5)
         for b in bytes_seen[h]:
             assert b["expert"] == 0
-            assert b["zero3"] == class_bytes(n3, hosts)
-            assert b["zero2"] == class_bytes(n2, hosts)
-            # What the mesh counted during the step: zero3's reduce-scatter (half of its
-            # formula) and zero2's reduce-scatter and all-gather.
-            assert b["rs_ag2_wire"] == class_bytes(n3, hosts) // 2 + class_bytes(n2, hosts)
+            assert b["zero3"] == class_bytes(n3, hosts, "zero3")
+            assert b["zero2"] == class_bytes(n2, hosts, "zero2")
+            # What the mesh counted during the step: zero3's reduce-scatter (a third of
+            # its formula) and zero2's reduce-scatter and all-gather.
+            assert b["rs_ag2_wire"] == (class_bytes(n3, hosts, "zero3") // 3
+                                        + class_bytes(n2, hosts, "zero2"))

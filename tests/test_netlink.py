@@ -124,3 +124,102 @@ def test_calibration_primes_the_lead_with_no_op_changes() -> None:
     calibrate_lead(lead, apply, clock_ns=lambda: clock[0], sleep_s=sleep_s)
     assert len(applied) == 8
     assert lead.lead_ns == pytest.approx(12_000_000, rel=0.005)
+
+
+def _class_msg(seq: int, ifindex: int, classid: int, sent: int, pkts: int, drops: int,
+               overlimits: int, backlog: int, qlen: int, kind: bytes = b"htb\0") -> bytes:
+    from topo.netlink import TCA_KIND, TCA_STATS2, TCA_STATS_BASIC, TCA_STATS_QUEUE, _rtattr
+
+    stats = (_rtattr(TCA_STATS_BASIC, struct.pack("QIxxxx", sent, pkts))
+             + _rtattr(TCA_STATS_QUEUE, struct.pack("IIIII", qlen, backlog, drops, 0,
+                                                    overlimits)))
+    body = (struct.pack("BxxxiIII", 0, ifindex, classid, 0xFFFF_FFFF, 0)
+            + _rtattr(TCA_KIND, kind) + _rtattr(TCA_STATS2 | 0x8000, stats))
+    return struct.pack("IHHII", 16 + len(body), RTM_NEWTCLASS, 2, seq, 0) + body
+
+
+def test_class_dump_request_and_answer() -> None:
+    from topo.netlink import (
+        NLMSG_DONE,
+        RTM_GETTCLASS,
+        ClassCounters,
+        NetlinkError,
+        class_dump_message,
+        parse_class_dump,
+    )
+
+    msg = class_dump_message(7, seq=9)
+    length, kind, flags, seq, _ = struct.unpack_from("IHHII", msg)
+    assert (length, kind, flags, seq) == (36, RTM_GETTCLASS, 0x301, 9)
+    assert struct.unpack_from("BxxxiIII", msg, 16) == (0, 7, 0, 0, 0)
+    done = struct.pack("IHHII", 20, NLMSG_DONE, 2, 9, 0) + struct.pack("i", 0)
+    got: list[ClassCounters] = []
+    first = (_class_msg(9, 7, 0x10001, 10**10, 5, 1, 2, 3000, 2)
+             + _class_msg(9, 8, 0x10001, 1, 1, 0, 0, 0, 0)      # another device: skipped
+             + _class_msg(8, 7, 0x10011, 1, 1, 0, 0, 0, 0))     # an older request: skipped
+    assert not parse_class_dump(first, 9, 7, got)
+    assert parse_class_dump(_class_msg(9, 7, 0x10011, 77, 1, 0, 0, 0, 0) + done, 9, 7, got)
+    assert got == [ClassCounters(0x10001, 0xFFFF_FFFF, "htb", 10**10, 5, 1, 2, 3000, 2),
+                   ClassCounters(0x10011, 0xFFFF_FFFF, "htb", 77, 1, 0, 0, 0, 0)]
+    err = struct.pack("IHHII", 36, NLMSG_ERROR, 0, 9, 0) + struct.pack("i", -19) + msg[:16]
+    with pytest.raises(NetlinkError, match="No such device"):
+        parse_class_dump(err, 9, 7, [])
+    # Hostile lengths: a message or an attribute longer than what arrived.
+    bad = bytearray(_class_msg(9, 7, 0x10001, 1, 1, 0, 0, 0, 0))
+    with pytest.raises(NetlinkError, match="overruns"):
+        parse_class_dump(bytes(bad[:-4]), 9, 7, [])
+    struct.pack_into("H", bad, 36, 200)  # TCA_KIND claims 200 bytes
+    with pytest.raises(NetlinkError, match="overruns"):
+        parse_class_dump(bytes(bad), 9, 7, [])
+
+
+@pytest.mark.mininet
+def test_class_counters_equal_tc_and_the_sampler_reads_every_point(tmp_path) -> None:
+    import re
+
+    import pandas as pd
+
+    from agents.core import config as cfgmod
+    from agents.core.class_samples import CLASS_COLUMNS
+    from controller.class_sampler import ClassSampler
+    from topo.build import Network
+    from topo.shapes import shape_spec
+
+    cfg = cfgmod.load("configs/moe.toml", ["net.worker_link_mbps=20", 'topo.role=""'])
+    spec = shape_spec(cfg)
+    with Network(spec, log=None) as net:
+        sampler = ClassSampler(net, 0.002)
+        sampler.start()
+        net.run("gbh0", ["ping", "-c", "30", "-i", "0.01", "-s", "1400", "-q", "10.0.0.11"])
+        time.sleep(0.05)
+        sampler.stop_event.set()
+        sampler.join(2)
+        for point in ("gbh0.up", "gbh1.down", "gbh1.up"):
+            place = net.spec.place(point)
+            text = net._dev_tc(place.host).tc("-s", "class", "show", "dev", place.dev,
+                                              echo=False)
+            got = net.point_classes(point)
+            for cid, c in got.items():
+                block = re.search(rf"class htb {cid} .*?(?=\nclass |\Z)", text, re.S)
+                assert block, (cid, text)
+                sent = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), "
+                                 r"overlimits (\d+)", block.group(0))
+                assert sent, block.group(0)
+                assert (c.sent_bytes, c.sent_pkts, c.drops, c.overlimits) == tuple(
+                    int(x) for x in sent.groups()), (point, cid)
+            # 30 echo requests of 1442-byte frames up from gbh0, down into gbh1.
+            if point != "gbh1.up":
+                assert got["1:1"].sent_pkts >= 30 and got["1:1"].sent_bytes >= 30 * 1442
+        # A host's own egress queues pure ACKs apart (ack_first): echo requests are data.
+        assert set(net.point_classes("gbh0.up")) == {"1:1", "1:10", "1:11"}
+        assert net.point_classes("gbh0.up")["1:11"].sent_bytes >= 30 * 1442
+        assert set(net.point_classes("gbh0.down")) == {"1:1"}
+        sampler.write(tmp_path / "classes.parquet")
+    df = pd.read_parquet(tmp_path / "classes.parquet")
+    assert list(df.columns) == list(CLASS_COLUMNS)
+    assert set(df["point"]) == {p.point.name for p in spec.places()}
+    assert sampler.error is None
+    spacing_ms = df[df.point == "gbh0.up"]["ts_ns"].diff().dropna() / 1e6
+    assert spacing_ms.median() < 4
+    up = df[df.point == "gbh0.up"]
+    assert up["sent_bytes"].is_monotonic_increasing and up["sent_bytes"].iloc[-1] >= 30 * 1442

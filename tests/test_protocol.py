@@ -2,14 +2,19 @@
 
 Both handshake sides are driven against each other with frames encoded and decoded by
 the real codec; every illegal transition raises ProtocolError (or Rejected) and leaves
-the machine failed.
+the machine failed. (One test also reads a forged frame through a FrameReader over a
+socketpair.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+import zlib
+
 import pytest
 
-from agents import auth, codec, protocol
+from agents import auth, codec, protocol, wire
 from agents.codec import FrameError, FrameMac, MsgType
 from agents.protocol import (
     ChunkBarrier,
@@ -33,7 +38,7 @@ def frame(body: bytes, msg: MsgType, worker: int = 0, iteration: int = 0,
     hdr, payload = codec.frame_for_bytes(body, msg_type=msg, run_tag=TAG, worker=worker,
                                          iteration=iteration)
     if mac is not None:
-        hdr = mac.seal(hdr)
+        hdr = mac.seal(hdr, payload)
     return hdr, codec.decode_header(hdr), bytes(payload)
 
 
@@ -63,15 +68,55 @@ def test_handshake_authenticates_and_both_sides_agree_on_the_keys() -> None:
     assert wk.state is protocol.WorkerState.JOINED
     assert wk.session is not None
     # Worker -> PS frames sealed by the worker verify at the PS, in order only.
-    h1 = wk.session.up.seal(frame(b"x", MsgType.GRAD, 2)[0])
-    h2 = wk.session.up.seal(frame(b"y", MsgType.GRAD, 2)[0])
+    h1 = wk.session.up.seal(frame(b"x", MsgType.GRAD, 2)[0], b"x")
+    h2 = wk.session.up.seal(frame(b"y", MsgType.GRAD, 2)[0], b"y")
     with pytest.raises(FrameError, match="mac"):
-        s.up.verify(h2)  # out of order
+        s.up.verify(h2, b"y")  # out of order
     s.up.seq = 0
-    s.up.verify(h1)
-    s.up.verify(h2)
+    s.up.verify(h1, b"x")
+    s.up.verify(h2, b"y")
     with pytest.raises(FrameError, match="mac"):
-        s.up.verify(h2)  # replayed
+        s.up.verify(h2, b"y")  # replayed
+
+
+@pytest.mark.parametrize("algorithm", sorted(codec.MAC_ALGORITHMS))
+def test_the_mac_covers_the_payload_itself(algorithm: str) -> None:
+    """One payload byte flipped and the payload CRC fixed up to match (what an attacker
+    rewriting bytes inside the TCP stream can do) fails the MAC, sans-I/O and through a
+    FrameReader over a socketpair."""
+    up_w, up_ps = FrameMac(b"u" * 32, algorithm), FrameMac(b"u" * 32, algorithm)
+    body = bytes(range(256)) * 4
+    hdr, payload = codec.frame_for_bytes(body, msg_type=MsgType.GRAD, run_tag=TAG, worker=1)
+    sealed = up_w.seal(hdr, payload)
+    forged_body = bytearray(body)
+    forged_body[100] ^= 0x01
+    h = codec.decode_header(sealed)
+    forged = codec.encode_header(dataclasses.replace(
+        h, payload_crc=codec.payload_crc32(forged_body)))
+    forged = sealed[:18] + forged[18:60]  # keep the sealed tag; the header CRC re-done:
+    forged += zlib.crc32(forged).to_bytes(4, "little")
+    fh = codec.decode_header(forged)  # a well-formed header whose CRC matches the payload
+    codec.check_payload(fh, forged_body)
+    with pytest.raises(FrameError, match="fails its MAC"):
+        up_ps.verify(forged, forged_body)
+    up_ps.verify(sealed, body)  # the real frame still verifies (the failed one consumed
+    # nothing) ...
+    a, b = socket.socketpair()
+    try:
+        reader = wire.FrameReader(b, mac=FrameMac(b"v" * 32, algorithm))
+        tx = FrameMac(b"v" * 32, algorithm)
+        hdr2 = tx.seal(hdr, payload)
+        h2 = codec.decode_header(hdr2)
+        fixed = codec.encode_header(dataclasses.replace(
+            h2, payload_crc=codec.payload_crc32(forged_body)))
+        a.sendall(hdr2[:18] + fixed[18:60]
+                  + zlib.crc32(hdr2[:18] + fixed[18:60]).to_bytes(4, "little")
+                  + bytes(forged_body))
+        with pytest.raises(FrameError, match="fails its MAC"):
+            reader.read_frame()
+    finally:
+        a.close()
+        b.close()
 
 
 def test_wrong_key_fails_the_challenge_and_the_handshake_is_over() -> None:

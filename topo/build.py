@@ -35,7 +35,7 @@ from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
 from topo.netfilter import HostImpairment, Impairment
-from topo.netlink import RtNetlink
+from topo.netlink import ClassCounters, RtNetlink
 from topo.plan import Step, build_plan, delay_loss
 from topo.plan import impairments as _impairments
 from topo.plan import require_impairments as _require_impairments
@@ -344,6 +344,24 @@ class Network:
         place = self.spec.place(point)
         text = self._dev_tc(place.host).run(qdisc.stats_command(place.dev), echo=False)
         return qdisc.bottleneck_counters(text)
+
+    def point_classes(self, point: str) -> dict[str, ClassCounters]:
+        """The counters of every HTB class of shaping point ``point`` (``"1:1"``: the
+        rate-limited class every packet through the point passes; with ``ack_first``
+        also ``"1:10"``, pure ACKs, and ``"1:11"``, everything else), read over
+        rtnetlink: no fork, ~15 us, so a sampler can read every point every few ms."""
+        place = self.spec.place(point)
+        try:
+            classes = self._rtnetlink(place.host).class_counters(place.dev)
+        except OSError as e:
+            raise TcError(["tc", "-s", "class", "show", "dev", place.dev], e.errno or -1,
+                          f"netlink: {e}", self._dev_tc(place.host).where) from e
+        out = {f"{c.classid >> 16:x}:{c.classid & 0xFFFF:x}": c for c in classes
+               if c.kind == "htb"}
+        if qdisc.CLASS_ID not in out:
+            raise SpecError(f"point {point!r}: {place.dev} has no htb class {qdisc.CLASS_ID} "
+                            f"(found {sorted(out)}); is it shaped?")
+        return out
 
     def bottleneck_stats(self, direction: Direction) -> QdiscStats:
         return self.point_stats(self._direction(direction))

@@ -219,7 +219,8 @@ _declare("moe_start", "expert", "the expert host joined the mesh and built its s
          max_frame_bytes="largest payload a peer may send this host")
 _declare("moe_phase", "expert", "one phase of one step on this host (the timeline)",
          phase="forward, backward, dispatch_counts, dispatch_tokens, expert, combine, "
-               "combine_grad, tokens_grad, all_gather_zero3 or reduce_scatter_and_update",
+               "combine_grad, tokens_grad, all_gather_zero3, all_gather_zero3_bwd or "
+               "reduce_scatter_and_update",
          layer="MoE layer, -1 for whole-model phases",
          start_ns="CLOCK_MONOTONIC at the start", end_ns="CLOCK_MONOTONIC at the end",
          dur_s="end - start (s)", bytes_up="frame bytes sent to peers (headers included)",
@@ -232,14 +233,22 @@ _declare("moe_route", "expert", "this host's routing of one MoE layer in one ste
          imbalance="max / mean of kept (agents.core.moe_metrics.load_imbalance)")
 _declare("moe_class_bytes", "expert", "uplink bytes per parameter class in one step",
          expert_bytes="expert parameters (never reduced: 0)",
-         zero3_bytes="split shared class: reduce-scatter + all-gather frames",
+         zero3_bytes="split shared class: reduce-scatter + 2 all-gathers (forward, backward)",
          zero2_bytes="unsplit shared class: reduce-scatter + all-gather frames",
-         zero3_formula_bytes="2 (H-1) (4 ceil(N/H) + 64) for the split class",
-         zero2_formula_bytes="the same formula for the unsplit class")
+         zero3_formula_bytes="3 (H-1) (4 ceil(N/H) + 64) for the split class",
+         zero2_formula_bytes="2 (H-1) (4 ceil(N/H) + 64) for the unsplit class")
 _declare("moe_step", "expert", "one training step is over on this expert host",
          loss="cross entropy + aux_loss_coef x aux loss", ce="cross entropy",
          aux="sum of the layers' load-balancing losses", step_s="step time (s)",
          expert_uses="'layer.expert' this host ran, in order (forward, then reversed)")
+_declare("moe_offload", "expert", "this host's expert offload in one training step "
+         "(agents/moe/expert_offload.py; with moe.offload_budget_bytes > 0)",
+         policy="belady or lru", budget_bytes="device budget for experts (bytes)",
+         device="cpu (counted clones) or cuda", uses="expert fetches (forward + backward)",
+         transfers="host-to-device copies of an expert", bytes_moved="their bytes",
+         hits="uses that found the expert resident", evictions="experts evicted",
+         grad_bytes="device-to-host gradient bytes",
+         peak_device_bytes="most expert bytes held on the device in the step")
 _declare("moe_done", "expert", "the expert host finished its steps")
 
 # -- controller (controller/run.py, controller/driver.py) ------------------------------------

@@ -11,6 +11,8 @@ from agents.core.checks import check as _check
 
 MOE_DATASETS = ("digits", "fashion_mnist")
 MOE_DROP_POLICIES = ("position", "probability")
+MOE_OFFLOAD_POLICIES = ("belady", "lru")
+MOE_OFFLOAD_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class MoEConfig:
     port: int = 6000                  # expert hosts listen here (loopback: port + host index)
     crc: bool = True                  # CRC-32 on every payload
     eval_every: int = 10              # host 0 evaluates held-out accuracy every N steps
+    # Expert offload (agents/moe/expert_offload.py): a host's experts live in host memory
+    # and move into a device budget of this many bytes when used; 0 = no offload (every
+    # expert always in place). Smaller = more transfers, less device memory.
+    offload_budget_bytes: int = 0
+    offload_policy: str = "belady"    # eviction: belady (furthest next use) or lru
+    offload_device: str = "cpu"       # cuda: real copies to the GPU; cpu: counted clones
 
     def validate(self, p: str) -> None:
         _check(1 <= self.hosts <= 64, f"{p}.hosts", self.hosts, "must be in [1, 64]")
@@ -63,3 +71,9 @@ class MoEConfig:
                "must be >= 1")
         _check(1024 <= self.port <= 65000, f"{p}.port", self.port, "must be in [1024, 65000]")
         _check(self.eval_every >= 1, f"{p}.eval_every", self.eval_every, "must be >= 1")
+        _check(0 <= self.offload_budget_bytes <= 1 << 50, f"{p}.offload_budget_bytes",
+               self.offload_budget_bytes, "must be in [0, 2^50] (0 = no offload)")
+        _check(self.offload_policy in MOE_OFFLOAD_POLICIES, f"{p}.offload_policy",
+               self.offload_policy, f"must be one of {', '.join(MOE_OFFLOAD_POLICIES)}")
+        _check(self.offload_device in MOE_OFFLOAD_DEVICES, f"{p}.offload_device",
+               self.offload_device, f"must be one of {', '.join(MOE_OFFLOAD_DEVICES)}")

@@ -43,3 +43,27 @@ def dispatch_efficiency(payload_bytes: int, phase_s: float, rate_mbps: float) ->
     if phase_s <= 0 or rate_mbps <= 0:
         raise ValueError(f"dispatch_efficiency: phase_s={phase_s}, rate_mbps={rate_mbps}")
     return payload_bytes / (phase_s * rate_mbps * 1e6 / 8 * TCP_GOODPUT_FRACTION)
+
+
+def dispatch_link_efficiency(link_bytes: float, phase_s: float, rate_mbps: float) -> float:
+    """All-to-all dispatch efficiency from the links' own counters:
+
+        link_bytes / (phase_s x rate_mbps x 1e6 / 8)
+
+    ``link_bytes``: the bytes the busiest access-link direction's HTB class (``1:1``)
+    let out during the dispatch (max over every ``gbhI.up`` and ``gbhI.down``), from
+    the class counters the controller samples (``topo.class_sample_ms``;
+    ``classes.parquet``), each end of the phase interpolated linearly between the two
+    samples around it. These are Ethernet frames as the shaper charges them: token
+    payload with its TCP/IP and frame headers, the counts frames, and the ACKs of the
+    reverse traffic sharing that direction (about 2 % of the bytes), so the rate is not
+    scaled by the goodput fraction: a link sending full segments for the whole phase
+    reads 1 by either formula.
+    ``phase_s``: the same window as :func:`dispatch_efficiency` (the last host entering
+    the counts phase to the last host finishing the tokens phase). Above 1 means the
+    link sent faster than its rate for part of the phase: HTB's bucket (``burst``
+    bytes) filled while the link idled and drained at line rate when the dispatch began.
+    """
+    if phase_s <= 0 or rate_mbps <= 0:
+        raise ValueError(f"dispatch_link_efficiency: phase_s={phase_s}, rate_mbps={rate_mbps}")
+    return link_bytes / (phase_s * rate_mbps * 1e6 / 8)

@@ -29,6 +29,9 @@ class TopoConfig:
     traces: dict[str, str] = field(default_factory=dict)
     hosts: int = 0                    # fabric: hosts gbh0..gbh{N-1}; 0 = net.workers
     role: str = ""                    # fabric: the role every host runs ("" = none)
+    # Read every shaped point's HTB class counters this often into classes.parquet
+    # (controller/class_sampler.py; 0 = off). Finer = one all-to-all phase resolved.
+    class_sample_ms: float = 0.0
 
     def validate(self, p: str) -> None:
         _check(bool(re.match(r"^[a-z][a-z0-9_]*$", self.shape)), f"{p}.shape", self.shape,
@@ -41,3 +44,5 @@ class TopoConfig:
         _check(0 <= self.hosts <= 64, f"{p}.hosts", self.hosts, "must be in [0, 64]")
         _check(self.role == "" or bool(re.match(r"^[a-z][a-z0-9_]*$", self.role)),
                f"{p}.role", self.role, "must be empty or a registered role name")
+        _check(self.class_sample_ms == 0 or 0.5 <= self.class_sample_ms <= 10_000,
+               f"{p}.class_sample_ms", self.class_sample_ms, "must be 0 (off) or in [0.5, 10000]")

@@ -6,12 +6,14 @@ bytes and asks this module whether what arrived is what the schedule allows.
 One training step of H expert hosts with L MoE layers is, per host, this sequence of
 exchanges with every other host (``step_phases`` gives it as data):
 
-1. ``ALL_GATHER`` of the ZeRO-3 class's parameter shards (before the forward uses them);
+1. ``ALL_GATHER`` of the ZeRO-3 class's parameter shards (before the forward uses them;
+   chunk ``CHUNK_ZERO3``);
 2. per layer, forward: ``COUNTS`` (phase 1 of dispatch: how many rows this host sends to
    each of the receiver's experts, int32), ``TOKENS`` (phase 2: exactly those rows,
    expert by expert in slot order), ``EXPERT_OUT`` (the experts' outputs, back in the
    same order);
-3. per layer, backward in reverse: ``EXPERT_OUT_GRAD`` (gradients of the outputs, to the
+3. ``ALL_GATHER`` of the ZeRO-3 shards again (the full copy was freed after the forward;
+   chunk ``CHUNK_ZERO3_BWD``), then per layer, backward in reverse: ``EXPERT_OUT_GRAD`` (gradients of the outputs, to the
    experts), ``TOKENS_GRAD`` (gradients of the dispatched rows, back to their owners);
 4. ``REDUCE_SCATTER`` of each shared class's gradients, then ``ALL_GATHER`` of the
    ZeRO-2 class's updated parameters.
@@ -33,6 +35,7 @@ from agents.codec import DType, FrameError, FrameHeader, MsgType
 
 # Chunk ids of the collectives of the shared parameter classes (layers use 0..L-1).
 CHUNK_ZERO3 = 0xFFFF0003
+CHUNK_ZERO3_BWD = 0xFFFF0004  # the ZeRO-3 re-gather before the backward
 CHUNK_ZERO2 = 0xFFFF0002
 
 
@@ -56,6 +59,8 @@ def step_phases(layers: int, *, zero3: bool = True, zero2: bool = True) -> list[
     for lay in range(layers):
         out += [Phase(MsgType.COUNTS, lay, lay), Phase(MsgType.TOKENS, lay, lay),
                 Phase(MsgType.EXPERT_OUT, lay, lay)]
+    if zero3:
+        out.append(Phase(MsgType.ALL_GATHER, -1, CHUNK_ZERO3_BWD))
     for lay in reversed(range(layers)):
         out += [Phase(MsgType.EXPERT_OUT_GRAD, lay, lay), Phase(MsgType.TOKENS_GRAD, lay, lay)]
     if zero3:

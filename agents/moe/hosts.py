@@ -36,7 +36,8 @@ import torch
 from agents.codec import HEADER_SIZE, DType, MsgType
 from agents.core.moe_config import MoEConfig
 from agents.moe.exchange import check_counts
-from agents.moe.layer import MoELayer
+from agents.moe.expert_offload import ExpertOffload
+from agents.moe.layer import Expert, MoELayer
 from agents.moe.mesh import Mesh
 from agents.moe.model import MoEClassifier, TokenData, build_model, host_batch, loss_fn
 from agents.moe.zero import ShardedOptimizer
@@ -248,6 +249,19 @@ class ExpertHost:
         self.log = StepLog()
         for r in self.runners:
             r.log = self.log
+        # Expert offload ([moe] offload_budget_bytes > 0): every expert use fetches its
+        # parameters into the device budget (agents/moe/expert_offload.py).
+        self.offload: ExpertOffload | None = None
+        if cfg.offload_budget_bytes > 0:
+            experts: dict[tuple[int, int], Expert] = {}
+            for i, layer in enumerate(self.model.moe):
+                assert isinstance(layer, MoELayer)
+                for e in self.mine:
+                    ex = layer.experts[str(e)]
+                    assert isinstance(ex, Expert)
+                    experts[(i, e)] = ex
+            self.offload = ExpertOffload(experts, cfg.offload_budget_bytes,
+                                         cfg.offload_policy, cfg.offload_device)
 
     def _set_step(self, step: int, chunk_base: int = 0) -> None:
         for r in self.runners:
@@ -261,7 +275,11 @@ class ExpertHost:
         for r in self.runners:
             r.log = self.log
         self._set_step(step)
+        if self.offload is not None:
+            self.offload.begin_step()
         t_start = now_ns()
+        self.opt.begin_step()
+        # ZeRO-3: gather for the forward, free, gather again for the backward, free.
         self.opt.gather_before_use(self.mesh, step)
         t = now_ns()
         self.log.phases.append(PhaseRecord("all_gather_zero3", -1, t_start, t))
@@ -269,17 +287,23 @@ class ExpertHost:
         x, y = host_batch(self.data, step, self.hosts, self.cfg.batch_size, self.me)
         logits = self.model(x)
         loss, ce = loss_fn(self.model, logits, y, self.cfg.aux_loss_coef)
+        self.opt.release()
         t_fwd = now_ns()
+        self.opt.gather_before_backward(self.mesh, step)
+        t_bg = now_ns()
         (loss / self.hosts).backward()
+        self.opt.release()
         t_bwd = now_ns()
         self.log.phases.append(PhaseRecord("forward", -1, t, t_fwd))
-        self.log.phases.append(PhaseRecord("backward", -1, t_fwd, t_bwd))
+        self.log.phases.append(PhaseRecord("all_gather_zero3_bwd", -1, t_fwd, t_bg))
+        self.log.phases.append(PhaseRecord("backward", -1, t_bg, t_bwd))
         if dump is not None:
             dump["logits"] = logits.detach().clone()
             for name, p in self.model.named_parameters():
                 assert p.grad is not None
                 dump[f"grad/{name}"] = p.grad.detach().clone()
         self.opt.step(self.mesh, step)
+        offload = None if self.offload is None else self.offload.end_step().as_event()
         t_end = now_ns()
         self.log.phases.append(PhaseRecord("reduce_scatter_and_update", -1, t_bwd, t_end))
         routing = []
@@ -292,7 +316,7 @@ class ExpertHost:
         return {"expert_uses": self.log.use_trace(), "loss": float(loss.detach()), "ce": float(ce.detach()),
                 "aux": float(self.model.aux_loss.detach()),
                 "step_s": (t_end - t_start) / 1e9, "routing": routing,
-                "bytes_by_class": self.opt.bytes_by_class()}
+                "bytes_by_class": self.opt.bytes_by_class(), "offload": offload}
 
     @torch.no_grad()
     def evaluate(self, step: int, n_images: int = 360) -> dict[str, float]:
@@ -300,6 +324,9 @@ class ExpertHost:
         ``n_images`` test images at once (the experts are spread), then the totals
         are all-gathered."""
         self._set_step(step, CHUNK_EVAL)
+        if self.offload is not None:
+            self.offload.begin_step()  # its own uses; the masters are current
+        self.opt.gather_before_use(self.mesh, step)  # the updated ZeRO-3 shards
         per = n_images // self.hosts
         sl = slice(self.me * per, (self.me + 1) * per)
         x, y = self.data.floats(self.data.x_test[sl]), self.data.y_test[sl]
@@ -315,6 +342,7 @@ class ExpertHost:
                                      dict.fromkeys(self.mesh.peers, 3), DType.FLOAT64)
             for t in got.values():
                 totals += t
+        self.opt.release()
         self._set_step(step)
         return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2])}
 

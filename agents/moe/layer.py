@@ -39,8 +39,13 @@ class Expert(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_hidden)
         self.fc2 = nn.Linear(d_hidden, d_model)
+        # Set by agents.moe.expert_offload: the forward then runs on a device copy of
+        # this expert's parameters, fetched into a budget (the master stays here).
+        self.offload: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offload is not None:
+            return self.offload(x)
         return self.fc2(torch.relu(self.fc1(x)))
 
 

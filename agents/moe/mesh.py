@@ -1,8 +1,11 @@
 """A full TCP mesh between H expert hosts, and all-to-all exchanges over it.
 
-Host i listens on its own address and connects to every host j < i; a connection opens
-with HELLO (role ``expert``, the sender's index, the run's tag) and WELCOME, so each
-pair of hosts shares exactly one TCP connection, used in both directions.
+Host i listens on its own address and connects to every host j < i, so each pair of
+hosts shares exactly one TCP connection, used in both directions. Each connection is an
+authenticated :class:`agents.link.Link`: challenge-response under the pair key only
+hosts i and j hold (``keys[j]``, from the controller through stdin), then a MAC with a
+sequence number on every frame, so no host can pass for another and a replayed frame is
+refused (issue 22).
 
 :meth:`Mesh.exchange` is one all-to-all: this host sends one frame to every peer and
 receives one frame from every peer, all at once (a thread per send and per receive:
@@ -25,19 +28,45 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agents import codec, wire
+from agents import auth, link, wire
 from agents.codec import DType, FrameError, MsgType
 from agents.moe.exchange import Expect, check_header
+
+
+def mesh_links(host: int, hosts: int) -> list[auth.Link]:
+    """The expert-mesh links host ``host`` is an end of: one to every other host."""
+    return [("expert", f"e{host}", f"e{j}") for j in range(hosts) if j != host]
+
+
+def mesh_keys(bundle: auth.KeyBundle, host: int, hosts: int) -> dict[int, bytes]:
+    """Host ``host``'s link keys by peer index, from its bundle (KeyError naming a
+    missing link)."""
+    return {j: bundle.link_key(m, a, b) for j, (m, a, b)
+            in zip((j for j in range(hosts) if j != host), mesh_links(host, hosts),
+                   strict=True)}
+
+
+def file_keys(secret: bytes, host: int, hosts: int) -> dict[int, bytes]:
+    """:func:`mesh_keys` of an expert host started with ``--auth file`` (tests, by hand)."""
+    return mesh_keys(auth.file_bundle(secret, f"e{host}", mesh_links(host, hosts)), host,
+                     hosts)
 
 
 class Mesh:
     """This host's connections to every other expert host. A context manager."""
 
     def __init__(self, me: int, addrs: list[tuple[str, int]], run_tag: int, *,
-                 crc: bool = True, max_payload_bytes: int = 1 << 30,
-                 timeout_s: float = 60.0) -> None:
+                 run_id: str, keys: Mapping[int, bytes], crc: bool = True,
+                 max_payload_bytes: int = 1 << 30, timeout_s: float = 60.0) -> None:
+        """``keys[j]``: the key of the link to host j (:func:`agents.auth.pair_key`), for
+        every other host."""
         if not 0 <= me < len(addrs):
             raise ValueError(f"host index {me} not in [0, {len(addrs)})")
+        missing = sorted(set(range(len(addrs))) - {me} - set(keys))
+        if missing:
+            raise ValueError(f"expert host {me}: no link key for hosts {missing}")
+        self.run_id = run_id
+        self.keys = dict(keys)
         self.me = me
         self.hosts = len(addrs)
         self.addrs = addrs
@@ -46,7 +75,7 @@ class Mesh:
         self.max_payload_bytes = max_payload_bytes
         self.timeout_s = timeout_s
         self.socks: dict[int, socket.socket] = {}
-        self.writers: dict[int, wire.FrameWriter] = {}
+        self.links: dict[int, link.Link] = {}
         self.readers: dict[int, wire.FrameReader] = {}
         self.sent: dict[int, int] = {}
         self.received: dict[int, int] = {}
@@ -90,15 +119,14 @@ class Mesh:
                                         thread_name_prefix=f"mesh{self.me}")
         return self
 
-    def _register(self, j: int, s: socket.socket) -> None:
+    def _register(self, lk: link.Link) -> None:
+        s = lk.sock
         s.settimeout(None)
         wire.set_socket_options(s, nodelay=True)
-        self.socks[j] = s
-        self.writers[j] = wire.FrameWriter(s, run_tag=self.run_tag, worker=self.me,
-                                           crc=self.crc)
-        self.readers[j] = wire.FrameReader(s, expect_tag=self.run_tag,
-                                           max_payload_bytes=self.max_payload_bytes)
-        self.sent[j] = self.received[j] = 0
+        self.socks[lk.peer] = s
+        self.links[lk.peer] = lk
+        self.readers[lk.peer] = lk.reader(self.max_payload_bytes)
+        self.sent[lk.peer] = self.received[lk.peer] = 0
 
     def _connect(self, j: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -110,37 +138,21 @@ class Mesh:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("expert", self.me),
-                                          msg_type=MsgType.HELLO, run_tag=self.run_tag,
-                                          worker=self.me)
-        wire.send_frame(s, hdr, body)
-        reader = wire.FrameReader(s, expect_tag=self.run_tag, max_payload_bytes=4096)
-        h, payload = reader.read_frame()
-        hello = codec.parse_hello(payload)
-        if h.msg_type != MsgType.WELCOME or hello.role != "expert" or hello.worker != j:
-            raise FrameError(f"expert host {self.me}: {self.addrs[j]} answered "
-                             f"{h.msg_type.name} from {hello.role} {hello.worker}, "
-                             f"expected WELCOME from expert {j}")
-        self._register(j, s)
+        name = f"expert host {self.me} -> {j} ({wire.peer_name(s)})"
+        try:
+            self._register(link.dial(s, run_id=self.run_id, run_tag=self.run_tag,
+                                     role="expert", me=self.me, peer=j, key=self.keys[j],
+                                     timeout_s=self.timeout_s, name=name))
+        except BaseException:
+            s.close()
+            raise
 
     def _accept(self, conn: socket.socket) -> None:
-        conn.settimeout(self.timeout_s)
-        reader = wire.FrameReader(conn, expect_tag=self.run_tag, max_payload_bytes=4096)
-        h, payload = reader.read_frame()
-        if h.msg_type != MsgType.HELLO:
-            raise FrameError(f"expected HELLO, got {h.msg_type.name}")
-        hello = codec.parse_hello(payload)
-        j = hello.worker
-        if hello.role != "expert" or j != h.worker or not self.me < j < self.hosts:
-            raise FrameError(f"HELLO from {hello.role} {j} (frame says {h.worker}): not an "
-                             f"expert host in ({self.me}, {self.hosts})")
-        if j in self.socks:
-            raise FrameError(f"HELLO: expert host {j} is already connected")
-        hdr, body = codec.frame_for_bytes(codec.hello_payload("expert", self.me),
-                                          msg_type=MsgType.WELCOME, run_tag=self.run_tag,
-                                          worker=self.me)
-        wire.send_frame(conn, hdr, body)
-        self._register(j, conn)
+        name = f"expert host {self.me} <- {wire.peer_name(conn)}"
+        self._register(link.answer(
+            conn, run_id=self.run_id, run_tag=self.run_tag, role="expert", me=self.me,
+            keys={j: k for j, k in self.keys.items() if j > self.me},
+            accepts=lambda j: j not in self.socks, timeout_s=self.timeout_s, name=name))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -165,8 +177,9 @@ class Mesh:
     # -- exchanging ----------------------------------------------------------------------
 
     def _send(self, j: int, t: torch.Tensor, kind: MsgType, iteration: int, chunk: int) -> int:
-        n = self.writers[j].send_message([t.detach().contiguous()], msg_type=kind,
-                                         iteration=iteration, chunk=chunk)
+        n = self.links[j].send_message([t.detach().contiguous()], msg_type=kind,
+                                       worker=self.me, iteration=iteration, chunk=chunk,
+                                       crc=self.crc)
         self.sent[j] += n
         return n
 

@@ -134,6 +134,13 @@ class Policy:
         self.stats.evictions += len(evict)
         return True, evict
 
+    def invalidate(self, name: Hashable) -> None:
+        """The master copy changed (the optimizer stepped): a resident copy is stale and
+        leaves the device; the next use transfers again (and is counted)."""
+        if name in self.resident:
+            del self.resident[name]
+            self.used_bytes -= self.sizes[name]
+
     def _victim(self, i: int) -> Hashable:
         if self.policy == "lru" or self.predict is None:
             return next(iter(self.resident))
@@ -144,10 +151,16 @@ class Policy:
 
 def simulate(steps: Sequence[Sequence[Hashable]], sizes: Mapping[Hashable, int],
              budget_bytes: int, policy: str, *,
-             order: Sequence[Hashable] | None = None) -> OffloadStats:
-    """Replay ``steps`` (each a step's uses, in order) through :class:`Policy`."""
+             order: Sequence[Hashable] | None = None,
+             invalidate_each_step: bool = False) -> OffloadStats:
+    """Replay ``steps`` (each a step's uses, in order) through :class:`Policy`.
+    ``invalidate_each_step``: every parameter's master changes between steps (training:
+    the optimizer updates them), so nothing resident survives into the next step."""
     p = Policy(policy, budget_bytes, sizes, order=order)
     for uses in steps:
+        if invalidate_each_step:
+            for name in sizes:
+                p.invalidate(name)
         p.begin_step()
         for name in uses:
             p.use(name)
@@ -170,8 +183,10 @@ class Offloader:
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError("offload: device cuda requested but CUDA is not available")
-        self.host = {n: (t.detach().pin_memory() if self.cuda else t.detach())
-                     for n, t in host.items()}
+        # A tensor already pinned stays the same storage (the caller's master, which its
+        # optimizer updates in place); pinning anything else makes a pinned copy.
+        self.host = {n: (t.detach() if not self.cuda or t.is_pinned()
+                         else t.detach().pin_memory()) for n, t in host.items()}
         sizes = {n: t.numel() * t.element_size() for n, t in self.host.items()}
         self.policy = Policy(policy, budget_bytes, sizes)
         self.on_device: dict[Hashable, torch.Tensor] = {}
@@ -209,7 +224,9 @@ class Offloader:
         """The optimizer changed the master copy: write it and drop a stale device copy
         (the next fetch transfers it again, and is counted)."""
         self.host[name].copy_(value)
-        if name in self.on_device:
-            del self.on_device[name]
-            self.policy.resident.pop(name, None)
-            self.policy.used_bytes -= self.policy.sizes[name]
+        self.invalidate(name)
+
+    def invalidate(self, name: Hashable) -> None:
+        """The master copy was changed in place: drop a stale device copy."""
+        self.on_device.pop(name, None)
+        self.policy.invalidate(name)

@@ -9,8 +9,9 @@ non-expert parameters. Three classes:
   gradient is already complete here.
 - ``zero3`` (shared, split): tensors of at least ``zero3_min_numel`` elements. Each host
   keeps one shard of the parameters and of the optimizer state; the full tensors are
-  all-gathered before the forward uses them, the gradients reduce-scattered after the
-  backward, and each host updates only its shard.
+  all-gathered before the forward uses them, freed after the forward, all-gathered
+  again before the backward, freed after it, the gradients reduce-scattered, and each
+  host updates only its shard.
 - ``zero2`` (shared, not split): the smaller tensors. Every host keeps the full
   parameters; the gradients are reduce-scattered, each host keeps its shard of the
   gradients and of the optimizer state, updates its shard, and the updated parameters
@@ -26,9 +27,16 @@ uplink, and takes from its downlink, exactly
 
     class_bytes = 2 x (H - 1) x (4 S + HEADER_SIZE)
 
-(one reduce-scatter and one all-gather, one frame per peer each; :func:`class_bytes`).
-The gathered full copy of a ``zero3`` class stays allocated between steps (its storage
-is reused); only the shard is authoritative, and the copy is refreshed before each use.
+for ``zero2`` (one reduce-scatter and one all-gather, one frame per peer each), and
+
+    class_bytes = 3 x (H - 1) x (4 S + HEADER_SIZE)
+
+for ``zero3`` (one reduce-scatter and two all-gathers: before the forward and before the
+backward; :func:`class_bytes`). "Freed" here: the other hosts' parts of the gathered
+buffer are overwritten with NaN (:meth:`ShardedClass.release`), so a use that skipped
+its gather would poison the result instead of silently reading a stale copy; the
+buffer's storage itself stays allocated and is reused (on the CPU there is no device
+memory to give back). Only the shard is authoritative.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import torch
 from torch import nn
 
 from agents.codec import HEADER_SIZE, MsgType
-from agents.moe.exchange import CHUNK_ZERO2, CHUNK_ZERO3
+from agents.moe.exchange import CHUNK_ZERO2, CHUNK_ZERO3, CHUNK_ZERO3_BWD
 from agents.moe.mesh import Mesh
 
 
@@ -58,12 +66,18 @@ def classify(name: str, param: torch.Tensor, zero3_min_numel: int) -> ParamClass
     return ParamClass.ZERO3 if param.numel() >= zero3_min_numel else ParamClass.ZERO2
 
 
-def class_bytes(numel: int, hosts: int) -> int:
-    """Bytes one shared class puts on each host's uplink per step (module docstring)."""
+#: Collectives per step, one frame to every peer each (module docstring).
+COLLECTIVES_PER_STEP = {"zero3": 3, "zero2": 2}
+
+
+def class_bytes(numel: int, hosts: int, kind: str = "zero2") -> int:
+    """Bytes one shared class puts on each host's uplink per step (module docstring):
+    ``collectives x (H - 1) x (4 ceil(N / H) + HEADER_SIZE)``, 3 collectives for
+    ``zero3``, 2 for ``zero2``."""
     if hosts <= 1 or numel == 0:
         return 0
     shard = math.ceil(numel / hosts)
-    return 2 * (hosts - 1) * (4 * shard + HEADER_SIZE)
+    return COLLECTIVES_PER_STEP[kind] * (hosts - 1) * (4 * shard + HEADER_SIZE)
 
 
 def sgd_(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
@@ -82,7 +96,8 @@ def sgd_(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *, l
 
 @dataclass
 class ClassStats:
-    """Bytes this class put on this host's uplink in the last step, by collective."""
+    """Bytes this class put on this host's uplink in the current (or last) step, by
+    collective; :meth:`ShardedOptimizer.begin_step` zeroes them."""
 
     reduce_scatter_bytes: int = 0
     all_gather_bytes: int = 0
@@ -126,24 +141,32 @@ class ShardedClass:
         got = mesh.exchange(MsgType.REDUCE_SCATTER, step, self.chunk,
                             {j: self.part(self.flat_grad, j) for j in mesh.peers},
                             dict.fromkeys(mesh.peers, self.shard_numel))
-        self.stats.reduce_scatter_bytes = sum(mesh.sent.values()) - before
+        self.stats.reduce_scatter_bytes += sum(mesh.sent.values()) - before
         total = torch.zeros(self.shard_numel)
         for h in range(self.hosts):
             total += mine if h == self.me else got[h]
         return total
 
-    def all_gather(self, mesh: Mesh | None, step: int) -> None:
-        """Every host's parameter shard into ``flat``."""
+    def all_gather(self, mesh: Mesh | None, step: int, chunk: int | None = None) -> None:
+        """Every host's parameter shard into ``flat`` (``chunk``: the frames' chunk id,
+        this class's own unless given)."""
         if mesh is None or self.hosts == 1 or self.numel == 0:
             return
         before = sum(mesh.sent.values())
         mine = self.part(self.flat, self.me)
-        got = mesh.exchange(MsgType.ALL_GATHER, step, self.chunk,
+        got = mesh.exchange(MsgType.ALL_GATHER, step, self.chunk if chunk is None else chunk,
                             dict.fromkeys(mesh.peers, mine),
                             dict.fromkeys(mesh.peers, self.shard_numel))
-        self.stats.all_gather_bytes = sum(mesh.sent.values()) - before
+        self.stats.all_gather_bytes += sum(mesh.sent.values()) - before
         for j, t in got.items():
             self.part(self.flat, j).copy_(t)
+
+    def release(self) -> None:
+        """Free the other hosts' parts of the gathered copy (module docstring: they
+        become NaN); this host's shard stays."""
+        for j in range(self.hosts):
+            if j != self.me:
+                self.part(self.flat, j).fill_(float("nan"))
 
     def step(self, mesh: Mesh | None, step: int, *, lr: float, momentum: float) -> None:
         """Reduce-scatter the gradients, update this host's shard; zero2 then all-gathers
@@ -182,9 +205,23 @@ class ShardedOptimizer:
             assert p.grad is not None
             p.grad.zero_()
 
+    def begin_step(self) -> None:
+        """Start a step's byte counts (:meth:`bytes_by_class` reports this step's)."""
+        for c in self.classes.values():
+            c.stats = ClassStats()
+
     def gather_before_use(self, mesh: Mesh | None, step: int) -> None:
         """ZeRO-3: bring every host's shard in before the forward."""
         self.classes[ParamClass.ZERO3].all_gather(mesh, step)
+
+    def gather_before_backward(self, mesh: Mesh | None, step: int) -> None:
+        """ZeRO-3: bring every host's shard in again before the backward (chunk
+        ``CHUNK_ZERO3_BWD``): the copy gathered for the forward was freed after it."""
+        self.classes[ParamClass.ZERO3].all_gather(mesh, step, CHUNK_ZERO3_BWD)
+
+    def release(self) -> None:
+        """ZeRO-3: free the gathered copy after the forward or the backward used it."""
+        self.classes[ParamClass.ZERO3].release()
 
     def step(self, mesh: Mesh | None, step: int) -> None:
         for p, buf in zip(self.expert_params, self.expert_momentum, strict=True):
@@ -196,7 +233,7 @@ class ShardedOptimizer:
         self.steps += 1
 
     def bytes_by_class(self) -> dict[str, int]:
-        """Uplink bytes per class in the last step (experts: never reduced, 0)."""
+        """Uplink bytes per class since :meth:`begin_step` (experts: never reduced, 0)."""
         out = {ParamClass.EXPERT.value: 0}
         for c, sc in self.classes.items():
             out[c.value] = sc.stats.reduce_scatter_bytes + sc.stats.all_gather_bytes

@@ -43,11 +43,14 @@ class RoleContext:
 @dataclass(frozen=True)
 class RoleCommand:
     """One process to start in ``host``'s namespace; its output goes to ``log`` (a path
-    relative to the run directory)."""
+    relative to the run directory). ``links``: the mesh links it is an end of, as
+    ``(mesh, its name there, the peer's name)``; the runner hands it those links' pair
+    keys on its stdin, and no others (:func:`agents.auth.bundle_for`)."""
 
     host: str
     argv: tuple[str, ...]
     log: str = ""
+    links: tuple[tuple[str, str, str], ...] = ()
 
     def log_path(self, run_dir: Path) -> Path:
         return run_dir / (self.log or f"logs/{self.host}.log")

@@ -20,7 +20,10 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     addrs = ",".join(f"{h.ip}:{m.port}" for h in experts)
     return [RoleCommand(h.name, (ctx.python, "-m", "agents.expert", "--run-dir",
                                  str(ctx.run_dir), "--host", str(h.rank), "--addrs", addrs,
-                                 "--auth", "stdin"))
+                                 "--auth", "stdin"),
+                        # The key of its link to every other expert host (agents.link).
+                        links=tuple(("expert", f"e{h.rank}", f"e{j}")
+                                    for j in range(m.hosts) if j != h.rank))
             for h in hosts]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agents.core.nodes import stage_links, stage_ps_links
 from controller.roles import Role, RoleCommand, RoleContext, RoleError, register
 from topo.spec import HostSpec
 
@@ -29,14 +30,17 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     ps = ranked[p * d]
     out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.stage_ps", "--run-dir",
                                  str(ctx.run_dir), "--port", str(pc.base_port),
-                                 "--auth", "stdin"))]
+                                 "--auth", "stdin"),
+                       links=tuple(stage_ps_links(p, d)))]
     for h in ranked[:p * d]:
         r, s = divmod(h.rank, p)
         peers = ",".join(f"{ranked[r * p + i].ip}:{pc.base_port + i}" for i in range(p))
         out.append(RoleCommand(h.name, (
             ctx.python, "-m", "agents.stage", "--run-dir", str(ctx.run_dir), "--stage", str(s),
             "--replica", str(r), "--peers", peers, "--auth", "stdin",
-            "--ps", f"{ps.ip}:{pc.base_port}")))
+            "--ps", f"{ps.ip}:{pc.base_port}"),
+            # The keys of the links this stage is an end of, on its stdin (agents.link).
+            links=tuple(stage_links(r, s, p, d))))
     return out
 
 

@@ -1,0 +1,88 @@
+"""Samples the HTB class counters of every shaped point, every few milliseconds.
+
+``topo.class_sample_ms`` > 0 starts it beside the link sampler. Each read is one
+rtnetlink dump of the point's device (:meth:`topo.build.Network.point_classes`,
+~15 us, no fork), so all eight access points of a 4-host fabric can be read every 2 ms
+for well under a tenth of a core. The rows (schema: :mod:`agents.core.class_samples`)
+are kept in typed arrays (8 bytes a value: a minute at 2 ms on 8 points is ~20 MB) and
+written to ``classes.parquet`` when the run ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from pathlib import Path
+
+import pandas as pd
+
+from agents.core.class_samples import CLASS_COLUMNS
+from agents.core.events import now_ns
+from topo import qdisc
+from topo.build import Network
+
+_INT_COLUMNS = ("ts_ns", "sent_bytes", "data_bytes", "sent_pkts", "drops", "overlimits",
+                "backlog_bytes")
+
+
+class ClassSampler(threading.Thread):
+    """Reads every shaped point's HTB class every ``period_s``; :meth:`write` saves them."""
+
+    def __init__(self, net: Network, period_s: float) -> None:
+        super().__init__(name="class-sampler", daemon=True)
+        if period_s <= 0:
+            raise ValueError(f"class sampler: period_s={period_s} must be > 0")
+        self.net = net
+        self.period_s = period_s
+        self.points = [(p.point.name, p.dev) for p in net.spec.places()
+                       if net.rate_mbps(p.dev) is not None]
+        self.cols: dict[str, array[int]] = {c: array("q") for c in _INT_COLUMNS}
+        self.point_index = array("H")
+        self.rate_mbps = array("d")
+        self.stop_event = threading.Event()
+        self.error: str | None = None
+
+    def sample(self) -> None:
+        for i, (point, dev) in enumerate(self.points):
+            classes = self.net.point_classes(point)
+            t = now_ns()
+            c = classes[qdisc.CLASS_ID]
+            data = classes.get(qdisc.DATA_CLASS_ID, c)  # no ack_first: one class for all
+            cols = self.cols
+            cols["ts_ns"].append(t)
+            cols["sent_bytes"].append(c.sent_bytes)
+            cols["data_bytes"].append(data.sent_bytes)
+            cols["sent_pkts"].append(c.sent_pkts)
+            cols["drops"].append(c.drops)
+            cols["overlimits"].append(c.overlimits)
+            cols["backlog_bytes"].append(c.backlog_bytes)
+            self.point_index.append(i)
+            self.rate_mbps.append(self.net.rate_mbps(dev) or 0.0)
+
+    def run(self) -> None:
+        next_t = time.monotonic()
+        while not self.stop_event.is_set():
+            try:
+                self.sample()
+            except Exception as e:  # the network is going away; keep what we have
+                self.error = str(e)
+                return
+            next_t += self.period_s
+            now = time.monotonic()
+            if next_t < now:  # fell behind (a stall): no burst of catch-up reads
+                next_t = now
+            self.stop_event.wait(max(0.0, next_t - now))
+
+    def frame(self) -> pd.DataFrame:
+        n = len(self.point_index)
+        data: dict[str, object] = {c: list(self.cols[c][:n]) for c in _INT_COLUMNS}
+        data["point"] = [self.points[i][0] for i in self.point_index[:n]]
+        data["dev"] = [self.points[i][1] for i in self.point_index[:n]]
+        data["rate_mbps"] = list(self.rate_mbps[:n])
+        return pd.DataFrame(data, columns=list(CLASS_COLUMNS))
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        self.frame().to_parquet(tmp, index=False)
+        tmp.replace(path)
