@@ -72,6 +72,7 @@ from agents.compress.sparse import SparseCompressor
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.lr_schedule import lr_at
 from agents.core.policies.backlog import backlog_shares
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.protocol import GradReceived, Joined, Left, Lost, PSEvent
@@ -495,8 +496,11 @@ class ParameterServer:
         mom = 0.0 if self.cfg.feedback.momentum_correction else self.cfg.workload.momentum
         if mom > 0 and self.momentum_buf is None:
             self.momentum_buf = torch.zeros_like(self.model.flat_params)
+        wl = self.cfg.workload
+        lr = lr_at(wl.lr, self.iteration, self.cfg.run.iterations, wl.lr_schedule,
+                   wl.lr_decay_at, wl.lr_decay_factor)
         sgd_step_(params, grad, None if self.momentum_buf is None else self.momentum_buf[s:e],
-                  lr=self.cfg.workload.lr, momentum=mom, first=self.iteration == 0)
+                  lr=lr, momentum=mom, first=self.iteration == 0)
         if self.shadow is None:
             msg_type, tensors = codec.MsgType.WEIGHTS, [params]
         else:

@@ -60,6 +60,7 @@ from agents.compress.base import Compressor, PayloadError, make
 from agents.compress.feedback import ErrorFeedback
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.lr_schedule import lr_at
 from agents.core.nodes import PS_NODE, stage_links, stage_node
 from agents.core.schedules import Action, Kind, Schedule, validate
 from agents.core.schedules import make as make_schedule
@@ -600,8 +601,10 @@ class Stage:
             buf = self.momentum.setdefault(chunk, torch.zeros_like(fm.flat_params))
         if len(vs) == 2:
             fm.flat_params.copy_(vs[(step + 1) % 2].flat_params)
-        sgd_step_(fm.flat_params, fm.flat_grad, buf, lr=self.cfg.workload.lr, momentum=mom,
-                  first=first)
+        wl = self.cfg.workload
+        lr = lr_at(wl.lr, step, self.cfg.run.iterations, wl.lr_schedule, wl.lr_decay_at,
+                   wl.lr_decay_factor)
+        sgd_step_(fm.flat_params, fm.flat_grad, buf, lr=lr, momentum=mom, first=first)
         fm.zero_grad()
 
     def final_params(self, chunk: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ ResNet), identical but for the compression:
 
 Accuracy is the PS's ``final_accuracy`` on all 10,000 test images after the last iteration;
 the details also carry each run's curve (the PS's ``eval`` events, every ``run.eval_every``
-iterations) and the mean of its last two evaluations, a less noisy reading at a constant lr.
+iterations) and the mean of its last two evaluations (both after the last lr decay of the
+config's step schedule, ``workload.lr_schedule``: a less noisy reading than one).
 Headline: ``100 x (acc_dense - acc_topk_0.1pct_ef_mc)``, in points (target <= 0.5); also
 ``100 x (acc_dense - acc_topk_1pct_no_ef)`` (target >= 1). ``GB_CONV_SET`` (comma-separated
 dotted overrides) resizes every run; ``GB_CONV_OUT`` is where the run directories go.
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 from _common import REPO, emit, gradbed_run, log
+
+from agents.core import config as cfgmod
 
 CONFIG = REPO / "configs" / "convergence.toml"
 OUT = Path(os.environ.get("GB_CONV_OUT", str(REPO / "runs" / "bench-convergence")))
@@ -54,6 +57,13 @@ def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
         if ev.get("event") == "eval" and ev.get("accuracy") is not None:
             curve.append((int(ev["iter"]) + 1, float(ev["accuracy"])))
     return curve
+
+
+def lr_schedule(extra: list[str]) -> dict[str, object]:
+    """The workload's lr, schedule and decay points as every run had them."""
+    wl = cfgmod.load(CONFIG, extra).workload
+    return {"lr": wl.lr, "schedule": wl.lr_schedule, "decay_at": list(wl.lr_decay_at),
+            "decay_factor": wl.lr_decay_factor}
 
 
 def main() -> int:
@@ -86,6 +96,7 @@ def main() -> int:
          "<= 0.5; and dense - top-k 1 % without EF >= 1",
          {"runs": results, "dense_minus_topk_1pct_no_ef_points": gap_no_ef,
           "config": str(CONFIG.relative_to(REPO)), "overrides": extra,
+          "lr_schedule": lr_schedule(extra),
           "total_wall_s": round(time.monotonic() - t0, 1)})
     return 0
 

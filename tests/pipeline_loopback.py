@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from agents.core import config as cfgmod
+from agents.core.lr_schedule import lr_at
 from agents.partition import balance_by_params, split
 from agents.stage import is_eval_step, micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
@@ -89,6 +90,8 @@ def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int,
                           momentum=cfg.workload.momentum)
     m, d = pc.micro_batches, pc.replicas
     for k in range(steps):
+        for group in opt.param_groups:  # the stages step with the scheduled lr of step k
+            group["lr"] = _lr(cfg, k)
         opt.zero_grad()
         for r in range(d):
             for i in range(m):
@@ -98,6 +101,12 @@ def reference_pieces(cfg: cfgmod.ExperimentConfig, steps: int,
         if after_step is not None:
             after_step(k, model)
     return _pieces(cfg, model)
+
+
+def _lr(cfg: cfgmod.ExperimentConfig, step: int) -> float:
+    wl = cfg.workload
+    return lr_at(wl.lr, step, cfg.run.iterations, wl.lr_schedule, wl.lr_decay_at,
+                 wl.lr_decay_factor)
 
 
 def _pieces(cfg: cfgmod.ExperimentConfig, model: nn.Module) -> list[torch.Tensor]:
@@ -113,7 +122,8 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int,
     """One process applying the two-group schedule's two weight versions (PipeDream-2BW):
     B (pieces p..2p-1) steps synchronously; A (pieces 0..p-1) is run at ``V_s`` with
     ``V_0 = V_1 = W_0``, ``V_{s+1} = V_s - lr g_A(s-1)``, and after the last step its last
-    gradient is applied once more.
+    gradient is applied once more. A gradient of step ``k`` is applied with step ``k``'s
+    scheduled lr.
 
     ``after_step(k, model)`` sees the model after step ``k`` with A at ``V_{k+2}`` (step
     ``k``'s gradient applied: the version a stage sends the PS to evaluate), or with
@@ -126,16 +136,18 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int,
     pieces = split(model, balance)
     a_flat = [FlatModel(pc_) for pc_ in pieces[:p]]
     b_flat = [FlatModel(pc_) for pc_ in pieces[p:]]
-    lr, mom = cfg.workload.lr, cfg.workload.momentum
+    mom = cfg.workload.momentum
     a_buf = [torch.zeros_like(f.flat_params) for f in a_flat]
     b_buf = [torch.zeros_like(f.flat_params) for f in b_flat]
     a_state = [t for f, buf in zip(a_flat, a_buf, strict=True) for t in (f.flat_params, buf)]
     pending: list[torch.Tensor] | None = None
     a_steps = 0
 
-    def step_a(grads: list[torch.Tensor]) -> None:
+    def step_a(grads: list[torch.Tensor], step: int) -> None:
+        """Apply step ``step``'s A gradients at that step's scheduled lr."""
         for f, g, buf in zip(a_flat, grads, a_buf, strict=True):
-            sgd_step_(f.flat_params, g, buf, lr=lr, momentum=mom, first=a_steps == 0)
+            sgd_step_(f.flat_params, g, buf, lr=_lr(cfg, step), momentum=mom,
+                      first=a_steps == 0)
 
     for k in range(steps):
         for f in a_flat + b_flat:
@@ -145,22 +157,23 @@ def reference_two_group(cfg: cfgmod.ExperimentConfig, steps: int,
                 bt = micro_batch(w, pc, k * m + i, r)
                 (nn.functional.cross_entropy(model(bt.x), bt.y) / (m * d)).backward()
         for f, buf in zip(b_flat, b_buf, strict=True):
-            sgd_step_(f.flat_params, f.flat_grad, buf, lr=lr, momentum=mom, first=k == 0)
+            sgd_step_(f.flat_params, f.flat_grad, buf, lr=_lr(cfg, k), momentum=mom,
+                      first=k == 0)
         grads = [f.flat_grad.clone() for f in a_flat]
         if pending is not None:  # V_{k+1} = V_k - lr g_A(k-1)
-            step_a(pending)
+            step_a(pending, k - 1)
             a_steps += 1
         pending = grads
         if after_step is not None and not fresh:
             after_step(k, model)
         elif after_step is not None:  # V_{k+2} for the call, then back to V_{k+1}
             saved = [t.clone() for t in a_state]
-            step_a(pending)
+            step_a(pending, k)
             after_step(k, model)
             for t, keep in zip(a_state, saved, strict=True):
                 t.copy_(keep)
     assert pending is not None
-    step_a(pending)
+    step_a(pending, steps - 1)
     return [f.flat_params.clone() for f in a_flat + b_flat]
 
 

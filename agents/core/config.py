@@ -27,6 +27,7 @@ from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
 from agents.core.feedback_config import FeedbackConfig
 from agents.core.guard_config import GuardConfig
+from agents.core.lr_schedule import check_lr_schedule
 from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
@@ -144,7 +145,12 @@ class WorkloadConfig:
     # and fashion_vit (sized by [vision]), replay, ...
     name: str = "digits_mlp"
     batch_size: int = 32              # per-worker batch; the global batch is N times this
-    lr: float = 0.1                   # SGD learning rate at the PS
+    lr: float = 0.1                   # SGD learning rate at the PS (at iteration 0)
+    # the lr over the run (agents/core/lr_schedule.py): constant, step (x lr_decay_factor at
+    # each lr_decay_at fraction of run.iterations; DGC's recipe) or cosine
+    lr_schedule: str = "constant"
+    lr_decay_at: tuple[float, ...] = (0.5, 0.75)
+    lr_decay_factor: float = 0.1
     momentum: float = 0.0             # SGD momentum at the PS
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
@@ -159,6 +165,7 @@ class WorkloadConfig:
         _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
                "must be in [1, 4096]")
         _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
+        check_lr_schedule(p, self.lr_schedule, self.lr_decay_at, self.lr_decay_factor)
         _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(1 <= self.hidden <= 65536, f"{p}.hidden", self.hidden, "must be in [1, 65536]")
         _check(1 <= self.depth <= 256, f"{p}.depth", self.depth, "must be in [1, 256]")
