@@ -28,7 +28,7 @@ Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
 with its one-process reference's (``tests.pipeline_loopback.reference_evals``); then, in
 one process, the synchronous and the 2BW references over ``SWEEP_LR_MOMENTUM``.
 
-Run as root: ``flock /work/wt/measure.lock .venv/bin/python benchmarks/pipeline.py
+Run as root: ``.venv/bin/python benchmarks/pipeline.py
 [--quick] [--parts bubble,sweep,memory,tta]``; writes Gantt charts to ``docs/`` and prints one
 JSON line last.
 """
