@@ -15,10 +15,11 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
    ``classes.parquet``), and :func:`agents.core.moe_metrics.dispatch_link_efficiency`
    is the busiest point's bytes over the window / (phase x rate). A link idle before a
    dispatch drains its HTB bucket (``burst`` bytes) on top of rate x time, which puts
-   that figure above 1; the headline is therefore the bound that counts a full bucket as
+   that figure above 1; the bound that allows for it counts a full bucket as
    capacity and takes the bytes between the samples just inside each window (no
-   interpolation): ``link_efficiency_burst_allowed_inner_median`` at 100 Mbit/s. The raw
-   tc figure is ``link_efficiency_median``, the formula's ``efficiency_median``.
+   interpolation), ``link_efficiency_burst_allowed_inner_median``: a lower bound on the
+   link's utilisation, printed beside the headline (the issue's formula,
+   ``efficiency_median`` at 100 Mbit/s). The raw tc figure is ``link_efficiency_median``.
 2. ``capacity``: one process, 4 routing groups (as 4 hosts), 40 training steps per
    capacity factor in {0.5, 0.75, 1.0, 1.25, 1.5, 2.0}: drop fraction, load imbalance
    (max/mean tokens per expert) of the kept tokens and of all routed token choices
@@ -354,12 +355,12 @@ def main() -> int:
             details["offload_training"] = part_offload_training(
                 Path(tmp), Path(details["dispatch"].pop("run_100")))
     plots(details)
-    headline = (details["dispatch"]["100"]["link_efficiency_burst_allowed_inner_median"]
+    headline = (details["dispatch"]["100"]["efficiency_median"]
                 if "dispatch" in details else float("nan"))
     saved.write_text(json.dumps(details, indent=1, default=float))
-    emit("moe", headline, "busiest access link's HTB class bytes between the samples inside "
-         "each dispatch / (phase x rate + HTB burst), tc class samples every 2 ms (raw: "
-         "link_efficiency_median; formula: efficiency_median)",
+    emit("moe", headline, "payload bytes / (phase x rate x TCP goodput fraction), median at "
+         "100 Mbit/s (tc lower bound beside it: "
+         "dispatch.100.link_efficiency_burst_allowed_inner_median)",
          ">= 0.9 at 100 Mbit/s", details)
     return 0
 
