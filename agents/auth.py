@@ -33,6 +33,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from agents.core.nodes import worker_index, worker_node
@@ -196,3 +197,16 @@ def exit_with_controller(on_exit: object = None, stream: BinaryIO | None = None)
                 os._exit(4)
 
     threading.Thread(target=watch, name="controller-watch", daemon=True).start()
+
+
+def agent_keys(mode: str, run_dir: Path, public_secret: bytes
+               ) -> tuple[KeyBundle | None, bytes]:
+    """An agent's keys at start-up, by its ``--auth`` mode: ``stdin`` (started by the
+    controller): the key bundle from the pipe, the agent ending when the controller goes,
+    and the run's public tag secret; ``file`` (tests, by hand): no bundle and
+    ``RUN/secret``."""
+    if mode == "stdin":
+        keys = read_bundle()
+        exit_with_controller()
+        return keys, public_secret
+    return None, (run_dir / "secret").read_bytes()

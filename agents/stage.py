@@ -808,16 +808,9 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
                          "it goes); file: RUN/secret names the run (tests, by hand)")
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
-    keys: auth.KeyBundle | None = None
-    if args.auth == "stdin":
-        # The controller's key bundle (agents.auth): this stage's control key and the
-        # key of each stage link it is an end of, which only the link's two ends hold.
-        # (The connection to the pipeline's PS still carries the run's public tag.)
-        keys = auth.read_bundle()
-        auth.exit_with_controller()
-        secret = codec.PUBLIC_SECRET
-    else:
-        secret = (args.run_dir / "secret").read_bytes()
+    # With --auth stdin the bundle holds this agent's control key and the key of each link
+    # it is an end of (agents.link), which only the link's two ends hold.
+    keys, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
     torch.set_num_threads(1)
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
