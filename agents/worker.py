@@ -45,6 +45,7 @@ from agents.compress.feedback import ErrorFeedback
 from agents.compress.staging import PayloadStager, Staged
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
+from agents.core.drain import MSS_BYTES, DrainReading, backlog_ack_rate_bps
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from agents.core.events import EventLog, now_ns
 from agents.core.feedback_config import warmup_keep
@@ -109,7 +110,9 @@ class RateSampler(threading.Thread):
                             rtt_us=info.rtt_us, cwnd=info.snd_cwnd_pkts,
                             pacing_rate_bps=(info.pacing_rate_bytes_per_s or 0) * 8,
                             total_retrans=info.total_retrans, rate_bps=rate_bps)
-            if rate_bps is not None and rate_bps > 0:
+            # rate_source "drain" feeds the policy only its per-upload rate (time_drain).
+            if (rate_bps is not None and rate_bps > 0
+                    and self.w.cfg.adaptive.rate_source != "drain"):
                 self.w.observe_rate(rate_bps, ts)
             time.sleep(self.period_s)
 
@@ -335,6 +338,38 @@ class Worker:
         if rate_bps is not None and rate_bps > 0:
             self.observe_rate(rate_bps, ts)
 
+    def drain_reading(self) -> DrainReading:
+        """One ``TCP_INFO`` reading for ``adaptive.rate_source = "drain"``: bytes sent and
+        bytes acknowledged on the upload connection, now."""
+        assert self.sock is not None
+        info = read_tcp_info(self.sock)
+        return DrainReading(now_ns(), int(info.bytes_sent or 0), int(info.bytes_acked or 0))
+
+    def time_drain(self, readings: list[DrainReading], poll_s: float = 0.0005,
+                   limit_s: float = 2.0) -> None:
+        """One rate sample for the upload just written (``adaptive.rate_source = "drain"``,
+        agents.core.drain). ``readings`` holds one reading before the first chunk and one
+        after each; no ACK of them can come before a min RTT has passed since the first, so
+        this sleeps until 0.8 of it, then reads every ``poll_s`` until all but the last two
+        segments are acknowledged (it never waits for a delayed final ACK), and hands
+        ``backlog_ack_rate_bps`` of the readings to the policy. ``limit_s`` bounds it if the
+        ACKs stall."""
+        assert self.sock is not None
+        min_rtt_ns = int(read_tcp_info(self.sock).min_rtt_us or 0) * 1000
+        target = readings[-1].bytes_sent - 2 * MSS_BYTES
+        wake_ns = readings[0].ts_ns + int(0.8 * min_rtt_ns)
+        time.sleep(max(0.0, (wake_ns - now_ns()) / 1e9))
+        deadline = time.monotonic() + limit_s
+        readings.append(self.drain_reading())
+        while readings[-1].bytes_acked < target and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            readings.append(self.drain_reading())
+        rate_bps = backlog_ack_rate_bps(readings, min_rtt_ns)
+        self.log.emit("drain", iter=self.iteration, readings=len(readings),
+                      min_rtt_us=min_rtt_ns // 1000, rate_bps=rate_bps)
+        if rate_bps is not None and rate_bps > 0:
+            self.observe_rate(rate_bps, readings[-1].ts_ns)
+
     def send_gradient(self) -> tuple[float, float, int]:
         assert self.sock is not None
         total_raw = self.model.numel * 4
@@ -357,6 +392,8 @@ class Worker:
         # is compressed, so the ratio policy sees every byte sent before it decides.
         lookahead = 1 if self.stager.asynchronous else 0
         ready: list[tuple[int, Staged, dict[str, Any], float, float, float]] = []
+        drain = self.cfg.adaptive.rate_source == "drain" and self.policy.decides_in_flight
+        readings = [self.drain_reading()] if drain else []
 
         def send(c: int, staged: Staged, stats: dict[str, Any], ratio: float, keep: float,
                  dt: float) -> None:
@@ -370,6 +407,8 @@ class Worker:
                                   mac=self.session.up)
             wire_bytes += n
             sent_raw += (e - s) * 4
+            if drain:
+                readings.append(self.drain_reading())
             self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
                           ratio=ratio, keep=keep,
                           raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
@@ -401,6 +440,8 @@ class Worker:
         send_s = time.perf_counter() - t0 - compress_s
         if self.cfg.adaptive.rate_source == "upload" and self.policy.decides_in_flight:
             self.time_upload()
+        if drain:
+            self.time_drain(readings)
         self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s,
                       start_ns=start_ns)
         return compress_s, send_s, wire_bytes

@@ -279,7 +279,14 @@ class AdaptiveConfig:
     # sample_ms). "upload": also one sample per iteration, the ACK clock of the whole
     # upload (agents.core.policies.adaptive.ack_clock_rate_bps), and with carry_rt the
     # samples carry across iterations like rt, so short compressed uploads still move rt.
+    # "drain": one sample per upload, the rate its ACKs came back at over the stretch in
+    # which every byte they acknowledge was already queued a min RTT earlier (so the link,
+    # not the writer, window or receiver, set their pace: agents.core.drain); the keep is
+    # planned on the minimum of the last drain_window samples, carried across iterations
+    # (a dip is followed from the next upload, a rise after drain_window uploads), and a
+    # minimum within eps of the plan counts as the plan.
     rate_source: str = "writes"
+    drain_window: int = 4
 
     def __post_init__(self) -> None:
         self.validate("adaptive")
@@ -301,8 +308,10 @@ class AdaptiveConfig:
         _check(1024 <= self.notsent_lowat_bytes <= 64 << 20, f"{p}.notsent_lowat_bytes",
                self.notsent_lowat_bytes, "must be in [1024, 67108864] bytes")
         _check(0 < self.plan_keep <= 1, f"{p}.plan_keep", self.plan_keep, "must be in (0, 1]")
-        _check(self.rate_source in ("writes", "upload"), f"{p}.rate_source",
-               self.rate_source, "must be writes or upload")
+        _check(self.rate_source in ("writes", "upload", "drain"), f"{p}.rate_source",
+               self.rate_source, "must be writes, upload or drain")
+        _check(1 <= self.drain_window <= 1000, f"{p}.drain_window", self.drain_window,
+               "must be in [1, 1000] drain samples")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import dataclasses
 from collections import deque
 
 from agents.core.config import AdaptiveConfig, ExperimentConfig
+from agents.core.drain import conservative_rate_bps
 from agents.core.policies.base import Decision, RatioContext, register_ratio_policy
 
 FORMULAS = ("consistent", "literal")
@@ -154,6 +155,8 @@ class AdaptiveRatio:
         self._r0_bps: float | None = None
         self._rt_bps: float | None = None
         self._window: deque[float] = deque(maxlen=self.config.min_samples)
+        # rate_source "drain": the last drain_window drain rates (agents.core.drain).
+        self._drains: deque[float] = deque(maxlen=self.config.drain_window)
         self._ts_ns: int | None = None
         self._ewma: float | None = None
 
@@ -170,7 +173,8 @@ class AdaptiveRatio:
             raise ValueError(f"size_bytes={size_bytes}: must be > 0")
         if r0_bps is not None and not r0_bps > 0.0:
             raise ValueError(f"r0_bps={r0_bps}: must be > 0 (or None to use the first sample)")
-        carry = self.config.carry_rt and r0_bps is not None and r0_bps == self._r0_bps
+        same_r0 = r0_bps is not None and r0_bps == self._r0_bps
+        carry = self.config.carry_rt and same_r0
         self._size_bytes = int(size_bytes)
         self._r0_bps = r0_bps
         if not carry:
@@ -180,6 +184,15 @@ class AdaptiveRatio:
         if not (carry and self.config.rate_source == "upload"):
             self._window.clear()
             self._ewma = None
+        # Drain samples come one per upload, after it: the window of them is the estimator,
+        # so it carries over whenever r0 is the same fixed plan, and rt is its conservative
+        # rate (agents.core.drain.conservative_rate_bps).
+        if self.config.rate_source == "drain":
+            if not same_r0 or r0_bps is None:
+                self._drains.clear()
+                self._rt_bps = None
+            else:
+                self._rt_bps = conservative_rate_bps(self._drains, r0_bps, self.config.eps)
         self._ts_ns = ts_ns
 
     def observe(self, rate_bps: float, ts_ns: int) -> None:
@@ -188,6 +201,12 @@ class AdaptiveRatio:
         self._ts_ns = ts_ns
         if self._r0_bps is None and rate_bps > 0.0:
             self._r0_bps = rate_bps
+        if self.config.rate_source == "drain":
+            self._drains.append(rate_bps)
+            if self._r0_bps is not None:
+                self._rt_bps = conservative_rate_bps(self._drains, self._r0_bps,
+                                                     self.config.eps)
+            return
         a = self.config.ewma_alpha
         self._ewma = rate_bps if self._ewma is None else a * rate_bps + (1 - a) * self._ewma
         self._window.append(self._ewma)
