@@ -121,6 +121,22 @@ def rt_updates(ev: pd.DataFrame) -> dict[str, dict[str, int]]:
     return out
 
 
+def drain_samples(ev: pd.DataFrame) -> dict[str, dict[str, float | None]]:
+    """Per worker, under ``adaptive.rate_source = "drain"``: the uploads after the warm-up,
+    how many gave a link-rate sample (``drain`` events with a rate), and their median
+    (Mbit/s). Empty for the other rate sources."""
+    if "event" not in ev or not (ev["event"] == "drain").any():
+        return {}
+    dr = ev[(ev["event"] == "drain") & (ev["iter"] >= WARMUP)]
+    out: dict[str, dict[str, float | None]] = {}
+    for n, g in dr.groupby("node"):
+        rates = g["rate_bps"].dropna().astype(float)
+        out[str(n)] = {"uploads": len(g), "samples": len(rates),
+                       "median_mbps": round(float(rates.median()) / 1e6, 2) if len(rates)
+                       else None}
+    return out
+
+
 def describe(run_dir: Path, planned_s: float | None,
              planned_p99_s: float | None = None) -> dict[str, Any]:
     ev = load_events(run_dir)
@@ -140,6 +156,7 @@ def describe(run_dir: Path, planned_s: float | None,
         "wire_over_dense": {n: round(v, 4) for n, v in sent.items()},
         "delivery_rate_mbps": {n: round(v, 2) for n, v in delivery_rates_mbps(ev).items()},
         "rt_updates": rt_updates(ev),
+        "drain_samples": drain_samples(ev),
         "run_dir": str(run_dir)}
     if planned_s:
         out["p99_over_planned"] = {n: round(v / planned_s, 3) for n, v in p99.items()}
