@@ -47,7 +47,10 @@ the best schedule's modelled TTA and its gain over the best modelled fixed keep,
 over 8 starts on the trace. The model gives every worker the same keep; fast workers keeping
 more than w0 is not in it.
 
-``GB_HET_ITERS`` (default 100; 68-86 iterations reach 90 % at keeps 1-0.01) sizes the runs.
+``GB_HET_TRACE=verizon`` puts w0 behind the real Verizon LTE uplink (Mahimahi,
+``../shared/traces/mahimahi/Verizon-LTE-short.up`` beside the repository, or
+``$GRADBED_SHARED_TRACES``; mean 5.9 Mbit/s) instead; without that file the benchmark says
+so and stops. ``GB_HET_ITERS`` (default 100; 68-86 iterations reach 90 % at keeps 1-0.01) sizes the runs.
 """
 
 from __future__ import annotations
@@ -73,7 +76,14 @@ from controller.keep_response import TrainingSpec, iterations_to_target
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "heterogeneous.toml"
-TRACE = REPO / "traces" / "data" / "cellular_like.log"
+# w0's uplink: the shipped seeded random walk (default), or GB_HET_TRACE=verizon for the
+# real Verizon LTE uplink (Mahimahi) from the shared traces beside the repository
+# (../shared/traces, or GRADBED_SHARED_TRACES); never copied into the repository.
+SHARED = Path(os.environ.get("GRADBED_SHARED_TRACES", REPO.parent / "shared" / "traces"))
+TRACES = {"cellular_like": REPO / "traces" / "data" / "cellular_like.log",
+          "verizon": SHARED / "mahimahi" / "Verizon-LTE-short.up"}
+TRACE_NAME = os.environ.get("GB_HET_TRACE", "cellular_like")
+TRACE = TRACES.get(TRACE_NAME, Path())
 OUT = Path(os.environ.get("GB_HET_OUT", str(REPO / "runs" / "bench-heterogeneous")))
 ITERATIONS = int(os.environ.get("GB_HET_ITERS", "100"))
 REPEATS = int(os.environ.get("GB_HET_REPEATS", "3"))
@@ -268,11 +278,24 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
 
 
 def main() -> int:
+    if TRACE_NAME not in TRACES:
+        print(f"heterogeneous: GB_HET_TRACE={TRACE_NAME!r}: must be one of {sorted(TRACES)}",
+              file=sys.stderr)
+        return 2
+    if not TRACE.exists():
+        print(f"heterogeneous: skipped: w0's trace {TRACE} is absent (the shared traces sit "
+              "in ../shared/traces beside the repository, or GRADBED_SHARED_TRACES)",
+              file=sys.stderr)
+        return 0
     t_start = time.monotonic()
     load_start = os.getloadavg()[0]
     trace = load_trace(str(TRACE), granularity_s=0.1)
-    adaptive = ['adaptive.policy="adaptive"', *TOPK, *ADAPTIVE_SET]
-    fixed = ['adaptive.policy="fixed"', *TOPK]
+    # The config names cellular_like itself; another trace replaces it for every run but
+    # the planned one (which drops w0's trace).
+    w0_trace = ([] if TRACE_NAME == "cellular_like"
+                else [f'topo.traces={{"w0.up" = "{TRACE}"}}'])
+    adaptive = ['adaptive.policy="adaptive"', *TOPK, *ADAPTIVE_SET, *w0_trace]
+    fixed = ['adaptive.policy="fixed"', *TOPK, *w0_trace]
     rounds = [one_round(rep, adaptive, fixed) for rep in range(REPEATS)]
     summary = summarize(rounds)
     # The best uniform fixed keep: the lowest median TTA over the rounds.
@@ -308,7 +331,9 @@ def main() -> int:
          f"w0's p99 iteration time / planned time (adaptive), median of {REPEATS} rounds",
          "<= 1.2 (DESIGN 5: a worker whose own link drops stays within 1.2x the planned "
          "time) and adaptive's TTA takes most of the modelled headroom",
-         {"config": str(CONFIG.relative_to(REPO)), "trace_w0": str(TRACE.relative_to(REPO)),
+         {"config": str(CONFIG.relative_to(REPO)),
+          "trace_w0": (str(TRACE.relative_to(REPO)) if TRACE.is_relative_to(REPO)
+                       else f"../shared/traces/{TRACE.relative_to(SHARED)}"),
           "trace_mean_mbps": round(trace.mean_mbps(), 3), "rtt_ms": 30,
           "iterations": ITERATIONS, "warmup_iterations": WARMUP, "target_accuracy": TARGET,
           "repeats": REPEATS, "adaptive_set": ADAPTIVE_SET, "order": list(rounds[0]), "summary": summary,
