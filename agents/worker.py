@@ -346,11 +346,12 @@ class Worker:
         return DrainReading(now_ns(), int(info.bytes_sent or 0), int(info.bytes_acked or 0))
 
     def time_drain(self, readings: list[DrainReading], poll_s: float = 0.0005,
-                   limit_s: float = 2.0) -> None:
+                   gap_s: float = 0.002, limit_s: float = 2.0) -> None:
         """One rate sample for the upload just written (``adaptive.rate_source = "drain"``,
         agents.core.drain). ``readings`` holds one reading before the first chunk and one
         after each; no ACK of them can come before a min RTT has passed since the first, so
-        this sleeps until 0.8 of it, then reads every ``poll_s`` until all but the last two
+        until 0.8 of it this reads only every ``gap_s`` (how long the queue stayed
+        backlogged), then every ``poll_s`` until all but the last two
         segments are acknowledged (it never waits for a delayed final ACK), and hands
         ``backlog_ack_rate_bps`` of the readings to the policy. ``limit_s`` bounds it if the
         ACKs stall."""
@@ -358,7 +359,10 @@ class Worker:
         min_rtt_ns = int(read_tcp_info(self.sock).min_rtt_us or 0) * 1000
         target = readings[-1].bytes_sent - 2 * MSS_BYTES
         wake_ns = readings[0].ts_ns + int(0.8 * min_rtt_ns)
-        time.sleep(max(0.0, (wake_ns - now_ns()) / 1e9))
+        # Until then a reading every gap_s only marks how long the queue stayed backlogged.
+        while (left_ns := wake_ns - now_ns()) > 0:
+            time.sleep(min(gap_s, left_ns / 1e9))
+            readings.append(self.drain_reading())
         deadline = time.monotonic() + limit_s
         readings.append(self.drain_reading())
         while readings[-1].bytes_acked < target and time.monotonic() < deadline:

@@ -126,10 +126,13 @@ def test_a_dip_is_followed_from_the_next_upload_and_held_for_the_window() -> Non
     assert old == [1.0] * len(rates)
 
 
-def test_an_upload_without_a_sample_keeps_the_last_estimate() -> None:
+def test_the_window_counts_uploads_and_one_without_a_sample_adds_nothing() -> None:
     keeps = run_iterations(AdaptiveRatio(rate_source="drain", drain_window=2, eps=0.2),
-                           [8e6, None, None, 8e6])
-    assert keeps[1:] == pytest.approx([8 / 95] * 3)
+                           [8e6, None, None, 8e6, 9e6])
+    # The sample stays in force for the next two uploads, then no upload in the window
+    # gave one: no evidence of a slow link, the plan again (a stale low rate does not
+    # hold a worker down for good).
+    assert keeps == pytest.approx([1.0, 8 / 95, 8 / 95, 1.0, 8 / 95])
 
 
 def test_a_fast_worker_at_its_plan_is_not_cut() -> None:

@@ -9,26 +9,29 @@ rise of ``bytes_acked``) reads whatever paced the bytes: the link, but also a sl
 (compression between chunks), a congestion window smaller than the upload, or a delayed
 last ACK, so fast workers read far below their link and cut for nothing.
 
-**When ACKs time the link.** A byte's ACK comes back about ``min_rtt`` after the byte left
-the bottleneck queue (here the sender's own uplink). If every byte acknowledged between two
-readings at ``t1`` and ``t2`` had already been handed to TCP by ``t1 - min_rtt``, the queue
-in front of the link was never empty over that stretch: the link, and nothing else, set the
-pace of those ACKs. So, from readings ``(ts_ns, bytes_sent, bytes_acked)`` taken while a
-worker uploads (``tcpi_bytes_sent``, ``tcpi_bytes_acked``):
+**When ACKs time the link.** gradbed's uplink shaper sits on the sender's own interface,
+and TCP hands an upload to it at once (GSO segments, TCP small queues' allowance): bytes
+``tcpi_bytes_sent`` counts are queued in front of the link or beyond it. A byte's ACK comes
+back about ``min_rtt`` after the byte left that queue, so ``bytes_acked(t + min_rtt)`` is
+what had left the queue by ``t``. From readings ``(ts_ns, bytes_sent, bytes_acked)`` taken
+while a worker uploads, the interval between readings ``i`` and ``i+1`` was *backlogged*
+(the queue never ran dry, so the link and nothing else set the pace) when
 
-- the *rises* are the readings at which ``bytes_acked`` grew;
-- the span ends at the last rise that leaves at least ``tail_bytes`` of the upload
-  unacknowledged (the receiver may hold the final odd segment's ACK back, delayed-ACK
-  style, so the last ACK is not the link's);
-- the span starts at the earliest rise ``t1`` with
-  ``bytes_sent(t1 - min_rtt) >= bytes_acked(end)`` (``bytes_sent(t)``: the last reading at
-  or before ``t``; the earliest reading before that);
+    bytes_sent(t_i) - bytes_acked(t_{i+1} + min_rtt) >= margin_bytes
 
-    backlog_ack_rate_bps = 8 x (acked_end - acked_start) / (t_end - t_start)
+(two segments by default: a receiver may hold one ACK back, delayed-ACK style; a value
+after the last reading is unknown, and the interval does not count). Over the longest run
+of backlogged intervals, ``t_a`` to ``t_b``:
 
-A worker whose writes, window or receiver were slower than its link never meets the start
-condition and gives no sample, rather than a low one. A fast link that drains the upload
-in about one RTT gives a short span or none, and keeps the plan.
+    backlog_ack_rate_bps = 8 x (acked_last_rise - acked_first_rise)
+                           / (t_last_rise - t_first_rise)
+
+over the readings in ``[t_a + min_rtt, t_b + min_rtt]`` at which ``bytes_acked`` rose
+(``bytes_acked(t)`` above: the last reading at or before ``t``; timing rise to rise keeps an
+ACK's size from quantising the ends). A writer slower than its link
+(compression between chunks), a congestion window or receiver window that held bytes back
+(they are then not yet "sent"), or a delayed last ACK never make an interval backlogged,
+so they give no sample rather than a low one.
 
 **The estimate the keep is planned on** (:func:`conservative_rate_bps`) is the minimum of
 the last ``window`` samples, carried across iterations: a dip lowers the keep from the next
@@ -58,30 +61,42 @@ class DrainReading:
 
 
 def backlog_ack_rate_bps(readings: Sequence[DrainReading], min_rtt_ns: int,
-                         tail_bytes: int = 2 * MSS_BYTES, min_span_ns: int = 2_000_000,
+                         margin_bytes: int = 2 * MSS_BYTES, min_span_ns: int = 2_000_000,
                          min_bytes: int = 2 * MSS_BYTES) -> float | None:
-    """The link's rate from the ACKs of a backlogged stretch of ``readings`` (time order),
-    in bit/s; see the module docstring for the span and the formula. None when no stretch
+    """The link's rate over the longest backlogged stretch of ``readings`` (time order), in
+    bit/s; see the module docstring for the test and the formula. None when no stretch
     qualifies, or it lasts under ``min_span_ns`` or carries under ``min_bytes``."""
     if min_rtt_ns < 0:
         raise ValueError(f"min_rtt_ns={min_rtt_ns}: must be >= 0")
-    if not readings:
-        return None
-    target = readings[-1].bytes_sent
-    rises = [b for a, b in zip(readings, readings[1:], strict=False)
-             if b.bytes_acked > a.bytes_acked and b.bytes_acked <= target - tail_bytes]
-    if len(rises) < 2:
-        return None
-    end = rises[-1]
     times = [r.ts_ns for r in readings]
 
-    def sent_by(ts_ns: int) -> int:
+    def acked_at(ts_ns: int) -> int | None:
+        if not readings or ts_ns > times[-1]:
+            return None  # after the last reading: not known
         i = bisect_right(times, ts_ns) - 1
-        return readings[max(i, 0)].bytes_sent
+        return readings[max(i, 0)].bytes_acked
 
-    start = next((r for r in rises if sent_by(r.ts_ns - min_rtt_ns) >= end.bytes_acked), end)
-    span_ns = end.ts_ns - start.ts_ns
-    acked = end.bytes_acked - start.bytes_acked
+    best: tuple[int, int] | None = None
+    start: int | None = None
+    for i in range(len(readings) - 1):
+        left = acked_at(times[i + 1] + min_rtt_ns)
+        if left is None or readings[i].bytes_sent - left < margin_bytes:
+            start = None
+            continue
+        start = i if start is None else start
+        if best is None or times[i + 1] - times[start] > times[best[1]] - times[best[0]]:
+            best = (start, i + 1)
+    if best is None:
+        return None
+    # Time the ACKs from rise to rise inside the stretch, so that an ACK's size (two
+    # segments) does not quantise the span's ends.
+    lo, hi = times[best[0]] + min_rtt_ns, times[best[1]] + min_rtt_ns
+    rises = [b for a, b in zip(readings, readings[1:], strict=False)
+             if b.bytes_acked > a.bytes_acked and lo <= b.ts_ns <= hi]
+    if len(rises) < 2:
+        return None
+    span_ns = rises[-1].ts_ns - rises[0].ts_ns
+    acked = rises[-1].bytes_acked - rises[0].bytes_acked
     if span_ns < min_span_ns or acked < min_bytes:
         return None
     return 8e9 * acked / span_ns
