@@ -126,13 +126,12 @@ def test_a_dip_is_followed_from_the_next_upload_and_held_for_the_window() -> Non
     assert old == [1.0] * len(rates)
 
 
-def test_the_window_counts_uploads_and_one_without_a_sample_adds_nothing() -> None:
+def test_an_upload_without_a_sample_keeps_the_last_estimate() -> None:
+    # A long (dense) upload on a slow link may show no backlogged stretch: falling back to
+    # the plan there sent w0 dense for whole runs (measured 2026-11-24 22:08, p99 4.5x).
     keeps = run_iterations(AdaptiveRatio(rate_source="drain", drain_window=2, eps=0.2),
-                           [8e6, None, None, 8e6, 9e6])
-    # The sample stays in force for the next two uploads, then no upload in the window
-    # gave one: no evidence of a slow link, the plan again (a stale low rate does not
-    # hold a worker down for good).
-    assert keeps == pytest.approx([1.0, 8 / 95, 8 / 95, 1.0, 8 / 95])
+                           [8e6, None, None, None, 9e6])
+    assert keeps == pytest.approx([1.0] + [8 / 95] * 4)
 
 
 def test_a_fast_worker_at_its_plan_is_not_cut() -> None:

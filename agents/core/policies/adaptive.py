@@ -155,9 +155,8 @@ class AdaptiveRatio:
         self._r0_bps: float | None = None
         self._rt_bps: float | None = None
         self._window: deque[float] = deque(maxlen=self.config.min_samples)
-        # rate_source "drain": per upload of the last drain_window, its link-rate sample
-        # (None: it gave none; agents.core.drain).
-        self._drains: deque[float | None] = deque(maxlen=self.config.drain_window)
+        # rate_source "drain": the last drain_window link-rate samples (agents.core.drain).
+        self._drains: deque[float] = deque(maxlen=self.config.drain_window)
         self._ts_ns: int | None = None
         self._ewma: float | None = None
 
@@ -185,16 +184,16 @@ class AdaptiveRatio:
         if not (carry and self.config.rate_source == "upload"):
             self._window.clear()
             self._ewma = None
-        # Drain samples come one per upload, after it: the window of the last drain_window
-        # uploads is the estimator, so it carries over whenever r0 is the same fixed plan;
-        # rt is its conservative rate (agents.core.drain.conservative_rate_bps), None when
-        # none of those uploads gave a sample (no evidence of a slow link: the plan).
+        # Drain samples come after an upload, and not from every one: the last drain_window
+        # samples are the estimator, so they carry over whenever r0 is the same fixed plan,
+        # and rt is their conservative rate (agents.core.drain.conservative_rate_bps). An
+        # upload without a sample leaves them as they are: a slow link that a long upload
+        # hides from the backlog test must not fall back to the (dense) plan.
         if self.config.rate_source == "drain":
             if not same_r0 or r0_bps is None:
                 self._drains.clear()
-            self._rt_bps = (None if r0_bps is None else conservative_rate_bps(
-                (r for r in self._drains if r is not None), r0_bps, self.config.eps))
-            self._drains.append(None)  # this upload's slot
+            self._rt_bps = (None if r0_bps is None else
+                            conservative_rate_bps(self._drains, r0_bps, self.config.eps))
         self._ts_ns = ts_ns
 
     def observe(self, rate_bps: float, ts_ns: int) -> None:
@@ -204,13 +203,10 @@ class AdaptiveRatio:
         if self._r0_bps is None and rate_bps > 0.0:
             self._r0_bps = rate_bps
         if self.config.rate_source == "drain":
-            if not self._drains:
-                self._drains.append(None)
-            last = self._drains[-1]
-            self._drains[-1] = rate_bps if last is None else min(last, rate_bps)
+            self._drains.append(rate_bps)
             if self._r0_bps is not None:
-                self._rt_bps = conservative_rate_bps(
-                    (r for r in self._drains if r is not None), self._r0_bps, self.config.eps)
+                self._rt_bps = conservative_rate_bps(self._drains, self._r0_bps,
+                                                     self.config.eps)
             return
         a = self.config.ewma_alpha
         self._ewma = rate_bps if self._ewma is None else a * rate_bps + (1 - a) * self._ewma
