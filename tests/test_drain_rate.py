@@ -4,6 +4,8 @@ windowed estimate the adaptive keep is planned on (pure; no network)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from agents.core import config as cfgmod
@@ -15,6 +17,8 @@ from agents.core.drain import (
 )
 from agents.core.policies import AdaptiveRatio
 from agents.core.policies.adaptive import ack_clock_rate_bps
+from analysis.load import load_events
+from tests.loopback import run_loopback
 
 MS = 1_000_000
 RTT_NS = 30 * MS
@@ -145,3 +149,18 @@ def test_drain_window_is_validated() -> None:
     assert cfg.adaptive.drain_window == 6
     with pytest.raises(cfgmod.ConfigError, match="adaptive.drain_window"):
         cfgmod.from_dict({"adaptive": {"drain_window": 0}})
+
+
+def test_real_workers_log_one_drain_reading_set_per_upload(tmp_path: Path) -> None:
+    """The worker's side over loopback TCP (real sockets and TCP_INFO, no Mininet, no
+    shaper): every upload ends with one ``drain`` event and the run completes."""
+    n, iters = 2, 6
+    run_dir, rc = run_loopback(tmp_path, [
+        f"net.workers={n}", f"run.iterations={iters}", "workload.hidden=64",
+        "workload.chunk_bytes=8192", 'adaptive.policy="adaptive"',
+        'adaptive.rate_source="drain"', 'compress.name="topk"'])
+    assert rc == 0, (run_dir / "ps.log").read_text()
+    ev = load_events(run_dir)
+    drains = ev[ev["event"] == "drain"]
+    assert len(drains) == n * iters
+    assert (drains["readings"] >= 2).all()
