@@ -83,16 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
              [("127.0.0.1", m.port + i) for i in range(m.hosts)])
     run_id = args.run_dir.name
+    # With --auth stdin the bundle holds this host's control key and the key of its link to
+    # every other expert host, which only the two ends hold (agents.link).
+    bundle, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
     try:
-        if args.auth == "stdin":
-            # The controller's key bundle (agents.auth): this host's control key and the
-            # key of its link to every other expert host, which only the two ends hold.
-            link_keys = mesh_keys(auth.read_bundle(), args.host, m.hosts)
-            auth.exit_with_controller()
-            secret = codec.PUBLIC_SECRET
-        else:
-            secret = (args.run_dir / "secret").read_bytes()
-            link_keys = file_keys(secret, args.host, m.hosts)
+        link_keys = (file_keys(secret, args.host, m.hosts) if bundle is None
+                     else mesh_keys(bundle, args.host, m.hosts))
     except KeyError as e:
         raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
     tag = codec.run_tag(run_id, secret)
