@@ -74,6 +74,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from agents.codec import HEADER_SIZE, MsgType
 from agents.moe.exchange import CHUNK_ZERO2, CHUNK_ZERO3, CHUNK_ZERO3_BWD
 from agents.moe.mesh import Mesh
+from agents.workloads.base import sgd_step_
 
 FLOAT32_BYTES = 4
 
@@ -123,20 +124,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         if st.nbytes():
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-def sgd_(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
-         momentum: float, first: bool) -> None:
-    """``torch.optim.SGD`` in place, elementwise (so a shard steps as the whole would)."""
-    if momentum > 0:
-        assert buf is not None
-        if first:
-            buf.copy_(grad)
-        else:
-            buf.mul_(momentum).add_(grad)
-        param.add_(buf, alpha=-lr)
-    else:
-        param.add_(grad, alpha=-lr)
 
 
 @dataclass(frozen=True)
@@ -302,8 +289,8 @@ class ShardedClass:
         """Reduce-scatter the gradients, update this host's shard; zero2 then all-gathers
         (zero3 gathers before the next use: :meth:`all_gather` at the next step)."""
         g = self.reduce_scatter(mesh, step)
-        sgd_(self.shard, g, self.momentum if momentum > 0 else None,
-             lr=lr, momentum=momentum, first=self.steps == 0)
+        sgd_step_(self.shard, g, self.momentum if momentum > 0 else None,
+                  lr=lr, momentum=momentum, first=self.steps == 0)
         self.steps += 1
         if self.kind is ParamClass.ZERO2:
             self.all_gather(mesh, step)
@@ -362,8 +349,8 @@ class ShardedOptimizer:
     def step(self, mesh: Mesh | None, step: int) -> None:
         for p, buf in zip(self.expert_params, self.expert_momentum, strict=True):
             assert p.grad is not None
-            sgd_(p.data, p.grad, buf if self.momentum > 0 else None, lr=self.lr,
-                 momentum=self.momentum, first=self.steps == 0)
+            sgd_step_(p.data, p.grad, buf if self.momentum > 0 else None, lr=self.lr,
+                      momentum=self.momentum, first=self.steps == 0)
         for c in (ParamClass.ZERO3, ParamClass.ZERO2):
             self.classes[c].step(mesh, step, lr=self.lr, momentum=self.momentum)
         self.steps += 1
