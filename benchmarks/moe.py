@@ -15,7 +15,8 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
    ``classes.parquet``), and :func:`agents.core.moe_metrics.dispatch_link_efficiency`
    is the busiest point's bytes over the window / (phase x rate). A link idle before a
    dispatch drains its HTB bucket (``burst`` bytes) on top of rate x time, which puts
-   that figure above 1; the bound that allows for it counts a full bucket as
+   that figure above 1 (``configs/moe.toml`` keeps the bucket to 2 ms at the rate,
+   ``topo.access_burst_ms``, so it adds at most 2 ms of line rate to a phase); the bound that allows for it counts a full bucket as
    capacity and takes the bytes between the samples just inside each window (no
    interpolation), ``link_efficiency_burst_allowed_inner_median``: a lower bound on the
    link's utilisation, printed beside the headline (the issue's formula,
