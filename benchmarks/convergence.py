@@ -11,7 +11,10 @@ ResNet), identical but for the compression:
 - ``topk_0.1pct_ef_mc``: top-k 0.1 %, error feedback, ``feedback.momentum_correction`` (the
   momentum moves onto the workers, masking on; the PS steps without momentum) and DGC's
   sparsity warm-up (``feedback.warmup_iterations`` from the config: 75 % ... 99.6 % sparsity
-  in four stages, then 99.9 %);
+  in four stages, then 99.9 %), and DGC's layer-wise selection as their code does it
+  (``feedback.per_layer``: top-k 0.1 % in each parameter tensor, at least one element each;
+  ``feedback.dense_1d``: the 1-D parameters, biases and norm scales, sent whole every step;
+  their bytes count in ``bytes_up_per_iter``);
 - ``topk_1pct_no_ef``: top-k 1 %, ``compress.error_feedback = false``, momentum at the PS.
 
 Accuracy is the PS's ``final_accuracy`` on all 10,000 test images after the last iteration;
@@ -43,7 +46,8 @@ OUT = Path(os.environ.get("GB_CONV_OUT", str(REPO / "runs" / "bench-convergence"
 RUNS: dict[str, list[str]] = {
     "dense": ['compress.name="none"', "feedback.warmup_iterations=0"],
     "topk_0.1pct_ef_mc": ['compress.name="topk"', "compress.ratio=0.001",
-                          "compress.error_feedback=true", "feedback.momentum_correction=true"],
+                          "compress.error_feedback=true", "feedback.momentum_correction=true",
+                          "feedback.per_layer=true", "feedback.dense_1d=true"],
     "topk_1pct_no_ef": ['compress.name="topk"', "compress.ratio=0.01",
                         "compress.error_feedback=false", "feedback.warmup_iterations=0"],
 }
@@ -57,6 +61,21 @@ def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
         if ev.get("event") == "eval" and ev.get("accuracy") is not None:
             curve.append((int(ev["iter"]) + 1, float(ev["accuracy"])))
     return curve
+
+
+def last_iteration_wire_bytes(run_dir: Path) -> int | None:
+    """Bytes the workers' payloads of the last iteration take on the wire, all workers
+    together: the sum of ``wire_bytes`` over the ``compress_done`` events (every key) whose
+    ``iter`` is the largest any worker logged; the steady state after any warm-up, where
+    ``bytes_up_per_iter`` averages the whole run. None without such events."""
+    by_iter: dict[int, int] = {}
+    for path in sorted((run_dir / "events").glob("w*.jsonl")):
+        for line in path.read_text().splitlines():
+            ev = json.loads(line)
+            if ev.get("event") == "compress_done" and ev.get("wire_bytes") is not None:
+                it = int(ev["iter"])
+                by_iter[it] = by_iter.get(it, 0) + int(ev["wire_bytes"])
+    return by_iter[max(by_iter)] if by_iter else None
 
 
 def lr_schedule(extra: list[str]) -> dict[str, object]:
@@ -87,6 +106,7 @@ def main() -> int:
                          "iterations": s.get("iterations"),
                          "iter_s_mean": s.get("iter_time_s_mean"),
                          "bytes_up_per_iter": s.get("bytes_up_per_iter"),
+                         "wire_bytes_last_iter": last_iteration_wire_bytes(run_dir),
                          "wall_s": round(time.monotonic() - t1, 1), "run_dir": str(run_dir)}
         log(f"{name}: {results[name]}")
     acc = {n: float(r["final_accuracy"]) for n, r in results.items()}
