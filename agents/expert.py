@@ -11,7 +11,8 @@ decides when the run ends: when every host has run ``run.iterations`` steps.
 Events (``RUN/events/eH.jsonl``, declared in :mod:`agents.core.events`): ``moe_phase``
 per phase of every step (the timeline), ``moe_route`` per layer and step (tokens,
 drops and imbalance per expert), ``moe_class_bytes`` per step (bytes per parameter
-class and their formula), ``moe_offload`` per step with
+class and their formula), ``moe_param_bytes`` per step (parameter bytes held: ZeRO-3's
+peak and after its free, beside their formulas), ``moe_offload`` per step with
 ``moe.offload_budget_bytes`` > 0 (expert transfers into the device budget and bytes
 moved), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
 ``--dump DIR`` also writes each step's logits, local gradients and updated weights to
@@ -82,16 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
              [("127.0.0.1", m.port + i) for i in range(m.hosts)])
     run_id = args.run_dir.name
+    # With --auth stdin the bundle holds this host's control key and the key of its link to
+    # every other expert host, which only the two ends hold (agents.link).
+    bundle, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
     try:
-        if args.auth == "stdin":
-            # The controller's key bundle (agents.auth): this host's control key and the
-            # key of its link to every other expert host, which only the two ends hold.
-            link_keys = mesh_keys(auth.read_bundle(), args.host, m.hosts)
-            auth.exit_with_controller()
-            secret = codec.PUBLIC_SECRET
-        else:
-            secret = (args.run_dir / "secret").read_bytes()
-            link_keys = file_keys(secret, args.host, m.hosts)
+        link_keys = (file_keys(secret, args.host, m.hosts) if bundle is None
+                     else mesh_keys(bundle, args.host, m.hosts))
     except KeyError as e:
         raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
     tag = codec.run_tag(run_id, secret)
@@ -123,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             log.emit("moe_class_bytes", step, **{f"{k}_bytes": v
                                                  for k, v in r["bytes_by_class"].items()},
                      **{f"{k}_formula_bytes": v for k, v in formula.items()})
+            log.emit("moe_param_bytes", step, **r["param_bytes"])
             if r["offload"] is not None:
                 log.emit("moe_offload", step, policy=m.offload_policy,
                          budget_bytes=m.offload_budget_bytes, device=m.offload_device,

@@ -42,6 +42,7 @@ import agents.compress  # noqa: F401  (registers every compressor)
 from agents import auth, codec, protocol, wire
 from agents.compress.base import Compressor, Payload, make
 from agents.compress.feedback import ErrorFeedback
+from agents.compress.sparse import SparseCompressor
 from agents.compress.staging import PayloadStager, Staged
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
@@ -54,7 +55,7 @@ from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_
 from agents.core.policies.adaptive import ack_clock_rate_bps
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
-from agents.workloads.base import FlatModel, chunk_layers, chunk_ranges
+from agents.workloads.base import FlatModel, chunk_layer_dims, chunk_layers, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 
@@ -147,9 +148,18 @@ class Worker:
         if cfg.compress.index_encoding != "int32":
             params.setdefault("index_encoding", cfg.compress.index_encoding)
         self.compressor: Compressor = make(cfg.compress.name, **params)
-        # Per-layer compressors (PowerSGD) see each chunk's layers; the others ignore them.
+        if cfg.feedback.per_layer or cfg.feedback.dense_1d:
+            # DGC's layer-wise selection (the config check allows k-keeping sparse ones only).
+            if not isinstance(self.compressor, SparseCompressor):
+                raise ValueError(f"feedback.per_layer / dense_1d: compress.name = "
+                                 f"{cfg.compress.name!r} is not a sparse compressor")
+            self.compressor.select_by_layer(per_layer=cfg.feedback.per_layer,
+                                            dense_1d=cfg.feedback.dense_1d)
+        # Per-layer compressors (PowerSGD, layer-wise sparse) see each chunk's layers; the
+        # others ignore them.
         for c, (s, e) in enumerate(self.chunks):
-            self.compressor.set_layers(f"c{c}", chunk_layers(self.model.shapes, s, e))
+            self.compressor.set_layers(f"c{c}", chunk_layers(self.model.shapes, s, e),
+                                       chunk_layer_dims(self.model.shapes, s, e))
         # DGC's momentum correction: the momentum is applied here, before compression, and
         # the PS steps without it (agents.compress.feedback).
         mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0

@@ -15,7 +15,8 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
    ``classes.parquet``), and :func:`agents.core.moe_metrics.dispatch_link_efficiency`
    is the busiest point's bytes over the window / (phase x rate). A link idle before a
    dispatch drains its HTB bucket (``burst`` bytes) on top of rate x time, which puts
-   that figure above 1; the bound that allows for it counts a full bucket as
+   that figure above 1 (``configs/moe.toml`` keeps the bucket to 2 ms at the rate,
+   ``topo.access_burst_ms``, so it adds at most 2 ms of line rate to a phase); the bound that allows for it counts a full bucket as
    capacity and takes the bytes between the samples just inside each window (no
    interpolation), ``link_efficiency_burst_allowed_inner_median``: a lower bound on the
    link's utilisation, printed beside the headline (the issue's formula,
@@ -62,6 +63,14 @@ EXPERT_BYTES = 4 * (128 * 128 * 2 + 128 + 128)  # one expert: fc1 and fc2, weigh
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 
 
+def access_burst_ms() -> float | None:
+    """The access links' HTB bucket the runs use (``topo.access_burst_ms`` of CONFIG;
+    None = gradbed's default)."""
+    from agents.core import config as cfgmod
+
+    return cfgmod.load(CONFIG).topo.access_burst_ms or None
+
+
 def run_fabric(rate_mbps: float, out: Path, extra: tuple[str, ...] = ()) -> Path:
     argv = [sys.executable, "-m", "controller.cli", "run", str(CONFIG), "--no-progress",
             "--out", str(out), "--set", f'run.name="moe{int(rate_mbps)}"',
@@ -91,10 +100,11 @@ def part_dispatch(out: Path) -> dict[str, Any]:
         disp = [d for d in amoe.dispatch_table(rows, rate) if d["iter"] >= 1]
         route = amoe.route_table(rows)
         eff = [d["efficiency"] for d in disp]
-        # Each shaped point is an HTB class with a token bucket of `burst` bytes: a link
-        # idle before the dispatch may pass that much at line rate, on top of rate x time.
+        # Each shaped point is an HTB class with a token bucket of `burst` bytes
+        # (topo.access_burst_ms of configs/moe.toml): a link idle before the dispatch may
+        # pass that much at line rate, on top of rate x time.
         # payload / (phase x rate x goodput + burst) is the bound that allows for it.
-        burst = qdisc.htb_burst_bytes(rate, False)
+        burst = qdisc.htb_burst_bytes(rate, False, access_burst_ms())
         eff_burst = [d["payload_bytes"] / (d["phase_s"] * rate * 1e6 / 8 * TCP_GOODPUT_FRACTION
                                            + burst) for d in disp]
         util = [d["utilisation"] for d in disp]
@@ -133,7 +143,7 @@ def part_dispatch(out: Path) -> dict[str, Any]:
             "run_dir": str(run_dir), "samples": len(eff),
             "efficiency_median": statistics.median(eff), "efficiency_min": min(eff),
             "efficiency_max": max(eff), "utilisation_median": statistics.median(util),
-            "htb_burst_bytes": burst,
+            "htb_burst_bytes": burst, "htb_burst_ms": access_burst_ms(),
             "efficiency_burst_allowed_median": statistics.median(eff_burst),
             "efficiency_burst_allowed_min": min(eff_burst),
             "counts_s_median": statistics.median(d["counts_s"] for d in disp),

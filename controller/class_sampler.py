@@ -10,8 +10,6 @@ written to ``classes.parquet`` when the run ends.
 
 from __future__ import annotations
 
-import threading
-import time
 from array import array
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pandas as pd
 
 from agents.core.class_samples import CLASS_COLUMNS
 from agents.core.events import now_ns
+from controller.sampler import PeriodicSampler
 from topo import qdisc
 from topo.build import Network
 
@@ -26,22 +25,17 @@ _INT_COLUMNS = ("ts_ns", "sent_bytes", "data_bytes", "sent_pkts", "drops", "over
                 "backlog_bytes")
 
 
-class ClassSampler(threading.Thread):
+class ClassSampler(PeriodicSampler):
     """Reads every shaped point's HTB class every ``period_s``; :meth:`write` saves them."""
 
     def __init__(self, net: Network, period_s: float) -> None:
-        super().__init__(name="class-sampler", daemon=True)
-        if period_s <= 0:
-            raise ValueError(f"class sampler: period_s={period_s} must be > 0")
+        super().__init__("class-sampler", period_s)
         self.net = net
-        self.period_s = period_s
         self.points = [(p.point.name, p.dev) for p in net.spec.places()
                        if net.rate_mbps(p.dev) is not None]
         self.cols: dict[str, array[int]] = {c: array("q") for c in _INT_COLUMNS}
         self.point_index = array("H")
         self.rate_mbps = array("d")
-        self.stop_event = threading.Event()
-        self.error: str | None = None
 
     def sample(self) -> None:
         for i, (point, dev) in enumerate(self.points):
@@ -59,20 +53,6 @@ class ClassSampler(threading.Thread):
             cols["backlog_bytes"].append(c.backlog_bytes)
             self.point_index.append(i)
             self.rate_mbps.append(self.net.rate_mbps(dev) or 0.0)
-
-    def run(self) -> None:
-        next_t = time.monotonic()
-        while not self.stop_event.is_set():
-            try:
-                self.sample()
-            except Exception as e:  # the network is going away; keep what we have
-                self.error = str(e)
-                return
-            next_t += self.period_s
-            now = time.monotonic()
-            if next_t < now:  # fell behind (a stall): no burst of catch-up reads
-                next_t = now
-            self.stop_event.wait(max(0.0, next_t - now))
 
     def frame(self) -> pd.DataFrame:
         n = len(self.point_index)

@@ -8,7 +8,8 @@ It runs the same mathematics as a synchronous data-parallel run, with the projec
   (``chunk_ranges``);
 - per worker and chunk, the registered compressor wrapped in ``ErrorFeedback`` (DESIGN
   1.2; with ``momentum_correction``, DGC's momentum correction and masking, as
-  ``[feedback]`` configures the workers), or bare when ``error_feedback`` is off, with the
+  ``[feedback]`` configures the workers, with its layer-wise selection and sparsity warm-up),
+  or bare when ``error_feedback`` is off, with the
   worker's seeded generator;
 - at the PS the mean over workers and SGD with ``torch.optim.SGD``'s momentum semantics
   (``agents.workloads.base.sgd_step_``, the PS's own step; without momentum when the
@@ -27,7 +28,16 @@ from dataclasses import dataclass
 import torch
 
 from agents.compress import ErrorFeedback, make
-from agents.workloads.base import FlatModel, Workload, chunk_layers, chunk_ranges, sgd_step_
+from agents.compress.sparse import SparseCompressor
+from agents.core.feedback_config import warmup_keep
+from agents.workloads.base import (
+    FlatModel,
+    Workload,
+    chunk_layer_dims,
+    chunk_layers,
+    chunk_ranges,
+    sgd_step_,
+)
 
 __all__ = ["TrainingSpec", "iterations_to_target", "train"]
 
@@ -47,6 +57,9 @@ class TrainingSpec:
     error_feedback: bool = True        # compress.error_feedback
     momentum_correction: bool = False  # feedback.momentum_correction (needs error feedback)
     masking: bool = True               # feedback.masking
+    per_layer: bool = False            # feedback.per_layer (a sparse compressor)
+    dense_1d: bool = False             # feedback.dense_1d (a sparse compressor)
+    warmup_iterations: int = 0         # feedback.warmup_iterations (keep = warmup_keep(...))
 
     def __post_init__(self) -> None:
         for name, ok in (("workers", self.workers >= 1), ("batch_size", self.batch_size >= 1),
@@ -74,12 +87,19 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
     feedback = [ErrorFeedback(make(spec.compressor), momentum=worker_momentum,
                               masking=spec.masking) for _ in range(spec.workers)]
     for fb in feedback:  # as the worker does: per-layer compressors see each chunk's layers
+        if spec.per_layer or spec.dense_1d:
+            if not isinstance(fb.inner, SparseCompressor):
+                raise ValueError(f"TrainingSpec.per_layer / dense_1d need a sparse "
+                                 f"compressor, not {spec.compressor!r}")
+            fb.inner.select_by_layer(per_layer=spec.per_layer, dense_1d=spec.dense_1d)
         for c, (s, e) in enumerate(chunks):
-            fb.inner.set_layers(f"c{c}", chunk_layers(ps.shapes, s, e))
+            fb.inner.set_layers(f"c{c}", chunk_layers(ps.shapes, s, e),
+                                chunk_layer_dims(ps.shapes, s, e))
     rngs = [torch.Generator().manual_seed(spec.seed * 7919 + w) for w in range(spec.workers)]
     momentum_buf = torch.zeros_like(ps.flat_params)
     evals: list[tuple[int, float]] = []
     for i in range(iterations):
+        keep_i = warmup_keep(i, keep, spec.warmup_iterations)  # as the worker does
         total = torch.zeros_like(ps.flat_params)
         for w, model in enumerate(workers):
             model.flat_params.copy_(ps.flat_params)
@@ -88,11 +108,11 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
                                                       spec.batch_size)).backward()
             for c, (s, e) in enumerate(chunks):
                 if spec.error_feedback:
-                    payload, _ = feedback[w].step(model.flat_grad[s:e], f"c{c}", keep,
+                    payload, _ = feedback[w].step(model.flat_grad[s:e], f"c{c}", keep_i,
                                                   rngs[w])
                 else:
-                    payload = feedback[w].inner.compress(model.flat_grad[s:e], f"c{c}", keep,
-                                                         rngs[w])
+                    payload = feedback[w].inner.compress(model.flat_grad[s:e], f"c{c}",
+                                                         keep_i, rngs[w])
                 total[s:e] += feedback[w].inner.decompress(payload).view(-1)
         grad = total / spec.workers
         sgd_step_(ps.flat_params, grad, momentum_buf, lr=spec.lr,

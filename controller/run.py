@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +36,7 @@ from controller.paths import resolve_paths
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
+from controller.sampler import PeriodicSampler
 from controller.summary import summarize
 from topo.build import Network
 from topo.plan import build_plan, describe_impairments, describe_plan
@@ -86,21 +86,18 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
     return out
 
 
-class LinkSampler(threading.Thread):
+class LinkSampler(PeriodicSampler):
     """Samples the qdisc counters of the spec's watched shaping points (a star's or
     dumbbell's ``up`` and ``down`` bottleneck) and of every point that replays a trace,
     every 100 ms; ``direction`` is the point's name."""
 
     def __init__(self, net: Network, period_s: float = LINK_SAMPLE_S) -> None:
-        super().__init__(name="link-sampler", daemon=True)
+        super().__init__("link-sampler", period_s)
         self.net = net
-        self.period_s = period_s
         spec = net.spec
         traced = [p.point.name for p in spec.places() if p.point.trace]
         self.points = list(dict.fromkeys([*spec.watch, *traced]))
         self.rows: list[dict[str, Any]] = []
-        self.stop_event = threading.Event()
-        self.error: str | None = None
 
     def sample(self) -> None:
         for d in self.points:
@@ -112,17 +109,6 @@ class LinkSampler(threading.Thread):
                               "backlog_bytes": st.backlog_bytes,
                               "backlog_pkts": st.backlog_pkts,
                               "rate_mbps": self.net.rate_mbps(dev)})
-
-    def run(self) -> None:
-        next_t = time.monotonic()
-        while not self.stop_event.is_set():
-            try:
-                self.sample()
-            except Exception as e:  # the network is going away; keep what we have
-                self.error = str(e)
-                return
-            next_t += self.period_s
-            self.stop_event.wait(max(0.0, next_t - time.monotonic()))
 
     def frame(self) -> pd.DataFrame:
         return links_frame(list(self.rows))

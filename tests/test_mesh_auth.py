@@ -304,3 +304,56 @@ def test_roles_hand_each_agent_only_its_own_links(tmp_path: Path) -> None:
     assert len(names["gbh6"]) == 6 and all("ps|" in n for n in names["gbh6"])  # the PS
     assert "stage/r0s1|r1s1" not in set().union(*names.values())  # not neighbours
     assert names["gbh0"] & names["gbh1"] == {"stage/r0s0|r0s1"}
+
+
+def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path) -> None:
+    """``agents.expert --auth stdin`` takes its mesh keys from the bundle on its stdin
+    (``auth.agent_keys``, as the stage and the pipeline PS do), with no RUN/secret: two
+    hosts whose bundles hold their link train a step; a host whose bundle lacks it stops
+    at start-up, naming the missing link."""
+    import subprocess
+    import sys
+
+    from agents.moe.mesh import mesh_links
+    from tests.test_moe_offload_training import BASE
+
+    repo = Path(__file__).resolve().parents[1]
+    master = b"controller master key for the test"
+
+    def start(run_dir: Path, overrides: list[str], links: dict[int, list[auth.Link]]
+              ) -> list[subprocess.Popen[bytes]]:
+        """Start hosts ``links`` (of 2) as the controller does, each bundle on stdin."""
+        (run_dir / "events").mkdir(parents=True)
+        cfg = cfgmod.load(repo / "configs" / "digits.toml",
+                          [*overrides, "run.iterations=1", f"moe.port={free_ports(2)}"])
+        (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
+        procs = []
+        for h in links:
+            p = subprocess.Popen([sys.executable, "-m", "agents.expert", "--run-dir",
+                                  str(run_dir), "--host", str(h), "--auth", "stdin"],
+                                 cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)
+            assert p.stdin is not None
+            p.stdin.write(auth.bundle_for(master, f"e{h}", links[h]).encode())
+            p.stdin.flush()
+            procs.append(p)
+        return procs
+
+    def finish(procs: list[subprocess.Popen[bytes]]) -> list[tuple[int, str]]:
+        out = []
+        for p in procs:
+            assert p.stdin is not None and p.stdout is not None
+            try:
+                text = p.stdout.read().decode()  # ends when the agent exits
+                out.append((p.wait(timeout=60), text))
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                p.stdin.close()
+        return out
+
+    good = finish(start(tmp_path / "good", BASE, {h: mesh_links(h, 2) for h in (0, 1)}))
+    assert [rc for rc, _ in good] == [0, 0], good
+    assert not (tmp_path / "good" / "secret").exists()
+    rc1, text1 = finish(start(tmp_path / "bad", BASE, {1: []}))[0]
+    assert rc1 != 0 and "expert host 1: " in text1 and "expert/e0|e1" in text1, text1

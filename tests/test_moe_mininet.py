@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
-from tests.mininet_run import gradbed_run, leftovers
+from tests.mininet_run import REPO, gradbed_run, leftovers
 from topo.qdisc import htb_burst_bytes
 
 pytestmark = [pytest.mark.mininet,
@@ -33,7 +34,8 @@ def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
     assert len(disp) == 24 and all(d["hosts"] == 4 for d in disp)
     # The busiest link cannot carry more payload than its shaped rate allows in the
     # phase, plus the HTB bucket it may have filled while idle.
-    burst = htb_burst_bytes(100.0, False)
+    burst = htb_burst_bytes(100.0, False, cfgmod.load(REPO / "configs" / "moe.toml")
+                            .topo.access_burst_ms or None)
     for d in disp:
         assert d["efficiency"] > 0
         assert d["payload_bytes"] <= d["phase_s"] * 12.5e6 * TCP_GOODPUT_FRACTION + burst, d

@@ -175,6 +175,19 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
             for kind, n in (("zero3", 3), ("zero2", 2)):
                 shard = -(-start[f"{kind}_numel"] // H)
                 assert b[f"{kind}_formula_bytes"] == n * (H - 1) * (4 * shard + 64)
+    # ZeRO-3 frees for real: after each free a host holds only its shard of the split
+    # class, after a gather shard + buffer, and no freed buffer outlived its free.
+    for h in range(H):
+        got = events(run_dir, h, "moe_param_bytes")
+        assert len(got) == cfg.run.iterations
+        shard = 4 * -(-start["zero3_numel"] // H)
+        for b in got:
+            assert b["zero3_freed_bytes"] == b["zero3_freed_formula_bytes"] == shard
+            assert b["zero3_peak_bytes"] == b["zero3_peak_formula_bytes"] == (H + 1) * shard
+            assert b["zero3_buffers_kept_alive"] == 0
+            assert b["zero2_bytes"] == 4 * H * -(-start["zero2_numel"] // H)
+            assert b["expert_bytes"] == 4 * start["expert_numel"]
+            assert b["host_freed_bytes"] == shard + b["zero2_bytes"] + b["expert_bytes"]
     # Dispatch bytes (both phases, headers included) equal dispatch_bytes() of the
     # rows each host routed to each peer's experts.
     for h in range(H):

@@ -8,9 +8,17 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from agents.moe.mesh import Mesh, file_keys
-from agents.moe.zero import ParamClass, ShardedOptimizer, class_bytes, classify
+from agents.moe.zero import (
+    ParamClass,
+    ShardedOptimizer,
+    class_bytes,
+    classify,
+    storage_bytes,
+    zero3_resident_bytes,
+)
 from tests.test_moe_transparency import free_ports
 
 _LOCK = threading.Lock()
@@ -39,11 +47,23 @@ def test_classify() -> None:
     assert class_bytes(10, 3, "zero3") == 3 * 2 * (4 * 4 + 64)  # + the backward's gather
 
 
+def test_storage_bytes_counts_each_storage_once() -> None:
+    a = torch.zeros(10)
+    assert storage_bytes([a, a[2:5], a.view(2, 5)]) == 40
+    assert storage_bytes([a, torch.zeros(3, dtype=torch.float64), torch.empty(0)]) == 64
+    assert zero3_resident_bytes(10, 3, gathered=False) == 16  # shard ceil(10/3) = 4
+    assert zero3_resident_bytes(10, 3, gathered=True) == 16 * 4
+    assert zero3_resident_bytes(0, 3, gathered=True) == 0
+
+
 @pytest.mark.parametrize("regather", [True, False])
 def test_zero_equals_plain_data_parallel(regather: bool) -> None:
     """ZeRO-3 gathers before the forward, frees, gathers again before the backward and
-    frees: the weights are plain data parallelism's. Without the backward's gather the
-    backward reads the freed (NaN) copy, and the weights are not."""
+    frees: the weights are plain data parallelism's. After each free the host holds only
+    its shard's bytes of the split class (the gathered buffer's storage is really gone:
+    nothing, autograd's saved tensors included, keeps it alive), and after each gather
+    shard + buffer. Without the backward's gather the backward finds the parameters
+    freed and raises."""
     hosts = 3
     steps, lr, mom = 4, 0.1, 0.9
     # Plain data parallelism: every replica applies the mean of the hosts' gradients.
@@ -69,21 +89,27 @@ def test_zero_equals_plain_data_parallel(regather: bool) -> None:
                 model = make_model()
                 zopt = ShardedOptimizer(model, hosts=hosts, me=h, zero3_min_numel=100,
                                         lr=lr, momentum=mom)
+                z3 = zopt.classes[ParamClass.ZERO3]
                 seen = []
                 for s in range(steps):
                     zopt.begin_step()
                     zopt.gather_before_use(mesh, s)
+                    b = {"gathered": z3.resident_bytes()}
+                    fwd_buffer = StorageWeakRef(model[0].weight.untyped_storage())
                     zopt.zero_grad()
                     x, y = data(s, h)
-                    loss = nn.functional.cross_entropy(model(x), y) / hosts
+                    with zopt.saving_gathered():
+                        loss = nn.functional.cross_entropy(model(x), y) / hosts
                     zopt.release()
+                    b["freed_fwd"] = z3.resident_bytes()
+                    b["fwd_buffer_alive"] = int(not fwd_buffer.expired())
                     if regather:
                         zopt.gather_before_backward(mesh, s)
                     loss.backward()
                     zopt.release()
                     sent0 = sum(mesh.sent.values())
                     zopt.step(mesh, s)
-                    b = zopt.bytes_by_class()
+                    b |= zopt.bytes_by_class() | zopt.param_bytes()
                     b["rs_ag2_wire"] = sum(mesh.sent.values()) - sent0
                     seen.append(b)
                 zopt.gather_before_use(mesh, steps)
@@ -97,12 +123,13 @@ def test_zero_equals_plain_data_parallel(regather: bool) -> None:
         t.start()
     for t in ts:
         t.join(60)
-    assert not errors, errors
     n3 = 7 * 33 + 33 * 5  # the two weight matrices: split (ZeRO-3)
     n2 = 33 + 5     # the biases: ZeRO-2
     if not regather:
-        assert all(torch.isnan(finals[h]["0.weight"]).any() for h in range(hosts))
+        assert len(errors) == hosts, errors
+        assert all("freed after the forward" in str(e) for e in errors), errors
         return
+    assert not errors, errors
     for h in range(hosts):
         for name, p in ref.named_parameters():
             torch.testing.assert_close(finals[h][name], p.detach(), atol=1e-6, rtol=1e-5)
@@ -112,5 +139,14 @@ def test_zero_equals_plain_data_parallel(regather: bool) -> None:
             assert b["zero2"] == class_bytes(n2, hosts, "zero2")
             # What the mesh counted during the step: zero3's reduce-scatter (a third of
             # its formula) and zero2's reduce-scatter and all-gather.
+            shard_bytes = 4 * -(-n3 // hosts)
+            assert b["gathered"] == b["zero3_peak_bytes"] == (hosts + 1) * shard_bytes
+            assert b["freed_fwd"] == b["zero3_freed_bytes"] == shard_bytes
+            assert b["zero3_peak_formula_bytes"] == zero3_resident_bytes(n3, hosts,
+                                                                         gathered=True)
+            assert b["zero3_freed_bytes"] == b["zero3_freed_formula_bytes"]
+            assert b["fwd_buffer_alive"] == 0 and b["zero3_buffers_kept_alive"] == 0
+            assert b["zero2_bytes"] == 4 * hosts * -(-n2 // hosts)
+            assert b["host_freed_bytes"] == shard_bytes + b["zero2_bytes"]
             assert b["rs_ag2_wire"] == (class_bytes(n3, hosts, "zero3") // 3
                                         + class_bytes(n2, hosts, "zero2"))

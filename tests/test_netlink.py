@@ -215,6 +215,21 @@ def test_class_counters_equal_tc_and_the_sampler_reads_every_point(tmp_path) -> 
         assert net.point_classes("gbh0.up")["1:11"].sent_bytes >= 30 * 1442
         assert set(net.point_classes("gbh0.down")) == {"1:1"}
         sampler.write(tmp_path / "classes.parquet")
+        # The access links' HTB bucket is topo.access_burst_ms (2 ms in configs/moe.toml)
+        # at the rate, as the kernel holds it, and it stays 2 ms when the rate changes
+        # (a trace replay): 5000 bytes at 20 Mbit/s, 10000 at 40.
+        def burst(point: str) -> tuple[float, float]:
+            place = net.spec.place(point)
+            text = net._dev_tc(place.host).tc("-d", "class", "show", "dev", place.dev,
+                                              echo=False)
+            m = re.search(r"^class htb 1:1 .* burst (\d+)b\S* .* cburst (\d+)b", text, re.M)
+            assert m, text
+            return float(m.group(1)), float(m.group(2))
+        assert cfg.topo.access_burst_ms == 2
+        for point in ("gbh0.up", "gbh1.down"):
+            assert burst(point) == pytest.approx((5000, 5000), rel=0.01)
+        net.set_point_rate("gbh0.up", 40.0)
+        assert burst("gbh0.up") == pytest.approx((10000, 10000), rel=0.01)
     df = pd.read_parquet(tmp_path / "classes.parquet")
     assert list(df.columns) == list(CLASS_COLUMNS)
     assert set(df["point"]) == {p.point.name for p in spec.places()}

@@ -120,6 +120,32 @@ def test_fabric_shapes_every_access_link_both_ways_and_delays_once():
     assert not any("netem" in " ".join(s.argv) for s in build_plan(spec, NFQ))
 
 
+def _burst_args(spec, point: str) -> list[str]:
+    """The burst and cburst values the plan installs on ``point``'s class 1:1."""
+    for step in build_plan(spec, NFQ):
+        a = list(step.argv)
+        if step.what == point and "classid" in a and a[a.index("classid") + 1] == "1:1":
+            return [a[a.index("burst") + 1], a[a.index("cburst") + 1]]
+    raise AssertionError(f"no class 1:1 for {point}")
+
+
+def test_fabric_access_burst_is_the_configured_time_at_the_rate():
+    base = ("topo.shape=\"fabric\"", "topo.hosts=2", "net.worker_link_mbps=100")
+    spec = shape_spec(cfg(*base, "topo.access_burst_ms=2"))
+    for point in ("gbh0.up", "gbh0.down", "gbh1.up", "gbh1.down"):
+        assert spec.point(point).link.burst_ms == 2
+        assert _burst_args(spec, point) == ["25000", "25000"]  # 2 ms at 12.5 MB/s
+    # 0 keeps gradbed's default bucket (10 ms: 125 KB at 100 Mbit/s); at least two frames.
+    default = shape_spec(cfg(*base))
+    assert default.point("gbh0.up").link.burst_ms is None
+    assert _burst_args(default, "gbh0.up") == ["125000", "125000"]
+    assert qdisc.htb_burst_bytes(1.0, burst_ms=2) == 2 * 1514
+    with pytest.raises(cfgmod.ConfigError, match="topo.access_burst_ms"):
+        cfg(*base, "topo.access_burst_ms=-1")
+    with pytest.raises(SpecError, match="burst_ms"):
+        LinkSpec(rate_mbps=10, burst_ms=0.01)
+
+
 def test_dumbbell_paths_cross_the_trunk_once():
     c = cfg("topo.shape=\"dumbbell\"", "net.workers=2", "net.background_hosts=1",
             "net.delay_ms=10", "net.loss_pct=1")

@@ -76,7 +76,8 @@ def test_star_spec_is_frozen_and_describable():
         spec.workers = 3  # type: ignore[misc]
     d = spec.describe()
     assert d["bottleneck_up"] == {"rate_mbps": 50.0, "queue_bytes": 30_000, "delay_ms": 0.0,
-                                  "loss_pct": 0.0, "effective_queue_bytes": 30_000}
+                                  "loss_pct": 0.0, "burst_ms": None,
+                                  "effective_queue_bytes": 30_000}
     assert d["hosts"]["w1"] == "10.0.0.11"
     assert d["switch"] == "gbsw0"
 

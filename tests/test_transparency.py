@@ -99,6 +99,6 @@ def test_powersgd_per_layer_workers_match_the_one_process_run(tmp_path, monkeypa
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # The flat-bucket PowerSGD (no layers: these 2,048-element chunks would go dense)
     # ends elsewhere, so the comparison can fail.
-    monkeypatch.setattr(PowerSGDCompressor, "set_layers", lambda self, key, shapes: None)
+    monkeypatch.setattr(PowerSGDCompressor, "set_layers", lambda self, key, shapes, dims=None: None)
     flat, _ = train(DigitsMLP(64), spec, 1.0, iters)
     assert (flat - want).abs().max() > 1e-3

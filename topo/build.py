@@ -311,8 +311,13 @@ class Network:
             spec's fixed queue, or re-derives the default (20 ms) when the spec left it None.
         """
         place = self.spec.place(point)
+        link = place.point.link
+        # The bucket stays the link's own (burst_ms at the new rate).
+        burst = (None if link.burst_ms is None else
+                 qdisc.htb_burst_bytes(rate_mbps, self.spec.offload, link.burst_ms))
         self._change_rate(place.host, place.dev, rate_mbps, f"point {point}", queue_bytes,
-                          delay_loss(place, self.caps or {}, self._seeded).needs_netem)
+                          delay_loss(place, self.caps or {}, self._seeded).needs_netem,
+                          burst_bytes=burst)
 
     def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
                             queue_bytes: int | None = None) -> None:

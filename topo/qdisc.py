@@ -81,10 +81,13 @@ def rate_arg(rate_mbps: float) -> str:
     return f"{round(rate_mbps * 1e6)}bit"
 
 
-def htb_burst_bytes(rate_mbps: float, offload: bool = False) -> int:
-    """HTB burst/cburst: HTB_BURST_S worth of bytes at the rate, at least two frames."""
+def htb_burst_bytes(rate_mbps: float, offload: bool = False,
+                    burst_ms: float | None = None) -> int:
+    """HTB burst/cburst: ``burst_ms`` (a link's ``LinkSpec.burst_ms``; None =
+    HTB_BURST_S) worth of bytes at the rate, at least two frames."""
     frame = GSO_FRAME_BYTES if offload else WIRE_FRAME_BYTES
-    return max(2 * frame, int(rate_mbps * 1e6 / 8 * HTB_BURST_S))
+    burst_s = HTB_BURST_S if burst_ms is None else burst_ms / 1000
+    return max(2 * frame, int(rate_mbps * 1e6 / 8 * burst_s))
 
 
 def cap_burst_bytes(rate_mbps: float, bottleneck_queue_bytes: int, n_workers: int,
@@ -176,7 +179,8 @@ def shaping_commands(dev: str, link: LinkSpec, caps: Mapping[str, Any], *,
         ["tc", "qdisc", "replace", "dev", dev, "root", "handle", ROOT_HANDLE, "htb",
          "default", data_class_id(split).split(":")[1]],
         ["tc", "class", "replace", "dev", dev, "parent", ROOT_HANDLE, "classid", CLASS_ID,
-         *htb_class_args(rate_mbps, offload)],
+         *htb_class_args(rate_mbps, offload,
+                         htb_burst_bytes(rate_mbps, offload, link.burst_ms))],
     ]
     if split:
         for classid, prio in ((ACK_CLASS_ID, "0"), (DATA_CLASS_ID, "1")):

@@ -68,12 +68,18 @@ class LinkSpec:
     delay_ms, loss_pct: one-way delay and random loss: netem on the same egress where the
         kernel has it, else netfilter on the receiving host (``topo.netfilter``); where
         neither exists, asking for them is an error, never silently ignored.
+    burst_ms: the HTB bucket (burst and cburst) as time at the rate; None = gradbed's
+        default (``qdisc.HTB_BURST_S``, 10 ms); ``qdisc.htb_burst_bytes`` turns it into
+        bytes, at least two frames. Smaller: a link that idled overshoots its rate by
+        less when it starts again (the bucket drains at line rate), but a dequeue late by
+        more than the bucket loses rate.
     """
 
     rate_mbps: float | None
     queue_bytes: int | None = None
     delay_ms: float = 0.0
     loss_pct: float = 0.0
+    burst_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.rate_mbps is not None:
@@ -84,6 +90,8 @@ class LinkSpec:
                        QUEUE_MAX_BYTES)
         _check_range("LinkSpec.delay_ms", self.delay_ms, 0.0, DELAY_MAX_MS, "ms")
         _check_range("LinkSpec.loss_pct", self.loss_pct, 0.0, 100.0, "%")
+        if self.burst_ms is not None:
+            _check_range("LinkSpec.burst_ms", self.burst_ms, 0.1, 1000.0, "ms")
 
     @property
     def needs_netem(self) -> bool:

@@ -121,12 +121,16 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> Tensor:
         """Dense tensor with the original shape and dtype, on the payload's device."""
 
-    def set_layers(self, key: str, shapes: Sequence[tuple[int, ...]]) -> None:
+    def set_layers(self, key: str, shapes: Sequence[tuple[int, ...]],
+                   param_dims: Sequence[int] | None = None) -> None:
         """Tell the compressor how the flat tensor it will get under ``key`` splits into
         layers: the shapes of its consecutive pieces, in flat order (numels summing to the
-        tensor's; :func:`agents.workloads.base.chunk_layers`). Compressors that work per
-        layer (PowerSGD: one matrix per layer) use it; the default ignores it, since the
-        others work element by element or on the whole tensor."""
+        tensor's; :func:`agents.workloads.base.chunk_layers`), and optionally the number of
+        dimensions of the parameter each piece belongs to
+        (:func:`agents.workloads.base.chunk_layer_dims`; None: each piece's own). Compressors
+        that work per layer (PowerSGD: one matrix per layer; the sparse compressors with
+        ``per_layer`` or ``dense_1d``) use it; the default ignores it, since the others work
+        element by element or on the whole tensor."""
         return None
 
     def expected_parts(self) -> int | None:

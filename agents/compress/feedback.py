@@ -34,7 +34,10 @@ compressed away and no masking this is exactly SGD with momentum m (tested). Mas
 coordinate's stale velocity from pushing it again after it was sent. It needs a set of sent
 coordinates, so it applies to the sparse compressors only (topk, dgc, threshold, randomk);
 for the others (powersgd, qsgd, signsgd, fp16, none) the velocity is kept whole. The
-velocity is one more tensor per key.
+velocity is one more tensor per key. Coordinates the compressor sends whole every step
+(``dense_1d``, :meth:`agents.compress.sparse.SparseCompressor.whole_indices`) are never
+masked: for them the local momentum is exactly momentum SGD, as DGC applies it to the
+tensors it does not compress.
 """
 
 from __future__ import annotations
@@ -115,6 +118,16 @@ class ErrorFeedback:
         payload = self.inner.compress(total, key, ratio, rng)
         sparse = self.inner.decompress_sparse(payload)
         u = self._velocity.get(key)
+        # Coordinates a sparse compressor sends whole every step (dense_1d: DGC's 1-D
+        # parameters) keep their momentum: DGC masks only the sparsified tensors, and masking
+        # a coordinate sent every step would turn its momentum SGD into plain SGD.
+        whole, kept = None, None
+        whole_indices = getattr(self.inner, "whole_indices", None)
+        if u is not None and self.masking and whole_indices is not None:
+            whole = whole_indices(key)
+            if whole is not None:
+                whole = whole.to(u.device)
+                kept = u.view(-1)[whole]  # advanced indexing copies
         if sparse is not None:
             idx, values = sparse
             flat = total.view(-1)
@@ -126,6 +139,8 @@ class ErrorFeedback:
             total.sub_(self.inner.decompress(payload).to(total.device))
             if u is not None and self.masking and getattr(self.inner, "sparse", False):
                 u.zero_()  # a sparse compressor's dense fallback sent every coordinate
+        if u is not None and whole is not None and kept is not None:
+            u.view(-1)[whole] = kept
         self._residuals[key] = total
         stats = {
             "raw_bytes": g.numel() * g.element_size(),

@@ -94,9 +94,10 @@ class PowerSGDCompressor(Compressor):
     def reset(self) -> None:
         self._q.clear()
 
-    def set_layers(self, key: str, shapes: Sequence[tuple[int, ...]]) -> None:
+    def set_layers(self, key: str, shapes: Sequence[tuple[int, ...]],
+                   param_dims: Sequence[int] | None = None) -> None:
         """Compress the flat tensor sent under ``key`` layer by layer: ``shapes`` are its
-        consecutive pieces (module docstring)."""
+        consecutive pieces (module docstring); ``param_dims`` is not needed here."""
         self._layers[key] = tuple(tuple(int(d) for d in shape) for shape in shapes)
 
     def _rank(self, m: int, n: int, ratio: float) -> int:

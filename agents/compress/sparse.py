@@ -24,10 +24,25 @@ becomes zero.
   by ~37 %. For uniformly spread indices (i.i.d. gradient) the gaps average 1/ratio, so
   expect ~1.3 bytes at 1 % and ~1.9 at 0.1 %. The cost is a sort of k indices at the sender
   and a prefix sum at the receiver; the saving is honest (the varint bytes are what is sent).
+
+Layer-wise selection (DGC's recipe, Lin et al. ICLR 2018, as their code
+synxlin/deep-gradient-compression does it; ``[feedback]`` ``per_layer`` and ``dense_1d``,
+:meth:`SparseCompressor.select_by_layer`). By default one selection runs over the whole
+chunk, so layers whose gradients are small (a conv layer next to the classifier) may send
+nothing for many steps. With ``per_layer`` the selection runs on each layer piece of the
+chunk (:meth:`Compressor.set_layers`) separately, ``k_for(piece_numel, ratio)`` each (at
+least one element per piece), as DGC selects per parameter tensor. With ``dense_1d`` every
+piece of a 1-D parameter (biases, norm scales and shifts) is sent whole, every step: DGC
+sparsifies only ``param.dim() > 1``. The payload format does not change: the whole pieces
+travel as (value, index) pairs like the selected ones, so they cost ``value_bytes + 4``
+bytes per element on the wire, and the reported wire bytes count them.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -91,11 +106,37 @@ def varint_decode(buf: Tensor, count: int) -> Tensor:
     return torch.cumsum(gaps, 0)
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one key's flat tensor splits for layer-wise selection: each piece's
+    ``(offset, numel)`` in flat order, whether it is sent whole (``dense_1d`` and a 1-D
+    parameter), and the flat indices of the whole pieces (``whole_idx``, int64, ascending)
+    and of the others (``select_idx``)."""
+
+    pieces: tuple[tuple[int, int], ...]
+    whole: tuple[bool, ...]
+    whole_idx: Tensor
+    select_idx: Tensor
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.pieces)
+
+    def sent_count(self, ratio: float, per_layer: bool) -> int:
+        """Elements sent at ``ratio``: every element of the whole pieces plus
+        ``k_for`` of each selected piece (``per_layer``) or of all of them together."""
+        if per_layer:
+            return sum(n if w else k_for(n, ratio) for (_, n), w in zip(
+                self.pieces, self.whole, strict=True))
+        return self.whole_idx.numel() + k_for(self.select_idx.numel(), ratio)
+
+
 class SparseCompressor(Compressor):
     """Base class for compressors that send a subset of elements at full precision.
 
     Subclasses implement :meth:`select`, returning int64 indices into the flattened tensor;
-    this class builds the payload (values gathered from the tensor) and decodes it."""
+    this class builds the payload (values gathered from the tensor) and decodes it, and
+    runs the selection layer by layer when :meth:`select_by_layer` asked for it."""
 
     sparse: ClassVar[bool] = True
     # True when select() returns about k_for(n, ratio) elements, so the dense fallback can
@@ -107,6 +148,46 @@ class SparseCompressor(Compressor):
             raise ValueError(f"index_encoding must be one of {INDEX_ENCODINGS}, "
                              f"got {index_encoding!r}")
         self.index_encoding = index_encoding
+        self.per_layer = False
+        self.dense_1d = False
+        self._plans: dict[str, LayerPlan] = {}
+
+    def select_by_layer(self, *, per_layer: bool, dense_1d: bool) -> None:
+        """DGC's layer-wise selection (module docstring): ``per_layer`` selects in each layer
+        piece separately, ``dense_1d`` sends the pieces of 1-D parameters whole. Takes
+        effect for the keys :meth:`set_layers` describes afterwards."""
+        self.per_layer = per_layer
+        self.dense_1d = dense_1d
+
+    def set_layers(self, key: str, shapes: Sequence[tuple[int, ...]],
+                   param_dims: Sequence[int] | None = None) -> None:
+        if not (self.per_layer or self.dense_1d):
+            return
+        dims = list(param_dims) if param_dims is not None else [len(s) for s in shapes]
+        if len(dims) != len(shapes):
+            raise ValueError(f"{self.name}: key {key!r}: {len(dims)} parameter dims for "
+                             f"{len(shapes)} layer pieces")
+        pieces, whole, offset = [], [], 0
+        for shape, d in zip(shapes, dims, strict=True):
+            n = math.prod(shape)
+            pieces.append((offset, n))
+            whole.append(self.dense_1d and d <= 1)
+            offset += n
+        ranges = [torch.arange(o, o + n) for (o, n), w in zip(pieces, whole, strict=True) if w]
+        rest = [torch.arange(o, o + n) for (o, n), w in zip(pieces, whole, strict=True) if not w]
+        empty = torch.empty(0, dtype=torch.int64)
+        self._plans[key] = LayerPlan(tuple(pieces), tuple(whole),
+                                     torch.cat(ranges) if ranges else empty,
+                                     torch.cat(rest) if rest else empty)
+
+    def whole_indices(self, key: str) -> Tensor | None:
+        """Flat indices of ``key`` sent whole every step (``dense_1d``), int64; None when
+        there are none. Error feedback leaves their momentum unmasked: DGC masks only the
+        sparsified tensors."""
+        plan = self._plans.get(key)
+        if plan is None or plan.whole_idx.numel() == 0:
+            return None
+        return plan.whole_idx
 
     def select(self, flat: Tensor, ratio: float, rng: torch.Generator) -> Tensor:
         """Indices (int64, distinct) of the elements of 1-D ``flat`` to send."""
@@ -118,11 +199,32 @@ class SparseCompressor(Compressor):
         if flat.numel() >= 2**31:
             raise ValueError(f"{self.name}: key {key!r} has {flat.numel()} elements; int32 "
                              "indices cover at most 2**31 - 1")
+        plan = self._plans.get(key)
+        if plan is not None and plan.numel != flat.numel():
+            raise ValueError(f"{self.name}: key {key!r} has {flat.numel()} elements but its "
+                             f"layer pieces add up to {plan.numel}")
+        k = (k_for(flat.numel(), ratio) if plan is None
+             else plan.sent_count(ratio, self.per_layer))
         if self.sends_k and self.index_encoding == "int32" and self._dense_is_smaller(
-                k_for(flat.numel(), ratio), flat.numel(), flat.element_size()):
+                k, flat.numel(), flat.element_size()):
             return self.pack_dense(flat, tuple(tensor.shape), tensor.dtype)  # skip selection
-        idx = self.select(flat, ratio, rng)
+        idx = (self.select(flat, ratio, rng) if plan is None
+               else self._select_layers(flat, plan, ratio, rng))
         return self.pack(idx, flat, tuple(tensor.shape), tensor.dtype)
+
+    def _select_layers(self, flat: Tensor, plan: LayerPlan, ratio: float,
+                       rng: torch.Generator) -> Tensor:
+        """The whole pieces' indices, then the selection in each other piece
+        (``per_layer``) or in all of them together."""
+        parts = [plan.whole_idx.to(flat.device)]
+        if self.per_layer:
+            for (offset, n), whole in zip(plan.pieces, plan.whole, strict=True):
+                if not whole and n > 0:
+                    parts.append(self.select(flat[offset:offset + n], ratio, rng) + offset)
+        elif plan.select_idx.numel():
+            rest = plan.select_idx.to(flat.device)
+            parts.append(rest[self.select(flat[rest], ratio, rng)])
+        return torch.cat(parts)
 
     @staticmethod
     def _dense_is_smaller(k: int, n: int, value_bytes: int, index_bytes: int = 4) -> bool:

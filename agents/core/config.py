@@ -25,7 +25,7 @@ import tomli_w
 
 from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
-from agents.core.feedback_config import FeedbackConfig
+from agents.core.feedback_config import LAYERWISE_COMPRESSORS, FeedbackConfig
 from agents.core.guard_config import GuardConfig
 from agents.core.lr_schedule import check_lr_schedule
 from agents.core.moe_config import MoEConfig
@@ -451,6 +451,11 @@ class ExperimentConfig:
                    "the residual)")
             _check(self.workload.momentum > 0, "feedback.momentum_correction", True,
                    "needs workload.momentum > 0 (the momentum it moves onto the workers)")
+        for name in ("per_layer", "dense_1d"):
+            if getattr(self.feedback, name):
+                _check(self.compress.name in LAYERWISE_COMPRESSORS, f"feedback.{name}", True,
+                       f"needs compress.name in {list(LAYERWISE_COMPRESSORS)}, not "
+                       f"{self.compress.name!r} (a sparse compressor that keeps k elements)")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -242,6 +242,17 @@ _declare("moe_class_bytes", "expert", "uplink bytes per parameter class in one s
          zero2_bytes="unsplit shared class: reduce-scatter + all-gather frames",
          zero3_formula_bytes="3 (H-1) (4 ceil(N/H) + 64) for the split class",
          zero2_formula_bytes="2 (H-1) (4 ceil(N/H) + 64) for the unsplit class")
+_declare("moe_param_bytes", "expert", "parameter bytes this host held in one step (sum of "
+         "the distinct storages, agents.moe.zero.storage_bytes)",
+         zero3_peak_bytes="split class after a gather: its buffer + the shard",
+         zero3_freed_bytes="split class after its last free: the shard alone",
+         zero3_peak_formula_bytes="4 ceil(N/H) (H + 1)",
+         zero3_freed_formula_bytes="4 ceil(N/H)",
+         zero3_buffers_kept_alive="freed gathered buffers something else still held (0)",
+         zero2_bytes="unsplit class (full parameters on every host)",
+         expert_bytes="this host's expert parameters (host memory)",
+         host_peak_bytes="zero3 peak + zero2 + expert",
+         host_freed_bytes="zero3 freed + zero2 + expert")
 _declare("moe_step", "expert", "one training step is over on this expert host",
          loss="cross entropy + aux_loss_coef x aux loss", ce="cross entropy",
          aux="sum of the layers' load-balancing losses", step_s="step time (s)",

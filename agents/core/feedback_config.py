@@ -7,6 +7,12 @@ the workers, before compression (``u = m u + g; v = v + u``, send ``C(v)``), and
 without momentum. It needs ``compress.error_feedback`` (the residual is where the corrected
 momentum lives) and ``workload.momentum`` > 0; ``ExperimentConfig.validate`` checks both.
 
+With ``per_layer`` the sparse compressor selects in each layer piece separately, and with
+``dense_1d`` it sends 1-D parameters whole (DGC's code, synxlin/deep-gradient-compression,
+compresses only ``param.dim() > 1``; ``agents/compress/sparse.py``). Both need a sparse
+compressor that keeps k elements (``LAYERWISE_COMPRESSORS``; checked by
+``ExperimentConfig.validate``).
+
 With ``warmup_iterations`` = W > 0 the workers' keep ratio starts loose and tightens
 exponentially (DGC section 3.4, "warm-up training": sparsity 75 %, 93.75 %, 98.4375 %,
 99.6 %, then 99.9 %, over the first four epochs): :func:`warmup_keep`.
@@ -21,6 +27,10 @@ from agents.core.checks import check
 # DGC's warm-up: four stages, each keeping a quarter of the one before (sparsity 1 - 4^-(s+1):
 # 75 %, 93.75 %, 98.4375 %, 99.609375 %); the configured ratio (99.9 % in DGC) follows.
 WARMUP_STAGES = 4
+
+# The sparse compressors whose selection keeps k_for(numel, ratio) elements and so can run
+# layer by layer (agents/compress/sparse.py); threshold keeps whatever passes its threshold.
+LAYERWISE_COMPRESSORS = ("topk", "dgc", "randomk")
 WARMUP_STAGE_KEEP = 0.25
 
 
@@ -56,6 +66,14 @@ class FeedbackConfig:
     # DGC spends four epochs on it. Early gradients change fast, and a residual that holds
     # 99.9 % of them from the first step sends stale, bursty updates (warmup_keep).
     warmup_iterations: int = 0
+    # DGC selects top-k in each parameter tensor separately (k = ceil(ratio * numel) each,
+    # at least one), not once over the whole bucket: a layer whose gradients are small next
+    # to another's still sends every step. Off: one selection per chunk.
+    per_layer: bool = False
+    # DGC sparsifies only parameters with more than one dimension: biases and norm scales
+    # and shifts (1-D) are sent whole every step, with their momentum unmasked. They travel
+    # as (value, int32 index) pairs, 8 bytes per float32 element, counted in the wire bytes.
+    dense_1d: bool = False
 
     def validate(self, p: str) -> None:
         check(0 <= self.warmup_iterations <= 1_000_000_000, f"{p}.warmup_iterations",

@@ -32,6 +32,11 @@ class TopoConfig:
     # Read every shaped point's HTB class counters this often into classes.parquet
     # (controller/class_sampler.py; 0 = off). Finer = one all-to-all phase resolved.
     class_sample_ms: float = 0.0
+    # fabric: every access link's HTB bucket (burst and cburst), as ms at the link rate
+    # (topo.spec.LinkSpec.burst_ms); 0 = gradbed's default, 10 ms. An idle link drains
+    # its full bucket at line rate when traffic starts again: configs/moe.toml takes 2 ms
+    # so a ~50 ms all-to-all phase is not read up to 20 % above the link rate.
+    access_burst_ms: float = 0.0
 
     def validate(self, p: str) -> None:
         _check(bool(re.match(r"^[a-z][a-z0-9_]*$", self.shape)), f"{p}.shape", self.shape,
@@ -46,3 +51,6 @@ class TopoConfig:
                f"{p}.role", self.role, "must be empty or a registered role name")
         _check(self.class_sample_ms == 0 or 0.5 <= self.class_sample_ms <= 10_000,
                f"{p}.class_sample_ms", self.class_sample_ms, "must be 0 (off) or in [0.5, 10000]")
+        _check(self.access_burst_ms == 0 or 0.1 <= self.access_burst_ms <= 1000,
+               f"{p}.access_burst_ms", self.access_burst_ms,
+               "must be 0 (the default bucket) or in [0.1, 1000]")

@@ -285,8 +285,9 @@ class ExpertHost:
         self.log.phases.append(PhaseRecord("all_gather_zero3", -1, t_start, t))
         self.opt.zero_grad()
         x, y = host_batch(self.data, step, self.hosts, self.cfg.batch_size, self.me)
-        logits = self.model(x)
-        loss, ce = loss_fn(self.model, logits, y, self.cfg.aux_loss_coef)
+        with self.opt.saving_gathered():  # autograd keeps no hold on the gathered buffer
+            logits = self.model(x)
+            loss, ce = loss_fn(self.model, logits, y, self.cfg.aux_loss_coef)
         self.opt.release()
         t_fwd = now_ns()
         self.opt.gather_before_backward(self.mesh, step)
@@ -313,10 +314,12 @@ class ExpertHost:
             routing.append({"layer": i, "capacity": st.capacity, "tokens": st.tokens,
                             "kept": st.kept.tolist(), "dropped": st.dropped.tolist(),
                             "imbalance": st.imbalance})
-        return {"expert_uses": self.log.use_trace(), "loss": float(loss.detach()), "ce": float(ce.detach()),
+        return {"expert_uses": self.log.use_trace(), "loss": float(loss.detach()),
+                "ce": float(ce.detach()),
                 "aux": float(self.model.aux_loss.detach()),
                 "step_s": (t_end - t_start) / 1e9, "routing": routing,
-                "bytes_by_class": self.opt.bytes_by_class(), "offload": offload}
+                "bytes_by_class": self.opt.bytes_by_class(),
+                "param_bytes": self.opt.param_bytes(), "offload": offload}
 
     @torch.no_grad()
     def evaluate(self, step: int, n_images: int = 360) -> dict[str, float]:

@@ -10,7 +10,8 @@ refused (issue 22).
 :meth:`Mesh.exchange` is one all-to-all: this host sends one frame to every peer and
 receives one frame from every peer, all at once (a thread per send and per receive:
 two hosts sending each other more than their socket buffers hold would deadlock if
-either only sent first). What may arrive is fixed before any byte is read: each
+either only sent first); an exchange of small frames only (:data:`INLINE_MAX_BYTES`)
+sends and then reads on the calling thread. What may arrive is fixed before any byte is read: each
 receive checks the header against an :class:`~agents.moe.exchange.Expect` before it
 reads the payload into a tensor of exactly the expected size. A peer cannot make this
 host allocate more than ``max_payload_bytes`` for one frame.
@@ -50,6 +51,15 @@ def file_keys(secret: bytes, host: int, hosts: int) -> dict[int, bytes]:
     """:func:`mesh_keys` of an expert host started with ``--auth file`` (tests, by hand)."""
     return mesh_keys(auth.file_bundle(secret, f"e{host}", mesh_links(host, hosts)), host,
                      hosts)
+
+
+#: An exchange whose every frame carries at most this many payload bytes (the dispatch's
+#: counts, the evaluation's totals) runs on the calling thread: it sends to every peer,
+#: then reads from every peer. Each such frame fits any socket's send buffer, so sending
+#: first cannot deadlock; and the peer's frame wakes this thread itself rather than a
+#: pool thread that must then wake it. On 2 loaded cores each such hand-off waits for a
+#: core, and the counts phase is pure latency (docs/moe.md: it was ~10 % of a dispatch).
+INLINE_MAX_BYTES = 4096
 
 
 class Mesh:
@@ -204,12 +214,17 @@ class Mesh:
         if set(sends) != set(self.peers) or set(recv_numel) != set(self.peers):
             raise ValueError(f"exchange: sends to {sorted(sends)} and receives from "
                              f"{sorted(recv_numel)}, expected every peer {sorted(self.peers)}")
-        futs_send = [self._pool.submit(self._send, j, sends[j], kind, iteration, chunk)
-                     for j in self.peers]
-        futs_recv = {j: self._pool.submit(self._recv, j, Expect(kind, iteration, chunk, j,
-                                                                 dtype, recv_numel[j]))
-                     for j in self.peers}
+        expects = {j: Expect(kind, iteration, chunk, j, dtype, recv_numel[j])
+                   for j in self.peers}
         try:
+            if (max(t.numel() * t.element_size() for t in sends.values()) <= INLINE_MAX_BYTES
+                    and max(recv_numel.values()) * dtype.itemsize <= INLINE_MAX_BYTES):
+                for j in self.peers:
+                    self._send(j, sends[j], kind, iteration, chunk)
+                return {j: self._recv(j, expects[j]) for j in self.peers}
+            futs_send = [self._pool.submit(self._send, j, sends[j], kind, iteration, chunk)
+                         for j in self.peers]
+            futs_recv = {j: self._pool.submit(self._recv, j, expects[j]) for j in self.peers}
             out = {j: f.result() for j, f in futs_recv.items()}
             for f in futs_send:
                 f.result()

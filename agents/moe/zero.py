@@ -32,25 +32,51 @@ for ``zero2`` (one reduce-scatter and one all-gather, one frame per peer each), 
     class_bytes = 3 x (H - 1) x (4 S + HEADER_SIZE)
 
 for ``zero3`` (one reduce-scatter and two all-gathers: before the forward and before the
-backward; :func:`class_bytes`). "Freed" here: the other hosts' parts of the gathered
-buffer are overwritten with NaN (:meth:`ShardedClass.release`), so a use that skipped
-its gather would poison the result instead of silently reading a stale copy; the
-buffer's storage itself stays allocated and is reused (on the CPU there is no device
-memory to give back). Only the shard is authoritative.
+backward; :func:`class_bytes`).
+
+Memory of the split class (``zero3``). Its authoritative parameters are this host's
+shard, a tensor of its own (``S`` elements). :meth:`ShardedClass.all_gather`
+re-materialises the full tensors into a fresh buffer of ``H x S`` elements (the shard
+copied in, the peers' shards received) and points every parameter at its slice;
+:meth:`ShardedClass.release` frees it: every parameter becomes a 0-element tensor and
+the class drops its last reference, so the buffer's storage is returned to the
+allocator (a use that skipped its gather fails on the 0-element tensor instead of
+reading a stale copy). The parameter bytes the class holds on a host (the sum of the
+distinct storages behind its parameters and shard, :func:`storage_bytes`) are
+
+    resident_bytes = 4 S            after the free (the shard alone)
+    resident_bytes = 4 S (H + 1)    between a gather and its free (buffer + shard)
+
+(:func:`zero3_resident_bytes`). Autograd would otherwise keep the forward's buffer
+alive to the backward: ``F.linear`` saves ``weight.t()``, a view of the buffer's
+storage. So the forward runs under :meth:`ShardedOptimizer.saving_gathered`
+(``torch.autograd.graph.saved_tensors_hooks``, the role of DeepSpeed's ZeRO-3 linear
+wrapper): a saved tensor on the gathered buffer is kept as its place (size, stride,
+offset) and rebuilt from the buffer the backward's gather brought in; a backward that
+skipped that gather raises. The gradient buffer stays full-size (``H x S``): the
+gradients are reduce-scattered from it, and sharding them too is ZeRO's stage 2 for
+gradients, which this class does not do. ``zero2`` keeps the full parameters
+(``4 H S`` bytes) on every host.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from agents.codec import HEADER_SIZE, MsgType
 from agents.moe.exchange import CHUNK_ZERO2, CHUNK_ZERO3, CHUNK_ZERO3_BWD
 from agents.moe.mesh import Mesh
+from agents.workloads.base import sgd_step_
+
+FLOAT32_BYTES = 4
 
 
 class ParamClass(StrEnum):
@@ -80,57 +106,126 @@ def class_bytes(numel: int, hosts: int, kind: str = "zero2") -> int:
     return COLLECTIVES_PER_STEP[kind] * (hosts - 1) * (4 * shard + HEADER_SIZE)
 
 
-def sgd_(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
-         momentum: float, first: bool) -> None:
-    """``torch.optim.SGD`` in place, elementwise (so a shard steps as the whole would)."""
-    if momentum > 0:
-        assert buf is not None
-        if first:
-            buf.copy_(grad)
-        else:
-            buf.mul_(momentum).add_(grad)
-        param.add_(buf, alpha=-lr)
-    else:
-        param.add_(grad, alpha=-lr)
+def zero3_resident_bytes(numel: int, hosts: int, *, gathered: bool) -> int:
+    """Parameter bytes a host holds for a split class of ``numel`` elements (module
+    docstring): ``4 S`` freed, ``4 S (H + 1)`` gathered, ``S = ceil(N / H)``."""
+    if numel == 0:
+        return 0
+    shard = math.ceil(numel / hosts)
+    return FLOAT32_BYTES * shard * ((hosts + 1) if gathered else 1)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: what they keep allocated (a
+    storage shared by several views counts once; a freed, 0-element tensor counts 0)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class _GatheredView:
+    """Where a saved tensor lay in the gathered buffer (:meth:`ShardedClass.pack`)."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass
 class ClassStats:
     """Bytes this class put on this host's uplink in the current (or last) step, by
-    collective; :meth:`ShardedOptimizer.begin_step` zeroes them."""
+    collective, and the parameter bytes it held (:func:`storage_bytes`): the most
+    after any gather and the last after a free, and how many freed buffers something
+    else still kept allocated; :meth:`ShardedOptimizer.begin_step`
+    zeroes them."""
 
     reduce_scatter_bytes: int = 0
     all_gather_bytes: int = 0
+    peak_resident_bytes: int = 0
+    freed_resident_bytes: int = 0
+    buffers_kept_alive: int = 0
 
 
 class ShardedClass:
-    """One shared class (zero2 or zero3): flat buffers, this host's shard, its momentum."""
+    """One shared class (zero2 or zero3): its parameters, this host's shard, its momentum.
+
+    zero2: ``flat`` holds the full parameters (each a view of it) and ``shard`` is this
+    host's slice of it. zero3: ``shard`` is a tensor of its own and ``flat`` exists only
+    between :meth:`all_gather` and :meth:`release` (module docstring); the class starts
+    freed."""
 
     def __init__(self, kind: ParamClass, params: list[tuple[str, nn.Parameter]], hosts: int,
                  me: int) -> None:
         self.kind = kind
+        self.split = kind is ParamClass.ZERO3
         self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.shapes = [p.shape for _, p in params]
         self.hosts = hosts
         self.me = me
         self.numel = sum(p.numel() for _, p in params)
         self.shard_numel = math.ceil(self.numel / hosts) if self.numel else 0
         total = self.shard_numel * hosts
-        self.flat = torch.zeros(total)
+        flat = torch.zeros(total)
         self.flat_grad = torch.zeros(total)
         off = 0
-        for _, p in params:
-            n = p.numel()
-            self.flat[off:off + n].copy_(p.data.reshape(-1))
-            p.data = self.flat[off:off + n].view_as(p)
+        for p, n in zip(self.params, self._numels(), strict=True):
+            flat[off:off + n].copy_(p.data.reshape(-1))
+            off += n
+        self._point_at(flat)
+        off = 0
+        for p, n in zip(self.params, self._numels(), strict=True):
             p.grad = self.flat_grad[off:off + n].view_as(p)
             off += n
+        self.flat: torch.Tensor | None = flat
+        self.shard = self.part(flat, me).clone() if self.split else self.part(flat, me)
         self.momentum = torch.zeros(self.shard_numel)
         self.steps = 0
         self.stats = ClassStats()
         self.chunk = CHUNK_ZERO3 if kind is ParamClass.ZERO3 else CHUNK_ZERO2
+        if self.split:
+            self.release()
+
+    def _numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    def _point_at(self, flat: torch.Tensor) -> None:
+        """Every parameter becomes its slice of ``flat``."""
+        off = 0
+        for p, shape, n in zip(self.params, self.shapes, self._numels(), strict=True):
+            p.data = flat[off:off + n].view(shape)
+            off += n
 
     def part(self, t: torch.Tensor, h: int) -> torch.Tensor:
         return t[h * self.shard_numel:(h + 1) * self.shard_numel]
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """Saved-tensor hook: a tensor on the gathered buffer is kept as its place in
+        it, so autograd holds no reference to the buffer (module docstring)."""
+        flat = self.flat
+        if (self.split and flat is not None and t.untyped_storage().nbytes()
+                and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()):
+            return _GatheredView(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+        return t
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """Saved-tensor hook: rebuild a packed view from the buffer gathered now."""
+        if not isinstance(saved, _GatheredView):
+            return saved
+        if self.flat is None:
+            raise RuntimeError("ZeRO-3: the backward needs the split parameters, but they "
+                               "were freed after the forward (gather_before_backward "
+                               "first)")
+        return self.flat.as_strided(saved.size, saved.stride, saved.offset)
+
+    def resident_bytes(self) -> int:
+        """Parameter bytes this class keeps allocated on this host (:func:`storage_bytes`
+        over its parameters and its shard)."""
+        return storage_bytes([*self.params, self.shard])
 
     def reduce_scatter(self, mesh: Mesh | None, step: int) -> torch.Tensor:
         """Sum of every host's gradient, this host's shard (summed in host order)."""
@@ -148,32 +243,54 @@ class ShardedClass:
         return total
 
     def all_gather(self, mesh: Mesh | None, step: int, chunk: int | None = None) -> None:
-        """Every host's parameter shard into ``flat`` (``chunk``: the frames' chunk id,
-        this class's own unless given)."""
-        if mesh is None or self.hosts == 1 or self.numel == 0:
+        """Every host's parameter shard into the full parameters (``chunk``: the frames'
+        chunk id, this class's own unless given). zero3: into a fresh buffer, which the
+        parameters then view (module docstring)."""
+        if self.numel == 0:
             return
-        before = sum(mesh.sent.values())
-        mine = self.part(self.flat, self.me)
-        got = mesh.exchange(MsgType.ALL_GATHER, step, self.chunk if chunk is None else chunk,
-                            dict.fromkeys(mesh.peers, mine),
-                            dict.fromkeys(mesh.peers, self.shard_numel))
-        self.stats.all_gather_bytes += sum(mesh.sent.values()) - before
-        for j, t in got.items():
-            self.part(self.flat, j).copy_(t)
+        if self.split:
+            flat = torch.empty(self.shard_numel * self.hosts)
+            self.part(flat, self.me).copy_(self.shard)
+        else:
+            assert self.flat is not None
+            flat = self.flat
+        if mesh is not None and self.hosts > 1:
+            before = sum(mesh.sent.values())
+            got = mesh.exchange(MsgType.ALL_GATHER, step,
+                                self.chunk if chunk is None else chunk,
+                                dict.fromkeys(mesh.peers, self.shard),
+                                dict.fromkeys(mesh.peers, self.shard_numel))
+            self.stats.all_gather_bytes += sum(mesh.sent.values()) - before
+            for j, t in got.items():
+                self.part(flat, j).copy_(t)
+        if self.split:
+            self.flat = flat
+            self._point_at(flat)
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes,
+                                             self.resident_bytes())
 
     def release(self) -> None:
-        """Free the other hosts' parts of the gathered copy (module docstring: they
-        become NaN); this host's shard stays."""
-        for j in range(self.hosts):
-            if j != self.me:
-                self.part(self.flat, j).fill_(float("nan"))
+        """zero3: free the gathered copy (module docstring): every parameter becomes a
+        0-element tensor and the buffer is dropped; only the shard stays. zero2: no-op."""
+        if not self.split:
+            return
+        if self.flat is None:
+            return
+        buffer = StorageWeakRef(self.flat.untyped_storage())
+        for p in self.params:
+            p.data = torch.empty(0)
+        self.flat = None
+        self.stats.freed_resident_bytes = self.resident_bytes()
+        # Anything still holding the buffer (a saved tensor outside saving_gathered)
+        # would keep it allocated: counted, so a free that frees nothing shows.
+        self.stats.buffers_kept_alive += int(not buffer.expired())
 
     def step(self, mesh: Mesh | None, step: int, *, lr: float, momentum: float) -> None:
         """Reduce-scatter the gradients, update this host's shard; zero2 then all-gathers
         (zero3 gathers before the next use: :meth:`all_gather` at the next step)."""
         g = self.reduce_scatter(mesh, step)
-        sgd_(self.part(self.flat, self.me), g, self.momentum if momentum > 0 else None,
-             lr=lr, momentum=momentum, first=self.steps == 0)
+        sgd_step_(self.shard, g, self.momentum if momentum > 0 else None,
+                  lr=lr, momentum=momentum, first=self.steps == 0)
         self.steps += 1
         if self.kind is ParamClass.ZERO2:
             self.all_gather(mesh, step)
@@ -210,6 +327,12 @@ class ShardedOptimizer:
         for c in self.classes.values():
             c.stats = ClassStats()
 
+    def saving_gathered(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Run the forward under this: autograd saves the split parameters by their
+        place in the gathered buffer, not the buffer (module docstring)."""
+        z3 = self.classes[ParamClass.ZERO3]
+        return torch.autograd.graph.saved_tensors_hooks(z3.pack, z3.unpack)
+
     def gather_before_use(self, mesh: Mesh | None, step: int) -> None:
         """ZeRO-3: bring every host's shard in before the forward."""
         self.classes[ParamClass.ZERO3].all_gather(mesh, step)
@@ -226,8 +349,8 @@ class ShardedOptimizer:
     def step(self, mesh: Mesh | None, step: int) -> None:
         for p, buf in zip(self.expert_params, self.expert_momentum, strict=True):
             assert p.grad is not None
-            sgd_(p.data, p.grad, buf if self.momentum > 0 else None, lr=self.lr,
-                 momentum=self.momentum, first=self.steps == 0)
+            sgd_step_(p.data, p.grad, buf if self.momentum > 0 else None, lr=self.lr,
+                      momentum=self.momentum, first=self.steps == 0)
         for c in (ParamClass.ZERO3, ParamClass.ZERO2):
             self.classes[c].step(mesh, step, lr=self.lr, momentum=self.momentum)
         self.steps += 1
@@ -238,3 +361,24 @@ class ShardedOptimizer:
         for c, sc in self.classes.items():
             out[c.value] = sc.stats.reduce_scatter_bytes + sc.stats.all_gather_bytes
         return out
+
+    def param_bytes(self) -> dict[str, int]:
+        """Parameter bytes this host held in the step since :meth:`begin_step`
+        (:func:`storage_bytes`): the split class at its peak (after a gather) and after
+        its last free, with their formulas (:func:`zero3_resident_bytes`); the unsplit
+        class and this host's experts (always whole); and the host's totals."""
+        z3 = self.classes[ParamClass.ZERO3]
+        zero2 = self.classes[ParamClass.ZERO2].resident_bytes()
+        expert = storage_bytes(self.expert_params)
+        return {
+            "zero3_peak_bytes": z3.stats.peak_resident_bytes,
+            "zero3_freed_bytes": z3.stats.freed_resident_bytes,
+            "zero3_peak_formula_bytes": zero3_resident_bytes(z3.numel, z3.hosts,
+                                                             gathered=True),
+            "zero3_freed_formula_bytes": zero3_resident_bytes(z3.numel, z3.hosts,
+                                                              gathered=False),
+            "zero3_buffers_kept_alive": z3.stats.buffers_kept_alive,
+            "zero2_bytes": zero2, "expert_bytes": expert,
+            "host_peak_bytes": z3.stats.peak_resident_bytes + zero2 + expert,
+            "host_freed_bytes": z3.stats.freed_resident_bytes + zero2 + expert,
+        }

@@ -136,6 +136,23 @@ def chunk_layers(shapes: Sequence[tuple[int, ...]], start: int,
     return pieces
 
 
+def chunk_layer_dims(shapes: Sequence[tuple[int, ...]], start: int, end: int) -> list[int]:
+    """For each piece :func:`chunk_layers` gives for [start, end), the number of dimensions
+    of the parameter it belongs to. A cut 2-D parameter's partial rows are 1-D pieces of a
+    2-D parameter; only a piece whose parameter is itself 1-D (a bias, a norm's scale) has
+    1 here, which is what DGC's "send 1-D parameters dense" needs to know."""
+    dims: list[int] = []
+    offset = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        lo, hi = max(offset, start), min(offset + n, end)
+        offset += n
+        if lo < hi:
+            dims.extend([len(shape)] * len(chunk_layers([shape], lo - (offset - n),
+                                                        hi - (offset - n))))
+    return dims
+
+
 @dataclass(frozen=True)
 class Batch:
     x: torch.Tensor

@@ -12,6 +12,8 @@ Shaping points, for every host I:
   exactly one ``up`` point, so the one-way delay between two hosts is ``delay_ms``;
 - ``gbhI.down`` (switch -> gbhI): the switch port facing gbhI, same rate and queue, no delay.
 
+Both carry ``topo.access_burst_ms`` as their HTB bucket (``LinkSpec.burst_ms``) when set.
+
 No point is sampled into ``links.parquet`` by default (each sample costs a ``tc`` fork per
 point); give a point a trace, or add a shape of your own with ``watch``.
 """
@@ -37,9 +39,11 @@ SWITCH = "gbsw0"
 def fabric(cfg: ExperimentConfig) -> NetSpec:
     n, t = cfg.net, cfg.topo
     count = t.hosts or n.workers
+    burst_ms = t.access_burst_ms or None  # topo.access_burst_ms; 0 = the default bucket
     up = LinkSpec(rate_mbps=n.worker_link_mbps, queue_bytes=n.queue_bytes,
-                  delay_ms=n.delay_ms, loss_pct=n.loss_pct)
-    down = LinkSpec(rate_mbps=n.worker_link_mbps, queue_bytes=n.queue_bytes)
+                  delay_ms=n.delay_ms, loss_pct=n.loss_pct, burst_ms=burst_ms)
+    down = LinkSpec(rate_mbps=n.worker_link_mbps, queue_bytes=n.queue_bytes,
+                    burst_ms=burst_ms)
     # All the others may send to one host at once (an all-to-all): they share its down queue.
     segs = sender_gso_segs(down.effective_queue_bytes(), down.rate_mbps, max(1, count - 1))
     kind = t.role or "fabric"

@@ -1,0 +1,45 @@
+"""The periodic loop of the controller's samplers (``links.parquet``, ``classes.parquet``).
+
+A sampler is a daemon thread that calls :meth:`PeriodicSampler.sample` every
+``period_s`` until :attr:`~PeriodicSampler.stop_event` is set. Reads are scheduled on a
+fixed grid of CLOCK_MONOTONIC, so a slow read does not shift every later one; after a
+stall (the controller shares the cores with the agents) the grid restarts from now
+instead of firing a burst of catch-up reads whose samples would all carry nearly the
+same timestamp. A read that raises ends the loop and keeps what was sampled: the network
+is going away at the end of a run; the message is in :attr:`~PeriodicSampler.error`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class PeriodicSampler(threading.Thread):
+    """Calls :meth:`sample` every ``period_s`` seconds until :attr:`stop_event` is set."""
+
+    def __init__(self, name: str, period_s: float) -> None:
+        super().__init__(name=name, daemon=True)
+        if period_s <= 0:
+            raise ValueError(f"{name}: period_s={period_s} must be > 0")
+        self.period_s = period_s
+        self.stop_event = threading.Event()
+        self.error: str | None = None
+
+    def sample(self) -> None:
+        """One read of every point (subclasses)."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        next_t = time.monotonic()
+        while not self.stop_event.is_set():
+            try:
+                self.sample()
+            except Exception as e:  # the network is going away; keep what we have
+                self.error = str(e)
+                return
+            next_t += self.period_s
+            now = time.monotonic()
+            if next_t < now:  # fell behind (a stall): no burst of catch-up reads
+                next_t = now
+            self.stop_event.wait(max(0.0, next_t - now))
