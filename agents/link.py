@@ -68,10 +68,9 @@ class Link:
 
     def send_bytes(self, body: bytes, *, msg_type: MsgType | int, worker: int,
                    iteration: int = 0) -> int:
-        hdr, payload = codec.frame_for_bytes(body, msg_type=msg_type, run_tag=self.run_tag,
-                                             worker=worker, iteration=iteration)
         with self.send_lock:
-            return wire.send_frame(self.sock, hdr, payload, peer=self.name,
+            return wire.send_bytes(self.sock, body, msg_type=msg_type, run_tag=self.run_tag,
+                                   worker=worker, iteration=iteration, peer=self.name,
                                    mac=self.send_mac)
 
 
@@ -87,13 +86,11 @@ def dial(sock: socket.socket, *, run_id: str, run_tag: int, role: str, me: int, 
     old = sock.gettimeout()
     try:
         sock.settimeout(timeout_s)
-        hdr, body = codec.frame_for_bytes(hs.hello(0), msg_type=MsgType.HELLO,
-                                          run_tag=run_tag, worker=me)
-        wire.send_frame(sock, hdr, body, peer=name)
+        wire.send_bytes(sock, hs.hello(0), msg_type=MsgType.HELLO, run_tag=run_tag,
+                        worker=me, peer=name)
         h, payload = reader.read_frame_into(buf)
-        hdr, body = codec.frame_for_bytes(hs.receive_challenge(h, payload),
-                                          msg_type=MsgType.PROOF, run_tag=run_tag, worker=me)
-        wire.send_frame(sock, hdr, body, peer=name)
+        wire.send_bytes(sock, hs.receive_challenge(h, payload), msg_type=MsgType.PROOF,
+                        run_tag=run_tag, worker=me, peer=name)
         reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
         h, payload = reader.read_frame_into(buf)
         hs.receive_welcome(reader.last_header, h, payload)
@@ -131,16 +128,13 @@ def answer(sock: socket.socket, *, run_id: str, run_tag: int, role: str, me: int
         sock.settimeout(timeout_s)
         h, body = reader.read_frame_into(buf)
         challenge = hs.receive_hello(h, body)
-        hdr, payload = codec.frame_for_bytes(challenge, msg_type=MsgType.CHALLENGE,
-                                             run_tag=run_tag, worker=me)
-        wire.send_frame(sock, hdr, payload, peer=name)
+        wire.send_bytes(sock, challenge, msg_type=MsgType.CHALLENGE, run_tag=run_tag,
+                        worker=me, peer=name)
         reader.max_payload_bytes = protocol.PROOF_BYTES
         h, body = reader.read_frame_into(buf)
         session = hs.receive_proof(h, body)
-        hdr, payload = codec.frame_for_bytes(codec.hello_payload(role, me),
-                                             msg_type=MsgType.WELCOME, run_tag=run_tag,
-                                             worker=me)
-        wire.send_frame(sock, hdr, payload, peer=name, mac=session.down)
+        wire.send_bytes(sock, codec.hello_payload(role, me), msg_type=MsgType.WELCOME,
+                        run_tag=run_tag, worker=me, peer=name, mac=session.down)
     except (FrameError, OSError) as e:
         why = "handshake timed out" if isinstance(e, TimeoutError) else str(e)
         who = f"{role} {hs.hello.worker}" if hs.hello is not None else "an unknown peer"
@@ -155,8 +149,7 @@ def answer(sock: socket.socket, *, run_id: str, run_tag: int, role: str, me: int
 def _refuse(sock: socket.socket, run_tag: int, why: str) -> None:
     try:
         sock.settimeout(1.0)  # a peer that does not read must not hold us
-        hdr, body = codec.frame_for_bytes(why.encode()[:protocol.MAX_ERROR_BYTES],
-                                          msg_type=MsgType.ERROR, run_tag=run_tag, worker=0)
-        wire.send_frame(sock, hdr, body)
+        wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
+                        msg_type=MsgType.ERROR, run_tag=run_tag, worker=0)
     except OSError:
         pass

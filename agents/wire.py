@@ -35,6 +35,7 @@ from agents.codec import (
     MsgType,
     check_payload,
     decode_header,
+    frame_for_bytes,
     frame_for_tensor,
     tensor_view,
 )
@@ -109,6 +110,16 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
                    f"{sent} of {total} bytes sent")
         raise
     return total
+
+
+def send_bytes(sock: socket.socket, body: bytes, *, msg_type: MsgType | int, run_tag: int,
+               worker: int, iteration: int = 0, peer: str | None = None,
+               mac: FrameMac | None = None) -> int:
+    """Frame and send one small byte payload (a handshake or control message); returns
+    bytes sent (header included). ``mac``: see :func:`send_frame`."""
+    header, payload = frame_for_bytes(body, msg_type=msg_type, run_tag=run_tag,
+                                      worker=worker, iteration=iteration)
+    return send_frame(sock, header, payload, peer=peer, mac=mac)
 
 
 def send_tensor(sock: socket.socket, tensor: torch.Tensor, *, msg_type: MsgType | int,
