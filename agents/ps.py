@@ -260,9 +260,8 @@ class ParameterServer:
                                       max_payload_bytes=codec.MAX_HELLO_BYTES)
             h, body = reader.read_frame_into(buf)
             challenge = hs.receive_hello(h, body)
-            hdr, payload = codec.frame_for_bytes(challenge, msg_type=codec.MsgType.CHALLENGE,
-                                                 run_tag=self.tag, worker=h.worker)
-            wire.send_frame(sock, hdr, payload, peer=peer)
+            wire.send_bytes(sock, challenge, msg_type=codec.MsgType.CHALLENGE,
+                            run_tag=self.tag, worker=h.worker, peer=peer)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             reader.max_payload_bytes = protocol.PROOF_BYTES
             h, body = reader.read_frame_into(buf)
@@ -282,10 +281,8 @@ class ParameterServer:
                 mac: codec.FrameMac | None = None) -> None:
         try:
             sock.settimeout(1.0)  # a peer that does not read must not hold us
-            hdr, body = codec.frame_for_bytes(why.encode()[:protocol.MAX_ERROR_BYTES],
-                                              msg_type=codec.MsgType.ERROR, run_tag=self.tag,
-                                              worker=0)
-            wire.send_frame(sock, hdr, body, mac=mac)
+            wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
+                            msg_type=codec.MsgType.ERROR, run_tag=self.tag, worker=0, mac=mac)
         except OSError:
             pass
         sock.close()

@@ -218,15 +218,11 @@ class Worker:
                                   max_payload_bytes=codec.MAX_HELLO_BYTES)
         buf = bytearray(codec.MAX_HELLO_BYTES)
         s.settimeout(self.cfg.guard.handshake_timeout_s)
-        hdr, body = codec.frame_for_bytes(hs.hello(join_at), msg_type=codec.MsgType.HELLO,
-                                          run_tag=self.tag, worker=self.rank,
-                                          iteration=join_at)
-        wire.send_frame(s, hdr, body)
+        wire.send_bytes(s, hs.hello(join_at), msg_type=codec.MsgType.HELLO, run_tag=self.tag,
+                        worker=self.rank, iteration=join_at)
         h, payload = reader.read_frame_into(buf)
-        hdr, body = codec.frame_for_bytes(hs.receive_challenge(h, payload),
-                                          msg_type=codec.MsgType.PROOF, run_tag=self.tag,
-                                          worker=self.rank, iteration=join_at)
-        wire.send_frame(s, hdr, body)
+        wire.send_bytes(s, hs.receive_challenge(h, payload), msg_type=codec.MsgType.PROOF,
+                        run_tag=self.tag, worker=self.rank, iteration=join_at)
         # The wait for WELCOME lasts until the PS admits us at an iteration boundary.
         s.settimeout(self.cfg.run.timeout_s)
         reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
