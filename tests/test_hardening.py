@@ -39,8 +39,11 @@ from tests.loopback import (
     welcome,
 )
 
-CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval_every=250",
-         "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
+# 200 iterations: long enough that worker 1's first GRAD is seen (and worker 0 held) while
+# the run is young; the hold, not the length, keeps the run alive through the attacks.
+ITERATIONS = 200
+CLEAN = ["net.workers=2", "workload.hidden=32", f"run.iterations={ITERATIONS}",
+         "run.eval_every=50", "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
          "run.timeout_s=120"]
 SLOW_CONNECTIONS = 200
 
@@ -133,7 +136,7 @@ def test_real_workers_finish_with_the_clean_result(attacked: dict[str, Any],
     assert attacked["ps_alive_after_attacks"]
     assert attacked["ps_rc"] == 0 and attacked["worker_rcs"] == [0, 0]
     steps = _events(attacked["run_dir"], "ps_iter_done")
-    assert len(steps) == 1000 and all(e["workers"] == 2 for e in steps)
+    assert len(steps) == ITERATIONS and all(e["workers"] == 2 for e in steps)
     assert not _events(attacked["run_dir"], "worker_lost")
     assert torch.equal(attacked["final"], clean)  # bit for bit
 
