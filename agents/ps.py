@@ -112,10 +112,13 @@ class _Conn:
     queued_bytes: int = 0
     written_bytes: int = 0
 
-    def send(self, header: bytes, payload: memoryview | bytes) -> None:
-        """One frame, sealed with this connection's MAC, in order."""
+    def send_bytes(self, body: bytes, *, msg_type: codec.MsgType, run_tag: int,
+                   iteration: int) -> None:
+        """One small frame to this worker, sealed with this connection's MAC, in order."""
         with self.send_lock:
-            wire.send_frame(self.sock, header, payload, peer=self.peer, mac=self.session.down)
+            wire.send_bytes(self.sock, body, msg_type=msg_type, run_tag=run_tag,
+                            worker=self.worker, iteration=iteration, peer=self.peer,
+                            mac=self.session.down)
 
     def dead(self) -> bool:
         """True when the peer provably went away: the socket reports a hang-up or an
@@ -553,11 +556,9 @@ class ParameterServer:
             conn = self.conns[w]
             try:
                 with conn.send_lock:
-                    hdr, body = codec.frame_for_bytes(codec.hello_payload("ps", w),
-                                                      msg_type=codec.MsgType.WELCOME,
-                                                      run_tag=self.tag, worker=w,
-                                                      iteration=self.iteration)
-                    wire.send_frame(conn.sock, hdr, body, mac=conn.session.down)
+                    wire.send_bytes(conn.sock, codec.hello_payload("ps", w),
+                                    msg_type=codec.MsgType.WELCOME, run_tag=self.tag, worker=w,
+                                    iteration=self.iteration, mac=conn.session.down)
                     self._send_weights(conn)
             except OSError as e:
                 return e
@@ -677,10 +678,8 @@ class ParameterServer:
             if conn.sender is not None:
                 conn.sender.join(timeout=self.cfg.run.timeout_s)
             try:
-                hdr, body = codec.frame_for_bytes(b"done", msg_type=codec.MsgType.BYE,
-                                                  run_tag=self.tag, worker=conn.worker,
-                                                  iteration=self.iteration)
-                conn.send(hdr, body)
+                conn.send_bytes(b"done", msg_type=codec.MsgType.BYE, run_tag=self.tag,
+                                iteration=self.iteration)
             except OSError:
                 pass
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")

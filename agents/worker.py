@@ -245,11 +245,10 @@ class Worker:
 
     def leave(self, rejoin_at: int) -> None:
         assert self.sock is not None and self.session is not None
-        hdr, body = codec.frame_for_bytes(b"bye", msg_type=codec.MsgType.BYE, run_tag=self.tag,
-                                          # the header's iteration is unsigned: "never
-                                          # rejoins" (-1) travels as 0, which the PS ignores
-                                          worker=self.rank, iteration=max(rejoin_at, 0))
-        wire.send_frame(self.sock, hdr, body, mac=self.session.up)
+        # The header's iteration is unsigned: "never rejoins" (-1) travels as 0, which the
+        # PS ignores.
+        wire.send_bytes(self.sock, b"bye", msg_type=codec.MsgType.BYE, run_tag=self.tag,
+                        worker=self.rank, iteration=max(rejoin_at, 0), mac=self.session.up)
         self.sock.close()
         self.sock = None
         self.log.emit("left", iter=self.iteration, rejoin_at=rejoin_at)

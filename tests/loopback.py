@@ -90,15 +90,12 @@ def prove(sock: socket.socket, run_dir: Path, worker: int, key: bytes | None = N
     hs = protocol.WorkerHandshake(run_dir.name, worker,
                                   key if key is not None else worker_key(run_dir, worker),
                                   bytes(range(16)))
-    hdr, body = codec.frame_for_bytes(hs.hello(join_at), msg_type=codec.MsgType.HELLO,
-                                      run_tag=tag, worker=worker, iteration=join_at)
-    wire.send_frame(sock, hdr, body)
+    wire.send_bytes(sock, hs.hello(join_at), msg_type=codec.MsgType.HELLO, run_tag=tag,
+                    worker=worker, iteration=join_at)
     reader = wire.FrameReader(sock, expect_tag=tag, max_payload_bytes=codec.MAX_HELLO_BYTES)
     h, payload = reader.read_frame()
-    hdr, body = codec.frame_for_bytes(hs.receive_challenge(h, payload),
-                                      msg_type=codec.MsgType.PROOF, run_tag=tag,
-                                      worker=worker, iteration=join_at)
-    wire.send_frame(sock, hdr, body)
+    wire.send_bytes(sock, hs.receive_challenge(h, payload), msg_type=codec.MsgType.PROOF,
+                    run_tag=tag, worker=worker, iteration=join_at)
     return reader, hs
 
 

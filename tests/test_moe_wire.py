@@ -86,9 +86,8 @@ def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int,
 def stranger(addr: tuple[str, int]) -> None:
     """Another run's host: a HELLO with the wrong tag."""
     s = dial(addr)
-    hdr, body = codec.frame_for_bytes(codec.hello_payload("expert", 1),
-                                      msg_type=MsgType.HELLO, run_tag=TAG + 1, worker=1)
-    wire.send_frame(s, hdr, body)
+    wire.send_bytes(s, codec.hello_payload("expert", 1), msg_type=MsgType.HELLO,
+                    run_tag=TAG + 1, worker=1)
     s.close()
 
 
