@@ -23,6 +23,7 @@ leaves no agent training with nobody watching.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import json
@@ -197,6 +198,14 @@ def exit_with_controller(on_exit: object = None, stream: BinaryIO | None = None)
                 os._exit(4)
 
     threading.Thread(target=watch, name="controller-watch", daemon=True).start()
+
+
+def add_auth_argument(ap: argparse.ArgumentParser) -> None:
+    """The ``--auth`` option of the agents whose keys come from :func:`agent_keys` (a
+    pipeline stage, the pipeline's PS, an expert host)."""
+    ap.add_argument("--auth", choices=("stdin", "file"), default="file",
+                    help="stdin: started by the controller (key bundle on stdin, exit when "
+                         "it goes); file: RUN/secret names the run (tests, by hand)")
 
 
 def agent_keys(mode: str, run_dir: Path, public_secret: bytes

@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", required=True, type=int, help="this host's index")
     ap.add_argument("--addrs", default=None, help="ip:port of every expert host, in order")
     ap.add_argument("--dump", type=Path, default=None, help="write per-step tensors here")
-    ap.add_argument("--auth", choices=("stdin", "file"), default="file",
-                    help="stdin: started by the controller (key bundle on stdin, exit when "
-                         "it goes); file: RUN/secret names the run (tests, by hand)")
+    auth.add_auth_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = cfgmod.load(args.run_dir / "config.toml")

@@ -803,9 +803,7 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     ap.add_argument("--peers", required=True, help="HOST:PORT of every stage of this replica")
     ap.add_argument("--ps", default=None, help="HOST:PORT of the pipeline's PS (averages "
                     "the replicas' stage gradients, evaluates; needed with d > 1)")
-    ap.add_argument("--auth", choices=("stdin", "file"), default="file",
-                    help="stdin: started by the controller (key bundle on stdin, exit when "
-                         "it goes); file: RUN/secret names the run (tests, by hand)")
+    auth.add_auth_argument(ap)
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
     # With --auth stdin the bundle holds this agent's control key and the key of each link

@@ -348,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", required=True, type=int)
-    ap.add_argument("--auth", choices=("stdin", "file"), default="file",
-                    help="stdin: started by the controller (key bundle on stdin, exit when "
-                         "it goes); file: RUN/secret names the run (tests, by hand)")
+    auth.add_auth_argument(ap)
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
     # With --auth stdin the bundle holds this agent's control key and the key of each link
