@@ -14,6 +14,10 @@ from pathlib import Path
 
 from agents import auth, codec, protocol, wire
 from agents.core import config as cfgmod
+from tests import warm
+
+# An agent process: a child of the warm interpreter, or a fresh one (tests.warm.spawn).
+Agent = subprocess.Popen[bytes] | warm.WarmProcess
 
 REPO = Path(__file__).resolve().parents[1]
 # Each test run's master key stays in this process, as the controller's does.
@@ -54,25 +58,25 @@ def worker_key(run_dir: Path, k: int) -> bytes:
     return auth.node_key(MASTERS[run_dir], f"w{k}")
 
 
-def _start(run_dir: Path, node: str, argv: list[str]) -> subprocess.Popen[bytes]:
+def _start(run_dir: Path, node: str, argv: list[str]) -> Agent:
     """Start an agent as the controller does: its key bundle down its stdin, the pipe
-    kept open (closing it ends the agent)."""
-    p = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdin=subprocess.PIPE,
-                         stdout=open(run_dir / f"{node}.log", "wb"), stderr=subprocess.STDOUT)
+    kept open (closing it ends the agent). A fork of the warm interpreter (tests.warm)."""
+    p = warm.spawn([sys.executable, *argv], cwd=REPO, stdin=subprocess.PIPE,
+                   stdout=open(run_dir / f"{node}.log", "wb"), stderr=subprocess.STDOUT)
     assert p.stdin is not None
     p.stdin.write(auth.bundle_for(MASTERS[run_dir], node).encode())
     p.stdin.flush()
     return p
 
 
-def start_ps(run_dir: Path) -> subprocess.Popen[bytes]:
+def start_ps(run_dir: Path) -> Agent:
     p = _start(run_dir, "ps", ["-m", "agents.ps", "--run-dir", str(run_dir),
                                "--host", "127.0.0.1"])
     time.sleep(0.05)
     return p
 
 
-def start_worker(run_dir: Path, k: int, port: int) -> subprocess.Popen[bytes]:
+def start_worker(run_dir: Path, k: int, port: int) -> Agent:
     return _start(run_dir, f"w{k}", ["-m", "agents.worker", "--run-dir", str(run_dir),
                                      "--worker", str(k), "--ps", "127.0.0.1",
                                      "--port", str(port)])

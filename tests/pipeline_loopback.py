@@ -17,6 +17,7 @@ from agents.partition import balance_by_params, split
 from agents.stage import is_eval_step, micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
 from agents.workloads.factory import make_workload
+from tests import warm
 from tests.loopback import REPO, free_port
 
 BASE = ["workload.name='digits_deep'", "workload.hidden=32", "workload.depth=6",
@@ -52,10 +53,10 @@ def run_pipeline(tmp: Path, overrides: list[str], timeout_s: float = 120, name: 
             if with_ps:
                 cmd += ["--ps", f"127.0.0.1:{ps_port}"]
             log = open(run_dir / f"r{r}s{s}.log", "wb")
-            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(warm.spawn(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
     if with_ps:
         log = open(run_dir / "r_ps.log", "wb")
-        procs.append(subprocess.Popen(
+        procs.append(warm.spawn(
             [sys.executable, "-m", "agents.stage_ps", "--run-dir", str(run_dir), "--host",
              "127.0.0.1", "--port", str(ps_port)],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT))

@@ -20,8 +20,9 @@ from agents.core.schedules import Kind
 from agents.moe.mesh import Mesh, file_keys
 from agents.stage import Stage, StageError
 from controller.roles import RoleContext, plan_commands
+from tests import warm
 from tests.hostile import CapturingProxy
-from tests.loopback import connect, free_port
+from tests.loopback import Agent, connect, free_port
 from tests.pipeline_loopback import make_run_dir
 from tests.test_moe_transparency import free_ports
 from topo.shapes import shape_spec
@@ -321,7 +322,7 @@ def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path
     master = b"controller master key for the test"
 
     def start(run_dir: Path, overrides: list[str], links: dict[int, list[auth.Link]]
-              ) -> list[subprocess.Popen[bytes]]:
+              ) -> list[Agent]:
         """Start hosts ``links`` (of 2) as the controller does, each bundle on stdin."""
         (run_dir / "events").mkdir(parents=True)
         cfg = cfgmod.load(repo / "configs" / "digits.toml",
@@ -329,17 +330,17 @@ def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path
         (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
         procs = []
         for h in links:
-            p = subprocess.Popen([sys.executable, "-m", "agents.expert", "--run-dir",
-                                  str(run_dir), "--host", str(h), "--auth", "stdin"],
-                                 cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT)
+            p = warm.spawn([sys.executable, "-m", "agents.expert", "--run-dir",
+                            str(run_dir), "--host", str(h), "--auth", "stdin"],
+                           cwd=repo, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
             assert p.stdin is not None
             p.stdin.write(auth.bundle_for(master, f"e{h}", links[h]).encode())
             p.stdin.flush()
             procs.append(p)
         return procs
 
-    def finish(procs: list[subprocess.Popen[bytes]]) -> list[tuple[int, str]]:
+    def finish(procs: list[Agent]) -> list[tuple[int, str]]:
         out = []
         for p in procs:
             assert p.stdin is not None and p.stdout is not None

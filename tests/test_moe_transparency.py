@@ -21,6 +21,7 @@ from agents.moe.hosts import dispatch_bytes, owned_experts
 from agents.moe.layer import MoELayer
 from agents.moe.model import build_model, global_batch, load_data, loss_fn
 from agents.moe.zero import ParamClass, classify
+from tests import warm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,8 +80,8 @@ def run_hosts(tmp: Path, overrides: list[str], dump: bool = True, threads: bool 
         return run_dir, cfg
     for h in range(cfg.moe.hosts):
         cmd = [sys.executable, "-m", "agents.expert", *args[h]]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=open(run_dir / f"e{h}.log", "wb"),
-                                      stderr=subprocess.STDOUT))
+        procs.append(warm.spawn(cmd, cwd=REPO, stdout=open(run_dir / f"e{h}.log", "wb"),
+                                stderr=subprocess.STDOUT))
     try:
         for h, p in enumerate(procs):
             rc = p.wait(timeout=timeout_s)
