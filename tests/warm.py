@@ -27,6 +27,7 @@ per child, reaps each as it exits and sends ``{"exited": pid, "status": ...}``.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -57,6 +58,9 @@ def _serve(sock: socket.socket) -> None:
     import torch  # noqa: F401
     from cryptography.hazmat.primitives import poly1305  # noqa: F401
 
+    # What the imports made stays shared with the children: a child's collector would
+    # otherwise write to every one of those objects' headers and copy all their pages.
+    gc.freeze()
     children: dict[int, int] = {}  # pidfd -> pid
     sock.send(json.dumps({"ready": os.getpid()}).encode())
     while True:
