@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("agents", "controller", "topo", "traces", "analysis")
+PACKAGES = ("gradbed", "agents", "controller", "topo", "traces", "analysis")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
