@@ -99,11 +99,11 @@ _declare("tcp_info", "worker", "one kernel TCP_INFO sample of the upload connect
          pacing_rate_bps="tcpi_pacing_rate (bit/s)",
          total_retrans="retransmitted segments since the connection opened",
          rate_bps="bytes_acked growth since the previous sample (bit/s); null on the first")
-_declare("drain", "worker", "one upload's link rate from its backlogged ACKs "
+_declare("drain", "worker", "one upload's link rate from the kernel's transmit stamps "
          "(adaptive.rate_source = drain, agents.core.drain)",
-         readings="TCP_INFO readings taken during and after the upload",
-         min_rtt_us="tcpi_min_rtt (us)",
-         rate_bps="backlog_ack_rate_bps (bit/s); null: no backlogged stretch to time")
+         stamps="writes of the upload stamped on entering and leaving the shaper",
+         waited="of them, packets that waited in the shaper (>= WAIT_MIN_NS)",
+         rate_bps="queued_departure_rate_bps (bit/s); null: no queued run to time")
 _declare("decision", "worker", "the ratio policy's keep for the chunks not yet sent",
          chunk="index of the chunk about to be compressed",
          r0_bps="reference rate r0 (bit/s)", rt_bps="latest stable rate rt (bit/s)",
