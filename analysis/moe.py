@@ -213,7 +213,7 @@ def plot_timeline(rows: Iterable[Row], path: Path, steps: tuple[int, int]) -> No
 
     colours = {"forward": "#4c72b0", "backward": "#8172b2", "expert": "#64b5cd",
                "dispatch_counts": "#c44e52", "dispatch_tokens": "#dd8452",
-               "combine": "#55a868", "combine_grad": "#937860", "tokens_grad": "#da8bc3",
+               "dispatch_done": "#f0e0a0", "combine": "#55a868", "combine_grad": "#937860", "tokens_grad": "#da8bc3",
                "all_gather_zero3": "#8c8c8c", "all_gather_zero3_bwd": "#5c5c5c",
                "reduce_scatter_and_update": "#ccb974"}
     ph = [r for r in rows if r.get("event") == "moe_phase" and steps[0] <= r["iter"] < steps[1]]
