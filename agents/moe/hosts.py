@@ -348,7 +348,8 @@ class ExpertHost:
                 "aux": float(self.model.aux_loss.detach()),
                 "step_s": (t_end - t_start) / 1e9, "routing": routing,
                 "bytes_by_class": self.opt.bytes_by_class(),
-                "param_bytes": self.opt.param_bytes(), "offload": offload}
+                "param_bytes": self.opt.param_bytes(), "grad_bytes": self.opt.grad_bytes(),
+                "offload": offload}
 
     @torch.no_grad()
     def evaluate(self, step: int, n_images: int = 360) -> dict[str, float]:
