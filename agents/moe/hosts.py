@@ -15,9 +15,9 @@ host (one routing group: its own batch):
    its dispatch (``DISPATCH_DONE``, right after phase 3) and sends no combine frame
    before every peer has told it the same: otherwise a host whose rows all came early
    sends its outputs while a slower host still receives tokens, and that traffic shares
-   the slower dispatch's busiest link (docs/moe.md: 15 % of its bytes). The wait is
-   mostly hidden behind the experts' compute; the timeline shows what is left as
-   ``dispatch_done``.
+   the slower dispatch's busiest link (docs/moe.md: 10-15 % of its bytes). An early host
+   cannot end its combine before the slowest host's outputs reach it anyway; the
+   timeline shows its wait as ``dispatch_done``.
 
 Phases 3 and 5 are autograd functions: their backward is the reverse exchange
 (``EXPERT_OUT_GRAD``, ``TOKENS_GRAD``) with the sizes already known. The same layer in
