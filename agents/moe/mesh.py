@@ -239,6 +239,7 @@ class Mesh:
         half, :meth:`collect`, may come later (the frames wait in the peers' buffers)."""
         if self.hosts == 1:
             return
+        assert self._pool is not None, "Mesh.post before open()"
         if set(sends) != set(self.peers):
             raise ValueError(f"post: sends to {sorted(sends)}, expected every peer "
                              f"{sorted(self.peers)}")
@@ -261,6 +262,7 @@ class Mesh:
         chunk."""
         if self.hosts == 1:
             return {}
+        assert self._pool is not None, "Mesh.collect before open()"
         if set(recv_numel) != set(self.peers):
             raise ValueError(f"collect: receives from {sorted(recv_numel)}, expected every "
                              f"peer {sorted(self.peers)}")
