@@ -10,12 +10,12 @@ Writes the kernel merged into one packet share the later key's stamps.
 
 Side effects live here (setsockopt, reading the error queue); :func:`parse_stamp` is pure.
 
-**Why a dup of the socket reads the queue.** The worker's socket has a timeout, and
+**Why a dup of the socket, read by a thread.** The worker's socket has a timeout, and
 CPython waits for POLLIN before a timed ``recvmsg``: an error-queue read would block until
 the PS's reply. A non-blocking duplicate of the descriptor reads the same queue at once.
-Conversely, a non-empty error queue makes ``poll`` report POLLERR, so a timed ``recv`` on
-the socket would spin while stamps are pending: :meth:`TxStampReader.collect` therefore
-waits for the last write's SND stamp and empties the queue before the worker reads again.
+Conversely, a non-empty error queue makes ``poll`` report POLLERR, so the worker's timed
+``send`` (waiting for room under ``TCP_NOTSENT_LOWAT``) and ``recv`` would spin while
+stamps are pending: a thread reads them as they arrive.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import select
 import socket
 import struct
-import time
+import threading
 
 from agents.core.drain import TxStamp
 
@@ -79,7 +79,11 @@ def pair_stamps(raw: list[tuple[int, int, int]]) -> list[TxStamp]:
 
 class TxStampReader:
     """Stamps every write on ``sock`` from now on; the caller reports the bytes it writes
-    (:meth:`wrote`) and, after an upload, :meth:`collect` returns the upload's stamps."""
+    (:meth:`wrote`) and, after an upload, :meth:`collect` returns the upload's stamps.
+
+    A thread empties the error queue as the stamps arrive: a pending stamp makes ``poll``
+    report POLLERR on the socket, so a timed ``send`` waiting for room in a full buffer, or
+    a timed ``recv`` waiting for the reply, would spin until the queue is read."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, FLAGS)
@@ -87,6 +91,11 @@ class TxStampReader:
         self._errq.setblocking(False)
         self.written = 0          # bytes written since the option was set (the key space)
         self._upload_from = 0
+        self._raw: list[tuple[int, int, int]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tx-stamps", daemon=True)
+        self._thread.start()
 
     def start_upload(self) -> None:
         self._upload_from = self.written
@@ -110,30 +119,39 @@ class TxStampReader:
             if stamp is not None:
                 out.append(stamp)
 
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._errq, select.POLLPRI)  # POLLERR and POLLHUP come regardless
+        while not self._closed:
+            try:
+                events = poller.poll(200)
+                got = self._read() if events else []
+            except OSError:
+                break  # the descriptor went away (close)
+            if got:
+                with self._cv:
+                    self._raw += got
+                    self._cv.notify_all()
+            elif any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL)
+                     for _, ev in events):
+                break  # an error or hang-up that is not a stamp: the connection is done
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
     def collect(self, limit_s: float = 5.0) -> list[TxStamp]:
         """Wait (at most ``limit_s``) until the upload's last byte left the qdisc, then
-        return the stamps of the upload's writes, in key order; the error queue is left
-        empty. A reply arriving first (POLLIN) ends the wait: the bytes have left."""
+        return the stamps of the upload's writes, in key order, and forget them."""
         last = self.written - 1
-        raw: list[tuple[int, int, int]] = []
-        if last >= self._upload_from:
-            poller = select.poll()
-            poller.register(self._errq, select.POLLERR | select.POLLIN)
-            deadline = time.monotonic() + limit_s
-            while True:
-                raw += self._read()
-                if any(k == SCM_TSTAMP_SND and key >= last for k, key, _ in raw):
-                    break
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0:
-                    break
-                events = poller.poll(left_ms)
-                if events and not any(ev & select.POLLERR for _, ev in events):
-                    raw += self._read()
-                    break
-        else:
-            raw = self._read()
+        with self._cv:
+            if last >= self._upload_from:
+                self._cv.wait_for(lambda: self._closed or any(
+                    k == SCM_TSTAMP_SND and key >= last for k, key, _ in self._raw),
+                    timeout=limit_s)
+            raw, self._raw = self._raw, []
         return [s for s in pair_stamps(raw) if s.key >= self._upload_from]
 
     def close(self) -> None:
+        self._closed = True
+        self._thread.join(timeout=1.0)
         self._errq.close()
