@@ -112,6 +112,9 @@ class MsgType(IntEnum):
     TOKENS_GRAD = 42  # MoE backward: gradients of the dispatched tokens, to their hosts
     REDUCE_SCATTER = 43  # ZeRO: one shard of a shared class's gradients
     ALL_GATHER = 44  # ZeRO: one host's shard of a shared class's parameters
+    # MoE, later: codes from 50 up.
+    DISPATCH_DONE = 50  # MoE: the sender holds every token row of a dispatch (int32: the
+    #                     rows it got from the receiver), so the combine may start
 
 
 class DType(IntEnum):

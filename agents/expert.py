@@ -12,7 +12,9 @@ Events (``RUN/events/eH.jsonl``, declared in :mod:`agents.core.events`): ``moe_p
 per phase of every step (the timeline), ``moe_route`` per layer and step (tokens,
 drops and imbalance per expert), ``moe_class_bytes`` per step (bytes per parameter
 class and their formula), ``moe_param_bytes`` per step (parameter bytes held: ZeRO-3's
-peak and after its free, beside their formulas), ``moe_offload`` per step with
+peak and after its free, beside their formulas), ``moe_grad_bytes`` per step (gradient
+bytes held by each shared class at the end of its reduce-scatter and after it freed the
+full-size buffer, beside their formulas), ``moe_offload`` per step with
 ``moe.offload_budget_bytes`` > 0 (expert transfers into the device budget and bytes
 moved), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
 ``--dump DIR`` also writes each step's logits, local gradients and updated weights to
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  for k, v in r["bytes_by_class"].items()},
                      **{f"{k}_formula_bytes": v for k, v in formula.items()})
             log.emit("moe_param_bytes", step, **r["param_bytes"])
+            log.emit("moe_grad_bytes", step, **r["grad_bytes"])
             if r["offload"] is not None:
                 log.emit("moe_offload", step, policy=m.offload_policy,
                          budget_bytes=m.offload_budget_bytes, device=m.offload_device,

@@ -46,7 +46,7 @@ from agents.compress.sparse import SparseCompressor
 from agents.compress.staging import PayloadStager, Staged
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
-from agents.core.drain import MSS_BYTES, DrainReading, backlog_ack_rate_bps
+from agents.core.drain import WAIT_MIN_NS, queued_departure_rate_bps
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from agents.core.events import EventLog, now_ns
 from agents.core.feedback_config import warmup_keep
@@ -55,6 +55,7 @@ from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_
 from agents.core.policies.adaptive import ack_clock_rate_bps
 from agents.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.tcpinfo import read_tcp_info
+from agents.txstamps import TxStampReader
 from agents.workloads.base import FlatModel, chunk_layer_dims, chunk_layers, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
@@ -171,6 +172,8 @@ class Worker:
         self.policy: Any = self._make_policy()
         self.policy_lock = threading.Lock()
         self.sock: socket.socket | None = None
+        # rate_source "drain": the kernel's transmit stamps of this connection's writes.
+        self.stamps: TxStampReader | None = None
         self.reader: wire.FrameReader | None = None
         # One thread receives the new weights while this one uploads (see run()).
         self.receiver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recv")
@@ -208,6 +211,7 @@ class Worker:
                                           f"{self.ps_addr[0]}:{self.ps_addr[1]}: {e}") from e
                 time.sleep(0.2)
         self.sock = s
+        self._drop_stamps()
         if self.pacing_bps:
             set_max_pacing_rate(s, self.pacing_bps)
         # Challenge-response (agents.protocol): nothing the PS sends before WELCOME may
@@ -249,6 +253,7 @@ class Worker:
         # PS ignores.
         wire.send_bytes(self.sock, b"bye", msg_type=codec.MsgType.BYE, run_tag=self.tag,
                         worker=self.rank, iteration=max(rejoin_at, 0), mac=self.session.up)
+        self._drop_stamps()
         self.sock.close()
         self.sock = None
         self.log.emit("left", iter=self.iteration, rejoin_at=rejoin_at)
@@ -343,41 +348,19 @@ class Worker:
         if rate_bps is not None and rate_bps > 0:
             self.observe_rate(rate_bps, ts)
 
-    def drain_reading(self) -> DrainReading:
-        """One ``TCP_INFO`` reading for ``adaptive.rate_source = "drain"``: bytes sent and
-        bytes acknowledged on the upload connection, now."""
-        assert self.sock is not None
-        info = read_tcp_info(self.sock)
-        return DrainReading(now_ns(), int(info.bytes_sent or 0), int(info.bytes_acked or 0))
-
-    def time_drain(self, readings: list[DrainReading], poll_s: float = 0.0005,
-                   gap_s: float = 0.002, limit_s: float = 2.0) -> None:
+    def time_drain(self) -> None:
         """One rate sample for the upload just written (``adaptive.rate_source = "drain"``,
-        agents.core.drain). ``readings`` holds one reading before the first chunk and one
-        after each; no ACK of them can come before a min RTT has passed since the first, so
-        until 0.8 of it this reads only every ``gap_s`` (how long the queue stayed
-        backlogged), then every ``poll_s`` until all but the last two
-        segments are acknowledged (it never waits for a delayed final ACK), and hands
-        ``backlog_ack_rate_bps`` of the readings to the policy. ``limit_s`` bounds it if the
-        ACKs stall."""
-        assert self.sock is not None
-        min_rtt_ns = int(read_tcp_info(self.sock).min_rtt_us or 0) * 1000
-        target = readings[-1].bytes_sent - 2 * MSS_BYTES
-        wake_ns = readings[0].ts_ns + int(0.8 * min_rtt_ns)
-        # Until then a reading every gap_s only marks how long the queue stayed backlogged.
-        while (left_ns := wake_ns - now_ns()) > 0:
-            time.sleep(min(gap_s, left_ns / 1e9))
-            readings.append(self.drain_reading())
-        deadline = time.monotonic() + limit_s
-        readings.append(self.drain_reading())
-        while readings[-1].bytes_acked < target and time.monotonic() < deadline:
-            time.sleep(poll_s)
-            readings.append(self.drain_reading())
-        rate_bps = backlog_ack_rate_bps(readings, min_rtt_ns)
-        self.log.emit("drain", iter=self.iteration, readings=len(readings),
-                      min_rtt_us=min_rtt_ns // 1000, rate_bps=rate_bps)
+        agents.core.drain): the kernel's stamps of its writes entering and leaving the
+        interface's shaper (agents.txstamps), timed by ``queued_departure_rate_bps``. It
+        waits until the last write has left the shaper, which the PS's reply needs anyway."""
+        assert self.stamps is not None
+        stamps = self.stamps.collect()
+        rate_bps = queued_departure_rate_bps(stamps, first_key=self.stamps.upload_from)
+        self.log.emit("drain", iter=self.iteration, stamps=len(stamps),
+                      waited=sum(1 for x in stamps if x.wait_ns >= WAIT_MIN_NS),
+                      rate_bps=rate_bps)
         if rate_bps is not None and rate_bps > 0:
-            self.observe_rate(rate_bps, readings[-1].ts_ns)
+            self.observe_rate(rate_bps, now_ns())
 
     def send_gradient(self) -> tuple[float, float, int]:
         assert self.sock is not None
@@ -402,7 +385,10 @@ class Worker:
         lookahead = 1 if self.stager.asynchronous else 0
         ready: list[tuple[int, Staged, dict[str, Any], float, float, float]] = []
         drain = self.cfg.adaptive.rate_source == "drain" and self.policy.decides_in_flight
-        readings = [self.drain_reading()] if drain else []
+        if drain:
+            if self.stamps is None:
+                self.stamps = TxStampReader(self.sock)
+            self.stamps.start_upload()
 
         def send(c: int, staged: Staged, stats: dict[str, Any], ratio: float, keep: float,
                  dt: float) -> None:
@@ -416,8 +402,8 @@ class Worker:
                                   mac=self.session.up)
             wire_bytes += n
             sent_raw += (e - s) * 4
-            if drain:
-                readings.append(self.drain_reading())
+            if self.stamps is not None and drain:
+                self.stamps.wrote(n)
             self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
                           ratio=ratio, keep=keep,
                           raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
@@ -450,7 +436,7 @@ class Worker:
         if self.cfg.adaptive.rate_source == "upload" and self.policy.decides_in_flight:
             self.time_upload()
         if drain:
-            self.time_drain(readings)
+            self.time_drain()
         self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s,
                       start_ns=start_ns)
         return compress_s, send_s, wire_bytes
@@ -523,8 +509,14 @@ class Worker:
             self.iteration += 1
         return 0
 
+    def _drop_stamps(self) -> None:
+        if self.stamps is not None:
+            self.stamps.close()
+            self.stamps = None
+
     def close(self) -> None:
         self.sampler.stopped = True
+        self._drop_stamps()
         if self.sock is not None:
             self.sock.close()
         self.receiver.shutdown(wait=False, cancel_futures=True)

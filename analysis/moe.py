@@ -54,17 +54,25 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
     busiest link's payload and frame bytes, the dispatch efficiency (payload) and the
     link utilisation during dispatch (every frame byte, counts included, same formula);
     ``arrival_spread_s``: last minus first host entering (waiting on the previous
-    phase's stragglers); ``counts_s``/``tokens_s`` are the hosts' medians."""
+    phase's stragglers); ``counts_s``/``tokens_s`` are the hosts' medians;
+    ``counts_window_s``: the window's start to the last host holding every count (the
+    counts phase's share of the window, pure latency); ``combine_hosts_in_window``: how
+    many hosts began the same layer's combine before the window ended (their outputs
+    then share links with the dispatch; 0 with ``moe.combine_after_dispatch``)."""
     acc: dict[tuple[int, int], dict[str, Row]] = defaultdict(dict)
+    combine_start: dict[tuple[int, int], list[int]] = defaultdict(list)
     for r in rows:
+        if r.get("event") == "moe_phase" and r["phase"] == "combine":
+            combine_start[(int(r["iter"]), int(r["layer"]))].append(int(r["start_ns"]))
         if r.get("event") != "moe_phase" or r["phase"] not in ("dispatch_counts",
                                                                 "dispatch_tokens"):
             continue
         host = acc[(int(r["iter"]), int(r["layer"]))].setdefault(
             r["node"], {"start_ns": None, "end_ns": 0, "counts_s": 0.0, "tokens_s": 0.0,
-                        "payload": 0, "frames_up": 0, "frames_down": 0})
+                        "payload": 0, "frames_up": 0, "frames_down": 0, "counts_end_ns": 0})
         if r["phase"] == "dispatch_counts":
             host["start_ns"] = int(r["start_ns"])
+            host["counts_end_ns"] = int(r["end_ns"])
             host["counts_s"] = float(r["dur_s"])
         else:
             host["end_ns"] = int(r["end_ns"])
@@ -82,7 +90,11 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
         spread_s = (last_in - min(h["start_ns"] for h in hs)) / 1e9
         payload = max(h["payload"] for h in hs)
         frames = max(max(h["frames_up"], h["frames_down"]) for h in hs)
+        end = max(h["end_ns"] for h in hs)
         out.append({"iter": it, "layer": layer, "hosts": len(hs), "phase_s": phase_s,
+                    "counts_window_s": (max(h["counts_end_ns"] for h in hs) - last_in) / 1e9,
+                    "combine_hosts_in_window": sum(t < end for t in
+                                                   combine_start[(it, layer)]),
                     "start_ns": last_in, "end_ns": max(h["end_ns"] for h in hs),
                     "arrival_spread_s": spread_s,
                     "counts_s": statistics.median(h["counts_s"] for h in hs),
@@ -213,7 +225,7 @@ def plot_timeline(rows: Iterable[Row], path: Path, steps: tuple[int, int]) -> No
 
     colours = {"forward": "#4c72b0", "backward": "#8172b2", "expert": "#64b5cd",
                "dispatch_counts": "#c44e52", "dispatch_tokens": "#dd8452",
-               "combine": "#55a868", "combine_grad": "#937860", "tokens_grad": "#da8bc3",
+               "dispatch_done": "#f0e0a0", "combine": "#55a868", "combine_grad": "#937860", "tokens_grad": "#da8bc3",
                "all_gather_zero3": "#8c8c8c", "all_gather_zero3_bwd": "#5c5c5c",
                "reduce_scatter_and_update": "#ccb974"}
     ph = [r for r in rows if r.get("event") == "moe_phase" and steps[0] <= r["iter"] < steps[1]]

@@ -147,6 +147,9 @@ def part_dispatch(out: Path) -> dict[str, Any]:
             "efficiency_burst_allowed_median": statistics.median(eff_burst),
             "efficiency_burst_allowed_min": min(eff_burst),
             "counts_s_median": statistics.median(d["counts_s"] for d in disp),
+            "counts_window_s_median": statistics.median(d["counts_window_s"] for d in disp),
+            "combine_hosts_in_window_mean": statistics.mean(
+                d["combine_hosts_in_window"] for d in disp),
             "tokens_s_median": statistics.median(d["tokens_s"] for d in disp),
             "phase_s_median": statistics.median(d["phase_s"] for d in disp),
             "arrival_spread_s_median": statistics.median(d["arrival_spread_s"] for d in disp),

@@ -54,6 +54,11 @@ def test_tables() -> None:
     assert d["payload_bytes"] == 1_000_000 and d["frame_bytes"] == 1_000_392
     assert d["efficiency"] == pytest.approx(dispatch_efficiency(1_000_000, 0.10, 100.0))
     assert d["utilisation"] == pytest.approx(dispatch_efficiency(1_000_392, 0.10, 100.0))
+    # Counts: the window's start (e1 in at 1.05 s) to the last host holding them (1.06 s).
+    assert d["counts_window_s"] == pytest.approx(0.01)
+    assert d["combine_hosts_in_window"] == 0  # e0's combine began at 2.0 s, after 1.15 s
+    (d2,) = amoe.dispatch_table([*rows, phase("e1", 1, "combine", 1.12, 1.3, 9, 9)], 100.0)
+    assert d2["combine_hosts_in_window"] == 1  # e1's began at 1.12 s, inside the window
     (r,) = amoe.route_table(rows)
     assert r["kept"] == [4, 4] and r["dropped"] == [1, 0] and r["hosts"] == 2
     assert r["imbalance"] == 1.0 and r["drop_fraction"] == pytest.approx(1 / 9)

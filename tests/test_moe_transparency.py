@@ -189,6 +189,19 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
             assert b["zero2_bytes"] == 4 * H * -(-start["zero2_numel"] // H)
             assert b["expert_bytes"] == 4 * start["expert_numel"]
             assert b["host_freed_bytes"] == shard + b["zero2_bytes"] + b["expert_bytes"]
+        # Gradients: each shared class holds its full buffer to the end of the
+        # reduce-scatter, then only its summed shard.
+        grads = events(run_dir, h, "moe_grad_bytes")
+        assert len(grads) == cfg.run.iterations
+        for g in grads:
+            for kind in ("zero3", "zero2"):
+                gshard = 4 * -(-start[f"{kind}_numel"] // H)
+                assert g[f"{kind}_grad_freed_bytes"] == g[f"{kind}_grad_freed_formula_bytes"] \
+                    == gshard
+                assert g[f"{kind}_grad_peak_bytes"] == g[f"{kind}_grad_peak_formula_bytes"] \
+                    == (H + 1) * gshard
+            assert g["grad_buffers_kept_alive"] == 0
+            assert g["expert_grad_bytes"] == 4 * start["expert_numel"]
     # Dispatch bytes (both phases, headers included) equal dispatch_bytes() of the
     # rows each host routed to each peer's experts.
     for h in range(H):

@@ -10,7 +10,7 @@ import torch
 
 from agents import codec, link, wire
 from agents.codec import DType, FrameError, MsgType
-from agents.moe.exchange import Expect, check_counts, check_header, step_phases
+from agents.moe.exchange import Expect, check_counts, check_done, check_header, step_phases
 from agents.moe.mesh import Mesh, file_keys
 from tests.test_moe_transparency import free_ports
 
@@ -45,11 +45,21 @@ def test_counts_bounded_by_capacity() -> None:
 
 
 def test_step_phases_as_data() -> None:
-    labels = [p.label() for p in step_phases(2)]
+    labels = [p.label() for p in step_phases(2, combine_after_dispatch=False)]
     assert labels == ["ALL_GATHER", "COUNTS:0", "TOKENS:0", "EXPERT_OUT:0", "COUNTS:1",
                       "TOKENS:1", "EXPERT_OUT:1", "ALL_GATHER", "EXPERT_OUT_GRAD:1",
                       "TOKENS_GRAD:1", "EXPERT_OUT_GRAD:0", "TOKENS_GRAD:0", "REDUCE_SCATTER",
                       "REDUCE_SCATTER", "ALL_GATHER"]
+    labels = [p.label() for p in step_phases(1)]
+    assert labels[:5] == ["ALL_GATHER", "COUNTS:0", "TOKENS:0", "DISPATCH_DONE:0",
+                          "EXPERT_OUT:0"]
+
+
+def test_dispatch_done_must_match_the_rows_sent() -> None:
+    check_done(torch.tensor([7], dtype=torch.int32), 7, "p", 1)
+    with pytest.raises(FrameError, match="DISPATCH_DONE layer 1: says it got 6 rows, this "
+                                         "host sent 7"):
+        check_done(torch.tensor([6], dtype=torch.int32), 7, "p", 1)
 
 
 def dial(addr: tuple[str, int]) -> socket.socket:

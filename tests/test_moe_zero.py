@@ -16,6 +16,7 @@ from agents.moe.zero import (
     ShardedOptimizer,
     class_bytes,
     classify,
+    grad_resident_bytes,
     storage_bytes,
     zero3_resident_bytes,
 )
@@ -107,10 +108,23 @@ def test_zero_equals_plain_data_parallel(regather: bool) -> None:
                         zopt.gather_before_backward(mesh, s)
                     loss.backward()
                     zopt.release()
+                    # Before the reduce-scatter: each shared class's full gradient buffer.
+                    b["grad_full"] = {c.value: sc.grad_bytes()
+                                      for c, sc in zopt.classes.items()}
+                    grad_buffers = [StorageWeakRef(sc.flat_grad.untyped_storage())
+                                    for sc in zopt.classes.values()
+                                    if sc.flat_grad is not None]
                     sent0 = sum(mesh.sent.values())
                     zopt.step(mesh, s)
-                    b |= zopt.bytes_by_class() | zopt.param_bytes()
+                    b |= zopt.bytes_by_class() | zopt.param_bytes() | zopt.grad_bytes()
                     b["rs_ag2_wire"] = sum(mesh.sent.values()) - sent0
+                    # After it: only each class's summed shard is held.
+                    b["grad_after"] = {c.value: sc.grad_bytes()
+                                       for c, sc in zopt.classes.items()}
+                    b["grad_buffers_alive"] = sum(not w.expired() for w in grad_buffers)
+                    b["shared_grads_left"] = sum(q.grad is not None
+                                                 for sc in zopt.classes.values()
+                                                 for q in sc.params)
                     seen.append(b)
                 zopt.gather_before_use(mesh, steps)
                 finals[h] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -150,3 +164,15 @@ def test_zero_equals_plain_data_parallel(regather: bool) -> None:
             assert b["host_freed_bytes"] == shard_bytes + b["zero2_bytes"]
             assert b["rs_ag2_wire"] == (class_bytes(n3, hosts, "zero3") // 3
                                         + class_bytes(n2, hosts, "zero2"))
+            # Gradients: the full buffer (H shards) until the reduce-scatter, then
+            # only this host's summed shard; the buffer's storage is really gone.
+            for kind, n in (("zero3", n3), ("zero2", n2)):
+                shard = 4 * -(-n // hosts)
+                assert b["grad_full"][kind] == hosts * shard
+                assert b["grad_after"][kind] == b[f"{kind}_grad_freed_bytes"] == shard
+                assert b[f"{kind}_grad_freed_formula_bytes"] == shard == \
+                    grad_resident_bytes(n, hosts, freed=True)
+                assert b[f"{kind}_grad_peak_bytes"] == (hosts + 1) * shard == \
+                    b[f"{kind}_grad_peak_formula_bytes"]
+            assert b["grad_buffers_alive"] == 0 and b["grad_buffers_kept_alive"] == 0
+            assert b["shared_grads_left"] == 0

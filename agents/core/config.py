@@ -279,13 +279,13 @@ class AdaptiveConfig:
     # sample_ms). "upload": also one sample per iteration, the ACK clock of the whole
     # upload (agents.core.policies.adaptive.ack_clock_rate_bps), and with carry_rt the
     # samples carry across iterations like rt, so short compressed uploads still move rt.
-    # "drain": at most one sample per upload, the rate its ACKs came back at over the
-    # stretch in which the bytes they acknowledge were still queued in front of the link
-    # (so the link, not the writer, window or receiver, set their pace: agents.core.drain);
-    # the keep is planned on the minimum of the last drain_window samples, carried across
-    # iterations (an upload without a sample changes nothing), and a minimum within eps of
-    # the plan counts as the plan. Measured worse than "writes" on
-    # configs/heterogeneous.toml (w0 got 2 samples in 97 uploads: docs/fidelity.md).
+    # "drain": at most one sample per upload, the rate at which the kernel's transmit
+    # stamps (SO_TIMESTAMPING) show its packets leaving the worker's own shaper over the
+    # longest run in which each of them had waited there (so the link, not the writer,
+    # window or bucket, set their pace: agents.core.drain, agents.txstamps); the keep is
+    # planned on the minimum of the last drain_window samples, carried across iterations
+    # (an upload without a sample changes nothing), and a minimum within eps of the plan
+    # counts as the plan. Measurements on configs/heterogeneous.toml: docs/fidelity.md.
     rate_source: str = "writes"
     drain_window: int = 4
 

@@ -1,105 +1,119 @@
-"""A worker's own uplink rate, timed by its ACKs while its upload is provably queued
+"""A worker's own uplink rate, timed by the kernel as its upload leaves the shaper
 (sans-I/O).
 
 The adaptive keep ratio (DESIGN.md 1.1, seeds/004) needs the rate of *this worker's* link.
-Two earlier estimates did not give it on ``configs/heterogeneous.toml`` (docs/fidelity.md):
+Three earlier estimates did not give it on ``configs/heterogeneous.toml`` (docs/fidelity.md):
 ``bytes_acked`` deltas ``sample_ms`` apart while the gradient is written see no second
-reading on a short compressed upload; and the ACK clock of a whole upload (first to last
-rise of ``bytes_acked``) reads whatever paced the bytes: the link, but also a slow writer
-(compression between chunks), a congestion window smaller than the upload, or a delayed
-last ACK, so fast workers read far below their link and cut for nothing.
+reading on a short compressed upload; the ACK clock of a whole upload reads whatever paced
+the bytes (the link, but also a slow writer, a congestion window smaller than the upload, a
+delayed last ACK), so fast workers read far below their link and cut for nothing; and
+``TCP_INFO`` readings polled around the upload were taken when a Python thread got the CPU
+back, which on a busy machine was after the queue had drained (2 samples in 97 uploads).
 
-**When ACKs time the link.** gradbed's uplink shaper sits on the sender's own interface,
-and TCP hands an upload to it at once (GSO segments, TCP small queues' allowance): bytes
-``tcpi_bytes_sent`` counts are queued in front of the link or beyond it. A byte's ACK comes
-back about ``min_rtt`` after the byte left that queue, so ``bytes_acked(t + min_rtt)`` is
-what had left the queue by ``t``. From readings ``(ts_ns, bytes_sent, bytes_acked)`` taken
-while a worker uploads, the interval between readings ``i`` and ``i+1`` was *backlogged*
-(the queue never ran dry, so the link and nothing else set the pace) when
+**What the kernel tells.** gradbed's uplink shaper is the HTB on the worker's own
+interface. With ``SO_TIMESTAMPING`` (``TX_SCHED``, ``TX_SOFTWARE``, ``OPT_ID``) the kernel
+stamps the last byte of every write twice: when its packet entered the interface's qdisc
+(``sched_ns``) and when the qdisc handed it to the driver (``snd_ns``), keyed by the byte's
+offset in the stream (:class:`TxStamp`). No thread has to be awake at either moment.
 
-    bytes_sent(t_i) - bytes_acked(t_{i+1} + min_rtt) >= margin_bytes
+**When the link alone set the pace.** HTB lets a packet go as soon as its class has
+tokens (``tokens >= 0``) and charges it afterwards, so after an idle spell the bucket's
+credit lets the first bytes through at once, and from then on every packet leaves at the
+moment the tokens paid for the packet before it have been earned back at the link's rate.
+A packet that *waited* in the shaper (``snd_ns - sched_ns >= wait_min_ns``) was released by
+that clock: it found the tokens spent. A packet that did not wait left as soon as it was
+written: the writer (CPU, compression between chunks), TCP's window or the bucket's credit
+set that moment, and it says nothing about the rate.
 
-(two segments by default: a receiver may hold one ACK back, delayed-ACK style; a value
-after the last reading is unknown, and the interval does not count). Over the longest run
-of backlogged intervals, ``t_a`` to ``t_b``:
+Over the longest run of consecutive stamps ``a .. b`` (key order) whose packets all waited,
+the tokens were spent at both ends, and what was paid for between ``snd_a`` and ``snd_b`` is
+every byte from the start of ``a``'s packet to the start of ``b``'s. A stamp's packet ends
+at its key; it starts after the previous stamp's key when a write fits in one packet
+(writes the kernel merged into one packet share the later key, so that still holds), and at
+the same offset within the write when the writes are of one size. Either way
 
-    backlog_ack_rate_bps = 8 x (acked_last_rise - acked_first_rise)
-                           / (t_last_rise - t_first_rise)
+    queued_departure_rate_bps = 8 x (key_{b-1} - key_{a-1}) / (snd_b - snd_a)
 
-over the readings in ``[t_a + min_rtt, t_b + min_rtt]`` at which ``bytes_acked`` rose
-(``bytes_acked(t)`` above: the last reading at or before ``t``; timing rise to rise keeps an
-ACK's size from quantising the ends). A writer slower than its link
-(compression between chunks), a congestion window or receiver window that held bytes back
-(they are then not yet "sent"), or a delayed last ACK never make an interval backlogged,
-so they give no sample rather than a low one.
+with ``key_{-1} = first_key - 1`` for the upload's first stamp. Writes of different sizes
+that span several packets each shift it by at most one packet in the run's bytes.
 
 **The estimate the keep is planned on** (:func:`conservative_rate_bps`) is the minimum of
 the last ``window`` samples, carried across iterations: a dip lowers the keep from the next
 upload on and holds it for ``window`` uploads, so the worker under-sends rather than
-over-sends while its link wanders (the p99 target is about the dips). A minimum within
-``eps`` of the plan counts as the plan itself: a flow on a link as fast as planned reads a
-little either side of it, and cutting it for that would slow training for nothing.
+over-sends while its link wanders (the p99 target is about the dips). An upload whose
+packets never waited (the link was not the limit) gives no sample and leaves the window as
+it is. A minimum within ``eps`` of the plan counts as the plan itself: a flow on a link as
+fast as planned reads a little either side of it, and cutting it for that would slow
+training for nothing.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-MSS_BYTES = 1448  # a full-size TCP payload at a 1500-byte MTU with timestamps
+from agents.core.ethernet import TCP_MSS_BYTES
+
+# A packet counts as having waited in the shaper after this long: well above the stamps'
+# own jitter (microseconds), below one full-size packet's time at 200 Mbit/s.
+WAIT_MIN_NS = 50_000
 
 
 @dataclass(frozen=True)
-class DrainReading:
-    """One ``TCP_INFO`` reading of the upload connection: ``tcpi_bytes_sent`` (bytes handed
-    to IP, retransmissions included) and ``tcpi_bytes_acked``, at ``ts_ns``."""
+class TxStamp:
+    """The kernel's two transmit timestamps of one write's last byte: ``key`` is the byte's
+    offset in the stream (``SOF_TIMESTAMPING_OPT_ID``), ``sched_ns`` when its packet
+    entered the interface's qdisc, ``snd_ns`` when the qdisc handed it to the driver
+    (both ``CLOCK_REALTIME``)."""
 
-    ts_ns: int
-    bytes_sent: int
-    bytes_acked: int
+    key: int
+    sched_ns: int
+    snd_ns: int
+
+    @property
+    def wait_ns(self) -> int:
+        """How long the packet waited in the qdisc (the shaper)."""
+        return self.snd_ns - self.sched_ns
 
 
-def backlog_ack_rate_bps(readings: Sequence[DrainReading], min_rtt_ns: int,
-                         margin_bytes: int = 2 * MSS_BYTES, min_span_ns: int = 2_000_000,
-                         min_bytes: int = 2 * MSS_BYTES) -> float | None:
-    """The link's rate over the longest backlogged stretch of ``readings`` (time order), in
-    bit/s; see the module docstring for the test and the formula. None when no stretch
-    qualifies, or it lasts under ``min_span_ns`` or carries under ``min_bytes``."""
-    if min_rtt_ns < 0:
-        raise ValueError(f"min_rtt_ns={min_rtt_ns}: must be >= 0")
-    times = [r.ts_ns for r in readings]
-
-    def acked_at(ts_ns: int) -> int | None:
-        if not readings or ts_ns > times[-1]:
-            return None  # after the last reading: not known
-        i = bisect_right(times, ts_ns) - 1
-        return readings[max(i, 0)].bytes_acked
-
-    best: tuple[int, int] | None = None
+def queued_departure_rate_bps(stamps: Sequence[TxStamp], first_key: int = 0,
+                              wait_min_ns: int = WAIT_MIN_NS,
+                              min_span_ns: int = 2_000_000,
+                              min_bytes: int = 2 * TCP_MSS_BYTES) -> float | None:
+    """The shaper's rate over the longest run of consecutive stamps whose packets all
+    waited in it, in bit/s; see the module docstring for the test and the formula.
+    ``first_key`` is the offset of the upload's first byte. None when no run spans at
+    least ``min_span_ns`` and ``min_bytes``."""
+    if wait_min_ns < 0:
+        raise ValueError(f"wait_min_ns={wait_min_ns}: must be >= 0")
+    ordered = sorted(stamps, key=lambda s: s.key)
+    if ordered and ordered[0].key < first_key:
+        raise ValueError(f"stamp key {ordered[0].key} before the upload's first byte "
+                         f"{first_key}")
+    best: tuple[int, int] | None = None  # indices (a, b) of the longest run's ends
     start: int | None = None
-    for i in range(len(readings) - 1):
-        left = acked_at(times[i + 1] + min_rtt_ns)
-        if left is None or readings[i].bytes_sent - left < margin_bytes:
+    for i, stamp in enumerate(ordered):
+        if stamp.wait_ns < wait_min_ns:
             start = None
             continue
-        start = i if start is None else start
-        if best is None or times[i + 1] - times[start] > times[best[1]] - times[best[0]]:
-            best = (start, i + 1)
+        if start is None or stamp.snd_ns <= ordered[i - 1].snd_ns:
+            start = i  # a new run (a departure out of order cannot be timed against it)
+            continue
+        span = stamp.snd_ns - ordered[start].snd_ns
+        if best is None or span > ordered[best[1]].snd_ns - ordered[best[0]].snd_ns:
+            best = (start, i)
     if best is None:
         return None
-    # Time the ACKs from rise to rise inside the stretch, so that an ACK's size (two
-    # segments) does not quantise the span's ends.
-    lo, hi = times[best[0]] + min_rtt_ns, times[best[1]] + min_rtt_ns
-    rises = [b for a, b in zip(readings, readings[1:], strict=False)
-             if b.bytes_acked > a.bytes_acked and lo <= b.ts_ns <= hi]
-    if len(rises) < 2:
+    a, b = best
+
+    def key_before(i: int) -> int:
+        return ordered[i - 1].key if i > 0 else first_key - 1
+
+    span_ns = ordered[b].snd_ns - ordered[a].snd_ns
+    size = key_before(b) - key_before(a)
+    if span_ns < min_span_ns or size < min_bytes:
         return None
-    span_ns = rises[-1].ts_ns - rises[0].ts_ns
-    acked = rises[-1].bytes_acked - rises[0].bytes_acked
-    if span_ns < min_span_ns or acked < min_bytes:
-        return None
-    return 8e9 * acked / span_ns
+    return 8e9 * size / span_ns
 
 
 def conservative_rate_bps(samples: Iterable[float], plan_bps: float,

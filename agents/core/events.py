@@ -99,11 +99,11 @@ _declare("tcp_info", "worker", "one kernel TCP_INFO sample of the upload connect
          pacing_rate_bps="tcpi_pacing_rate (bit/s)",
          total_retrans="retransmitted segments since the connection opened",
          rate_bps="bytes_acked growth since the previous sample (bit/s); null on the first")
-_declare("drain", "worker", "one upload's link rate from its backlogged ACKs "
+_declare("drain", "worker", "one upload's link rate from the kernel's transmit stamps "
          "(adaptive.rate_source = drain, agents.core.drain)",
-         readings="TCP_INFO readings taken during and after the upload",
-         min_rtt_us="tcpi_min_rtt (us)",
-         rate_bps="backlog_ack_rate_bps (bit/s); null: no backlogged stretch to time")
+         stamps="writes of the upload stamped on entering and leaving the shaper",
+         waited="of them, packets that waited in the shaper (>= WAIT_MIN_NS)",
+         rate_bps="queued_departure_rate_bps (bit/s); null: no queued run to time")
 _declare("decision", "worker", "the ratio policy's keep for the chunks not yet sent",
          chunk="index of the chunk about to be compressed",
          r0_bps="reference rate r0 (bit/s)", rt_bps="latest stable rate rt (bit/s)",
@@ -253,6 +253,22 @@ _declare("moe_param_bytes", "expert", "parameter bytes this host held in one ste
          expert_bytes="this host's expert parameters (host memory)",
          host_peak_bytes="zero3 peak + zero2 + expert",
          host_freed_bytes="zero3 freed + zero2 + expert")
+_declare("moe_grad_bytes", "expert", "gradient bytes this host held in one step around "
+         "each shared class's reduce-scatter (sum of the distinct storages, "
+         "agents.moe.zero.storage_bytes)",
+         zero3_grad_peak_bytes="split class at the end of its reduce-scatter: full buffer + "
+                               "summed shard",
+         zero3_grad_freed_bytes="split class after the buffer's free: the summed shard alone",
+         zero3_grad_peak_formula_bytes="4 ceil(N/H) (H + 1)",
+         zero3_grad_freed_formula_bytes="4 ceil(N/H)",
+         zero2_grad_peak_bytes="unsplit class at the end of its reduce-scatter: full buffer "
+                               "+ summed shard",
+         zero2_grad_freed_bytes="unsplit class after the buffer's free: the summed shard "
+                                "alone",
+         zero2_grad_peak_formula_bytes="4 ceil(N/H) (H + 1)",
+         zero2_grad_freed_formula_bytes="4 ceil(N/H)",
+         grad_buffers_kept_alive="freed gradient buffers something else still held (0)",
+         expert_grad_bytes="this host's expert gradients (whole: never reduced)")
 _declare("moe_step", "expert", "one training step is over on this expert host",
          loss="cross entropy + aux_loss_coef x aux loss", ce="cross entropy",
          aux="sum of the layers' load-balancing losses", step_s="step time (s)",

@@ -37,6 +37,11 @@ class MoEConfig:
     port: int = 6000                  # expert hosts listen here (loopback: port + host index)
     crc: bool = True                  # CRC-32 on every payload
     eval_every: int = 10              # host 0 evaluates held-out accuracy every N steps
+    # The combine waits until every host holds its dispatch (each host tells every peer,
+    # DISPATCH_DONE), so no combine shares a link with a dispatch still under way; false =
+    # a host sends its experts' outputs as soon as they are computed (more overlap, and a
+    # dispatch slowed by early hosts' combine traffic on its busiest link: docs/moe.md).
+    combine_after_dispatch: bool = True
     # Expert offload (agents/moe/expert_offload.py): a host's experts live in host memory
     # and move into a device budget of this many bytes when used; 0 = no offload (every
     # expert always in place). Smaller = more transfers, less device memory.

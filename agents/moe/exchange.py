@@ -10,8 +10,11 @@ exchanges with every other host (``step_phases`` gives it as data):
    chunk ``CHUNK_ZERO3``);
 2. per layer, forward: ``COUNTS`` (phase 1 of dispatch: how many rows this host sends to
    each of the receiver's experts, int32), ``TOKENS`` (phase 2: exactly those rows,
-   expert by expert in slot order), ``EXPERT_OUT`` (the experts' outputs, back in the
-   same order);
+   expert by expert in slot order), ``DISPATCH_DONE`` (with ``moe.combine_after_dispatch``:
+   this host holds every row of the dispatch; int32, the rows it got from the receiver,
+   who checks them against the rows it sent; sent right after the dispatch, read before
+   the combine, so no host sends a combine frame before every host holds its dispatch),
+   ``EXPERT_OUT`` (the experts' outputs, back in the same order);
 3. ``ALL_GATHER`` of the ZeRO-3 shards again (the full copy was freed after the forward;
    chunk ``CHUNK_ZERO3_BWD``), then per layer, backward in reverse: ``EXPERT_OUT_GRAD`` (gradients of the outputs, to the
    experts), ``TOKENS_GRAD`` (gradients of the dispatched rows, back to their owners);
@@ -51,14 +54,17 @@ class Phase:
         return f"{self.kind.name}:{self.layer}" if self.layer >= 0 else self.kind.name
 
 
-def step_phases(layers: int, *, zero3: bool = True, zero2: bool = True) -> list[Phase]:
+def step_phases(layers: int, *, zero3: bool = True, zero2: bool = True,
+                combine_after_dispatch: bool = True) -> list[Phase]:
     """The order of a step's exchanges (see the module docstring)."""
     out: list[Phase] = []
     if zero3:
         out.append(Phase(MsgType.ALL_GATHER, -1, CHUNK_ZERO3))
     for lay in range(layers):
-        out += [Phase(MsgType.COUNTS, lay, lay), Phase(MsgType.TOKENS, lay, lay),
-                Phase(MsgType.EXPERT_OUT, lay, lay)]
+        out += [Phase(MsgType.COUNTS, lay, lay), Phase(MsgType.TOKENS, lay, lay)]
+        if combine_after_dispatch:
+            out.append(Phase(MsgType.DISPATCH_DONE, lay, lay))
+        out.append(Phase(MsgType.EXPERT_OUT, lay, lay))
     if zero3:
         out.append(Phase(MsgType.ALL_GATHER, -1, CHUNK_ZERO3_BWD))
     for lay in reversed(range(layers)):
@@ -108,3 +114,12 @@ def check_counts(counts: torch.Tensor, capacity: int, peer: str, layer: int) -> 
             raise FrameError(f"{peer}: COUNTS layer {layer}: count {c} for local expert {e} "
                              f"is outside [0, capacity={capacity}]")
     return values
+
+
+def check_done(done: torch.Tensor, rows_sent: int, peer: str, layer: int) -> None:
+    """A ``DISPATCH_DONE`` from ``peer``: the rows it says it got from this host must be
+    the rows this host sent it."""
+    got = int(done.reshape(-1)[0])
+    if got != rows_sent:
+        raise FrameError(f"{peer}: DISPATCH_DONE layer {layer}: says it got {got} rows, "
+                         f"this host sent {rows_sent}")

@@ -11,6 +11,13 @@ host (one routing group: its own batch):
 3. dispatch phase 2, ``TOKENS``: send exactly those rows, expert by expert in slot order;
 4. every host runs each of its experts once on the rows from all hosts, in host order;
 5. combine, ``EXPERT_OUT``: send each host its rows' outputs back in the order they came.
+   With ``moe.combine_after_dispatch`` (the default) a host tells every peer it holds
+   its dispatch (``DISPATCH_DONE``, right after phase 3) and sends no combine frame
+   before every peer has told it the same: otherwise a host whose rows all came early
+   sends its outputs while a slower host still receives tokens, and that traffic shares
+   the slower dispatch's busiest link (docs/moe.md: 10-15 % of its bytes). An early host
+   cannot end its combine before the slowest host's outputs reach it anyway; the
+   timeline shows its wait as ``dispatch_done``.
 
 Phases 3 and 5 are autograd functions: their backward is the reverse exchange
 (``EXPERT_OUT_GRAD``, ``TOKENS_GRAD``) with the sizes already known. The same layer in
@@ -35,7 +42,7 @@ import torch
 
 from agents.codec import HEADER_SIZE, DType, MsgType
 from agents.core.moe_config import MoEConfig
-from agents.moe.exchange import check_counts
+from agents.moe.exchange import check_counts, check_done
 from agents.moe.expert_offload import ExpertOffload
 from agents.moe.layer import Expert, MoELayer
 from agents.moe.mesh import Mesh
@@ -159,10 +166,12 @@ class Exchange:
 class MeshRunner:
     """A :data:`~agents.moe.layer.Runner` that runs the layer's experts on their hosts."""
 
-    def __init__(self, mesh: Mesh, layer_index: int, experts: int) -> None:
+    def __init__(self, mesh: Mesh, layer_index: int, experts: int, *,
+                 combine_after_dispatch: bool = True) -> None:
         self.mesh = mesh
         self.layer_index = layer_index
         self.experts = experts
+        self.combine_after_dispatch = combine_after_dispatch
         self.step = 0
         self.chunk_base = 0
         self.log = StepLog()
@@ -197,6 +206,14 @@ class MeshRunner:
         received = dict(zip(mesh.peers, dispatch([rows_for(p) for p in mesh.peers]),
                             strict=True))
         received[me] = rows_for(me)
+        if self.combine_after_dispatch:
+            # Tell every peer this host holds its dispatch (and how many rows came from
+            # it); read theirs before the combine, after the experts ran.
+            up0 = sum(mesh.sent.values())
+            mesh.post(MsgType.DISPATCH_DONE, self.step, chunk,
+                      {p: torch.tensor([sum(counts_from[p])], dtype=torch.int32)
+                       for p in mesh.peers})
+            done_up = sum(mesh.sent.values()) - up0
         # Experts: each runs once on the rows of all hosts, host 0's first.
         t0 = now_ns()
         by_src = {h: torch.split(received[h], counts_from[h]) for h in range(H)}
@@ -210,6 +227,17 @@ class MeshRunner:
                 outs_by_src[h].append(part)
         back_to = {h: torch.cat(outs_by_src[h]) for h in range(H)}
         self.log.phases.append(PhaseRecord("expert", lay, t0, now_ns()))
+        if self.combine_after_dispatch:
+            # No combine frame leaves before every host holds its dispatch.
+            t0, down0 = now_ns(), sum(mesh.received.values())
+            done = mesh.collect(MsgType.DISPATCH_DONE, self.step, chunk,
+                                dict.fromkeys(mesh.peers, 1), DType.INT32)
+            for p in mesh.peers:
+                check_done(done[p], sum(counts_to[p]), f"expert host {me} <- {p}", lay)
+            self.log.phases.append(PhaseRecord(
+                "dispatch_done", lay, t0, now_ns(), done_up,
+                sum(mesh.received.values()) - down0, 4 * len(mesh.peers),
+                4 * len(mesh.peers)))
         # Combine: outputs back to their hosts, in the order the rows came.
         combine = Exchange(mesh, self.log, self.step, lay, chunk, width, MsgType.EXPERT_OUT,
                            MsgType.EXPERT_OUT_GRAD, "combine", "combine_grad",
@@ -240,7 +268,8 @@ class ExpertHost:
             assert isinstance(layer, MoELayer)
             layer.keep_experts(self.mine)
             if mesh is not None and cfg.hosts > 1:
-                r = MeshRunner(mesh, i, cfg.experts)
+                r = MeshRunner(mesh, i, cfg.experts,
+                               combine_after_dispatch=cfg.combine_after_dispatch)
                 layer.runner = r
                 self.runners.append(r)
         self.opt = ShardedOptimizer(self.model, hosts=cfg.hosts, me=me,
@@ -319,7 +348,8 @@ class ExpertHost:
                 "aux": float(self.model.aux_loss.detach()),
                 "step_s": (t_end - t_start) / 1e9, "routing": routing,
                 "bytes_by_class": self.opt.bytes_by_class(),
-                "param_bytes": self.opt.param_bytes(), "offload": offload}
+                "param_bytes": self.opt.param_bytes(), "grad_bytes": self.opt.grad_bytes(),
+                "offload": offload}
 
     @torch.no_grad()
     def evaluate(self, step: int, n_images: int = 360) -> dict[str, float]:

@@ -214,14 +214,13 @@ class Mesh:
         if set(sends) != set(self.peers) or set(recv_numel) != set(self.peers):
             raise ValueError(f"exchange: sends to {sorted(sends)} and receives from "
                              f"{sorted(recv_numel)}, expected every peer {sorted(self.peers)}")
+        if (max(t.numel() * t.element_size() for t in sends.values()) <= INLINE_MAX_BYTES
+                and max(recv_numel.values()) * dtype.itemsize <= INLINE_MAX_BYTES):
+            self.post(kind, iteration, chunk, sends)
+            return self.collect(kind, iteration, chunk, recv_numel, dtype)
         expects = {j: Expect(kind, iteration, chunk, j, dtype, recv_numel[j])
                    for j in self.peers}
         try:
-            if (max(t.numel() * t.element_size() for t in sends.values()) <= INLINE_MAX_BYTES
-                    and max(recv_numel.values()) * dtype.itemsize <= INLINE_MAX_BYTES):
-                for j in self.peers:
-                    self._send(j, sends[j], kind, iteration, chunk)
-                return {j: self._recv(j, expects[j]) for j in self.peers}
             futs_send = [self._pool.submit(self._send, j, sends[j], kind, iteration, chunk)
                          for j in self.peers]
             futs_recv = {j: self._pool.submit(self._recv, j, expects[j]) for j in self.peers}
@@ -229,12 +228,59 @@ class Mesh:
             for f in futs_send:
                 f.result()
         except BaseException:
-            # A bad frame or a dead peer: the stream is out of sync, and the other
-            # threads may wait forever on peers that wait on us. Shut every connection.
-            for s in self.socks.values():
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            self._abort()
             raise
         return out
+
+    def post(self, kind: MsgType, iteration: int, chunk: int,
+             sends: Mapping[int, torch.Tensor]) -> None:
+        """The sending half of an all-to-all of small frames, on the calling thread:
+        ``sends[j]`` (at most :data:`INLINE_MAX_BYTES`) to every peer j. Its receiving
+        half, :meth:`collect`, may come later (the frames wait in the peers' buffers)."""
+        if self.hosts == 1:
+            return
+        assert self._pool is not None, "Mesh.post before open()"
+        if set(sends) != set(self.peers):
+            raise ValueError(f"post: sends to {sorted(sends)}, expected every peer "
+                             f"{sorted(self.peers)}")
+        big = [j for j, t in sends.items() if t.numel() * t.element_size() > INLINE_MAX_BYTES]
+        if big:
+            raise ValueError(f"post: frames to {big} exceed {INLINE_MAX_BYTES} bytes")
+        try:
+            for j in self.peers:
+                self._send(j, sends[j], kind, iteration, chunk)
+        except BaseException:
+            self._abort()
+            raise
+
+    def collect(self, kind: MsgType, iteration: int, chunk: int,
+                recv_numel: Mapping[int, int],
+                dtype: DType = DType.FLOAT32) -> dict[int, torch.Tensor]:
+        """The receiving half of an all-to-all of small frames, on the calling thread:
+        from every peer j exactly ``recv_numel[j]`` elements (at most
+        :data:`INLINE_MAX_BYTES` bytes) of ``dtype`` in a ``kind`` frame of this step and
+        chunk."""
+        if self.hosts == 1:
+            return {}
+        assert self._pool is not None, "Mesh.collect before open()"
+        if set(recv_numel) != set(self.peers):
+            raise ValueError(f"collect: receives from {sorted(recv_numel)}, expected every "
+                             f"peer {sorted(self.peers)}")
+        if max(recv_numel.values()) * dtype.itemsize > INLINE_MAX_BYTES:
+            raise ValueError(f"collect: frames over {INLINE_MAX_BYTES} bytes")
+        try:
+            return {j: self._recv(j, Expect(kind, iteration, chunk, j, dtype, recv_numel[j]))
+                    for j in self.peers}
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        """A bad frame or a dead peer: the streams are out of sync, and other threads (here
+        and on the peers) may wait forever on peers that wait on us. Shut every
+        connection."""
+        for s in self.socks.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -53,10 +53,28 @@ storage. So the forward runs under :meth:`ShardedOptimizer.saving_gathered`
 (``torch.autograd.graph.saved_tensors_hooks``, the role of DeepSpeed's ZeRO-3 linear
 wrapper): a saved tensor on the gathered buffer is kept as its place (size, stride,
 offset) and rebuilt from the buffer the backward's gather brought in; a backward that
-skipped that gather raises. The gradient buffer stays full-size (``H x S``): the
-gradients are reduce-scattered from it, and sharding them too is ZeRO's stage 2 for
-gradients, which this class does not do. ``zero2`` keeps the full parameters
-(``4 H S`` bytes) on every host.
+skipped that gather raises. ``zero2`` keeps the full parameters (``4 H S`` bytes) on
+every host.
+
+Gradients of both shared classes (ZeRO's gradient partitioning, stages 2 and 3). A host
+needs its full local gradient only until the reduce-scatter has sent every peer its
+shard, and keeps only the summed shard of its own after it. :meth:`ShardedClass.zero_grad`
+allocates a fresh gradient buffer of ``H x S`` elements (the parameters' ``grad`` are its
+slices, so the backward accumulates into it); :meth:`ShardedClass.reduce_scatter` sums
+this host's shard over the hosts into a tensor of its own (``grad_shard``, ``S``
+elements), then frees the buffer: every parameter's ``grad`` becomes None and the class
+drops its last reference, so its storage goes back to the allocator (a weak reference
+to it must have expired, or ``grad_buffers_kept_alive`` counts it). The gradient bytes
+the class holds (:func:`storage_bytes` over the parameters' ``grad`` and ``grad_shard``)
+are
+
+    grad_bytes = 4 S (H + 1)    at the end of the reduce-scatter (buffer + summed shard)
+    grad_bytes = 4 S            after it frees the buffer (the shard alone)
+
+(:func:`grad_resident_bytes`). Not counted: the reduce-scatter's ``H - 1`` receive
+tensors of ``S`` elements (the peers' contributions to this shard), which the mesh
+allocates and which go when the sum is made. The expert class's gradients stay whole:
+they are never reduced.
 """
 
 from __future__ import annotations
@@ -115,6 +133,16 @@ def zero3_resident_bytes(numel: int, hosts: int, *, gathered: bool) -> int:
     return FLOAT32_BYTES * shard * ((hosts + 1) if gathered else 1)
 
 
+def grad_resident_bytes(numel: int, hosts: int, *, freed: bool) -> int:
+    """Gradient bytes a host holds for a shared class of ``numel`` elements (module
+    docstring): ``4 S (H + 1)`` at the end of the reduce-scatter, ``4 S`` after it frees
+    the buffer, ``S = ceil(N / H)``."""
+    if numel == 0:
+        return 0
+    shard = math.ceil(numel / hosts)
+    return FLOAT32_BYTES * shard * (1 if freed else hosts + 1)
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``: what they keep allocated (a
     storage shared by several views counts once; a freed, 0-element tensor counts 0)."""
@@ -140,14 +168,19 @@ class ClassStats:
     """Bytes this class put on this host's uplink in the current (or last) step, by
     collective, and the parameter bytes it held (:func:`storage_bytes`): the most
     after any gather and the last after a free, and how many freed buffers something
-    else still kept allocated; :meth:`ShardedOptimizer.begin_step`
-    zeroes them."""
+    else still kept allocated; the same for its gradients around the reduce-scatter.
+    :meth:`ShardedOptimizer.begin_step` zeroes them."""
 
     reduce_scatter_bytes: int = 0
     all_gather_bytes: int = 0
     peak_resident_bytes: int = 0
     freed_resident_bytes: int = 0
     buffers_kept_alive: int = 0
+    # Gradient bytes (module docstring): at the end of the reduce-scatter and after it
+    # freed the buffer, and freed gradient buffers something else still kept allocated.
+    grad_peak_bytes: int = 0
+    grad_freed_bytes: int = 0
+    grad_buffers_kept_alive: int = 0
 
 
 class ShardedClass:
@@ -156,7 +189,8 @@ class ShardedClass:
     zero2: ``flat`` holds the full parameters (each a view of it) and ``shard`` is this
     host's slice of it. zero3: ``shard`` is a tensor of its own and ``flat`` exists only
     between :meth:`all_gather` and :meth:`release` (module docstring); the class starts
-    freed."""
+    freed. Both: ``flat_grad`` exists only between :meth:`zero_grad` and the end of
+    :meth:`reduce_scatter`, ``grad_shard`` (this host's summed gradient shard) after it."""
 
     def __init__(self, kind: ParamClass, params: list[tuple[str, nn.Parameter]], hosts: int,
                  me: int) -> None:
@@ -171,16 +205,14 @@ class ShardedClass:
         self.shard_numel = math.ceil(self.numel / hosts) if self.numel else 0
         total = self.shard_numel * hosts
         flat = torch.zeros(total)
-        self.flat_grad = torch.zeros(total)
         off = 0
         for p, n in zip(self.params, self._numels(), strict=True):
             flat[off:off + n].copy_(p.data.reshape(-1))
+            p.grad = None
             off += n
         self._point_at(flat)
-        off = 0
-        for p, n in zip(self.params, self._numels(), strict=True):
-            p.grad = self.flat_grad[off:off + n].view_as(p)
-            off += n
+        self.flat_grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
         self.flat: torch.Tensor | None = flat
         self.shard = self.part(flat, me).clone() if self.split else self.part(flat, me)
         self.momentum = torch.zeros(self.shard_numel)
@@ -227,19 +259,57 @@ class ShardedClass:
         over its parameters and its shard)."""
         return storage_bytes([*self.params, self.shard])
 
+    def grad_bytes(self) -> int:
+        """Gradient bytes this class keeps allocated on this host (:func:`storage_bytes`
+        over its parameters' ``grad`` and its summed shard)."""
+        held = [p.grad for p in self.params if p.grad is not None]
+        return storage_bytes(held + ([] if self.grad_shard is None else [self.grad_shard]))
+
+    def zero_grad(self) -> None:
+        """A fresh, zeroed gradient buffer of ``H x S`` elements for the backward to
+        accumulate into (the parameters' ``grad`` are its slices); the last step's summed
+        shard, already applied, goes. zero3: the parameters must be gathered (a
+        parameter's ``grad`` has its shape)."""
+        if self.split and self.flat is None and self.numel:
+            raise RuntimeError("ZeRO-3: zero_grad needs the split parameters gathered "
+                               "(gather_before_use first)")
+        self.grad_shard = None
+        self.flat_grad = torch.zeros(self.shard_numel * self.hosts)
+        off = 0
+        for p, n in zip(self.params, self._numels(), strict=True):
+            p.grad = self.flat_grad[off:off + n].view_as(p)
+            off += n
+
     def reduce_scatter(self, mesh: Mesh | None, step: int) -> torch.Tensor:
-        """Sum of every host's gradient, this host's shard (summed in host order)."""
-        mine = self.part(self.flat_grad, self.me)
+        """Sum of every host's gradient, this host's shard (summed in host order), kept
+        as ``grad_shard``; the full gradient buffer is freed (module docstring)."""
+        flat_grad = self.flat_grad
+        if flat_grad is None:
+            raise RuntimeError(f"{self.kind.value}: reduce_scatter without a gradient buffer "
+                               "(zero_grad before the backward)")
+        mine = self.part(flat_grad, self.me)
         if mesh is None or self.hosts == 1 or self.numel == 0:
-            return mine.clone()
-        before = sum(mesh.sent.values())
-        got = mesh.exchange(MsgType.REDUCE_SCATTER, step, self.chunk,
-                            {j: self.part(self.flat_grad, j) for j in mesh.peers},
-                            dict.fromkeys(mesh.peers, self.shard_numel))
-        self.stats.reduce_scatter_bytes += sum(mesh.sent.values()) - before
-        total = torch.zeros(self.shard_numel)
-        for h in range(self.hosts):
-            total += mine if h == self.me else got[h]
+            total = mine.clone()
+        else:
+            before = sum(mesh.sent.values())
+            got = mesh.exchange(MsgType.REDUCE_SCATTER, step, self.chunk,
+                                {j: self.part(flat_grad, j) for j in mesh.peers},
+                                dict.fromkeys(mesh.peers, self.shard_numel))
+            self.stats.reduce_scatter_bytes += sum(mesh.sent.values()) - before
+            total = torch.zeros(self.shard_numel)
+            for h in range(self.hosts):
+                total += mine if h == self.me else got[h]
+            del got
+        self.grad_shard = total
+        self.stats.grad_peak_bytes = max(self.stats.grad_peak_bytes, self.grad_bytes())
+        # Free the full-size gradient: only the summed shard stays.
+        buffer = StorageWeakRef(flat_grad.untyped_storage())
+        for p in self.params:
+            p.grad = None
+        del mine, flat_grad
+        self.flat_grad = None
+        self.stats.grad_freed_bytes = self.grad_bytes()
+        self.stats.grad_buffers_kept_alive += int(not buffer.expired())
         return total
 
     def all_gather(self, mesh: Mesh | None, step: int, chunk: int | None = None) -> None:
@@ -316,8 +386,10 @@ class ShardedOptimizer:
         self.expert_numel = sum(p.numel() for p in self.expert_params)
 
     def zero_grad(self) -> None:
+        """Fresh gradient buffers for the shared classes (:meth:`ShardedClass.zero_grad`;
+        zero3 must be gathered), the experts' gradients zeroed in place."""
         for c in self.classes.values():
-            c.flat_grad.zero_()
+            c.zero_grad()
         for p in self.expert_params:
             assert p.grad is not None
             p.grad.zero_()
@@ -382,3 +454,24 @@ class ShardedOptimizer:
             "host_peak_bytes": z3.stats.peak_resident_bytes + zero2 + expert,
             "host_freed_bytes": z3.stats.freed_resident_bytes + zero2 + expert,
         }
+
+    def grad_bytes(self) -> dict[str, int]:
+        """Gradient bytes this host held in the step since :meth:`begin_step`
+        (:func:`storage_bytes`): each shared class at the end of its reduce-scatter and
+        after it freed its buffer, with their formulas (:func:`grad_resident_bytes`), how
+        many freed buffers something else still held, and the experts' (whole, never
+        reduced)."""
+        out: dict[str, int] = {}
+        for c in (ParamClass.ZERO3, ParamClass.ZERO2):
+            sc = self.classes[c]
+            out |= {f"{c.value}_grad_peak_bytes": sc.stats.grad_peak_bytes,
+                    f"{c.value}_grad_freed_bytes": sc.stats.grad_freed_bytes,
+                    f"{c.value}_grad_peak_formula_bytes":
+                        grad_resident_bytes(sc.numel, sc.hosts, freed=False),
+                    f"{c.value}_grad_freed_formula_bytes":
+                        grad_resident_bytes(sc.numel, sc.hosts, freed=True)}
+        out["grad_buffers_kept_alive"] = sum(sc.stats.grad_buffers_kept_alive
+                                             for sc in self.classes.values())
+        out["expert_grad_bytes"] = storage_bytes(
+            [p.grad for p in self.expert_params if p.grad is not None])
+        return out

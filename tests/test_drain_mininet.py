@@ -1,0 +1,76 @@
+"""Real Mininet: ``adaptive.rate_source = "drain"`` reads a worker's own shaped uplink from
+the kernel's transmit stamps (agents/txstamps.py, agents/core/drain.py).
+
+w0's uplink is the HTB on its own interface, as in every gradbed run. Through it:
+
+- w0's compressed case (11 writes of 3.5 KB, 0.9 ms apart, onto 10 Mbit/s with the default
+  10 ms bucket) reads the link's TCP payload rate within 5 % in most uploads, and never
+  more than 5 % above it;
+- a dense 340 KB in 32 KB writes onto 100 Mbit/s never reads above the link, and its median
+  stays inside the band the policy counts as the plan (eps = 0.2): a write spans three
+  packets and only its last is stamped, so an idle gap before an unstamped one lowers the
+  figure (78-96 Mbit/s was read with the machine busy), never raises it;
+- a writer slower than its 100 Mbit/s link (5 KB every 3 ms) gives no sample at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_topo_mininet import assert_nothing_left
+from topo.build import StarNetwork
+from topo.shapes.star import StarSpec
+from topo.spec import TCP_GOODPUT_FRACTION, LinkSpec
+
+pytestmark = pytest.mark.mininet
+REPO = Path(__file__).resolve().parents[1]
+PORT = 7011
+
+
+def uploads(net: StarNetwork, n: int, chunks: int, chunk_bytes: int,
+            gap_ms: float) -> dict[str, list]:
+    py, env = sys.executable, {**os.environ, "PYTHONPATH": str(REPO)}
+    server = net.popen("ps", [py, str(REPO / "tests" / "stamp_probe.py"), "serve",
+                              str(PORT)], cwd=REPO, env=env)
+    try:
+        assert net.wait_listening("ps", PORT)
+        out = net.run("w0", [py, str(REPO / "tests" / "stamp_probe.py"), "probe",
+                             net.ip("ps"), str(PORT), str(n), str(chunks), str(chunk_bytes),
+                             str(gap_ms)], timeout_s=60).stdout
+        server.wait(timeout=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_kernels_stamps_read_the_workers_own_uplink() -> None:
+    spec = StarSpec(workers=1, worker_link=LinkSpec(rate_mbps=10),
+                    bottleneck_up=LinkSpec(rate_mbps=None),
+                    bottleneck_down=LinkSpec(rate_mbps=None))
+    with StarNetwork(spec) as net:
+        slow = uploads(net, 8, 11, 3_500, 0.9)
+        payload_bps = 10e6 * TCP_GOODPUT_FRACTION
+        assert all(n >= 1 for n in slow["stamps"]), slow
+        timed = [r for r in slow["rates_bps"] if r is not None]
+        assert len(timed) >= 6, slow
+        assert statistics.median(timed) == pytest.approx(payload_bps, rel=0.05), slow
+        assert max(timed) <= 1.05 * payload_bps, slow
+
+        net.set_point_rate("w0.up", 100)
+        dense = uploads(net, 5, 11, 32_768, 0.0)
+        timed = [r for r in dense["rates_bps"] if r is not None]
+        assert len(timed) >= 4, dense
+        fast_bps = 100e6 * TCP_GOODPUT_FRACTION
+        assert max(timed) <= 1.05 * fast_bps, dense
+        assert statistics.median(timed) >= 0.8 * fast_bps, dense
+
+        writer = uploads(net, 5, 11, 5_000, 3.0)
+        assert writer["rates_bps"] == [None] * 5, writer
+    assert_nothing_left()
