@@ -13,7 +13,7 @@ exit. Every agent is still its own process with its own pid, sockets, signals an
 status; what is shared is only the import work done before the fork.
 
 :func:`spawn` falls back to a plain :class:`subprocess.Popen` (a fresh interpreter) when
-``GRADBED_TEST_WARM=0``, when the command is not ``sys.executable -m MODULE ...``, or
+``GRADBED_TEST_WARM=0``, when the command is not ``sys.executable -m MODULE ...`` (or asks for a stderr pipe), or
 when the test's environment differs from the one the warm process was started with (a
 variable read at import time would otherwise be missed). The Mininet tests and the CLI
 tests always start fresh interpreters.
@@ -242,25 +242,32 @@ class WarmProcess:
 _WARM: list[_Warm] = []
 
 
-def _fd_for(spec: Any, inherit: int, opened: list[int]) -> int:
-    """The file descriptor to pass for one of Popen's stdio arguments (not PIPE)."""
+def _stdio(spec: Any, target: int, opened: list[int]) -> tuple[IO[bytes] | None, int]:
+    """For one of Popen's stdio arguments (``target`` 0, 1 or 2): our end of a pipe (or
+    None) and the file descriptor to pass to the child. Descriptors opened here are added
+    to ``opened``, to be closed once passed."""
     if spec is None:
-        return inherit
+        return None, target
+    if spec == subprocess.PIPE:
+        r, w = os.pipe()
+        mine, theirs = (w, r) if target == 0 else (r, w)
+        opened.append(theirs)
+        return open(mine, "wb" if target == 0 else "rb"), theirs
     if spec == subprocess.DEVNULL:
         fd = os.open(os.devnull, os.O_RDWR)
         opened.append(fd)
-        return fd
-    return spec if isinstance(spec, int) else spec.fileno()
+        return None, fd
+    return None, spec if isinstance(spec, int) else spec.fileno()
 
 
 def spawn(argv: list[str], *, cwd: Path | str, stdin: Any = None, stdout: Any = None,
           stderr: Any = None) -> subprocess.Popen[bytes] | WarmProcess:
     """Start ``argv`` (``[sys.executable, "-m", module, *args]``) as a child of the warm
     process, or as a fresh interpreter (see the module docstring). ``stdin``, ``stdout``
-    and ``stderr`` take what :class:`subprocess.Popen` takes for them (``PIPE``,
-    ``DEVNULL``, ``STDOUT`` for stderr, a file, or None to inherit)."""
+    and ``stderr`` take what :class:`subprocess.Popen` takes for them (``PIPE`` but not
+    for stderr, ``DEVNULL``, ``STDOUT`` for stderr, a file, or None to inherit)."""
     warm_ok = (os.environ.get("GRADBED_TEST_WARM", "1") != "0" and len(argv) >= 3
-               and argv[0] == sys.executable and argv[1] == "-m")
+               and argv[0] == sys.executable and argv[1] == "-m" and stderr != subprocess.PIPE)
     if warm_ok and _WARM and _WARM[0].env != _WARM[0]._env(os.environ):
         warm_ok = False
     if not warm_ok:
@@ -269,20 +276,9 @@ def spawn(argv: list[str], *, cwd: Path | str, stdin: Any = None, stdout: Any = 
         _WARM.append(_Warm())
     warm = _WARM[0]
     opened: list[int] = []  # the child's ends, closed here once passed
-    mine_in = mine_out = None
-    if stdin == subprocess.PIPE:
-        r, w = os.pipe()
-        opened.append(r)
-        mine_in, fd_in = open(w, "wb"), r
-    else:
-        fd_in = _fd_for(stdin, 0, opened)
-    if stdout == subprocess.PIPE:
-        r, w = os.pipe()
-        opened.append(w)
-        mine_out, fd_out = open(r, "rb"), w
-    else:
-        fd_out = _fd_for(stdout, 1, opened)
-    fd_err = fd_out if stderr == subprocess.STDOUT else _fd_for(stderr, 2, opened)
+    mine_in, fd_in = _stdio(stdin, 0, opened)
+    mine_out, fd_out = _stdio(stdout, 1, opened)
+    fd_err = fd_out if stderr == subprocess.STDOUT else _stdio(stderr, 2, opened)[1]
     try:
         reply = warm.request({"op": "spawn", "module": argv[2], "args": argv[3:],
                               "cwd": str(cwd), "env": dict(os.environ)},
