@@ -13,10 +13,10 @@ exit. Every agent is still its own process with its own pid, sockets, signals an
 status; what is shared is only the import work done before the fork.
 
 :func:`spawn` falls back to a plain :class:`subprocess.Popen` (a fresh interpreter) when
-``GRADBED_TEST_WARM=0``, when the command is not ``sys.executable -m MODULE ...`` (or asks for a stderr pipe), or
-when the test's environment differs from the one the warm process was started with (a
-variable read at import time would otherwise be missed). The Mininet tests and the CLI
-tests always start fresh interpreters.
+``GRADBED_TEST_WARM=0``, when the command is not ``sys.executable -m MODULE ...`` or asks
+for a stderr pipe, or when the test's environment differs from the one the warm process
+was started with (a variable read at import time would otherwise be missed; see
+``_ENV_IGNORED``). The Mininet tests and the CLI tests always start fresh interpreters.
 
 The protocol: one ``SOCK_SEQPACKET`` socket pair; the client sends one JSON request per
 packet (``spawn``, with the child's stdin, stdout and stderr as three passed file
