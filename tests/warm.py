@@ -196,6 +196,9 @@ class _Warm:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        if self.log.exists() and self.log.stat().st_size == 0:  # kept only if it says why
+            self.log.unlink()
 
 
 class WarmProcess:
