@@ -384,11 +384,13 @@ class Worker:
         # is compressed, so the ratio policy sees every byte sent before it decides.
         lookahead = 1 if self.stager.asynchronous else 0
         ready: list[tuple[int, Staged, dict[str, Any], float, float, float]] = []
-        drain = self.cfg.adaptive.rate_source == "drain" and self.policy.decides_in_flight
-        if drain:
+        # rate_source "drain": the kernel stamps this upload's writes (agents.txstamps).
+        stamps: TxStampReader | None = None
+        if self.cfg.adaptive.rate_source == "drain" and self.policy.decides_in_flight:
             if self.stamps is None:
                 self.stamps = TxStampReader(self.sock)
-            self.stamps.start_upload()
+            stamps = self.stamps
+            stamps.start_upload()
 
         def send(c: int, staged: Staged, stats: dict[str, Any], ratio: float, keep: float,
                  dt: float) -> None:
@@ -402,8 +404,8 @@ class Worker:
                                   mac=self.session.up)
             wire_bytes += n
             sent_raw += (e - s) * 4
-            if self.stamps is not None and drain:
-                self.stamps.wrote(n)
+            if stamps is not None:
+                stamps.wrote(n)
             self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
                           ratio=ratio, keep=keep,
                           raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
@@ -435,7 +437,7 @@ class Worker:
         send_s = time.perf_counter() - t0 - compress_s
         if self.cfg.adaptive.rate_source == "upload" and self.policy.decides_in_flight:
             self.time_upload()
-        if drain:
+        if stamps is not None:
             self.time_drain()
         self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s,
                       start_ns=start_ns)

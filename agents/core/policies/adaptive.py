@@ -187,8 +187,8 @@ class AdaptiveRatio:
         # Drain samples come after an upload, and not from every one: the last drain_window
         # samples are the estimator, so they carry over whenever r0 is the same fixed plan,
         # and rt is their conservative rate (agents.core.drain.conservative_rate_bps). An
-        # upload without a sample leaves them as they are: a slow link that a long upload
-        # hides from the backlog test must not fall back to the (dense) plan.
+        # upload without a sample (none of its packets waited in the shaper) leaves them as
+        # they are: a slow link must not fall back to the (dense) plan between samples.
         if self.config.rate_source == "drain":
             if not same_r0 or r0_bps is None:
                 self._drains.clear()
