@@ -6,10 +6,12 @@ w0's uplink is the HTB on its own interface, as in every gradbed run. Through it
 - w0's compressed case (11 writes of 3.5 KB, 0.9 ms apart, onto 10 Mbit/s with the default
   10 ms bucket) reads the link's TCP payload rate within 5 % in most uploads, and never
   more than 5 % above it;
-- a dense 340 KB in 32 KB writes onto 100 Mbit/s never reads above the link, and its median
-  stays inside the band the policy counts as the plan (eps = 0.2): a write spans three
-  packets and only its last is stamped, so an idle gap before an unstamped one lowers the
-  figure (78-96 Mbit/s was read with the machine busy), never raises it;
+- a dense 340 KB in 32 KB writes onto 100 Mbit/s: its median stays inside the band the
+  policy counts as the plan (eps = 0.2). Single uploads there read 78-101 Mbit/s of a
+  95.6 Mbit/s payload rate: a write spans three packets and only its last is stamped, so
+  an idle gap before an unstamped one reads low; and on a busy CPU a packet can wait for
+  the qdisc to run while the bucket still holds credit (125 KB at this rate), which reads
+  high. Above the plan a sample counts as the plan, so neither cuts the worker;
 - a writer slower than its 100 Mbit/s link (5 KB every 3 ms) gives no sample at all.
 """
 
@@ -68,8 +70,7 @@ def test_the_kernels_stamps_read_the_workers_own_uplink() -> None:
         timed = [r for r in dense["rates_bps"] if r is not None]
         assert len(timed) >= 4, dense
         fast_bps = 100e6 * TCP_GOODPUT_FRACTION
-        assert max(timed) <= 1.05 * fast_bps, dense
-        assert statistics.median(timed) >= 0.8 * fast_bps, dense
+        assert 0.8 * fast_bps <= statistics.median(timed) <= 1.05 * fast_bps, dense
 
         writer = uploads(net, 5, 11, 5_000, 3.0)
         assert writer["rates_bps"] == [None] * 5, writer

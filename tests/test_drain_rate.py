@@ -189,8 +189,10 @@ def test_drain_window_is_validated() -> None:
 
 def test_real_workers_read_their_kernel_stamps_every_upload(tmp_path: Path) -> None:
     """The worker's side over loopback TCP (real sockets and kernel stamps, no Mininet, no
-    shaper): every upload ends with one ``drain`` event holding its writes' stamps, no
-    packet waits where nothing shapes, and the run completes."""
+    shaper): every upload ends with one ``drain`` event holding its writes' stamps, nothing
+    is timed where nothing shapes, and the run completes. (A single packet can still show
+    a wait on a busy CPU, when the interrupt or softirq that stamps it runs late; a rate
+    needs a run of them spanning 2 ms.)"""
     n, iters = 2, 6
     run_dir, rc = run_loopback(tmp_path, [
         f"net.workers={n}", f"run.iterations={iters}", "workload.hidden=64",
@@ -201,4 +203,4 @@ def test_real_workers_read_their_kernel_stamps_every_upload(tmp_path: Path) -> N
     drains = ev[ev["event"] == "drain"]
     assert len(drains) == n * iters
     assert (drains["stamps"] >= 1).all()
-    assert (drains["waited"] == 0).all() and drains["rate_bps"].isna().all()
+    assert drains["rate_bps"].isna().all(), drains[["stamps", "waited", "rate_bps"]]
