@@ -36,6 +36,18 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
         peer.close()
 
 
+@pytest.fixture
+def stamped(pair: tuple[socket.socket, socket.socket]
+            ) -> Iterator[tuple[TxStampReader, socket.socket, socket.socket]]:
+    """A reader on the uploader of ``pair``: (reader, uploader, peer); closed afterwards."""
+    up, peer = pair
+    reader = TxStampReader(up)
+    try:
+        yield reader, up, peer
+    finally:
+        reader.close()
+
+
 def _upload(up: socket.socket, writes: int, size: int = 1000) -> int:
     for _ in range(writes):
         up.sendall(b"x" * size)
@@ -73,50 +85,42 @@ def test_pending_stamps_make_a_timed_recv_spin_without_the_reader(
     assert cpu_s > 0.2 * wall_s, (cpu_s, wall_s)
 
 
-def test_the_reader_keeps_a_timed_recv_asleep_and_collects_every_write(
-        pair: tuple[socket.socket, socket.socket]) -> None:
-    up, peer = pair
-    reader = TxStampReader(up)
-    try:
-        reader.start_upload()
-        for _ in range(20):
-            reader.wrote(_upload(up, 1))
-        stamps = reader.collect(limit_s=2.0)
-        # A pair per packet, keyed by the last byte of a write (writes TCP merged into one
-        # packet share the later key), in key order, ending with the upload's last byte.
-        keys = [s.key for s in stamps]
-        assert keys == sorted(set(keys)) and keys[-1] == 19_999 and len(keys) >= 5
-        assert set(keys) <= {1000 * (i + 1) - 1 for i in range(20)}
-        assert all(s.snd_ns >= s.sched_ns for s in stamps)
-        # The next upload's stamps arrive while the main thread waits for the reply.
-        reader.start_upload()
-        for _ in range(20):
-            reader.wrote(_upload(up, 1))
-        server = _reply_after(peer, 40 * 1000, WAIT_S)
-        cpu_s, wall_s = _cpu_of_timed_recv(up)
-        server.join()
-        assert wall_s >= WAIT_S * 0.9
-        assert cpu_s < 0.05 * wall_s, (cpu_s, wall_s)
-        later = [s.key for s in reader.collect(limit_s=2.0)]
-        assert later and later[0] >= 20_000 and later[-1] == 39_999
-    finally:
-        reader.close()
+def test_the_reader_keeps_a_timed_recv_asleep_and_collects_each_upload(
+        stamped: tuple[TxStampReader, socket.socket, socket.socket]) -> None:
+    reader, up, peer = stamped
+    reader.start_upload()
+    for _ in range(20):
+        reader.wrote(_upload(up, 1))
+    stamps = reader.collect(limit_s=2.0)
+    # A pair per packet, keyed by the last byte of a write (writes TCP merged into one
+    # packet share the later key), in key order, ending with the upload's last byte.
+    keys = [s.key for s in stamps]
+    assert keys == sorted(set(keys)) and keys[-1] == 19_999 and len(keys) >= 5
+    assert set(keys) <= {1000 * (i + 1) - 1 for i in range(20)}
+    assert all(s.snd_ns >= s.sched_ns for s in stamps)
+    # The next upload's stamps arrive while the main thread waits for the reply.
+    reader.start_upload()
+    for _ in range(20):
+        reader.wrote(_upload(up, 1))
+    server = _reply_after(peer, 40 * 1000, WAIT_S)
+    cpu_s, wall_s = _cpu_of_timed_recv(up)
+    server.join()
+    assert wall_s >= WAIT_S * 0.9
+    assert cpu_s < 0.05 * wall_s, (cpu_s, wall_s)
+    later = [s.key for s in reader.collect(limit_s=2.0)]
+    assert later and later[0] >= 20_000 and later[-1] == 39_999
 
 
 def test_collect_waits_for_the_last_departure_and_forgets_what_it_returned(
-        pair: tuple[socket.socket, socket.socket]) -> None:
-    up, peer = pair
-    reader = TxStampReader(up)
-    try:
-        reader.start_upload()
-        reader.wrote(_upload(up, 1, 5000))
-        first = reader.collect(limit_s=2.0)
-        assert first and first[-1].key == 4999
-        assert reader.collect(limit_s=0.05) == []  # nothing new: returned once, then forgotten
-        reader.start_upload()
-        assert reader.upload_from == 5000
-    finally:
-        reader.close()
+        stamped: tuple[TxStampReader, socket.socket, socket.socket]) -> None:
+    reader, up, _peer = stamped
+    reader.start_upload()
+    reader.wrote(_upload(up, 1, 5000))
+    first = reader.collect(limit_s=2.0)
+    assert first and first[-1].key == 4999
+    assert reader.collect(limit_s=0.05) == []  # nothing new: returned once, then forgotten
+    reader.start_upload()
+    assert reader.upload_from == 5000
 
 
 def test_close_stops_the_thread_and_a_closed_reader_does_not_wait(
