@@ -79,8 +79,20 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
     """
     if mac is not None:
         header_bytes = mac.seal(header_bytes, payload_mv)
-    bufs = [memoryview(header_bytes).cast("B"), memoryview(payload_mv).cast("B")]
-    total = len(bufs[0]) + len(bufs[1])
+    return _send_buffers(sock, [memoryview(header_bytes).cast("B"),
+                                memoryview(payload_mv).cast("B")],
+                         what="a frame", peer=peer, progress=progress)
+
+
+# sendmsg takes at most this many buffers per call (IOV_MAX on Linux).
+IOV_MAX = 1024
+
+
+def _send_buffers(sock: socket.socket, bufs: list[memoryview], *, what: str,
+                  peer: str | None, progress: Callable[[int], None] | None) -> int:
+    """Write ``bufs`` in order with scatter-gather ``sendmsg`` (see :func:`send_frame` for
+    partial sends and ``progress``); returns the bytes sent."""
+    total = sum(len(b) for b in bufs)
     bufs = [b for b in bufs if len(b)]
     sent = 0
     flags = socket.MSG_DONTWAIT if progress is not None else 0
@@ -88,7 +100,7 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
     try:
         while bufs:
             try:
-                n = sock.sendmsg(bufs, (), flags)
+                n = sock.sendmsg(bufs[:IOV_MAX], (), flags)
             except BlockingIOError:
                 if room is None:
                     room = select.poll()
@@ -106,7 +118,7 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
                     bufs[0] = bufs[0][n:]
                     n = 0
     except OSError as e:
-        e.add_note(f"while sending a frame to {peer or peer_name(sock)}: "
+        e.add_note(f"while sending {what} to {peer or peer_name(sock)}: "
                    f"{sent} of {total} bytes sent")
         raise
     return total
@@ -148,12 +160,18 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
     """
     if not 1 <= len(tensors) <= 0xFFFF:
         raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
-    total = 0
+    # Every frame is sealed in order, then all of them go out in one gathered write: one
+    # sendmsg (and one transmit stamp) per chunk rather than one per part.
+    bufs: list[memoryview] = []
     for i, t in enumerate(tensors):
-        total += send_tensor(sock, t, msg_type=msg_type, run_tag=run_tag, worker=worker,
-                             iteration=iteration, chunk=chunk, part=i, nparts=len(tensors),
-                             crc=crc, peer=peer, progress=progress, mac=mac)
-    return total
+        header, payload = frame_for_tensor(t, msg_type=msg_type, run_tag=run_tag,
+                                           worker=worker, iteration=iteration, chunk=chunk,
+                                           part=i, nparts=len(tensors), crc=crc)
+        if mac is not None:
+            header = mac.seal(header, payload)
+        bufs += [memoryview(header).cast("B"), memoryview(payload).cast("B")]
+    what = "a frame" if len(tensors) == 1 else f"a message of {len(tensors)} frames"
+    return _send_buffers(sock, bufs, what=what, peer=peer, progress=progress)
 
 
 class FrameWriter:

@@ -16,7 +16,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
+from agents import wire
+from agents.codec import MsgType
 from agents.txstamps import FLAGS, SO_TIMESTAMPING, TxStampReader
 
 WAIT_S = 0.3
@@ -149,3 +152,21 @@ def test_keys_count_the_bytes_written_since_the_option_was_set(
         assert [s.key for s in stamps] == [299]
     finally:
         reader.close()
+
+
+def test_a_chunks_frames_leave_in_one_write(
+        stamped: tuple[TxStampReader, socket.socket, socket.socket]) -> None:
+    """wire.send_message gathers a compressed chunk's frames (values, indices) into one
+    sendmsg: the kernel stamps the last byte of each write, so one write gives one key at
+    the message's end. Written frame by frame, the first frame's end (100 KB in, another
+    packet) would carry a key of its own."""
+    reader, up, peer = stamped
+    values, indices = torch.zeros(25_000), torch.zeros(25_000, dtype=torch.int32)
+    server = _reply_after(peer, 2 * 100_000, 0.0)
+    reader.start_upload()
+    n = wire.send_message(up, [values, indices], msg_type=MsgType.GRAD, run_tag=1,
+                          worker=0, iteration=0, chunk=0)
+    reader.wrote(n)
+    assert n > 200_000
+    assert [s.key for s in reader.collect(limit_s=2.0)] == [n - 1]
+    server.join()
