@@ -77,15 +77,21 @@ def send_frame(sock: socket.socket, header_bytes: bytes, payload_mv: memoryview 
     blocking ``sendmsg`` returns only once the whole frame is in). OSErrors propagate
     with a note naming the peer and how far the frame got.
     """
-    if mac is not None:
-        header_bytes = mac.seal(header_bytes, payload_mv)
-    return _send_buffers(sock, [memoryview(header_bytes).cast("B"),
-                                memoryview(payload_mv).cast("B")],
-                         what="a frame", peer=peer, progress=progress)
+    return _send_buffers(sock, _sealed(header_bytes, payload_mv, mac), what="a frame",
+                         peer=peer, progress=progress)
 
 
 # sendmsg takes at most this many buffers per call (IOV_MAX on Linux).
 IOV_MAX = 1024
+
+
+def _sealed(header_bytes: bytes, payload_mv: memoryview | bytes,
+            mac: FrameMac | None) -> list[memoryview]:
+    """One frame's two buffers, its header sealed with the next MAC sequence number when
+    ``mac`` is given (so frames must be written in the order they are sealed)."""
+    if mac is not None:
+        header_bytes = mac.seal(header_bytes, payload_mv)
+    return [memoryview(header_bytes).cast("B"), memoryview(payload_mv).cast("B")]
 
 
 def _send_buffers(sock: socket.socket, bufs: list[memoryview], *, what: str,
@@ -167,9 +173,7 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
         header, payload = frame_for_tensor(t, msg_type=msg_type, run_tag=run_tag,
                                            worker=worker, iteration=iteration, chunk=chunk,
                                            part=i, nparts=len(tensors), crc=crc)
-        if mac is not None:
-            header = mac.seal(header, payload)
-        bufs += [memoryview(header).cast("B"), memoryview(payload).cast("B")]
+        bufs += _sealed(header, payload, mac)
     what = "a frame" if len(tensors) == 1 else f"a message of {len(tensors)} frames"
     return _send_buffers(sock, bufs, what=what, peer=peer, progress=progress)
 
