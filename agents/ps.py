@@ -13,10 +13,12 @@ iteration:
 3. sends chunk c of the new weights (``WEIGHTS``, dense) or of the sparse weight
    delta (``UPDATE``) back to every worker at once, through the same bottleneck,
    while later chunks are still coming up -- the per-partition push/pull pipelining
-   of ps-lite and BytePS. Each connection has a sender thread fed by a queue, so
-   the downlink of chunk c overlaps the uplink of chunk c+1 and a slow receiver
-   never blocks the loop. When every chunk is out, the PS evaluates held-out
-   accuracy every ``run.eval_every`` iterations.
+   of ps-lite and BytePS. Every worker socket is non-blocking and served by one
+   event loop on the main thread (``selectors``): it reads whatever bytes have
+   arrived, adds the messages they complete, and writes each connection's queued
+   downlink as its socket takes it, so the downlink of chunk c overlaps the uplink
+   of chunk c+1 and a slow receiver never blocks the loop. When every chunk is out,
+   the PS evaluates held-out accuracy every ``run.eval_every`` iterations.
 
 How much the pipelining buys depends on how evenly the workers' uploads progress:
 chunk c is complete only when the slowest worker has sent it. Under link/N every
@@ -27,7 +29,9 @@ downlink is pushed back towards the end of the upload.
 Workers authenticate at connect time by challenge-response under their own keys, and
 every later frame carries a per-connection MAC (``agents.protocol``, ``agents.auth``);
 the conversation's rules (handshake, chunk barrier, iteration order, BYE) are the
-sans-I/O state machines of ``agents.protocol``, and the threads here only move bytes.
+sans-I/O state machines of ``agents.protocol``, and the code here only moves bytes.
+Accepting and the handshake run on threads (each under its own deadline); an
+authenticated connection is handed to the event loop.
 Nothing is allocated for a peer before it has proved its key, and then no more than
 the message it may send weighs. A malformed frame or an insane gradient (non-finite,
 above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a
@@ -51,13 +55,14 @@ import fcntl
 import queue
 import secrets
 import select
+import selectors
 import socket
 import struct
 import sys
 import termios
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +86,8 @@ from agents.workloads.factory import make_workload
 
 # How often the downlink pacing is re-split by backlog (shaping.downlink = "backlog").
 REBALANCE_S = 0.02
+# The event loop looks for stalled connections at least this often.
+POLL_S = 0.5
 # accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
 ACCEPT_BACKOFF_S = (0.01, 1.0)
 # Handshakes under way at once; beyond, a new connection is closed at once (logged).
@@ -94,31 +101,41 @@ def _wire_bytes(tensors: list[torch.Tensor]) -> int:
 
 @dataclass
 class _Conn:
-    """One worker's connection. Its downlink messages go through ``outbox`` to one
-    sender thread, in order; ``None`` in the outbox ends the thread."""
+    """One worker's connection: a non-blocking socket served by the PS's event loop.
+    Downlink frames are sealed when queued (so in order, under this connection's MAC) and
+    wait in ``unsent`` until the kernel takes them."""
 
     worker: int
     sock: socket.socket
     peer: str
     session: protocol.Session
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-    outbox: queue.Queue[tuple[int, int, int, list[torch.Tensor]] | None] = field(
-        default_factory=queue.Queue)
-    sender: threading.Thread | None = None
-    closed: bool = False  # the PS dropped it: its reader's errors are expected, not news
-    # Downlink bytes handed to the outbox (main thread) and taken by the kernel (the
-    # sender thread, after every sendmsg, so a message half written counts half); each
-    # counter has one writer, so their difference is safe to read from any thread.
+    receiver: wire.MessageReceiver | None = None  # set when the PS starts serving it
+    unsent: list[memoryview] = field(default_factory=list)
+    closed: bool = False  # the PS dropped it
+    failed: bool = False  # reading or writing failed: its Lost event is on the way
+    writable_wanted: bool = False  # registered for EVENT_WRITE (something is unsent)
+    # Downlink bytes queued and taken by the kernel (a message half written counts half).
     queued_bytes: int = 0
     written_bytes: int = 0
+    heard_s: float = field(default_factory=time.monotonic)  # bytes last received
+    moved_s: float = field(default_factory=time.monotonic)  # the kernel last took bytes
 
-    def send_bytes(self, body: bytes, *, msg_type: codec.MsgType, run_tag: int,
-                   iteration: int) -> None:
-        """One small frame to this worker, sealed with this connection's MAC, in order."""
-        with self.send_lock:
-            wire.send_bytes(self.sock, body, msg_type=msg_type, run_tag=run_tag,
-                            worker=self.worker, iteration=iteration, peer=self.peer,
-                            mac=self.session.down)
+    def queue(self, bufs: list[memoryview]) -> None:
+        """Queue sealed frames behind what is already waiting."""
+        if not self.unsent:
+            self.moved_s = time.monotonic()  # a stall is counted from here
+        self.unsent += bufs
+        self.queued_bytes += sum(len(b) for b in bufs)
+
+    def flush(self) -> bool:
+        """Hand the kernel what it takes now, without waiting; True when nothing is left.
+        OSErrors propagate."""
+        n = wire.write_some(self.sock, self.unsent)
+        while n:
+            self.written_bytes += n
+            self.moved_s = time.monotonic()
+            n = wire.write_some(self.sock, self.unsent)
+        return not self.unsent
 
     def dead(self) -> bool:
         """True when the peer provably went away: the socket reports a hang-up or an
@@ -132,20 +149,15 @@ class _Conn:
         except (OSError, ValueError):
             return True
 
-    def wrote(self, n_bytes: int) -> None:
-        """The kernel took ``n_bytes`` more of this connection's downlink."""
-        self.written_bytes += n_bytes
-
     def backlog_bytes(self) -> int:
-        """Downlink bytes not yet delivered: still in user space (queued for the sender
-        thread, or the unsent rest of the message it is writing), plus what the kernel
-        holds (unsent or unacknowledged, ``SIOCOUTQ``). Every byte counts in exactly one
-        of the two."""
+        """Downlink bytes not yet delivered: still in user space (queued, or the unsent
+        rest of a message), plus what the kernel holds (unsent or unacknowledged,
+        ``SIOCOUTQ``). Every byte counts in exactly one of the two."""
         try:
             buf = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             in_kernel = int(struct.unpack("i", buf)[0])
         except (OSError, ValueError):
-            in_kernel = 0  # closed under us: the reader reports it
+            in_kernel = 0  # closed under us: the event loop reports it
         return max(0, self.queued_bytes - self.written_bytes) + in_kernel
 
 
@@ -169,7 +181,16 @@ class ParameterServer:
         self.momentum_buf: torch.Tensor | None = None
         # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
         self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
-        self.events: queue.Queue[PSEvent] = queue.Queue()
+        # What happened to connections, in order, for the main loop: filled by the event
+        # loop (``_poll``) on this thread; handshake threads hand over ``joins``.
+        self.events: deque[PSEvent] = deque()
+        self.joins: queue.SimpleQueue[Joined] = queue.SimpleQueue()
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = socket.socketpair()  # a handshake thread wakes the loop
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        self.next_rebalance_s = 0.0
         self.conns: dict[int, _Conn] = {}
         self.barrier = protocol.ChunkBarrier(len(self.chunks))
         self.active = self.barrier.active  # the same set: the barrier's is the truth
@@ -196,7 +217,7 @@ class ParameterServer:
             params.setdefault("index_encoding", self.cfg.compress.index_encoding)
         return params
 
-    # -- connections (one reader thread each) -------------------------------------------
+    # -- connections: accepted and authenticated on threads, then served by the loop -----
 
     def _accept_loop(self) -> None:
         """Accept forever. An error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a peer
@@ -240,16 +261,13 @@ class ParameterServer:
             self.handshakes.release()
         if session is None:
             return
-        # Authenticated: reads may now wait as long as the run may (the main loop's
-        # per-iteration timeout is what bounds a stalled worker).
-        sock.settimeout(self.cfg.run.timeout_s)
-        conn = _Conn(session.worker, sock, peer, session)
-        conn.sender = threading.Thread(target=self._send_loop, args=(conn,),
-                                       name=f"send-w{conn.worker}", daemon=True)
-        conn.sender.start()
-        self.events.put(Joined(conn, session.join_at))
-        self._read_loop(conn, wire.FrameReader(sock, peer=peer, mac=session.up,
-                                               max_payload_bytes=self.max_message_bytes))
+        # Authenticated: from here the main thread's event loop serves the socket.
+        sock.setblocking(False)
+        self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
+        try:
+            self.wake_w.send(b"\0")
+        except OSError:
+            pass  # a wake-up already pending (a full pipe), or the run is over
 
     def _authenticate(self, sock: socket.socket, peer: str) -> protocol.Session | None:
         hs = protocol.PSHandshake(self.run_id, self.cfg.net.workers,
@@ -280,75 +298,193 @@ class ParameterServer:
         """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
         return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
 
-    def _reject(self, sock: socket.socket, why: str,
-                mac: codec.FrameMac | None = None) -> None:
+    def _reject(self, sock: socket.socket, why: str) -> None:
+        """Tell a peer that failed the handshake why, and close."""
         try:
             sock.settimeout(1.0)  # a peer that does not read must not hold us
             wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
-                            msg_type=codec.MsgType.ERROR, run_tag=self.tag, worker=0, mac=mac)
+                            msg_type=codec.MsgType.ERROR, run_tag=self.tag, worker=0)
         except OSError:
             pass
         sock.close()
 
-    def _read_loop(self, conn: _Conn, reader: wire.FrameReader) -> None:
-        def bound(h: codec.FrameHeader) -> None:
-            if h.msg_type == codec.MsgType.BYE:
-                if h.payload_len > 64:
-                    raise protocol.ProtocolError(f"BYE of {h.payload_len} bytes")
-                return
-            if not 0 <= h.chunk < len(self.chunks):
-                raise protocol.ProtocolError(f"chunk {h.chunk} out of range "
-                                             f"0..{len(self.chunks) - 1}")
-            s, e = self.chunks[h.chunk]
-            limit = max_message_bytes(self.cfg.compress.name, e - s)
-            if h.payload_len > limit or h.nparts > 16:
-                raise protocol.ProtocolError(
-                    f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
-                    f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
+    def _bound(self, h: codec.FrameHeader) -> None:
+        """What one frame from a worker may weigh, checked before its payload is read."""
+        if h.msg_type == codec.MsgType.BYE:
+            if h.payload_len > 64:
+                raise protocol.ProtocolError(f"BYE of {h.payload_len} bytes")
+            return
+        if not 0 <= h.chunk < len(self.chunks):
+            raise protocol.ProtocolError(f"chunk {h.chunk} out of range "
+                                         f"0..{len(self.chunks) - 1}")
+        s, e = self.chunks[h.chunk]
+        limit = max_message_bytes(self.cfg.compress.name, e - s)
+        if h.payload_len > limit or h.nparts > 16:
+            raise protocol.ProtocolError(
+                f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
+                f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
 
+    # -- the event loop: every worker socket on this one thread -------------------------
+    #
+    # One thread reads, adds and writes: a reader and a sender thread per connection
+    # handed every message over through a queue, and on a busy 2-core host those
+    # hand-overs, not the network, set the iteration's pace (docs/fidelity.md).
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        """Start reading an authenticated connection's messages."""
+        conn.receiver = wire.MessageReceiver(conn.sock, peer=conn.peer, mac=conn.session.up,
+                                             max_payload_bytes=self.max_message_bytes,
+                                             bound=self._bound)
+        conn.heard_s = time.monotonic()
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _unwatch(self, conn: _Conn) -> None:
         try:
-            while True:
-                parts = reader.read_message(bound=bound)
-                h = parts[0][0]
-                if protocol.check_uplink(h, conn.worker) == codec.MsgType.BYE:
-                    self.events.put(Left(conn, h.iteration))
-                    return
-                self.events.put(GradReceived(conn, h, [t for _, t in parts]))
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass  # never served, or already let go
+
+    def _lose(self, conn: _Conn, reason: str) -> None:
+        """Stop serving a connection whose read or write failed; the main loop drops it
+        when it meets the Lost event (after the messages received before the failure)."""
+        if conn.failed or conn.closed:
+            return
+        conn.failed = True
+        self._unwatch(conn)
+        self.events.append(Lost(conn, reason))
+
+    def _poll(self, deadline: float, what: str) -> None:
+        """Wait until something happens (at most until ``deadline``) and turn it into
+        events: messages received, connections joined, lost or stalled."""
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"PS: timed out waiting for {what}")
+        wait = min(deadline - now, POLL_S)
+        if self.cfg.shaping.downlink == "backlog":
+            wait = min(wait, max(0.0, self.next_rebalance_s - now))
+        for key, mask in self.selector.select(wait):
+            conn = key.data
+            if conn is None:
+                self.wake_r.recv(4096)
+                continue
+            if mask & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ:
+                self._receive(conn)
+        while True:
+            try:
+                self.events.append(self.joins.get_nowait())
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        if self.cfg.shaping.downlink == "backlog" and now >= self.next_rebalance_s:
+            self.rebalance()
+            self.next_rebalance_s = now + REBALANCE_S
+        self._check_stalls(now)
+
+    def _receive(self, conn: _Conn) -> None:
+        if conn.failed or conn.closed or conn.receiver is None:
+            return
+        try:
+            messages = conn.receiver.receive()
         except wire.ConnectionClosed:
-            self.events.put(Lost(conn, "connection closed"))
+            self._lose(conn, "connection closed")
+            return
         except (codec.FrameError, OSError) as e:
-            if conn.closed:
-                return  # the PS closed this socket under the reader (a dropped worker)
             if self.done.is_set() and isinstance(e, OSError):
-                return  # the run is over: a worker tearing down after BYE may reset
+                conn.failed = True  # the run is over: a worker tearing down after BYE
+                self._unwatch(conn)  # may reset, and that is no news
+                return
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                           worker=conn.worker, error=str(e))
-            self.events.put(Lost(conn, f"frame error: {e}"))
-
-    def _send_loop(self, conn: _Conn) -> None:
-        """Send this connection's queued messages in order; a failure reports the
-        worker lost (once) and drops whatever is still queued."""
-        while True:
-            item = conn.outbox.get()
-            if item is None:
-                return
-            msg_type, iteration, chunk, tensors = item
+            self._lose(conn, f"frame error: {e}")
+            return
+        conn.heard_s = time.monotonic()
+        for parts in messages:
+            h = parts[0][0]
             try:
-                with conn.send_lock:
-                    wire.send_message(conn.sock, tensors, msg_type=msg_type,
-                                      run_tag=self.tag, worker=conn.worker,
-                                      iteration=iteration, chunk=chunk, progress=conn.wrote,
-                                      mac=conn.session.down)
-            except OSError as e:
-                self.events.put(Lost(conn, f"send failed: {e}"))
+                kind = protocol.check_uplink(h, conn.worker)
+            except codec.FrameError as e:
+                self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                              worker=conn.worker, error=str(e))
+                self._lose(conn, f"frame error: {e}")
                 return
+            if kind == codec.MsgType.BYE:
+                conn.receiver = None  # nothing after a BYE is read
+                self.events.append(Left(conn, h.iteration))
+                return
+            self.events.append(GradReceived(conn, h, [t for _, t in parts]))
+
+    def _send(self, conn: _Conn, bufs: list[memoryview]) -> None:
+        """Queue sealed frames to one worker and write what the kernel takes now."""
+        conn.queue(bufs)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.failed or conn.closed:
+            return
+        try:
+            done = conn.flush()
+        except OSError as e:
+            self._lose(conn, f"send failed: {e}")
+            return
+        if done == conn.writable_wanted:  # watch for room exactly while bytes wait
+            conn.writable_wanted = not done
+            self.selector.modify(conn.sock, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if conn.writable_wanted else 0), conn)
+
+    def _check_stalls(self, now: float) -> None:
+        """A worker silent for ``run.timeout_s``, or one whose downlink has not moved for
+        as long, is lost (logged as a frame error, as a timed-out read always was)."""
+        limit = self.cfg.run.timeout_s
+        for conn in list(self.conns.values()):
+            if conn.failed or conn.closed:
+                continue
+            if conn.receiver is not None and now - conn.heard_s > limit:
+                why = f"nothing received for {now - conn.heard_s:.1f} s (run.timeout_s)"
+            elif conn.unsent and now - conn.moved_s > limit:
+                why = (f"downlink stalled for {now - conn.moved_s:.1f} s with "
+                       f"{sum(len(b) for b in conn.unsent)} bytes unsent (run.timeout_s)")
+            else:
+                continue
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                          worker=conn.worker, error=why)
+            self._lose(conn, f"timed out: {why}")
+
+    def _flush_all(self, conns: list[_Conn], seconds: float) -> None:
+        """Write every queued frame of ``conns`` out, waiting up to ``seconds`` for room
+        (the end of the run, a refusal); failures only stop that connection."""
+        end = time.monotonic() + seconds
+        waiting = conns
+        while True:
+            left = []
+            for conn in waiting:
+                try:
+                    if not conn.failed and not conn.flush():
+                        left.append(conn)
+                except OSError:
+                    conn.failed = True
+            waiting = left
+            remaining = end - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            room = select.poll()
+            for conn in waiting:
+                room.register(conn.sock, select.POLLOUT)
+            room.poll(remaining * 1000)
+
+    def _refuse(self, conn: _Conn, why: str) -> None:
+        """Tell an authenticated worker why it is being dropped, after what is queued
+        to it (the MAC's order), waiting at most a second for a peer that does not read."""
+        conn.queue(wire.bytes_buffers(why.encode()[:protocol.MAX_ERROR_BYTES],
+                                      msg_type=codec.MsgType.ERROR, run_tag=self.tag,
+                                      worker=0, mac=conn.session.down))
+        self._flush_all([conn], 1.0)
 
     # -- the iteration loop ------------------------------------------------------------
 
     def serve(self) -> int:
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
-        if self.cfg.shaping.downlink == "backlog":
-            threading.Thread(target=self._rebalance_loop, name="rebalance", daemon=True).start()
         self.ctl.send("ready", port=self.srv.getsockname()[1])
         self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
                       compressor=self.cfg.compress.name)
@@ -390,11 +526,9 @@ class ParameterServer:
         return 0
 
     def _next_event(self, deadline: float, what: str) -> PSEvent:
-        timeout = deadline - time.monotonic()
-        try:
-            return self.events.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            raise TimeoutError(f"PS: timed out waiting for {what}") from None
+        while not self.events:
+            self._poll(deadline, what)
+        return self.events.popleft()
 
     def _handle(self, ev: PSEvent) -> None:
         conn: _Conn = ev.conn
@@ -407,15 +541,15 @@ class ParameterServer:
                        f" while {old.peer} is alive")
                 self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                               worker=conn.worker, error=why)
+                self._refuse(conn, why)
                 conn.closed = True
-                conn.outbox.put(None)
-                with conn.send_lock:
-                    self._reject(conn.sock, why, mac=conn.session.down)
+                conn.sock.close()
                 return
             if old is not None:
                 self._handle(Lost(old, "connection dead (replaced by a new one)"))
             self.conns[conn.worker] = conn
             self.pending[conn.worker] = ev.join_at
+            self._serve_conn(conn)
             self.log.emit("worker_hello", iter=self.iteration, worker=conn.worker,
                           peer=conn.peer, join_at=ev.join_at)
             return
@@ -425,8 +559,8 @@ class ParameterServer:
         self.barrier.drop(conn.worker)
         self.pending.pop(conn.worker, None)
         del self.conns[conn.worker]
+        self._unwatch(conn)
         conn.closed = True
-        conn.outbox.put(None)
         conn.sock.close()
         reason = ev.reason if isinstance(ev, Lost) else "left (BYE)"
         self.log.emit("worker_lost" if isinstance(ev, Lost) else "worker_left",
@@ -471,9 +605,7 @@ class ParameterServer:
                 else f"worker {w} chunk {h.chunk}: {err}"
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, worker=w,
                           error=msg)
-            conn.closed = True
-            with conn.send_lock:  # tell the worker why before dropping it
-                self._reject(conn.sock, msg, mac=conn.session.down)
+            self._refuse(conn, msg)  # tell the worker why before dropping it
             self._handle(Lost(conn, f"bad payload: {msg}"))
             return
         self.barrier.record(w, h.chunk)
@@ -506,12 +638,12 @@ class ParameterServer:
         else:
             msg_type, tensors = codec.MsgType.UPDATE, self._delta(s, e)
         self.agg_s += time.perf_counter() - t0
-        n = _wire_bytes(tensors)
         for w in sorted(self.active):
             conn = self.conns[w]
-            conn.queued_bytes += n
-            conn.outbox.put((msg_type, self.iteration, c, tensors))
-        self.bytes_out += len(self.active) * n
+            self._send(conn, wire.message_buffers(
+                tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
+                iteration=self.iteration, chunk=c, mac=conn.session.down))
+        self.bytes_out += len(self.active) * _wire_bytes(tensors)
 
     def _end_iteration(self, start_ns: int) -> None:
         """Every chunk is stepped and queued: evaluate, admit joiners, report."""
@@ -541,35 +673,26 @@ class ParameterServer:
 
     def _admit(self) -> None:
         """Workers waiting to (re)join come in at an iteration boundary, with the weights.
-        They are sent in parallel: with link/N pacing on the downlink a sequential
+        Every joiner's welcome is queued at once and written by the event loop as each
+        socket takes it, in parallel: with link/N pacing on the downlink a sequential
         welcome would cost N transfer times (measured: 39 s for 16 workers)."""
         joined = [w for w, at in self.pending.items() if at <= self.iteration]
         if not joined:
             return
         self._apply_commands()
+        weights = self.model.flat_params.clone()  # what they get, whatever steps next
         for w in joined:
             del self.pending[w]
             if w in self.pacing_bps:
                 self._pace(w)
-
-        def welcome(w: int) -> OSError | None:
             conn = self.conns[w]
-            try:
-                with conn.send_lock:
-                    wire.send_bytes(conn.sock, codec.hello_payload("ps", w),
-                                    msg_type=codec.MsgType.WELCOME, run_tag=self.tag, worker=w,
-                                    iteration=self.iteration, mac=conn.session.down)
-                    self._send_weights(conn)
-            except OSError as e:
-                return e
-            return None
-
-        with ThreadPoolExecutor(max_workers=len(joined)) as pool:
-            errors = list(pool.map(welcome, joined))
-        for w, err in zip(joined, errors, strict=True):
-            if err is not None:
-                self._handle(Lost(self.conns[w], f"send failed: {err}"))
-                continue
+            self._send(conn, wire.bytes_buffers(
+                codec.hello_payload("ps", w), msg_type=codec.MsgType.WELCOME, run_tag=self.tag,
+                worker=w, iteration=self.iteration, mac=conn.session.down))
+            for c, (s, e) in enumerate(self.chunks):
+                self._send(conn, wire.message_buffers(
+                    [weights[s:e]], msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
+                    worker=w, iteration=self.iteration, chunk=c, mac=conn.session.down))
             self.barrier.admit(w)
             self.log.emit("worker_joined", iter=self.iteration, worker=w)
         self._report_membership()
@@ -605,18 +728,14 @@ class ParameterServer:
             return
         self.log.emit("paced", iter=self.iteration, worker=w, rate_bps=rate or 0)
 
-    def _rebalance_loop(self) -> None:
-        while not self.done.wait(REBALANCE_S):
-            self.rebalance()
-
     def rebalance(self) -> dict[int, float]:
         """Downlink link/N with catch-up: re-split the controller's B_down (the sum of
         the paced workers' B_down/N) among the active paced connections in proportion
         to their undelivered bytes (``agents.core.policies.backlog``), so one that fell
         behind catches up instead of holding the iteration back. Sockets are only
         touched when their rate moves by more than 2 %. Returns the split (empty with
-        fewer than two paced connections). Runs on its own thread: it reads copies of
-        the main thread's dicts."""
+        fewer than two paced connections). The event loop calls it every
+        ``REBALANCE_S``."""
         paced = dict(self.pacing_bps)
         conns = {w: c for w, c in dict(self.conns).items()
                  if w in paced and w in self.active and not c.closed}
@@ -631,7 +750,7 @@ class ParameterServer:
             try:
                 set_max_pacing_rate(conns[w].sock, rate)
             except OSError:
-                continue  # closed under us: the reader reports it
+                continue  # closed under us: the event loop reports it
             self.applied_bps[w] = rate
             self.rebalanced += 1
         return rates
@@ -653,17 +772,6 @@ class ParameterServer:
         self.shadow[s:e].add_(delta)
         return [delta]
 
-    def _send_weights(self, conn: _Conn) -> int:
-        """The whole model, dense, on the caller's thread (a joining worker's welcome;
-        its sender thread has nothing queued yet)."""
-        total = 0
-        for c, (s, e) in enumerate(self.chunks):
-            total += wire.send_message(conn.sock, [self.model.flat_params[s:e]],
-                                       msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
-                                       worker=conn.worker, iteration=self.iteration, chunk=c,
-                                       mac=conn.session.down)
-        return total
-
     def _finish(self) -> None:
         if self.shadow is not None:
             # Workers hold the shadow; report the model they actually have.
@@ -673,15 +781,12 @@ class ParameterServer:
             self.log.emit("final_eval", iter=self.iteration, **final)
         torch.save(self.model.flat_params.clone(), self.run_dir / "ps_final_weights.pt")
         self.done.set()
-        for conn in list(self.conns.values()):  # the last chunks go out before BYE
-            conn.outbox.put(None)
-            if conn.sender is not None:
-                conn.sender.join(timeout=self.cfg.run.timeout_s)
-            try:
-                conn.send_bytes(b"done", msg_type=codec.MsgType.BYE, run_tag=self.tag,
-                                iteration=self.iteration)
-            except OSError:
-                pass
+        conns = [c for c in self.conns.values() if not c.failed]
+        for conn in conns:  # the last chunks go out before BYE
+            conn.queue(wire.bytes_buffers(b"done", msg_type=codec.MsgType.BYE, run_tag=self.tag,
+                                          worker=conn.worker, iteration=self.iteration,
+                                          mac=conn.session.down))
+        self._flush_all(conns, self.cfg.run.timeout_s)
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
         self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
         self.srv.close()

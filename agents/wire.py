@@ -22,7 +22,7 @@ import os
 import select
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -116,13 +116,7 @@ def _send_buffers(sock: socket.socket, bufs: list[memoryview], *, what: str,
             sent += n
             if progress is not None:
                 progress(n)
-            while n and bufs:
-                if n >= len(bufs[0]):
-                    n -= len(bufs[0])
-                    bufs.pop(0)
-                else:
-                    bufs[0] = bufs[0][n:]
-                    n = 0
+            _consume(bufs, n)
     except OSError as e:
         e.add_note(f"while sending {what} to {peer or peer_name(sock)}: "
                    f"{sent} of {total} bytes sent")
@@ -130,14 +124,42 @@ def _send_buffers(sock: socket.socket, bufs: list[memoryview], *, what: str,
     return total
 
 
+def _consume(bufs: list[memoryview], n_bytes: int) -> None:
+    """Drop the first ``n_bytes`` of ``bufs`` (in place): what the kernel just took."""
+    while n_bytes and bufs:
+        if n_bytes >= len(bufs[0]):
+            n_bytes -= len(bufs[0])
+            bufs.pop(0)
+        else:
+            bufs[0] = bufs[0][n_bytes:]
+            n_bytes = 0
+
+
+def write_some(sock: socket.socket, bufs: list[memoryview]) -> int:
+    """One non-blocking gathered write of ``bufs`` (as many as ``sendmsg`` takes); the
+    bytes the kernel took are dropped from ``bufs`` in place and their count returned
+    (0 when the socket buffer is full). For an event loop that keeps a connection's
+    unsent frames and writes again when the socket is writable. OSErrors propagate."""
+    while bufs and not len(bufs[0]):
+        bufs.pop(0)
+    if not bufs:
+        return 0
+    try:
+        n = sock.sendmsg(bufs[:IOV_MAX], (), socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    _consume(bufs, n)
+    return n
+
+
 def send_bytes(sock: socket.socket, body: bytes, *, msg_type: MsgType | int, run_tag: int,
                worker: int, iteration: int = 0, peer: str | None = None,
                mac: FrameMac | None = None) -> int:
     """Frame and send one small byte payload (a handshake or control message); returns
     bytes sent (header included). ``mac``: see :func:`send_frame`."""
-    header, payload = frame_for_bytes(body, msg_type=msg_type, run_tag=run_tag,
-                                      worker=worker, iteration=iteration)
-    return send_frame(sock, header, payload, peer=peer, mac=mac)
+    return _send_buffers(sock, bytes_buffers(body, msg_type=msg_type, run_tag=run_tag,
+                                             worker=worker, iteration=iteration, mac=mac),
+                         what="a frame", peer=peer, progress=None)
 
 
 def send_tensor(sock: socket.socket, tensor: torch.Tensor, *, msg_type: MsgType | int,
@@ -164,18 +186,37 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
     receiver gets them back together with :meth:`FrameReader.read_message`.
     ``progress``, ``mac``: see :func:`send_frame`.
     """
-    if not 1 <= len(tensors) <= 0xFFFF:
-        raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
     # Every frame is sealed in order, then all of them go out in one gathered write: one
     # sendmsg (and one transmit stamp) per chunk rather than one per part.
+    bufs = message_buffers(tensors, msg_type=msg_type, run_tag=run_tag, worker=worker,
+                           iteration=iteration, chunk=chunk, crc=crc, mac=mac)
+    what = "a frame" if len(tensors) == 1 else f"a message of {len(tensors)} frames"
+    return _send_buffers(sock, bufs, what=what, peer=peer, progress=progress)
+
+
+def message_buffers(tensors: Sequence[torch.Tensor], *, msg_type: MsgType | int,
+                    run_tag: int, worker: int, iteration: int, chunk: int, crc: bool = True,
+                    mac: FrameMac | None = None) -> list[memoryview]:
+    """One chunk's message as the buffers to write, in order: a header and a payload per
+    tensor (views of the tensors' own memory), sealed with ``mac``'s next sequence numbers
+    now, so the message must be written before any frame sealed after it."""
+    if not 1 <= len(tensors) <= 0xFFFF:
+        raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
     bufs: list[memoryview] = []
     for i, t in enumerate(tensors):
         header, payload = frame_for_tensor(t, msg_type=msg_type, run_tag=run_tag,
                                            worker=worker, iteration=iteration, chunk=chunk,
                                            part=i, nparts=len(tensors), crc=crc)
         bufs += _sealed(header, payload, mac)
-    what = "a frame" if len(tensors) == 1 else f"a message of {len(tensors)} frames"
-    return _send_buffers(sock, bufs, what=what, peer=peer, progress=progress)
+    return bufs
+
+
+def bytes_buffers(body: bytes, *, msg_type: MsgType | int, run_tag: int, worker: int,
+                  iteration: int = 0, mac: FrameMac | None = None) -> list[memoryview]:
+    """One small byte payload's frame as the buffers to write (see :func:`message_buffers`)."""
+    header, payload = frame_for_bytes(body, msg_type=msg_type, run_tag=run_tag,
+                                      worker=worker, iteration=iteration)
+    return _sealed(header, payload, mac)
 
 
 class FrameWriter:
@@ -265,7 +306,15 @@ class FrameReader:
 
     def read_header(self, expect_tag: int | None = None) -> FrameHeader:
         """Read and validate the next header (the payload is still on the socket)."""
-        self._recv_exact(self._hdr_mv, "header", boundary=True)
+        return self._read_header(expect_tag, boundary=True)
+
+    def _read_header(self, expect_tag: int | None, *, boundary: bool) -> FrameHeader:
+        """``boundary``: EOF before this header is a clean close (not inside a message)."""
+        self._recv_exact(self._hdr_mv, "header", boundary=boundary)
+        return self._decoded_header(expect_tag)
+
+    def _decoded_header(self, expect_tag: int | None = None) -> FrameHeader:
+        """Validate the header bytes just received."""
         tag = self.expect_tag if expect_tag is None else expect_tag
         try:
             h = decode_header(self._hdr_mv, expect_tag=None if self.mac else tag,
@@ -288,6 +337,10 @@ class FrameReader:
                              f"payload_len {h.payload_len} ({h.describe()})")
         dst = mv[:h.payload_len]
         self._recv_exact(dst, f"payload of {h.describe()}")
+        return self._verified(h, dst)
+
+    def _verified(self, h: FrameHeader, dst: memoryview) -> memoryview:
+        """Check the payload just received into ``dst`` (MAC, length, CRC)."""
         try:
             if self.mac is not None:
                 self.mac.verify(self._hdr_mv, dst)
@@ -350,9 +403,7 @@ class FrameReader:
         first = self.read_header(expect_tag)
         if bound is not None:
             bound(first)
-        if first.part != 0:
-            raise FrameError(f"{self.peer}: part: message starts at part {first.part}, "
-                             f"expected 0 ({first.describe()})")
+        self._check_first(first)
         if out is not None and len(out) != first.nparts:
             raise FrameError(f"{self.peer}: out: {len(out)} tensors given for a message of "
                              f"{first.nparts} parts ({first.describe()})")
@@ -362,19 +413,124 @@ class FrameReader:
 
         result = [(first, self.read_tensor(first, dst(0)))]
         for i in range(1, first.nparts):
-            h = self.read_header(expect_tag)
-            for name in ("msg_type", "worker", "iteration", "chunk", "nparts"):
-                if getattr(h, name) != getattr(first, name):
-                    raise FrameError(f"{self.peer}: {name}: part {i} has "
-                                     f"{getattr(h, name)!r}, message started with "
-                                     f"{getattr(first, name)!r} ({first.describe()})")
-            if h.part != i:
-                raise FrameError(f"{self.peer}: part: got {h.part}, expected {i} "
-                                 f"({first.describe()})")
+            h = self._read_header(expect_tag, boundary=False)  # EOF here truncates
+            self._check_part(first, h, i)
             if bound is not None:
                 bound(h)
             result.append((h, self.read_tensor(h, dst(i))))
         return result
+
+    def _check_first(self, first: FrameHeader) -> None:
+        if first.part != 0:
+            raise FrameError(f"{self.peer}: part: message starts at part {first.part}, "
+                             f"expected 0 ({first.describe()})")
+
+    def _check_part(self, first: FrameHeader, h: FrameHeader, i: int) -> None:
+        """Part ``i`` of the message that ``first`` began belongs to it."""
+        for name in ("msg_type", "worker", "iteration", "chunk", "nparts"):
+            if getattr(h, name) != getattr(first, name):
+                raise FrameError(f"{self.peer}: {name}: part {i} has "
+                                 f"{getattr(h, name)!r}, message started with "
+                                 f"{getattr(first, name)!r} ({first.describe()})")
+        if h.part != i:
+            raise FrameError(f"{self.peer}: part: got {h.part}, expected {i} "
+                             f"({first.describe()})")
+
+
+Message = list[tuple[FrameHeader, torch.Tensor]]
+
+
+class MessageReceiver(FrameReader):
+    """Reads chunk messages from one non-blocking socket, for an event loop: each
+    :meth:`receive` takes the bytes the socket holds now and returns the messages they
+    complete, keeping a message that is still arriving for the next call. The checks
+    are :class:`FrameReader`'s own (header, MAC, CRC, parts in order, ``bound`` before
+    anything is allocated for a part); each payload is received straight into its own
+    new tensor.
+
+    An error (a bad frame, EOF, a reset) is raised by the call that meets it, unless
+    that call completed messages first: then they are returned and the error is
+    raised by the next call, so nothing received before it is lost. A clean EOF
+    between messages raises :class:`ConnectionClosed`, anywhere else a FrameError.
+    """
+
+    def __init__(self, sock: socket.socket, *, peer: str | None = None,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 mac: FrameMac | None = None, expect_tag: int | None = None,
+                 bound: Callable[[FrameHeader], None] | None = None) -> None:
+        super().__init__(sock, expect_tag=expect_tag, peer=peer,
+                         max_payload_bytes=max_payload_bytes, mac=mac)
+        self.bound = bound
+        self._complete: list[Message] = []
+        self._error: BaseException | None = None
+        self._at_boundary = True
+        self._steps = self._message_steps()
+        self._want = next(self._steps)
+        self._got = 0
+
+    def _message_steps(self) -> Generator[memoryview, None, None]:
+        """The parse as a generator: yields each buffer to fill, checks it once full."""
+        while True:
+            self._at_boundary = True
+            yield self._hdr_mv
+            self._at_boundary = False
+            first = h = self._decoded_header()
+            if self.bound is not None:
+                self.bound(first)
+            self._check_first(first)
+            message: Message = []
+            for i in range(first.nparts):
+                if i:
+                    yield self._hdr_mv
+                    h = self._decoded_header()
+                    self._check_part(first, h, i)
+                    if self.bound is not None:
+                        self.bound(h)
+                t = torch.empty(h.numel, dtype=h.dtype.torch_dtype)
+                dst = tensor_view(t)
+                if len(dst) != h.payload_len:
+                    raise FrameError(f"{self.peer}: payload_len {h.payload_len} does not hold "
+                                     f"{h.numel} {h.dtype.name} ({h.describe()})")
+                yield dst
+                self._verified(h, dst)
+                message.append((h, t))
+            self._complete.append(message)
+
+    def receive(self, max_bytes: int = 1 << 20) -> list[Message]:
+        """The messages completed by what the socket holds now (at most ``max_bytes``
+        read per call, so one busy peer cannot hold an event loop)."""
+        if self._error is not None:
+            raise self._error
+        budget = max_bytes
+        try:
+            while budget > 0:
+                while self._got == len(self._want):
+                    self._want = next(self._steps)
+                    self._got = 0
+                try:
+                    n = self.sock.recv_into(self._want[self._got:],
+                                            min(len(self._want) - self._got, budget))
+                except (BlockingIOError, InterruptedError):
+                    break
+                if n == 0:
+                    if self._at_boundary and self._got == 0:
+                        raise ConnectionClosed(f"{self.peer}: connection closed by peer "
+                                               f"after {self.frames_read} frames")
+                    raise FrameError(f"{self.peer}: truncated frame: connection closed "
+                                     f"{self._got} of {len(self._want)} bytes into a "
+                                     f"{'header' if self._want is self._hdr_mv else 'payload'}")
+                self._got += n
+                self.bytes_read += n
+                budget -= n
+        except (FrameError, OSError) as e:
+            if isinstance(e, OSError) and not isinstance(e, ConnectionClosed):
+                e.add_note(f"while reading from {self.peer}")
+            if not self._complete:
+                self._error = e
+                raise
+            self._error = e
+        done, self._complete = self._complete, []
+        return done
 
 
 def read_message(reader: FrameReader, expect_tag: int | None = None, *,

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from agents import codec
+from agents import codec, wire
 from agents.core.policies.backlog import backlog_shares
 from agents.pacing import get_max_pacing_rate
 from agents.ps import ParameterServer, _Conn
@@ -93,7 +93,7 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
             ps.active.add(w)
             ps.pacing_bps[w] = 50e6  # the controller's B_down / N, B_down = 100 Mbit/s
         # w0: 400 KB its peer does not read (what the peer's kernel has not acknowledged
-        # stays in SIOCOUTQ) plus 200 KB queued for its sender thread; w1: 200 KB queued.
+        # stays in SIOCOUTQ) plus 200 KB queued in user space; w1: 200 KB queued.
         pairs[0][0].sendall(b"x" * 400_000)
         in_kernel = ps.conns[0].backlog_bytes()
         assert 300_000 < in_kernel <= 400_000  # the peer's receive buffer acked the rest
@@ -106,8 +106,8 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
         assert get_max_pacing_rate(pairs[0][0]) == round(rates[0] / 8)
         assert get_max_pacing_rate(pairs[1][0]) == round(rates[1] / 8)
         assert ps.rebalanced == 2
-        # The peer of w0 read everything (w0 has its 200 KB queued left) and w1's sender
-        # thread wrote its 200 KB into the kernel: about equal again.
+        # The peer of w0 read everything (w0 has its 200 KB queued left) and w1's event
+        # loop wrote its 200 KB into the kernel: about equal again.
         ps.conns[1].written_bytes = 200_000
         pairs[1][0].sendall(b"y" * 200_000)
         got = 0
@@ -148,39 +148,53 @@ def test_no_rebalance_without_downlink_pacing(tmp_path) -> None:
 
 
 def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
-    """The sender thread blocks in the middle of a 32 MB message (its peer reads nothing).
-    Every byte not yet in the peer's receive queue is then backlog, exactly once: the
-    unsent rest of the message in user space plus the sender kernel's SIOCOUTQ."""
+    """The PS queues a 32 MB message its peer does not read: the kernel takes what fits
+    and the rest waits in user space. Every byte not yet in the peer's receive queue is
+    then backlog, exactly once: the unsent rest of the message plus the kernel's
+    SIOCOUTQ. Once the peer reads, the event loop writes the rest and the backlog is 0."""
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
     ps = ParameterServer(cfg, run_dir, run_dir.name, ps_keys(run_dir), host="127.0.0.1", port=0)
     cli, peer = _pair()
+    cli.setblocking(False)
     conn = _Conn(0, cli, "test:0", any_session(run_dir, 0))
-    sender = threading.Thread(target=ps._send_loop, args=(conn,), daemon=True)
     try:
-        sender.start()
+        ps._serve_conn(conn)
         payload = torch.ones(8_000_000)  # 32 MB, far more than both socket buffers hold
         total = payload.numel() * 4 + codec.HEADER_SIZE
-        conn.queued_bytes += total
-        conn.outbox.put((codec.MsgType.WEIGHTS, 0, 0, [payload]))
-        last, deadline = -1, time.monotonic() + 10
-        while conn.written_bytes != last and time.monotonic() < deadline:
-            last = conn.written_bytes
-            time.sleep(0.2)  # the sender has stalled when nothing moved for 200 ms
+        ps._send(conn, wire.message_buffers([payload], msg_type=codec.MsgType.WEIGHTS,
+                                            run_tag=ps.tag, worker=0, iteration=0, chunk=0,
+                                            mac=conn.session.down))
+        assert conn.queued_bytes == total
         assert 0 < conn.written_bytes < total, "the message should be half written"
-        in_peer = struct.unpack("i", fcntl.ioctl(peer.fileno(), termios.FIONREAD,
-                                                 b"\0\0\0\0"))[0]
-        assert conn.backlog_bytes() + in_peer == total
-        # Reading everything drains the backlog to zero.
-        got = 0
-        while got < total:
-            got += len(peer.recv(1 << 20))
-        sender_done = time.monotonic() + 10
-        while conn.backlog_bytes() and time.monotonic() < sender_done:
-            time.sleep(0.01)
+        assert conn.writable_wanted  # the loop waits for room to write the rest
+
+        def in_peer() -> int:
+            return int(struct.unpack("i", fcntl.ioctl(peer.fileno(), termios.FIONREAD,
+                                                      b"\0\0\0\0"))[0])
+
+        last, deadline = -1, time.monotonic() + 10
+        while in_peer() != last and time.monotonic() < deadline:
+            last = in_peer()
+            time.sleep(0.2)  # the kernel has stopped moving bytes (and acked them)
+        assert conn.backlog_bytes() + in_peer() == total
+        # The peer reads everything while the event loop writes: the backlog drains to 0.
+        got = [0]
+
+        def read_all() -> None:
+            while got[0] < total:
+                got[0] += len(peer.recv(1 << 20))
+
+        reader = threading.Thread(target=read_all, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while conn.unsent and time.monotonic() < deadline:
+            ps._poll(deadline, "the rest of the message to go out")
+        reader.join(timeout=10)
+        assert got[0] == total and not conn.unsent and not conn.writable_wanted
+        while conn.backlog_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last acknowledgements
         assert conn.backlog_bytes() == 0
     finally:
-        conn.outbox.put(None)
-        sender.join(timeout=5)
         cli.close()
         peer.close()
         ps.srv.close()
