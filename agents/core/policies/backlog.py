@@ -2,7 +2,7 @@
 
 The PS is the one sender on the downlink, so link/N there is its own choice of pacing rates.
 A hard ``B_down / N`` per connection is fair only while every connection keeps up: a flow
-that falls behind once (a BBR ProbeRTT, a sender thread that lost the CPU for 100 ms) can
+that falls behind once (a BBR ProbeRTT, a PS that lost the CPU for 100 ms) can
 never catch up, because the others leave no spare rate, and the whole synchronous
 iteration then waits for it. Splitting the same ``B_down`` in proportion to the bytes each
 connection still has to deliver (queued plus unacknowledged) gives a laggard more and the
