@@ -72,23 +72,21 @@ def receive_in_pieces(data: bytes, cuts: list[int]
     per_call: list[int] = []
     try:
         edges = [0, *sorted(set(c for c in cuts if 0 < c < len(data))), len(data)]
-        for lo, hi in zip(edges, edges[1:], strict=False):
-            a.sendall(data[lo:hi])
+        pieces = [data[lo:hi] for lo, hi in zip(edges, edges[1:], strict=False)]
+        for i in range(len(pieces) + 100):  # each piece, then EOF, then until the error
+            if i < len(pieces):
+                a.sendall(pieces[i])
+            elif i == len(pieces):
+                a.close()
+            else:
+                select.select([b], [], [], 5)
             try:
                 done = rx.receive()
             except (FrameError, wire.ConnectionClosed) as e:
                 return got, type(e), per_call
             per_call.append(len(done))
             got += done
-        a.close()
-        while True:
-            select.select([b], [], [], 5)
-            try:
-                done = rx.receive()
-            except (FrameError, wire.ConnectionClosed) as e:
-                return got, type(e), per_call
-            per_call.append(len(done))
-            got += done
+        raise AssertionError("EOF never reported")
     finally:
         a.close()
         b.close()

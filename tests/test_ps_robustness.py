@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -249,3 +250,58 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
     else:
         assert len(errors) == 1 and "reset" in errors[0]["error"].lower(), errors
         assert lost and isinstance(lost[0], protocol.Lost)
+
+
+def test_a_silent_worker_and_a_stalled_downlink_are_lost_after_the_timeout(tmp_path) -> None:
+    """The event loop drops an authenticated worker that sends nothing for run.timeout_s,
+    and one that reads nothing while the PS has bytes for it, each with a frame_error that
+    says which; a worker that keeps talking is kept."""
+    from agents.ps import ParameterServer, _Conn
+    from tests.test_backlog import _pair
+
+    run_dir, cfg = make_run_dir(tmp_path, ["net.workers=3", "run.timeout_s=0.6"])
+    ps = ParameterServer(cfg, run_dir, run_dir.name, auth.bundle_for(MASTERS[run_dir], "ps"),
+                         host="127.0.0.1", port=0)
+    pairs = [_pair() for _ in range(3)]
+    try:
+        conns = []
+        for w, (ps_end, _) in enumerate(pairs):
+            ps_end.setblocking(False)
+            conn = _Conn(w, ps_end, f"test:{w}", protocol.session(worker_key(run_dir, w), w, 0,
+                                                                    b"a" * 16, b"b" * 16))
+            ps.conns[w] = conn
+            ps._serve_conn(conn)
+            conns.append(conn)
+        # w0 says nothing. w1 and w2 keep talking (a frame header, a byte at a time), but
+        # w1 reads nothing: 32 MB queued to it stays mostly unsent.
+        ps._send(conns[1], wire.message_buffers(
+            [torch.ones(8_000_000)], msg_type=codec.MsgType.WEIGHTS, run_tag=ps.tag, worker=1,
+            iteration=0, chunk=0, mac=conns[1].session.down))
+        assert conns[1].unsent
+        s, e = ps.chunks[0]
+        frames = {w: b"".join(wire.message_buffers(
+            [torch.zeros(e - s)], msg_type=codec.MsgType.GRAD, run_tag=ps.tag, worker=w,
+            iteration=0, chunk=0, mac=protocol.session(worker_key(run_dir, w), w, 0,
+                                                       b"a" * 16, b"b" * 16).up))
+            for w in (1, 2)}
+        deadline = time.monotonic() + 3
+        sent = 0
+        while len(ps.events) < 2 and time.monotonic() < deadline:
+            for w in (1, 2):
+                pairs[w][1].send(frames[w][sent:sent + (64 if sent == 0 else 1)])
+            sent += 64 if sent == 0 else 1
+            ps._poll(deadline, "the stalls")
+            time.sleep(0.002)
+        assert sent < len(frames[1])  # still inside the first message
+        lost = {ev.conn.worker: ev.reason for ev in ps.events if isinstance(ev, protocol.Lost)}
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+        ps.srv.close()
+        ps.log.close()
+    assert set(lost) == {0, 1}, lost
+    assert "nothing received" in lost[0] and "downlink stalled" in lost[1]
+    errors = [e["error"] for e in read_jsonl(run_dir / "events" / "ps.jsonl")
+              if e["event"] == "frame_error"]
+    assert len(errors) == 2 and all("run.timeout_s" in e for e in errors)
