@@ -525,10 +525,9 @@ class MessageReceiver(FrameReader):
         except (FrameError, OSError) as e:
             if isinstance(e, OSError) and not isinstance(e, ConnectionClosed):
                 e.add_note(f"while reading from {self.peer}")
+            self._error = e  # raised again by every later call
             if not self._complete:
-                self._error = e
                 raise
-            self._error = e
         done, self._complete = self._complete, []
         return done
 

@@ -83,6 +83,14 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return cli, peer
 
 
+def _close(ps: ParameterServer, *socks: socket.socket) -> None:
+    """Tear down a test's sockets and its in-process PS (listening socket, event log)."""
+    for sock in socks:
+        sock.close()
+    ps.srv.close()
+    ps.log.close()
+
+
 def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, ['shaping.method="tc"', "net.workers=2"])
     ps = ParameterServer(cfg, run_dir, run_dir.name, ps_keys(run_dir), host="127.0.0.1", port=0)
@@ -124,11 +132,7 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
         ps.rebalance()
         assert ps.rebalanced == before
     finally:
-        for a, b in pairs:
-            a.close()
-            b.close()
-        ps.srv.close()
-        ps.log.close()
+        _close(ps, *(s for pair in pairs for s in pair))
 
 
 def test_no_rebalance_without_downlink_pacing(tmp_path) -> None:
@@ -141,10 +145,7 @@ def test_no_rebalance_without_downlink_pacing(tmp_path) -> None:
         ps.active |= {0, 1}
         assert ps.rebalance() == {}
     finally:
-        a.close()
-        b.close()
-        ps.srv.close()
-        ps.log.close()
+        _close(ps, a, b)
 
 
 def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
@@ -195,7 +196,4 @@ def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
             time.sleep(0.01)  # the last acknowledgements
         assert conn.backlog_bytes() == 0
     finally:
-        cli.close()
-        peer.close()
-        ps.srv.close()
-        ps.log.close()
+        _close(ps, cli, peer)

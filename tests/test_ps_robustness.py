@@ -221,7 +221,7 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
     worker's teardown) is the end of the run, not a frame error; during the run the same
     reset is logged and the worker reported lost."""
     from agents.ps import ParameterServer, _Conn
-    from tests.test_backlog import _pair
+    from tests.test_backlog import _close, _pair
 
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1"])
     ps = ParameterServer(cfg, run_dir, run_dir.name, auth.bundle_for(MASTERS[run_dir], "ps"),
@@ -239,9 +239,7 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
         ps._serve_conn(conn)
         ps._receive(conn)
     finally:
-        ps_end.close()
-        ps.srv.close()
-        ps.log.close()
+        _close(ps, ps_end)
     errors = [e for e in read_jsonl(run_dir / "events" / "ps.jsonl")
               if e["event"] == "frame_error"]
     lost = list(ps.events)
@@ -257,7 +255,7 @@ def test_a_silent_worker_and_a_stalled_downlink_are_lost_after_the_timeout(tmp_p
     and one that reads nothing while the PS has bytes for it, each with a frame_error that
     says which; a worker that keeps talking is kept."""
     from agents.ps import ParameterServer, _Conn
-    from tests.test_backlog import _pair
+    from tests.test_backlog import _close, _pair
 
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=3", "run.timeout_s=0.6"])
     ps = ParameterServer(cfg, run_dir, run_dir.name, auth.bundle_for(MASTERS[run_dir], "ps"),
@@ -295,11 +293,7 @@ def test_a_silent_worker_and_a_stalled_downlink_are_lost_after_the_timeout(tmp_p
         assert sent < len(frames[1])  # still inside the first message
         lost = {ev.conn.worker: ev.reason for ev in ps.events if isinstance(ev, protocol.Lost)}
     finally:
-        for a, b in pairs:
-            a.close()
-            b.close()
-        ps.srv.close()
-        ps.log.close()
+        _close(ps, *(s for pair in pairs for s in pair))
     assert set(lost) == {0, 1}, lost
     assert "nothing received" in lost[0] and "downlink stalled" in lost[1]
     errors = [e["error"] for e in read_jsonl(run_dir / "events" / "ps.jsonl")
