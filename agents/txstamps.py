@@ -10,12 +10,13 @@ Writes the kernel merged into one packet share the later key's stamps.
 
 Side effects live here (setsockopt, reading the error queue); :func:`parse_stamp` is pure.
 
-**Why a dup of the socket, read by a thread.** The worker's socket has a timeout, and
-CPython waits for POLLIN before a timed ``recvmsg``: an error-queue read would block until
-the PS's reply. A non-blocking duplicate of the descriptor reads the same queue at once.
-Conversely, a non-empty error queue makes ``poll`` report POLLERR, so the worker's timed
-``send`` (waiting for room under ``TCP_NOTSENT_LOWAT``) and ``recv`` would spin while
-stamps are pending: a thread reads them as they arrive.
+**Why a dup of the socket, read by a thread.** The worker's thread that receives the
+PS's reply holds the socket in a blocking ``recv`` for most of the iteration, so the
+stamps are read through a duplicate of the descriptor, with ``MSG_DONTWAIT``, by a thread
+that waits for them with ``poll``. A non-empty error queue makes ``poll`` report POLLERR:
+a socket with a Python timeout (which polls before every ``recv`` and ``send``) would spin
+while stamps are pending, so the worker's socket uses the kernel's own timeouts instead
+(``wire.set_kernel_timeouts``), and this thread empties the queue as the stamps arrive.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ class TxStampReader:
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, FLAGS)
+        # Not setblocking(False): O_NONBLOCK belongs to the open file, which the dup
+        # shares, and the worker's socket blocks in the kernel (wire.set_kernel_timeouts).
+        # Each read says MSG_DONTWAIT instead.
         self._errq = socket.socket(fileno=os.dup(sock.fileno()))
-        self._errq.setblocking(False)
         self.written = 0          # bytes written since the option was set (the key space)
         self._upload_from = 0
         self._raw: list[tuple[int, int, int]] = []
@@ -112,7 +115,8 @@ class TxStampReader:
         out: list[tuple[int, int, int]] = []
         while True:
             try:
-                _, anc, _, _ = self._errq.recvmsg(0, 1024, socket.MSG_ERRQUEUE)
+                _, anc, _, _ = self._errq.recvmsg(0, 1024,
+                                                  socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return out
             stamp = parse_stamp(anc)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import sys
 from collections.abc import Callable, Generator, Sequence
 
@@ -107,7 +108,12 @@ def _send_buffers(sock: socket.socket, bufs: list[memoryview], *, what: str,
         while bufs:
             try:
                 n = sock.sendmsg(bufs[:IOV_MAX], (), flags)
-            except BlockingIOError:
+            except BlockingIOError as e:
+                if not flags and sock.gettimeout() is None:
+                    # A blocking socket says EAGAIN only when its SO_SNDTIMEO ran out.
+                    raise TimeoutError(f"{peer or peer_name(sock)}: send timed out: no room "
+                                       "in the socket buffer within its send timeout "
+                                       "(SO_SNDTIMEO)") from e
                 if room is None:
                     room = select.poll()
                     room.register(sock, select.POLLOUT)
@@ -289,7 +295,15 @@ class FrameReader:
         got = 0
         try:
             while got < want:
-                n = self.sock.recv_into(mv[got:], want - got)
+                try:
+                    n = self.sock.recv_into(mv[got:], want - got)
+                except BlockingIOError as e:
+                    # A blocking socket says EAGAIN only when its SO_RCVTIMEO ran out
+                    # (set_kernel_timeouts); a socket with a Python timeout raises
+                    # TimeoutError itself.
+                    raise TimeoutError(f"{self.peer}: receive timed out: nothing arrived "
+                                       "within the socket's receive timeout "
+                                       "(SO_RCVTIMEO)") from e
                 if n == 0:
                     if boundary and got == 0:
                         raise ConnectionClosed(f"{self.peer}: connection closed by peer "
@@ -577,6 +591,30 @@ def set_socket_options(sock: socket.socket, *, nodelay: bool = True, sndbuf: int
         except OSError as e:
             raise ValueError(f"congestion: {congestion!r} rejected by the kernel ({e}); "
                              f"available: {available_congestion_controls()}") from e
+
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: tv_sec, tv_usec
+
+
+def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Make ``sock`` blocking, with the kernel's own receive and send timeouts
+    (``SO_RCVTIMEO``, ``SO_SNDTIMEO``) of ``timeout_s`` in place of Python's.
+
+    With a Python timeout every ``recv`` and ``send`` first ``poll``s the socket, and
+    ``poll`` reports POLLERR whenever the socket's error queue holds something: with
+    ``SO_TIMESTAMPING`` (agents.txstamps) that is every transmit stamp, so a thread
+    waiting to receive wakes, finds no data, and polls again until the stamps are read,
+    once per stamp and competing for the GIL with the thread that compresses. A blocking
+    ``recv`` waits in the kernel, which the error queue does not wake into user space.
+    When a timeout runs out, :class:`FrameReader` and the senders here raise
+    TimeoutError naming the peer, as with a Python timeout."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+    usec_total = max(1, round(timeout_s * 1e6))  # 0 would mean "never time out"
+    tv = _TIMEVAL.pack(*divmod(usec_total, 1_000_000))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def exit_process(code: int) -> None:

@@ -228,7 +228,8 @@ class Worker:
         wire.send_bytes(s, hs.receive_challenge(h, payload), msg_type=codec.MsgType.PROOF,
                         run_tag=self.tag, worker=self.rank, iteration=join_at)
         # The wait for WELCOME lasts until the PS admits us at an iteration boundary.
-        s.settimeout(self.cfg.run.timeout_s)
+        # From here on the kernel times the socket out (no poll before each recv/send).
+        wire.set_kernel_timeouts(s, self.cfg.run.timeout_s)
         reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
         h, payload = reader.read_frame_into(buf)
         hs.receive_welcome(reader.last_header, h, payload)

@@ -88,6 +88,41 @@ def test_pending_stamps_make_a_timed_recv_spin_without_the_reader(
     assert cpu_s > 0.2 * wall_s, (cpu_s, wall_s)
 
 
+def test_kernel_timeouts_keep_a_recv_asleep_while_stamps_pile_up(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """The worker's socket: the kernel's own timeouts (wire.set_kernel_timeouts), so the
+    thread waiting for the PS's reply blocks in the kernel, which pending stamps do not
+    wake into user space. The same pile of unread stamps as in the test above (the
+    control) costs the waiting thread next to nothing."""
+    up, peer = pair
+    wire.set_kernel_timeouts(up, 5.0)
+    up.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPING, FLAGS)
+    server = _reply_after(peer, _upload(up, 20), WAIT_S)
+    cpu_s, wall_s = _cpu_of_timed_recv(up)
+    server.join()
+    assert wall_s >= WAIT_S * 0.9
+    assert cpu_s < 0.05 * wall_s, (cpu_s, wall_s)
+
+
+def test_the_reader_works_on_a_socket_with_kernel_timeouts(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """The reader's duplicate descriptor shares the socket's open file: it must not make
+    the worker's blocking socket non-blocking (a recv would then fail at once)."""
+    up, peer = pair
+    wire.set_kernel_timeouts(up, 5.0)
+    reader = TxStampReader(up)
+    try:
+        reader.start_upload()
+        reader.wrote(_upload(up, 5))
+        assert [s.key for s in reader.collect(limit_s=2.0)][-1] == 4999
+        server = _reply_after(peer, 5000, WAIT_S)
+        _cpu_s, wall_s = _cpu_of_timed_recv(up)
+        server.join()
+        assert wall_s >= WAIT_S * 0.9
+    finally:
+        reader.close()
+
+
 def test_the_reader_keeps_a_timed_recv_asleep_and_collects_each_upload(
         stamped: tuple[TxStampReader, socket.socket, socket.socket]) -> None:
     reader, up, peer = stamped

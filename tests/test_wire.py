@@ -33,6 +33,7 @@ from agents.wire import (
     send_frame,
     send_message,
     send_tensor,
+    set_kernel_timeouts,
     set_socket_options,
 )
 
@@ -436,3 +437,26 @@ def test_notsent_lowat_rejected_off_tcp() -> None:
     with tcp_pair() as (a, _):
         with pytest.raises(ValueError, match="notsent_lowat: 0 bytes"):
             set_socket_options(a, notsent_lowat=0)
+
+
+def test_kernel_timeouts_name_the_peer_on_either_side() -> None:
+    """set_kernel_timeouts (the worker's data socket): the kernel's SO_RCVTIMEO and
+    SO_SNDTIMEO replace Python's timeout, and running out of either is a TimeoutError that
+    names the peer, as a Python timeout is."""
+    with tcp_pair(sndbuf=65_536, rcvbuf=65_536) as (a, b):
+        set_kernel_timeouts(b, 0.3)
+        assert b.gettimeout() is None
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"127\.0\.0\.1:\d+: receive timed out") as ei:
+            FrameReader(b, expect_tag=TAG).read_frame()
+        assert 0.25 <= time.monotonic() - t0 < 3.0
+        assert any("while reading header from 127.0.0.1:" in n
+                   for n in getattr(ei.value, "__notes__", []))
+        set_kernel_timeouts(a, 0.3)
+        writer = FrameWriter(a, run_tag=TAG, worker=1)
+        with pytest.raises(TimeoutError, match=r"127\.0\.0\.1:\d+: send timed out") as ei:
+            writer.send_message([torch.zeros(4 * 2**20)], msg_type=MsgType.GRAD,
+                                iteration=0, chunk=0)
+        assert any("bytes sent" in n for n in getattr(ei.value, "__notes__", []))
+        with pytest.raises(ValueError, match="timeout_s=0"):
+            set_kernel_timeouts(a, 0)
