@@ -47,7 +47,7 @@ from agents.compress.staging import PayloadStager, Staged
 from agents.control import ControlClient, control_path
 from agents.core import config as cfgmod
 from agents.core.drain import WAIT_MIN_NS, queued_departure_rate_bps
-from agents.core.ethernet import TCP_GOODPUT_FRACTION
+from agents.core.ethernet import GSO_SEGS_MAX, TCP_GOODPUT_FRACTION, TCP_MSS_BYTES
 from agents.core.events import EventLog, now_ns
 from agents.core.feedback_config import warmup_keep
 from agents.core.nodes import worker_node
@@ -121,7 +121,8 @@ class RateSampler(threading.Thread):
 
 class Worker:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str, key: bytes,
-                 worker: int, ps_host: str, ps_port: int, device: torch.device) -> None:
+                 worker: int, ps_host: str, ps_port: int, device: torch.device,
+                 gso_segs: int = 1) -> None:
         self.cfg = cfg
         self.rank = worker
         self.run_dir = run_dir
@@ -172,8 +173,10 @@ class Worker:
         self.policy: Any = self._make_policy()
         self.policy_lock = threading.Lock()
         self.sock: socket.socket | None = None
-        # rate_source "drain": the kernel's transmit stamps of this connection's writes.
+        # rate_source "drain": the kernel's transmit stamps of this connection's writes,
+        # each packet at most gso_segs segments (the host's interface, topo.spec).
         self.stamps: TxStampReader | None = None
+        self.packet_bytes = gso_segs * TCP_MSS_BYTES
         self.reader: wire.FrameReader | None = None
         # One thread receives the new weights while this one uploads (see run()).
         self.receiver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recv")
@@ -356,7 +359,8 @@ class Worker:
         waits until the last write has left the shaper, which the PS's reply needs anyway."""
         assert self.stamps is not None
         stamps = self.stamps.collect()
-        rate_bps = queued_departure_rate_bps(stamps, first_key=self.stamps.upload_from)
+        rate_bps = queued_departure_rate_bps(stamps, first_key=self.stamps.upload_from,
+                                             packet_bytes=self.packet_bytes)
         self.log.emit("drain", iter=self.iteration, stamps=len(stamps),
                       waited=sum(1 for x in stamps if x.wait_ns >= WAIT_MIN_NS),
                       rate_bps=rate_bps)
@@ -535,14 +539,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ps", required=True, help="PS address (IP inside the emulated network)")
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--device", default=None, help="auto, cpu or cuda (default: run.device)")
+    ap.add_argument("--gso-segs", type=int, default=1,
+                    help="segments per packet this host's interface sends (topo.spec)")
     args = ap.parse_args(argv)
+    if not 1 <= args.gso_segs <= GSO_SEGS_MAX:
+        ap.error(f"--gso-segs {args.gso_segs}: must be in [1, {GSO_SEGS_MAX}]")
     cfg = cfgmod.load(args.run_dir / "config.toml")
     keys = auth.read_bundle()  # from the controller, on our stdin: never a file
     auth.exit_with_controller()
     torch.set_num_threads(1)
     w = Worker(cfg, args.run_dir, args.run_dir.name, keys.key,
                args.worker, args.ps, args.port or cfg.net.ps_port,
-               pick_device(args.device or cfg.run.device))
+               pick_device(args.device or cfg.run.device), args.gso_segs)
     try:
         return w.run()
     except (ConnectionError, codec.FrameError, wire.ConnectionClosed) as e:

@@ -2,11 +2,12 @@
 inside hosts).
 
 ``python tests/stamp_probe.py serve PORT`` reads and discards everything, until the peer
-closes; ``python tests/stamp_probe.py probe HOST PORT UPLOADS CHUNKS CHUNK_BYTES GAP_MS``
-makes UPLOADS uploads of CHUNKS writes of CHUNK_BYTES each, GAP_MS apart, 60 ms idle
-before each (the shaper's bucket fills again), through the worker's own reader
+closes; ``python tests/stamp_probe.py probe HOST PORT UPLOADS CHUNKS CHUNK_BYTES GAP_MS
+PACKET_BYTES`` makes UPLOADS uploads of CHUNKS writes of CHUNK_BYTES each, GAP_MS apart,
+60 ms idle before each (the shaper's bucket fills again), through the worker's own reader
 (agents.txstamps) on a socket with a timeout like the worker's, and prints one JSON line:
-each upload's ``queued_departure_rate_bps`` (null: no packet waited) and its stamp count.
+each upload's ``queued_departure_rate_bps`` (null: no packet waited; PACKET_BYTES is the
+host's GSO packet, as the worker is told it) and its stamp count.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def serve(port: int) -> None:
 
 
 def probe(host: str, port: int, uploads: int, chunks: int, chunk_bytes: int,
-          gap_ms: float) -> dict[str, list]:
+          gap_ms: float, packet_bytes: int) -> dict[str, list]:
     rates: list[float | None] = []
     counts: list[int] = []
     with socket.create_connection((host, port), timeout=30) as s:
@@ -45,7 +46,8 @@ def probe(host: str, port: int, uploads: int, chunks: int, chunk_bytes: int,
                 s.sendall(payload)
                 reader.wrote(chunk_bytes)
             stamps = reader.collect()
-            rates.append(queued_departure_rate_bps(stamps, first_key=reader.upload_from))
+            rates.append(queued_departure_rate_bps(stamps, first_key=reader.upload_from,
+                                                   packet_bytes=packet_bytes))
             counts.append(len(stamps))
         reader.close()
     return {"rates_bps": rates, "stamps": counts}
@@ -57,4 +59,4 @@ if __name__ == "__main__":
     else:
         a = sys.argv[2:]
         print(json.dumps(probe(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]),
-                               float(a[5]))))
+                               float(a[5]), int(a[6]))))

@@ -60,7 +60,8 @@ def test_star_places_ps_then_workers_then_flowgen_with_their_command_lines(tmp_p
     assert planned[0] == ("ps", "ps", ("PY", "-m", "agents.ps", "--run-dir", str(tmp_path)))
     assert planned[2] == ("worker", "w1", ("PY", "-m", "agents.worker", "--run-dir",
                                            str(tmp_path), "--worker", "1", "--ps", "10.0.0.1",
-                                           "--port", "5000"))
+                                           "--port", "5000", "--gso-segs",
+                                           str(ctx.spec.host("w1").gso_segs)))
     assert [(r, h) for r, h, _ in planned[3:]] == [("flowgen", "ps"), ("flowgen", "bg0")]
 
 

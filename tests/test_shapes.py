@@ -171,6 +171,20 @@ def test_traces_go_on_their_points_and_unknown_points_are_named():
         shape_spec(cfg("topo.traces={\"up\" = \"a.trace\"}", "trace.up=\"b.trace\""))
 
 
+def test_a_host_behind_a_traced_uplink_sends_one_segment_packets():
+    # Its rate follows the trace (a few Mbit/s for a cellular one): 8-segment packets would
+    # hold 9 ms of a 10 Mbit/s link each. A trace on the switch's side of its link (the
+    # host's downlink) or on the bottleneck leaves the host's packets as they were.
+    plain = shape_spec(cfg("net.bottleneck_mbps=400", "net.worker_link_mbps=100"))
+    assert {h.name: h.gso_segs for h in plain.hosts}["w0"] == 8
+    spec = plain.with_traces({"w0.up": "traces/data/cellular_like.log",
+                              "w1.down": "traces/data/cellular_like.log",
+                              "up": "traces/data/cellular_like.log"})
+    assert {h.name: h.gso_segs for h in spec.hosts} == {"ps": 1, "w0": 1, "w1": 8, "w2": 8,
+                                                      "w3": 8}
+    assert ("w0", "w0-eth0", 1) in spec.interfaces()
+
+
 def test_a_trace_on_a_tc_capped_uplink_is_refused():
     from controller.driver import check_driver
 

@@ -102,5 +102,12 @@ def test_sender_gso_segs_fits_every_sender_in_half_the_up_queue():
         n = spec.workers + spec.extra_hosts
         segs = spec.sender_gso_segs("w0")
         assert segs == 1 or n * segs * WIRE_FRAME_BYTES <= spec.bottleneck_up.queue_bytes / 2
+    # A worker's own slow access link caps its packets too: 1 ms of 10 Mbit/s is one
+    # frame, whatever 1 Gbit/s shared by two would allow.
+    own = StarSpec(workers=2, worker_link=LinkSpec(rate_mbps=10.0),
+                   bottleneck_up=LinkSpec(rate_mbps=1000.0, queue_bytes=10**7))
+    assert own.sender_gso_segs("w0") == 1
+    assert StarSpec(workers=2, bottleneck_up=LinkSpec(
+        rate_mbps=1000.0, queue_bytes=10**7)).sender_gso_segs("w0") == 41
     with pytest.raises(SpecError, match="host='w99'"):
         shallow.sender_gso_segs("w99")

@@ -426,7 +426,14 @@ class NetSpec:
 
     def with_traces(self, traces: dict[str, str]) -> NetSpec:
         """This spec with ``traces`` (point name -> trace path) set on those points;
-        an unknown point is an error naming the known ones."""
+        an unknown point is an error naming the known ones.
+
+        A host whose own egress (its uplink) replays a trace sends one-segment packets
+        (``gso_segs`` 1): its rate moves with the trace, often to a few Mbit/s, where the
+        bottleneck's share would allow 8 segments, 9 ms of a 10 Mbit/s link in one packet.
+        One segment keeps the host's queue packet-exact, as a real cellular uplink is, and
+        keeps the kernel's transmit stamps of its writes within one MSS of each packet's
+        start (``agents.core.drain``)."""
         known = set(self.point_names())
         for name in traces:
             if name not in known:
@@ -438,7 +445,9 @@ class NetSpec:
 
         edges = tuple(replace(e, a_to_b=put(e.a_to_b), b_to_a=put(e.b_to_a))
                       for e in self.edges)
-        return replace(self, edges=edges)
+        traced = {p.host for p in self.places() if p.point.name in traces and p.host}
+        hosts = tuple(replace(h, gso_segs=1) if h.name in traced else h for h in self.hosts)
+        return replace(self, edges=edges, hosts=hosts)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -98,12 +98,17 @@ class StarSpec:
     def sender_gso_segs(self, host: str) -> int:
         """GSO segments per packet for a local sender in ``host`` (``spec.sender_gso_segs``):
         ps gets 1, its egress is the down bottleneck and must stay packet-exact; a worker
-        or background host shares the up bottleneck's queue with every other sender."""
+        or background host shares the up bottleneck's queue with every other sender, and
+        its packet holds no more than 1 ms of its own access link either (a 10 Mbit/s
+        worker link gets one segment, whatever the bottleneck's share would allow)."""
         self.ip(host)  # raises SpecError naming the unknown host
         if host == "ps":
             return 1
-        return sender_gso_segs(self.bottleneck_up.effective_queue_bytes(),
-                               self.bottleneck_up.rate_mbps, self.workers + self.extra_hosts)
+        shared = sender_gso_segs(self.bottleneck_up.effective_queue_bytes(),
+                                 self.bottleneck_up.rate_mbps, self.workers + self.extra_hosts)
+        own = sender_gso_segs(self.worker_link.effective_queue_bytes(),
+                              self.worker_link.rate_mbps, 1)
+        return min(shared, own)
 
     def switch_port(self, host: str) -> int:
         """Switch port number facing a host (ps is port 1), hence the name gbsw0-eth{port}."""
