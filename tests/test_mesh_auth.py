@@ -143,7 +143,9 @@ def test_expert_mesh_refuses_a_replayed_frame() -> None:
     tap = CapturingProxy(base)
     tap.start()
     keys = {h: file_keys(SECRET, h, 2) for h in range(2)}
-    done = threading.Event()
+    # Each host's step 0 done: host 0's needs host 1's frame, which the tap keeps before
+    # it forwards it (waiting for host 1 alone raced the tap's thread).
+    done = [threading.Event(), threading.Event()]
     proceed = threading.Event()
     out: dict[int, Any] = {}
 
@@ -159,7 +161,7 @@ def test_expert_mesh_refuses_a_replayed_frame() -> None:
                                                    {1 - h: torch.full((4,), float(h))},
                                                    {1 - h: 4})
                     if step == 0:
-                        done.set() if h == 1 else None
+                        done[h].set()
                         proceed.wait(20)
         except BaseException as e:  # noqa: BLE001
             out[h] = e
@@ -167,7 +169,7 @@ def test_expert_mesh_refuses_a_replayed_frame() -> None:
     threads = [threading.Thread(target=host, args=(h,)) for h in range(2)]
     for t in threads:
         t.start()
-    assert done.wait(30)
+    assert all(d.wait(30) for d in done)
     frames = [raw for h, raw in tap.frames() if h.msg_type == MsgType.TOKENS]
     assert len(frames) == 1  # host 1's step-0 frame, as it crossed the link
     tap.inject(frames[0])  # ...sent again before host 1's step-1 frame
