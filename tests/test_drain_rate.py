@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,30 +22,62 @@ MS = 1_000_000
 GSO_PKT_BYTES = 8 * TCP_MSS_BYTES  # gradbed caps the worker's GSO packets at 8 segments
 
 
+def htb_tsq(writes: list[tuple[int, int]], rate_bps: float, burst_bytes: int,
+            packet_bytes: int, in_qdisc: int = 2) -> list[TxStamp]:
+    """The stamps of ``writes`` ((ts_ns, bytes) written to the socket) through an HTB class
+    of ``rate_bps`` and a ``burst_bytes`` bucket, full at the start, with the socket in
+    front of the qdisc as the kernel has it: the head packet leaves as soon as the tokens
+    are >= 0 and is charged afterwards (net/sched/sch_htb.c); TCP Small Queues let at most
+    ``in_qdisc`` of the flow's packets sit in the qdisc, the rest of the data waits in the
+    socket, and a write appended there fills the last packet not yet handed down (up to
+    ``packet_bytes``) before it starts a new one. A packet carries the key of the last
+    write that ends in it (the kernel keeps one stamp key per packet, so a write merged
+    into a packet after another loses the other's stamp); a packet in which no write ends
+    carries none."""
+    pending: list[list[int]] = []  # packets still in the socket: [bytes, key or -1]
+    queue: list[tuple[int, int, int]] = []  # in the qdisc: (bytes, key, sched_ns)
+    out: list[TxStamp] = []
+    key, tokens, last_ns, now, i = -1, float(burst_bytes), 0, 0, 0
+    while i < len(writes) or pending or queue:
+        head_ns = None
+        if queue:
+            t = max(now, last_ns)
+            avail = min(float(burst_bytes), tokens + (t - last_ns) * rate_bps / 8e9)
+            head_ns = t if avail >= 0 else t + int(-avail * 8e9 / rate_bps) + 1
+        if i < len(writes) and (head_ns is None or writes[i][0] <= head_ns):
+            now, size = writes[i]
+            i += 1
+            while size > 0:
+                if not pending or pending[-1][0] == packet_bytes:
+                    pending.append([0, -1])
+                n = min(size, packet_bytes - pending[-1][0])
+                pending[-1][0] += n
+                size -= n
+                key += n
+            pending[-1][1] = key
+        else:
+            assert head_ns is not None
+            now = head_ns
+            tokens = min(float(burst_bytes), tokens + (now - last_ns) * rate_bps / 8e9)
+            last_ns = now
+            size, k, sched = queue.pop(0)
+            tokens -= size
+            if k >= 0:
+                out.append(TxStamp(k, sched, now))
+        while pending and len(queue) < in_qdisc:
+            size, k = pending.pop(0)
+            queue.append((size, k, now))
+    return out
+
+
 def htb(writes: list[tuple[int, int]], rate_bps: float, burst_bytes: int,
         max_pkt_bytes: int = GSO_PKT_BYTES) -> list[TxStamp]:
     """The stamps of ``writes`` ((ts_ns, bytes) handed to the qdisc) through an HTB class
     of ``rate_bps`` and a ``burst_bytes`` bucket, full at the start: each write is cut into
-    packets of at most ``max_pkt_bytes``; the head packet leaves as soon as the tokens are
-    >= 0 and is charged afterwards (net/sched/sch_htb.c); the last packet of each write
-    carries its stamps."""
-    out = []
-    key, tokens, last_ns = -1, float(burst_bytes), 0
-    for ts, size in writes:
-        while size > 0:
-            n = min(size, max_pkt_bytes)
-            size -= n
-            key += n
-            dep = max(ts, last_ns)
-            tokens = min(float(burst_bytes), tokens + (dep - last_ns) * rate_bps / 8e9)
-            if tokens < 0:
-                dep += int(-tokens * 8e9 / rate_bps) + 1
-                tokens = 0.0
-            tokens -= n
-            last_ns = dep
-            if size == 0:
-                out.append(TxStamp(key, ts, dep))
-    return out
+    packets of at most ``max_pkt_bytes``, all in the qdisc as soon as written (no socket
+    in between, so no write is merged with another); the last packet of each write
+    carries its stamps. :func:`htb_tsq` with room in the qdisc for everything."""
+    return htb_tsq(writes, rate_bps, burst_bytes, max_pkt_bytes, in_qdisc=sys.maxsize)
 
 
 def timed(stamps: list[TxStamp], **kw: int) -> float | None:
@@ -122,51 +155,6 @@ def test_the_keys_own_packet_would_read_too_high() -> None:
     a, b = stamps[1], stamps[2]
     assert 8e9 * (b.key - a.key) / (b.snd_ns - a.snd_ns) > 7e6
     assert timed(stamps) == pytest.approx(5e6, rel=0.01)
-
-
-def htb_tsq(writes: list[tuple[int, int]], rate_bps: float, burst_bytes: int,
-            packet_bytes: int, in_qdisc: int = 2) -> list[TxStamp]:
-    """Like :func:`htb`, with the socket in front of the qdisc as the kernel has it: TCP
-    Small Queues let at most ``in_qdisc`` of the flow's packets sit in the qdisc, the rest
-    of the data waits in the socket, and a write appended there fills the last packet not
-    yet handed down (up to ``packet_bytes``) before it starts a new one. A packet carries
-    the key of the last write that ends in it (the kernel keeps one stamp key per packet,
-    so a write merged into a packet after another loses the other's stamp); a packet in
-    which no write ends carries none."""
-    pending: list[list[int]] = []  # packets still in the socket: [bytes, key or -1]
-    queue: list[tuple[int, int, int]] = []  # in the qdisc: (bytes, key, sched_ns)
-    out: list[TxStamp] = []
-    key, tokens, last_ns, now, i = -1, float(burst_bytes), 0, 0, 0
-    while i < len(writes) or pending or queue:
-        head_ns = None
-        if queue:
-            t = max(now, last_ns)
-            avail = min(float(burst_bytes), tokens + (t - last_ns) * rate_bps / 8e9)
-            head_ns = t if avail >= 0 else t + int(-avail * 8e9 / rate_bps) + 1
-        if i < len(writes) and (head_ns is None or writes[i][0] <= head_ns):
-            now, size = writes[i]
-            i += 1
-            while size > 0:
-                if not pending or pending[-1][0] == packet_bytes:
-                    pending.append([0, -1])
-                n = min(size, packet_bytes - pending[-1][0])
-                pending[-1][0] += n
-                size -= n
-                key += n
-            pending[-1][1] = key
-        else:
-            assert head_ns is not None
-            now = head_ns
-            tokens = min(float(burst_bytes), tokens + (now - last_ns) * rate_bps / 8e9)
-            last_ns = now
-            size, k, sched = queue.pop(0)
-            tokens -= size
-            if k >= 0:
-                out.append(TxStamp(k, sched, now))
-        while pending and len(queue) < in_qdisc:
-            size, k = pending.pop(0)
-            queue.append((size, k, now))
-    return out
 
 
 def test_a_merged_upload_on_a_traced_uplink_reads_its_link() -> None:
