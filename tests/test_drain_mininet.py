@@ -80,8 +80,9 @@ def test_the_kernels_stamps_read_the_workers_own_uplink() -> None:
 
 
 def test_a_traced_uplink_with_a_real_rtt_is_read_on_most_uploads() -> None:
-    # configs/heterogeneous.toml's w0: a 10 Mbit/s uplink of one-segment packets (a traced
-    # uplink, topo.spec.NetSpec.with_traces), 15 ms of one-way delay each way on the
+    # configs/heterogeneous.toml's w0: a 10 Mbit/s uplink of one-segment packets (both a
+    # traced uplink, NetSpec.with_traces, and a 10 Mbit/s access link, StarSpec.sender_gso_
+    # segs, give one segment), 15 ms of one-way delay each way on the
     # bottleneck (the NFQUEUE delay line here), 11 writes of 3.6 KB back to back. With the
     # bottleneck's 8-segment packets and each packet's start taken at the previous stamped
     # key, such uploads gave a sample in 2 of 97 iterations, reading 2-4 Mbit/s.
