@@ -1,6 +1,6 @@
 """Lower bounds a policy cannot beat, to read measured iteration times against.
 
-A synchronous iteration of the chunk-pipelined PS (``agents/ps.py``: chunk c comes down as
+A synchronous iteration of the chunk-pipelined PS (``agents/dp/ps.py``: chunk c comes down as
 soon as every worker has sent it) cannot end before
 
     compute_s + max(U + D / C, U / C + D)

@@ -2,7 +2,7 @@
 expert, bytes per parameter class, and the per-host timeline (DESIGN.md 1.4).
 
 Reads the expert hosts' events (``events/eN.jsonl`` or ``.parquet``; see
-:mod:`agents.expert`). Every number comes from :mod:`agents.core.moe_metrics`.
+:mod:`agents.moe.expert`). Every number comes from :mod:`agents.core.moe_metrics`.
 """
 
 from __future__ import annotations

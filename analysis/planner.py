@@ -266,7 +266,7 @@ def pipeline_dp_link_bytes(piece_numels: list[int], stages: int, replicas: int, 
                            ) -> dict[tuple[int, int], float]:
     """Data-parallel bytes per step, each way, on the link of stage ``s`` of every replica
     of a (t = 1, p, d) pipeline whose stage gradients the PS averages
-    (:mod:`agents.stage_ps`).
+    (:mod:`agents.pipeline.stage_ps`).
 
     ``piece_numels[i]`` is the parameter count of pipeline position ``i`` (position ``i``
     sits on stage ``i % stages``). Once per step every replica's stage sends each of its

@@ -5,7 +5,7 @@ on that host: ``compute`` for the main thread, ``send`` for a sender thread), ``
 (one of :data:`CATEGORIES`), ``label`` (e.g. ``F3.1``), ``iter``, ``start_s``, ``end_s``
 (seconds from the run's first event, CLOCK_MONOTONIC shared by all hosts).
 
-- Pipeline stages (``pp_action``, ``pp_send`` events, :mod:`agents.stage`): forward,
+- Pipeline stages (``pp_action``, ``pp_send`` events, :mod:`agents.pipeline.stage`): forward,
   backward, recompute, optimizer and receive (the time a stage waited for a message) on the
   compute lane; every send on the send lane, from the sender thread's first to last byte
   handed to the kernel.

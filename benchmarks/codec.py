@@ -30,8 +30,8 @@ from collections.abc import Callable
 import torch
 from _common import emit, log
 
-from agents import codec
-from agents.codec import (
+from agents.net import codec
+from agents.net.codec import (
     CRC_BACKEND,
     MsgType,
     buffer_address,
@@ -41,7 +41,7 @@ from agents.codec import (
     run_tag,
     tensor_from_buffer,
 )
-from agents.wire import FrameReader, send_message, set_socket_options
+from agents.net.wire import FrameReader, send_message, set_socket_options
 
 SIZE_BYTES = 100 * 10**6
 REPS_MEM = 9
@@ -67,7 +67,7 @@ def codec_round(t: torch.Tensor, crc: bool, mac: str = "") -> tuple[float, dict[
     """One encode + decode in memory; returns seconds and the zero-copy checks. ``mac``:
     also seal the frame with a connection's FrameMac and verify it, as the agents do:
     ``header_only`` is the MAC before it covered the payload (header and payload CRC
-    only), otherwise the named algorithm over header and payload (agents.codec)."""
+    only), otherwise the named algorithm over header and payload (agents.net.codec)."""
     algo = codec.MAC_ALGORITHM if mac in ("", "header_only") else mac
     seal, check = codec.FrameMac(b"k" * 32, algo), codec.FrameMac(b"k" * 32, algo)
     t0 = time.perf_counter()
@@ -239,7 +239,7 @@ def main() -> None:
         "user_space_payload_copies": {
             "encode": 0, "decode_in_memory": 0, "tcp_receive": 0,
             "how_verified": "data pointers: payload view == tensor.data_ptr(); decoded "
-                            "tensor == receive buffer; tests/test_wire.py checks recv_into "
+                            "tensor == receive buffer; tests/agents/net/test_wire.py checks recv_into "
                             "targets the returned tensor's storage",
             "verified": mem["zero_copy_verified"],
         },

@@ -11,11 +11,11 @@ For each rate in RATES_MBPS, first the undelayed path (``delay_ms = 0``, no dela
 then each RTT in RTTS_MS:
 - **measured RTT** = the minimum of PING_COUNT ``ping -U`` samples (user to user, ping
   SCHED_FIFO) sent PING_INTERVAL_S apart (100 pings 10 ms apart below 100 ms RTT;
-  tests/test_delay_mininet.py measures the same way). The minimum is the path's own
+  tests/topo/test_delay_mininet.py measures the same way). The minimum is the path's own
   delay: a stall of ping or of the delay line only adds to single samples, while a delay
   line that releases early or late moves every sample, the minimum included. Widely
   spaced pings each paid a wake-up from idle (the old 20-ping median read 1.225 ms for
-  1 ms). TCP_INFO's min_rtt over 5 echo exchanges (tests/rtt_probe.py) is the second
+  1 ms). TCP_INFO's min_rtt over 5 echo exchanges (tests/support/rtt_probe.py) is the second
   reading. The ping median is kept in the details for comparison only;
 - **RTT error** = (measured RTT - configured RTT) / configured RTT, in percent; the
   allowance is max(5 %, 0.2 ms), and ``within`` says whether both readings met it;
@@ -81,7 +81,7 @@ def ping_ms(net: StarNetwork, rtt_ms: float) -> tuple[float, float]:
 
 def tcp_min_rtt_ms(net: StarNetwork, port: int = 7007) -> float:
     py = sys.executable
-    probe = str(REPO / "tests" / "rtt_probe.py")
+    probe = str(REPO / "tests" / "support" / "rtt_probe.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     server = net.popen("ps", [py, probe, "serve", str(port)], cwd=REPO, env=env)
     net.wait_listening("ps", port)

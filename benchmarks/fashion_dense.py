@@ -3,7 +3,7 @@
 What issue 20 asks of each workload: the iterations and the wall time dense SGD needs to reach
 a known test accuracy (>= 90 % for ``fashion_resnet``) on this machine. One process trains on
 the global batch (workers x batch size; with the ``none`` compressor the testbed's workers
-compute exactly its mean gradient, ``tests/test_transparency.py``) with the PS's step
+compute exactly its mean gradient, ``tests/agents/dp/test_transparency.py``) with the PS's step
 (``agents.workloads.base.sgd_step_``, SGD with momentum), and scores the full 10,000-image test
 set every ``GB_FD_EVAL_EVERY`` iterations. The clock counts training only; the evaluations
 are timed apart (``eval_s``).

@@ -45,7 +45,7 @@ fixed keep is the one with the lowest median TTA, and each run's TTA gain is aga
 keep's run in the same round.
 
 The bound (``benchmarks/tta_headroom.py``'s model, ``analysis.tta_model``): iterations to
-the target per keep are measured in this process (``controller.keep_response``: 4 workers,
+the target per keep are measured in this process (``agents.dp.keep_response``: 4 workers,
 the config's workload, chunking, top-k and error feedback); an iteration takes
 ``overhead_s + w0's wire bytes / w0's trace rate`` (w0's own link is the one that limits:
 at keep 1 the others need 29 ms at 95 Mbit/s), with ``overhead_s`` from the best uniform
@@ -78,11 +78,11 @@ from _common import emit, gradbed_run, log
 from cellular_tta import tta_s
 
 from agents.core.bandwidth import BandwidthTrace, load_trace
+from agents.dp.keep_response import TrainingSpec, iterations_to_target
 from agents.workloads.digits_mlp import DigitsMLP
 from analysis.load import load_events
 from analysis.metrics import percentile
 from analysis.tta_model import best_schedule_tta_s, keep_independent_s, schedule_tta_s
-from controller.keep_response import TrainingSpec, iterations_to_target
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "heterogeneous.toml"

@@ -18,7 +18,7 @@ summary.json and events:
   reachable only where it is below 0.7.
 
 Each gradient travels in 16 chunks, and the PS sends chunk c of the new weights back as soon as
-every worker has sent it (``agents/ps.py``). That is where fairness pays in a synchronous
+every worker has sent it (``agents/dp/ps.py``). That is where fairness pays in a synchronous
 iteration: under link/N every worker delivers chunk c at the same moment and the downlink runs
 one chunk behind the uplink, while under unfair TCP the slowest worker's chunks arrive late and
 push the downlink towards the end of the upload.

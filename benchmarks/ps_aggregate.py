@@ -8,7 +8,7 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 - ``validated_add``: the per-element work of sparse aggregation: decode each payload's
   indices, validate them (:func:`validate_sparse`) and ``index_add_`` them into the PS's
   persistent accumulator. This is the headline, at W = 16 (target >= 50 M elements/s).
-- ``end_to_end``: :func:`agents.aggregate.aggregate` on the W payloads the way the PS
+- ``end_to_end``: :func:`agents.dp.aggregate.aggregate` on the W payloads the way the PS
   runs it, everything included: its persistent accumulator summing straight into its
   gradient buffer, each contribution scaled by 1/W as it is added (so the sum is the
   mean), and zeroing that 25 M buffer for the next iteration: one O(n) pass per
@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from _common import emit, log
 
-from agents.aggregate import SparseAccumulator, aggregate, check_gradient, validate_sparse
 from agents.compress import k_for, make
 from agents.compress.base import Payload
 from agents.compress.randomk import random_subset
+from agents.dp.aggregate import SparseAccumulator, aggregate, check_gradient, validate_sparse
 
 N = 25_000_000
 RATIO = 0.01
@@ -168,7 +168,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     results = {str(w): bench(w) for w in (4, 16)}
     threads = torch.get_num_threads()
-    # The PS itself runs torch on one thread (agents.ps); torch.sort in particular slows
+    # The PS itself runs torch on one thread (agents.dp.ps); torch.sort in particular slows
     # down on two threads of this loaded 2-core machine, so the checks' cost is also
     # measured as the PS pays it.
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Attacks and faults against live runs (issue 22), each with its verdict.
 
-Real agent processes over loopback TCP (``tests/loopback.py``; no Mininet needed): a PS
+Real agent processes over loopback TCP (``tests/support/loopback.py``; no Mininet needed): a PS
 and two workers train the digits MLP (dense SGD, 1,000 iterations). One run is clean; the
 second is attacked while it trains, and *survives* only if every attack is refused and
 the final weights equal the clean run's bit for bit (with two workers the streamed sum is
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 from _common import emit, log
 
-from agents import auth, codec
-from agents.control import ControlClient
 from agents.core.events import read_jsonl
+from agents.net import auth, codec
+from agents.net.control import ControlClient
 from controller.control import ControlServer
-from tests import hostile
-from tests.loopback import (
+from tests.support import hostile
+from tests.support.loopback import (
     connect,
     make_run_dir,
     public_tag,
@@ -96,7 +96,7 @@ def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
                                f"{len(tries)} tries, none admitted" if tries else "no files")
         s = connect(port)
         try:
-            from tests.loopback import handshake
+            from tests.support.loopback import handshake
 
             handshake(s, run_dir, 1, key=b"guessed".ljust(32, b"!"))
             v["wrong_key"] = (False, "admitted")

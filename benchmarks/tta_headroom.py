@@ -4,7 +4,7 @@ bandwidth trace, over a sweep of workloads (issue 4's cellular target, DESIGN.md
 ``benchmarks/cellular_tta.py`` measures one workload on the network. This benchmark asks
 whether the 20 % target is reachable at all, for more workloads than a network run can
 afford: for each workload it measures, in one process, the iterations to the target
-accuracy at each keep ratio (``controller.keep_response``: the project's workload, chunking,
+accuracy at each keep ratio (``agents.dp.keep_response``: the project's workload, chunking,
 top-k and error feedback, and the PS's SGD), then replays the trace through
 ``analysis.tta_model`` for a range of keep-independent times per iteration (compute, the
 downlink, round trips; ``cellular_tta`` measures 38.5 ms for its config). For each case:
@@ -43,11 +43,11 @@ from typing import Any
 from _common import emit, log
 
 from agents.core.bandwidth import BandwidthTrace, load_trace
+from agents.dp.keep_response import TrainingSpec, iterations_to_target
 from agents.workloads.base import Workload
 from agents.workloads.digits_cnn import DigitsCNN
 from agents.workloads.digits_mlp import DigitsMLP
 from analysis.tta_model import best_schedule_tta_s, schedule_tta_s
-from controller.keep_response import TrainingSpec, iterations_to_target
 
 REPO = Path(__file__).resolve().parents[1]
 VERIZON = REPO.parent / "shared" / "traces" / "mahimahi" / "Verizon-LTE-short.up"
@@ -93,7 +93,7 @@ def case(trace: BandwidthTrace, iters: dict[float, int], dense_bytes: int,
          overhead_s: float) -> dict[str, Any]:
     """Modelled TTAs of one workload at one keep-independent time, each the mean over
     START_POINTS starts spread evenly over the trace's period: where training starts moves
-    a single TTA by up to 10 % (tests/test_tta_model.py), and the starts sample the trace."""
+    a single TTA by up to 10 % (tests/analysis/test_tta_model.py), and the starts sample the trace."""
     common: dict[str, Any] = dict(trace=trace, iterations=iters, dense_bytes=dense_bytes,
                                   workers=WORKERS, overhead_s=overhead_s)
     starts = [trace.period_s * i / START_POINTS for i in range(START_POINTS)]

@@ -12,7 +12,7 @@ dumbbell's far side), else the PS host. "To the PS" below means to that peer:
   (``background/bgJ.json``, kept) becomes one ``background`` event: bytes, mean rate,
   retransmits and the seconds it ran.
 - ``kind = "flows"``: flows drawn from the flow-size CDF ``flow_cdf`` at an offered load
-  of ``load_mbps``, each a new connection to a sink (``agents/flowgen.py``), logged as
+  of ``load_mbps``, each a new connection to a sink (``agents/traffic/flowgen.py``), logged as
   ``flow_done`` events with their completion times, and a ``background`` event at the end.
 - ``kind = "pcap"``: the capture ``pcap``, readdressed from the host to the PS
   (``traces/pcap.py``) and looped by ``tcpreplay`` at its own timing or at ``pcap_mbps``;
@@ -108,12 +108,12 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: NetSpec, run_dir: Path,
             clients.append(FlowCommand(host, tuple(argv), "client", log, report=log))
             continue
         if bg.kind == "flows":
-            servers.append(FlowCommand(server.name, (py, "-m", "agents.flowgen", "sink",
+            servers.append(FlowCommand(server.name, (py, "-m", "agents.traffic.flowgen", "sink",
                                                      "--bind", ps_ip, "--port", port),
                                        "server", str(out / f"{server.name}-{port}.log"),
                                        port=int(port)))
             clients.append(FlowCommand(host, (
-                py, "-m", "agents.flowgen", "source", "--run-dir", str(run_dir),
+                py, "-m", "agents.traffic.flowgen", "source", "--run-dir", str(run_dir),
                 "--node", host, "--connect", f"{ps_ip}:{port}", "--bind", spec.ip(host),
                 "--cdf", str(Path(bg.flow_cdf).resolve()), *cdf_options(bg),
                 "--load-mbps", f"{bg.load_mbps:g}",
@@ -291,7 +291,7 @@ def _reap(p: subprocess.Popen[Any], timeout_s: float) -> None:
 
 
 def cdf_options(bg: cfgmod.BackgroundConfig) -> tuple[str, ...]:
-    """How ``agents.flowgen`` reads the flow-size file (agents.core.flowsize.load_flow_cdf)."""
+    """How ``agents.traffic.flowgen`` reads the flow-size file (agents.core.flowsize.load_flow_cdf)."""
     return ("--cdf-format", bg.flow_cdf_format,
             "--cdf-interpolation", bg.flow_cdf_interpolation or "auto",
             "--cdf-packet-bytes", str(bg.flow_cdf_packet_bytes))

@@ -1,11 +1,11 @@
-"""The controller's end of the control plane (see ``agents/control.py``).
+"""The controller's end of the control plane (see ``agents/net/control.py``).
 
 A thread accepts agent connections on ``RUN_DIR/control.sock`` and hands every
 JSON-line report to a callback. ``send(node, msg)`` pushes a command to one
 agent. The callback runs on the connection's thread; it must be quick.
 
 A connection counts only once its peer has proved it knows its node's key
-(``key_for(node)``; challenge-response, see ``agents.control``); its reports then
+(``key_for(node)``; challenge-response, see ``agents.net.control``); its reports then
 always carry that node's name, whatever they claim. The peer's pid and uid
 (``SO_PEERCRED``) go into the hello the callback sees. A peer that fails, or says
 nothing for ``AUTH_TIMEOUT_S``, is closed and reported as ``control_refused``.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.control import AUTH_TIMEOUT_S, control_proof, read_line
+from agents.net.control import AUTH_TIMEOUT_S, control_proof, read_line
 
 Handler = Callable[[dict[str, Any]], None]
 KeyFor = Callable[[str], bytes | None]

@@ -21,11 +21,11 @@ from typing import IO, Any
 
 import pandas as pd
 
-from agents import auth
-from agents.control import control_path
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.links import LINK_COLUMNS
+from agents.net import auth
+from agents.net.control import control_path
 from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
@@ -294,7 +294,7 @@ class Experiment:
             # A new session: a terminal's Ctrl-C reaches only the controller, which then
             # stops the agents itself and keeps their last events. Its key goes down its
             # stdin, a pipe only we hold: the pipe stays open, and when this process dies
-            # the agent sees EOF and ends too (agents.auth).
+            # the agent sees EOF and ends too (agents.net.auth).
             p = net.popen(cmd.host, list(cmd.argv), stdin=subprocess.PIPE, stdout=log,
                           stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
                           start_new_session=True)

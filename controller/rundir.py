@@ -42,7 +42,7 @@ def create(out_root: Path, name: str) -> Path:
     (path / "logs").mkdir()
     for d in made:
         hand_over(d, recursive=False)
-    # No key is written here: every host can read this directory (agents.auth).
+    # No key is written here: every host can read this directory (agents.net.auth).
     return path
 
 
@@ -222,7 +222,7 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
     missing, events converted to Parquet, a ``summary.json`` computed from whatever events
     the agents wrote (where none exists; an existing one only gains the ``stop_reason`` it
     lacks and the ``error``), and no secret or control socket left. Returns what it did."""
-    from agents.control import control_path
+    from agents.net.control import control_path
 
     done: list[str] = []
     if cfg_toml is not None and not (run_dir / "config.toml").exists():

@@ -19,7 +19,7 @@ lets the controller sample every access link of a fabric every few milliseconds
 (``controller/class_sampler.py``).
 
 The message is built by a pure function (unit-tested byte for byte against what iproute2
-sends); the kernel's result is checked in ``tests/test_netlink.py`` against the class that
+sends); the kernel's result is checked in ``tests/topo/test_netlink.py`` against the class that
 the ``tc`` binary installs for the same arguments. Rate tables (``TCA_HTB_RTAB/CTAB``) are
 left out: the kernel reads them only for link-layer-unaware rate specs, and these say
 Ethernet, as iproute2's do.

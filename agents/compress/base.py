@@ -34,7 +34,7 @@ from agents.core.registry import COMPRESSOR, Registry
 
 # Framing overhead the wire codec adds per tensor part (bytes). The lead aligns this with the
 # codec's HEADER_SIZE; wire_bytes() uses it so reported sizes match what crosses the link.
-FRAME_HEADER_BYTES = 64  # == agents.codec.HEADER_SIZE (asserted in tests/test_codec_compress.py)
+FRAME_HEADER_BYTES = 64  # == agents.net.codec.HEADER_SIZE (asserted in tests/agents/compress/test_codec_compress.py)
 
 
 class PayloadError(ValueError):

@@ -282,7 +282,7 @@ class AdaptiveConfig:
     # "drain": at most one sample per upload, the rate at which the kernel's transmit
     # stamps (SO_TIMESTAMPING) show its packets leaving the worker's own shaper over the
     # longest run in which each of them had waited there (so the link, not the writer,
-    # window or bucket, set their pace: agents.core.drain, agents.txstamps); the keep is
+    # window or bucket, set their pace: agents.core.drain, agents.net.txstamps); the keep is
     # planned on the minimum of the last drain_window samples, carried across iterations
     # (an upload without a sample changes nothing), and a minimum within eps of the plan
     # counts as the plan. Measurements on configs/heterogeneous.toml: docs/fidelity.md.
@@ -344,7 +344,7 @@ class MembershipConfig:
 class BackgroundConfig:
     # Cross traffic between each of net.background_hosts and the PS (controller/background.py):
     # "bulk" = long iperf3 TCP flows; "flows" = flows drawn from a flow-size CDF
-    # (agents/flowgen.py), each a new connection, with their completion times.
+    # (agents/traffic/flowgen.py), each a new connection, with their completion times.
     kind: str = "bulk"
     flows: int = 0                    # bulk: flows per background host (iperf3 -P); 0 = none
     direction: str = "up"             # bulk: up = host -> PS, with the gradients; down = PS -> host

@@ -42,7 +42,7 @@ with ``key_{-1} = first_key - 1`` for the upload's first stamp. Where packets en
 keys it is exact for writes of one packet each and for writes of one size; each end is
 otherwise off by less than one packet: measured in Mininet, w0's 3.6 KB writes on a
 10 Mbit/s uplink of one-segment packets with a 30 ms RTT read 7 % high over 10 KB runs
-(tests/test_drain_mininet.py).
+(tests/topo/test_drain_mininet.py).
 Taking the previous key as the start alone (this module before 2026-11-26) counts a
 stamped write merged with others, or spanning several packets, as one packet's worth.
 With the bottleneck's 8-segment packets on w0's traced uplink (topo.spec gives it one

@@ -30,7 +30,7 @@ then emit it with ``log.emit("stage_done", iter=i, micro_batch=m, fwd_s=dt)``. E
 undeclared type or field raises :class:`UndeclaredEvent` when ``GRADBED_STRICT_EVENTS=1``
 (``tests/conftest.py`` sets it, and agents started by the tests inherit it); elsewhere it is
 written anyway with one warning on stderr, so a forgotten declaration never kills a run.
-``tests/test_events.py`` also checks every ``.emit("name", field=...)`` call in the source
+``tests/agents/core/test_events.py`` also checks every ``.emit("name", field=...)`` call in the source
 against this table without running anything.
 """
 
@@ -81,7 +81,7 @@ def _declare(name: str, by: str, meaning: str, **fields: str) -> None:
     EVENTS[name] = EventType(name, by, meaning, dict(fields))
 
 
-# -- worker (agents/worker.py) --------------------------------------------------------------
+# -- worker (agents/dp/worker.py) --------------------------------------------------------------
 _declare("joined", "worker", "the PS admitted this worker (HELLO answered by WELCOME and "
          "the weights); iter is the iteration it joins at")
 _declare("left", "worker", "the worker left the run by the membership schedule (BYE sent)",
@@ -130,7 +130,7 @@ _declare("iter_done", "worker", "one training iteration is over on this worker",
          bytes_down="wire bytes received", loss="training loss")
 _declare("worker_error", "worker", "the worker stopped on an error", error="the message")
 
-# -- parameter server (agents/ps.py) ---------------------------------------------------------
+# -- parameter server (agents/dp/ps.py) ---------------------------------------------------------
 _declare("ps_ready", "ps", "the PS listens and waits for the workers' HELLO",
          numel="model parameters", chunks="gradient chunks per iteration",
          compressor="compress.name")
@@ -155,7 +155,7 @@ _declare("ps_iter_done", "ps", "the PS finished an iteration (every chunk aggreg
          workers="active workers", elapsed_s="since the first iteration started (s)")
 _declare("ps_done", "ps", "the PS ended the run", reason="completed, stopped, or the error")
 
-# -- flow generator (agents/flowgen.py) ------------------------------------------------------
+# -- flow generator (agents/traffic/flowgen.py) ------------------------------------------------------
 _declare("flows_planned", "flowgen", "the background flows drawn from the CDF",
          flows="number of flows", bytes="their total size (bytes)",
          load_mbps="offered load (Mbit/s)", duration_s="arrival window (s)",
@@ -178,7 +178,7 @@ _declare("background", "flowgen, controller", "totals of one background host's t
          packets="packets sent (pcap replay)", retransmits="TCP retransmissions (iperf3)",
          note="iperf3's own remark (e.g. interrupted)", error="why there are no totals")
 
-# -- pipeline stage (agents/stage.py) -------------------------------------------------------
+# -- pipeline stage (agents/pipeline/stage.py) -------------------------------------------------------
 _declare("stage_ready", "stage", "a pipeline stage holds its slices and is connected",
          stage="stage index", replica="pipeline replica (data-parallel index)",
          chunks="model chunks per stage (2 for the two-group schedule)",
@@ -207,7 +207,7 @@ _declare("pp_ps_send", "stage", "a message to the pipeline's PS written to the k
          chunk="model chunk", bytes="bytes on the wire (frame included)",
          start_ns="start (CLOCK_MONOTONIC)", end_ns="end (CLOCK_MONOTONIC)")
 
-# -- the pipeline's PS (agents/stage_ps.py; node ps) -----------------------------------------
+# -- the pipeline's PS (agents/pipeline/stage_ps.py; node ps) -----------------------------------------
 _declare("ps_slice_mean", "ps", "the PS averaged one stage chunk's gradient over the d "
          "replicas and queued the mean to each", stage="stage index", chunk="model chunk",
          replicas="gradients averaged (d)", bytes="wire bytes of the mean to one replica")
@@ -215,7 +215,7 @@ _declare("ps_slice_sent", "ps", "the PS's sender thread wrote one mean to a stag
          to="the stage's node (rRsS)", chunk="model chunk",
          bytes="bytes on the wire (frame included)")
 
-# -- MoE expert host (agents/expert.py; nodes e0..eH-1) ---------------------------------------
+# -- MoE expert host (agents/moe/expert.py; nodes e0..eH-1) ---------------------------------------
 _declare("moe_start", "expert", "the expert host joined the mesh and built its shards",
          hosts="expert hosts", experts="experts per MoE layer",
          owned="this host's expert indices", expert_numel="elements of its expert parameters",

@@ -12,7 +12,7 @@ names ``file:line`` and why.
 
 :func:`flow_arrivals` turns a CDF and an offered load into a seeded list of flows: Poisson
 arrivals (exponential gaps) at ``load / mean size`` flows per second, each size drawn by
-inverting the CDF. It is what ``agents/flowgen.py`` replays, so a run's background flows
+inverting the CDF. It is what ``agents/traffic/flowgen.py`` replays, so a run's background flows
 are known before it starts and repeat with the seed.
 """
 

@@ -18,7 +18,7 @@ Two ways to learn the names, for two layers:
 - :meth:`Kind.declared` reads the same modules' source without importing them (no torch)
   and collects the names their decorators give. The config validation in the core uses it
   to reject an unknown name with the list of known ones before anything starts, without
-  importing upward. ``tests/test_registry.py`` checks that both agree for every kind.
+  importing upward. ``tests/agents/core/test_registry.py`` checks that both agree for every kind.
 
 A decorator names its entry either by argument (``@register_workload("digits_mlp")``) or,
 for a bare decorator (``@register``), by the class attribute ``name = "..."``.

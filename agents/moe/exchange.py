@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agents.codec import DType, FrameError, FrameHeader, MsgType
+from agents.net.codec import DType, FrameError, FrameHeader, MsgType
 
 # Chunk ids of the collectives of the shared parameter classes (layers use 0..L-1).
 CHUNK_ZERO3 = 0xFFFF0003

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from agents.codec import HEADER_SIZE, DType, MsgType
 from agents.core.moe_config import MoEConfig
 from agents.moe.exchange import check_counts, check_done
 from agents.moe.expert_offload import ExpertOffload
@@ -48,6 +47,7 @@ from agents.moe.layer import Expert, MoELayer
 from agents.moe.mesh import Mesh
 from agents.moe.model import MoEClassifier, TokenData, build_model, host_batch, loss_fn
 from agents.moe.zero import ShardedOptimizer
+from agents.net.codec import HEADER_SIZE, DType, MsgType
 
 CHUNK_EVAL = 0x40000000  # added to a layer's chunk id for the evaluation forward
 

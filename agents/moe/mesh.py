@@ -2,7 +2,7 @@
 
 Host i listens on its own address and connects to every host j < i, so each pair of
 hosts shares exactly one TCP connection, used in both directions. Each connection is an
-authenticated :class:`agents.link.Link`: challenge-response under the pair key only
+authenticated :class:`agents.net.link.Link`: challenge-response under the pair key only
 hosts i and j hold (``keys[j]``, from the controller through stdin), then a MAC with a
 sequence number on every frame, so no host can pass for another and a replayed frame is
 refused (issue 22).
@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agents import auth, link, wire
-from agents.codec import DType, FrameError, MsgType
 from agents.moe.exchange import Expect, check_header
+from agents.net import auth, link, wire
+from agents.net.codec import DType, FrameError, MsgType
 
 
 def mesh_links(host: int, hosts: int) -> list[auth.Link]:
@@ -68,7 +68,7 @@ class Mesh:
     def __init__(self, me: int, addrs: list[tuple[str, int]], run_tag: int, *,
                  run_id: str, keys: Mapping[int, bytes], crc: bool = True,
                  max_payload_bytes: int = 1 << 30, timeout_s: float = 60.0) -> None:
-        """``keys[j]``: the key of the link to host j (:func:`agents.auth.pair_key`), for
+        """``keys[j]``: the key of the link to host j (:func:`agents.net.auth.pair_key`), for
         every other host."""
         if not 0 <= me < len(addrs):
             raise ValueError(f"host index {me} not in [0, {len(addrs)})")

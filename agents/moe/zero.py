@@ -89,9 +89,9 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from agents.codec import HEADER_SIZE, MsgType
 from agents.moe.exchange import CHUNK_ZERO2, CHUNK_ZERO3, CHUNK_ZERO3_BWD
 from agents.moe.mesh import Mesh
+from agents.net.codec import HEADER_SIZE, MsgType
 from agents.workloads.base import sgd_step_
 
 FLOAT32_BYTES = 4

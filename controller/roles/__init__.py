@@ -3,8 +3,8 @@
 A role is a declaration, pure data importable without torch: the config sections it
 reads, the host kinds it may run on, its command lines (argv built from the config and
 the network spec alone), its start phase, and whether it decides when the run ends. The
-agents themselves live in ``agents/`` (``agents.ps``, ``agents.worker``,
-``agents.flowgen``) and never import this package; the runner
+agents themselves live in ``agents/`` (``agents.dp.ps``, ``agents.dp.worker``,
+``agents.traffic.flowgen``) and never import this package; the runner
 (``controller.runner``) starts ``get(host.role)`` for every host of the spec.
 
 One file per role in this folder, registered with :func:`register`; this package imports
@@ -45,7 +45,7 @@ class RoleCommand:
     """One process to start in ``host``'s namespace; its output goes to ``log`` (a path
     relative to the run directory). ``links``: the mesh links it is an end of, as
     ``(mesh, its name there, the peer's name)``; the runner hands it those links' pair
-    keys on its stdin, and no others (:func:`agents.auth.bundle_for`)."""
+    keys on its stdin, and no others (:func:`agents.net.auth.bundle_for`)."""
 
     host: str
     argv: tuple[str, ...]

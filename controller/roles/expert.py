@@ -1,4 +1,4 @@
-"""The MoE expert host role (``agents/expert.py``): E experts over H hosts of the fabric,
+"""The MoE expert host role (``agents/moe/expert.py``): E experts over H hosts of the fabric,
 dispatch and combine as two-phase all-to-alls over TCP, shared layers sharded ZeRO-2/3
 (DESIGN.md 1.4; GShard, DeepSpeed-MoE). Every expert host ends the run when it is done."""
 
@@ -18,10 +18,10 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
                         f"hosts of ranks {[h.rank for h in experts]} (set topo.hosts = "
                         f"{m.hosts})")
     addrs = ",".join(f"{h.ip}:{m.port}" for h in experts)
-    return [RoleCommand(h.name, (ctx.python, "-m", "agents.expert", "--run-dir",
+    return [RoleCommand(h.name, (ctx.python, "-m", "agents.moe.expert", "--run-dir",
                                  str(ctx.run_dir), "--host", str(h.rank), "--addrs", addrs,
                                  "--auth", "stdin"),
-                        # The key of its link to every other expert host (agents.link).
+                        # The key of its link to every other expert host (agents.net.link).
                         links=tuple(("expert", f"e{h.rank}", f"e{j}")
                                     for j in range(m.hosts) if j != h.rank))
             for h in hosts]

@@ -1,6 +1,6 @@
 """The flow generator role: background (cross) traffic from the background hosts to their
 peers (``controller/background.py``: long iperf3 flows, flows drawn from a flow-size CDF by
-``agents/flowgen.py``, or a replayed capture). It never ends a run: its flows stop when
+``agents/traffic/flowgen.py``, or a replayed capture). It never ends a run: its flows stop when
 the run does, and each host's totals become a ``background`` event."""
 
 from __future__ import annotations

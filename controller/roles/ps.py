@@ -1,4 +1,4 @@
-"""The parameter server role (``agents/ps.py``): aggregates the workers' gradients, steps
+"""The parameter server role (``agents/dp/ps.py``): aggregates the workers' gradients, steps
 the optimizer, sends weights back; its exit ends the run (seeds/004, seeds/000)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from topo.spec import HostSpec
 
 def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     # The PS reads everything else from the run directory's config.toml.
-    return [RoleCommand(h.name, (ctx.python, "-m", "agents.ps", "--run-dir", str(ctx.run_dir)))
+    return [RoleCommand(h.name, (ctx.python, "-m", "agents.dp.ps", "--run-dir", str(ctx.run_dir)))
             for h in hosts]
 
 

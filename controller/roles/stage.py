@@ -1,7 +1,7 @@
-"""The pipeline stage role (``agents/stage.py``): one process per stage of each of the
+"""The pipeline stage role (``agents/pipeline/stage.py``): one process per stage of each of the
 ``pipeline.replicas`` pipelines, activations forward and gradients backward over the
 fabric's shaped access links (DESIGN.md 1.3; GPipe, 1F1B, the seed's two-group schedule),
-and the pipeline's PS (``agents/stage_ps.py``) on a host of its own.
+and the pipeline's PS (``agents/pipeline/stage_ps.py``) on a host of its own.
 
 Placement: the fabric's hosts of kind ``stage``, by rank: host ``r * p + s`` runs stage
 ``s`` of replica ``r``, listening on ``pipeline.base_port + s``; host ``p * d`` runs the PS
@@ -28,7 +28,7 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
                         f"pipeline.replicas={d} and the PS (set topo.hosts = "
                         f"{max(p, 2) * d + 1})")
     ps = ranked[p * d]
-    out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.stage_ps", "--run-dir",
+    out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.pipeline.stage_ps", "--run-dir",
                                  str(ctx.run_dir), "--port", str(pc.base_port),
                                  "--auth", "stdin"),
                        links=tuple(stage_ps_links(p, d)))]
@@ -36,10 +36,10 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
         r, s = divmod(h.rank, p)
         peers = ",".join(f"{ranked[r * p + i].ip}:{pc.base_port + i}" for i in range(p))
         out.append(RoleCommand(h.name, (
-            ctx.python, "-m", "agents.stage", "--run-dir", str(ctx.run_dir), "--stage", str(s),
+            ctx.python, "-m", "agents.pipeline.stage", "--run-dir", str(ctx.run_dir), "--stage", str(s),
             "--replica", str(r), "--peers", peers, "--auth", "stdin",
             "--ps", f"{ps.ip}:{pc.base_port}"),
-            # The keys of the links this stage is an end of, on its stdin (agents.link).
+            # The keys of the links this stage is an end of, on its stdin (agents.net.link).
             links=tuple(stage_links(r, s, p, d))))
     return out
 

@@ -1,4 +1,4 @@
-"""The data-parallel worker role (``agents/worker.py``): trains on its shard, sends
+"""The data-parallel worker role (``agents/dp/worker.py``): trains on its shard, sends
 compressed gradients to the one PS of the network, applies the weights it gets back. It is
 told its host's packet size (``gso_segs``), which its drain rate source needs."""
 
@@ -12,7 +12,7 @@ from topo.spec import HostSpec
 
 def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     ps = the_host(ctx.spec, "ps", "worker")
-    return [RoleCommand(h.name, (ctx.python, "-m", "agents.worker", "--run-dir",
+    return [RoleCommand(h.name, (ctx.python, "-m", "agents.dp.worker", "--run-dir",
                                  str(ctx.run_dir), "--worker", str(h.rank), "--ps", ps.ip,
                                  "--port", str(ctx.cfg.net.ps_port),
                                  "--gso-segs", str(h.gso_segs)))

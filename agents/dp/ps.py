@@ -1,0 +1,819 @@
+"""The parameter server: aggregates workers' (compressed) gradients and steps the model.
+
+Run inside the PS host as ``python -m agents.dp.ps --run-dir RUN --port 5000``. It
+reads the resolved ``RUN/config.toml``, listens for workers, and for every
+iteration:
+
+1. receives each active worker's gradient chunk by chunk (``GRAD`` messages,
+   one frame per payload tensor), validates it and accumulates it -- sparse
+   payloads with a sorted ``index_add_`` when that is cheaper than densifying;
+2. as soon as every active worker has sent chunk c (chunks complete in order),
+   takes that chunk's mean and applies SGD to it (the same elementwise update as
+   ``torch.optim.SGD``, so stepping chunk by chunk equals one whole step);
+3. sends chunk c of the new weights (``WEIGHTS``, dense) or of the sparse weight
+   delta (``UPDATE``) back to every worker at once, through the same bottleneck,
+   while later chunks are still coming up -- the per-partition push/pull pipelining
+   of ps-lite and BytePS. Every worker socket is non-blocking and served by one
+   event loop on the main thread (``selectors``): it reads whatever bytes have
+   arrived, adds the messages they complete, and writes each connection's queued
+   downlink as its socket takes it, so the downlink of chunk c overlaps the uplink
+   of chunk c+1 and a slow receiver never blocks the loop. When every chunk is out,
+   the PS evaluates held-out accuracy every ``run.eval_every`` iterations.
+
+How much the pipelining buys depends on how evenly the workers' uploads progress:
+chunk c is complete only when the slowest worker has sent it. Under link/N every
+worker delivers chunk c at the same moment, so the downlink runs one chunk behind
+the uplink; under unfair TCP the slowest worker's chunks arrive late and the
+downlink is pushed back towards the end of the upload.
+
+Workers authenticate at connect time by challenge-response under their own keys, and
+every later frame carries a per-connection MAC (``agents.net.protocol``, ``agents.net.auth``);
+the conversation's rules (handshake, chunk barrier, iteration order, BYE) are the
+sans-I/O state machines of ``agents.net.protocol``, and the code here only moves bytes.
+Accepting and the handshake run on threads (each under its own deadline); an
+authenticated connection is handed to the event loop.
+Nothing is allocated for a peer before it has proved its key, and then no more than
+the message it may send weighs. A malformed frame or an insane gradient (non-finite,
+above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a
+logged ``frame_error``; the PS keeps serving the others (or stops, as
+``run.on_worker_death`` says). A model that becomes non-finite stops the run.
+
+Aggregation is streamed: each payload is added as it arrives, so the order of the
+floating-point additions follows arrival order, and two runs that differ only in
+timing can differ in the last bits of the weights (then more, for chaotic training).
+Dense SGD is exact to float tolerance (``tests/agents/dp/test_transparency.py``). A worker that
+disconnects is dropped from the active set, the controller is told (it
+re-shapes to B/(N-1)) and the run goes on, or stops if ``run.on_worker_death``
+says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import queue
+import secrets
+import select
+import selectors
+import socket
+import struct
+import sys
+import termios
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import agents.compress  # noqa: F401  (registers every compressor)
+from agents.compress.base import Compressor, PayloadError, make
+from agents.compress.sparse import SparseCompressor
+from agents.core import config as cfgmod
+from agents.core.events import EventLog, now_ns
+from agents.core.lr_schedule import lr_at
+from agents.core.policies.backlog import backlog_shares
+from agents.dp.aggregate import SparseAccumulator, check_gradient, max_message_bytes
+from agents.net import auth, codec, protocol, wire
+from agents.net.control import ControlClient, control_path
+from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
+from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
+from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
+from agents.workloads.factory import make_workload
+
+# How often the downlink pacing is re-split by backlog (shaping.downlink = "backlog").
+REBALANCE_S = 0.02
+# The event loop looks for stalled connections at least this often.
+POLL_S = 0.5
+# accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
+ACCEPT_BACKOFF_S = (0.01, 1.0)
+# Handshakes under way at once; beyond, a new connection is closed at once (logged).
+MAX_HANDSHAKES = 1024
+
+
+def _wire_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes one message of ``tensors`` takes on the wire: a header and a payload each."""
+    return sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+
+
+@dataclass
+class _Conn:
+    """One worker's connection: a non-blocking socket served by the PS's event loop.
+    Downlink frames are sealed when queued (so in order, under this connection's MAC) and
+    wait in ``unsent`` until the kernel takes them."""
+
+    worker: int
+    sock: socket.socket
+    peer: str
+    session: protocol.Session
+    receiver: wire.MessageReceiver | None = None  # set when the PS starts serving it
+    unsent: list[memoryview] = field(default_factory=list)
+    closed: bool = False  # the PS dropped it
+    failed: bool = False  # reading or writing failed: its Lost event is on the way
+    writable_wanted: bool = False  # registered for EVENT_WRITE (something is unsent)
+    # Downlink bytes queued and taken by the kernel (a message half written counts half).
+    queued_bytes: int = 0
+    written_bytes: int = 0
+    heard_s: float = field(default_factory=time.monotonic)  # bytes last received
+    moved_s: float = field(default_factory=time.monotonic)  # the kernel last took bytes
+
+    def queue(self, bufs: list[memoryview]) -> None:
+        """Queue sealed frames behind what is already waiting."""
+        if not self.unsent:
+            self.moved_s = time.monotonic()  # a stall is counted from here
+        self.unsent += bufs
+        self.queued_bytes += sum(len(b) for b in bufs)
+
+    def flush(self) -> bool:
+        """Hand the kernel what it takes now, without waiting; True when nothing is left.
+        OSErrors propagate."""
+        n = wire.write_some(self.sock, self.unsent)
+        while n:
+            self.written_bytes += n
+            self.moved_s = time.monotonic()
+            n = wire.write_some(self.sock, self.unsent)
+        return not self.unsent
+
+    def dead(self) -> bool:
+        """True when the peer provably went away: the socket reports a hang-up or an
+        error, or the PS already dropped it."""
+        if self.closed:
+            return True
+        p = select.poll()
+        p.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        try:
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return True
+
+    def backlog_bytes(self) -> int:
+        """Downlink bytes not yet delivered: still in user space (queued, or the unsent
+        rest of a message), plus what the kernel holds (unsent or unacknowledged,
+        ``SIOCOUTQ``). Every byte counts in exactly one of the two."""
+        try:
+            buf = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+            in_kernel = int(struct.unpack("i", buf)[0])
+        except (OSError, ValueError):
+            in_kernel = 0  # closed under us: the event loop reports it
+        return max(0, self.queued_bytes - self.written_bytes) + in_kernel
+
+
+class ParameterServer:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
+                 keys: auth.KeyBundle, *, host: str = "0.0.0.0", port: int = 5000) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.run_id = run_id
+        if not keys.workers_root:
+            raise ValueError("PS key bundle: no workers_root (is this the PS's bundle?)")
+        self.workers_root = keys.workers_root
+        self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
+        self.log = EventLog.for_node(run_dir, run_id, "ps")
+        self.ctl = ControlClient(control_path(run_dir), "ps", keys.key)
+        self.workload = make_workload(cfg.workload, cfg.vision)
+        self.model = FlatModel(self.workload.build_model(cfg.run.seed))
+        self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
+        self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
+        self.compressor: Compressor = make(cfg.compress.name, **self._compressor_params())
+        self.momentum_buf: torch.Tensor | None = None
+        # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
+        self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
+        # What happened to connections, in order, for the main loop: filled by the event
+        # loop (``_poll``) on this thread; handshake threads hand over ``joins``.
+        self.events: deque[PSEvent] = deque()
+        self.joins: queue.SimpleQueue[Joined] = queue.SimpleQueue()
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = socket.socketpair()  # a handshake thread wakes the loop
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        self.next_rebalance_s = 0.0
+        self.conns: dict[int, _Conn] = {}
+        self.barrier = protocol.ChunkBarrier(len(self.chunks))
+        self.active = self.barrier.active  # the same set: the barrier's is the truth
+        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
+        self.pacing_bps: dict[int, float] = {}  # link/N on the downlink, per worker
+        self.applied_bps: dict[int, float] = {}  # what each socket is paced at now
+        self.rebalanced = 0  # pacing changes the backlog split made this iteration
+        self.done = threading.Event()
+        self.iteration = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.agg_s = 0.0
+        self.srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
+        self.srv.bind((host, port))
+        self.srv.listen(256)
+        self.stop_reason = ""
+
+    def _compressor_params(self) -> dict[str, Any]:
+        params = dict(self.cfg.compress.params)
+        if self.cfg.compress.index_encoding != "int32":
+            params.setdefault("index_encoding", self.cfg.compress.index_encoding)
+        return params
+
+    # -- connections: accepted and authenticated on threads, then served by the loop -----
+
+    def _accept_loop(self) -> None:
+        """Accept forever. An error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a peer
+        that reset before accept) is logged and retried after a growing pause; only the
+        PS closing its own socket ends the loop."""
+        pause = ACCEPT_BACKOFF_S[0]
+        while not self.done.is_set():
+            try:
+                sock, addr = self.srv.accept()
+            except OSError as e:
+                if self.done.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # our own socket was closed: the run is over
+                self.log.emit("frame_error", iter=self.iteration, peer="accept",
+                              error=f"accept failed ({e}); retrying in {pause:.2f} s")
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            if not self.handshakes.acquire(blocking=False):
+                self.log.emit("frame_error", iter=self.iteration, peer=f"{addr[0]}:{addr[1]}",
+                              error=f"{MAX_HANDSHAKES} handshakes under way: closed")
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._handshake, args=(sock, addr),
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
+                self.handshakes.release()
+                sock.close()
+                self.log.emit("frame_error", iter=self.iteration, peer="accept",
+                              error=f"cannot start a handshake thread: {e}")
+
+    def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
+        """Challenge-response (``agents.net.protocol.PSHandshake``) under a deadline of
+        ``guard.handshake_timeout_s``; nothing is allocated for the peer beyond one
+        preallocated hello-sized buffer until it has proved its key."""
+        peer = f"{addr[0]}:{addr[1]}"
+        try:
+            session = self._authenticate(sock, peer)
+        finally:
+            self.handshakes.release()
+        if session is None:
+            return
+        # Authenticated: from here the main thread's event loop serves the socket.
+        sock.setblocking(False)
+        self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
+        try:
+            self.wake_w.send(b"\0")
+        except OSError:
+            pass  # a wake-up already pending (a full pipe), or the run is over
+
+    def _authenticate(self, sock: socket.socket, peer: str) -> protocol.Session | None:
+        hs = protocol.PSHandshake(self.run_id, self.cfg.net.workers,
+                                  lambda w: auth.worker_key(self.workers_root, w),
+                                  secrets.token_bytes(codec.NONCE_BYTES))
+        buf = bytearray(codec.MAX_HELLO_BYTES)
+        try:
+            sock.settimeout(self.cfg.guard.handshake_timeout_s)
+            deadline = time.monotonic() + self.cfg.guard.handshake_timeout_s
+            reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer,
+                                      max_payload_bytes=codec.MAX_HELLO_BYTES)
+            h, body = reader.read_frame_into(buf)
+            challenge = hs.receive_hello(h, body)
+            wire.send_bytes(sock, challenge, msg_type=codec.MsgType.CHALLENGE,
+                            run_tag=self.tag, worker=h.worker, peer=peer)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            reader.max_payload_bytes = protocol.PROOF_BYTES
+            h, body = reader.read_frame_into(buf)
+            return hs.receive_proof(h, body)
+        except (codec.FrameError, wire.ConnectionClosed, OSError) as e:
+            why = "handshake timed out" if isinstance(e, TimeoutError) else str(e)
+            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=why)
+            self._reject(sock, why)
+            return None
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
+        return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
+
+    def _reject(self, sock: socket.socket, why: str) -> None:
+        """Tell a peer that failed the handshake why, and close."""
+        try:
+            sock.settimeout(1.0)  # a peer that does not read must not hold us
+            wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
+                            msg_type=codec.MsgType.ERROR, run_tag=self.tag, worker=0)
+        except OSError:
+            pass
+        sock.close()
+
+    def _bound(self, h: codec.FrameHeader) -> None:
+        """What one frame from a worker may weigh, checked before its payload is read."""
+        if h.msg_type == codec.MsgType.BYE:
+            if h.payload_len > 64:
+                raise protocol.ProtocolError(f"BYE of {h.payload_len} bytes")
+            return
+        if not 0 <= h.chunk < len(self.chunks):
+            raise protocol.ProtocolError(f"chunk {h.chunk} out of range "
+                                         f"0..{len(self.chunks) - 1}")
+        s, e = self.chunks[h.chunk]
+        limit = max_message_bytes(self.cfg.compress.name, e - s)
+        if h.payload_len > limit or h.nparts > 16:
+            raise protocol.ProtocolError(
+                f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
+                f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
+
+    # -- the event loop: every worker socket on this one thread -------------------------
+    #
+    # One thread reads, adds and writes: a reader and a sender thread per connection
+    # handed every message over through a queue, and on a busy 2-core host those
+    # hand-overs, not the network, set the iteration's pace (docs/fidelity.md).
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        """Start reading an authenticated connection's messages."""
+        conn.receiver = wire.MessageReceiver(conn.sock, peer=conn.peer, mac=conn.session.up,
+                                             max_payload_bytes=self.max_message_bytes,
+                                             bound=self._bound)
+        conn.heard_s = time.monotonic()
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _unwatch(self, conn: _Conn) -> None:
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass  # never served, or already let go
+
+    def _lose(self, conn: _Conn, reason: str) -> None:
+        """Stop serving a connection whose read or write failed; the main loop drops it
+        when it meets the Lost event (after the messages received before the failure)."""
+        if conn.failed or conn.closed:
+            return
+        conn.failed = True
+        self._unwatch(conn)
+        self.events.append(Lost(conn, reason))
+
+    def _poll(self, deadline: float, what: str) -> None:
+        """Wait until something happens (at most until ``deadline``) and turn it into
+        events: messages received, connections joined, lost or stalled."""
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(f"PS: timed out waiting for {what}")
+        wait = min(deadline - now, POLL_S)
+        if self.cfg.shaping.downlink == "backlog":
+            wait = min(wait, max(0.0, self.next_rebalance_s - now))
+        for key, mask in self.selector.select(wait):
+            conn = key.data
+            if conn is None:
+                self.wake_r.recv(4096)
+                continue
+            if mask & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ:
+                self._receive(conn)
+        while True:
+            try:
+                self.events.append(self.joins.get_nowait())
+            except queue.Empty:
+                break
+        now = time.monotonic()
+        if self.cfg.shaping.downlink == "backlog" and now >= self.next_rebalance_s:
+            self.rebalance()
+            self.next_rebalance_s = now + REBALANCE_S
+        self._check_stalls(now)
+
+    def _receive(self, conn: _Conn) -> None:
+        if conn.failed or conn.closed or conn.receiver is None:
+            return
+        try:
+            messages = conn.receiver.receive()
+        except wire.ConnectionClosed:
+            self._lose(conn, "connection closed")
+            return
+        except (codec.FrameError, OSError) as e:
+            if self.done.is_set() and isinstance(e, OSError):
+                conn.failed = True  # the run is over: a worker tearing down after BYE
+                self._unwatch(conn)  # may reset, and that is no news
+                return
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                          worker=conn.worker, error=str(e))
+            self._lose(conn, f"frame error: {e}")
+            return
+        conn.heard_s = time.monotonic()
+        for parts in messages:
+            h = parts[0][0]
+            try:
+                kind = protocol.check_uplink(h, conn.worker)
+            except codec.FrameError as e:
+                self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                              worker=conn.worker, error=str(e))
+                self._lose(conn, f"frame error: {e}")
+                return
+            if kind == codec.MsgType.BYE:
+                conn.receiver = None  # nothing after a BYE is read
+                self.events.append(Left(conn, h.iteration))
+                return
+            self.events.append(GradReceived(conn, h, [t for _, t in parts]))
+
+    def _send(self, conn: _Conn, bufs: list[memoryview]) -> None:
+        """Queue sealed frames to one worker and write what the kernel takes now."""
+        conn.queue(bufs)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.failed or conn.closed:
+            return
+        try:
+            done = conn.flush()
+        except OSError as e:
+            self._lose(conn, f"send failed: {e}")
+            return
+        if done == conn.writable_wanted:  # watch for room exactly while bytes wait
+            conn.writable_wanted = not done
+            self.selector.modify(conn.sock, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if conn.writable_wanted else 0), conn)
+
+    def _check_stalls(self, now: float) -> None:
+        """A worker silent for ``run.timeout_s``, or one whose downlink has not moved for
+        as long, is lost (logged as a frame error, as a timed-out read always was)."""
+        limit = self.cfg.run.timeout_s
+        for conn in list(self.conns.values()):
+            if conn.failed or conn.closed:
+                continue
+            if conn.receiver is not None and now - conn.heard_s > limit:
+                why = f"nothing received for {now - conn.heard_s:.1f} s (run.timeout_s)"
+            elif conn.unsent and now - conn.moved_s > limit:
+                why = (f"downlink stalled for {now - conn.moved_s:.1f} s with "
+                       f"{sum(len(b) for b in conn.unsent)} bytes unsent (run.timeout_s)")
+            else:
+                continue
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                          worker=conn.worker, error=why)
+            self._lose(conn, f"timed out: {why}")
+
+    def _flush_all(self, conns: list[_Conn], seconds: float) -> None:
+        """Write every queued frame of ``conns`` out, waiting up to ``seconds`` for room
+        (the end of the run, a refusal); failures only stop that connection."""
+        end = time.monotonic() + seconds
+        waiting = conns
+        while True:
+            left = []
+            for conn in waiting:
+                try:
+                    if not conn.failed and not conn.flush():
+                        left.append(conn)
+                except OSError:
+                    conn.failed = True
+            waiting = left
+            remaining = end - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            room = select.poll()
+            for conn in waiting:
+                room.register(conn.sock, select.POLLOUT)
+            room.poll(remaining * 1000)
+
+    def _refuse(self, conn: _Conn, why: str) -> None:
+        """Tell an authenticated worker why it is being dropped, after what is queued
+        to it (the MAC's order), waiting at most a second for a peer that does not read."""
+        conn.queue(wire.bytes_buffers(why.encode()[:protocol.MAX_ERROR_BYTES],
+                                      msg_type=codec.MsgType.ERROR, run_tag=self.tag,
+                                      worker=0, mac=conn.session.down))
+        self._flush_all([conn], 1.0)
+
+    # -- the iteration loop ------------------------------------------------------------
+
+    def serve(self) -> int:
+        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        self.ctl.send("ready", port=self.srv.getsockname()[1])
+        self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
+                      compressor=self.cfg.compress.name)
+        n = self.cfg.net.workers
+        deadline = time.monotonic() + 120
+        # Start when every worker has said hello (a missing one is a failed run).
+        while len(self.pending) < n:
+            self._handle(self._next_event(deadline, "all workers to connect"))
+        self._admit()
+        start_ns = now_ns()
+        # One accumulator per chunk for the whole run: reset in place, never reallocated.
+        # Each sums straight into its slice of the gradient buffer, already divided by the
+        # workers expected, so stepping a chunk needs no pass to write the mean.
+        acc = {c: SparseAccumulator(e - s, torch.float32, into=self.model.flat_grad[s:e])
+               for c, (s, e) in enumerate(self.chunks)}
+        while self.iteration < self.cfg.run.iterations:
+            if not self.active:
+                if self.cfg.run.on_worker_death == "stop" or not self.pending:
+                    self.stop_reason = "no active workers"
+                    break
+            ev = self._next_event(time.monotonic() + self.cfg.run.timeout_s,
+                                  f"gradients of iteration {self.iteration}")
+            if isinstance(ev, GradReceived):
+                self._accumulate(ev, acc)
+            else:
+                self._handle(ev)
+            if self.stop_reason:
+                break
+            # Chunks go down in order, each as soon as every active worker has sent it --
+            # also when the event just dropped the last worker a chunk was waiting for.
+            for c in self.barrier.ready():
+                self._step_chunk(c, acc[c], self.barrier.contributors(c))
+                acc[c].reset()
+            if self.barrier.iteration_complete:
+                self._end_iteration(start_ns)
+                if self.stop_reason:
+                    break
+        self._finish()
+        return 0
+
+    def _next_event(self, deadline: float, what: str) -> PSEvent:
+        while not self.events:
+            self._poll(deadline, what)
+        return self.events.popleft()
+
+    def _handle(self, ev: PSEvent) -> None:
+        conn: _Conn = ev.conn
+        if isinstance(ev, Joined):
+            old = self.conns.get(conn.worker)
+            if old is not None and not old.dead():
+                # A second HELLO for a live worker: whoever it is, it does not take the
+                # slot over (issue 22). The live connection keeps it.
+                why = (f"worker {conn.worker}: refused a second connection from {conn.peer}"
+                       f" while {old.peer} is alive")
+                self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                              worker=conn.worker, error=why)
+                self._refuse(conn, why)
+                conn.closed = True
+                conn.sock.close()
+                return
+            if old is not None:
+                self._handle(Lost(old, "connection dead (replaced by a new one)"))
+            self.conns[conn.worker] = conn
+            self.pending[conn.worker] = ev.join_at
+            self._serve_conn(conn)
+            self.log.emit("worker_hello", iter=self.iteration, worker=conn.worker,
+                          peer=conn.peer, join_at=ev.join_at)
+            return
+        if self.conns.get(conn.worker) is not conn:
+            return  # an old (or refused) connection of a worker
+        was_active = conn.worker in self.active
+        self.barrier.drop(conn.worker)
+        self.pending.pop(conn.worker, None)
+        del self.conns[conn.worker]
+        self._unwatch(conn)
+        conn.closed = True
+        conn.sock.close()
+        reason = ev.reason if isinstance(ev, Lost) else "left (BYE)"
+        self.log.emit("worker_lost" if isinstance(ev, Lost) else "worker_left",
+                      iter=self.iteration, worker=conn.worker, reason=reason)
+        if was_active:
+            self._report_membership()
+        if isinstance(ev, Lost) and self.cfg.run.on_worker_death == "stop":
+            self.stop_reason = f"worker {conn.worker} died: {reason}"
+
+    def _accumulate(self, ev: GradReceived, acc: dict[int, SparseAccumulator]) -> None:
+        """Add one worker's chunk. A bad payload drops that worker, not the run."""
+        conn: _Conn = ev.conn
+        h, tensors = ev.header, ev.tensors
+        w = conn.worker
+        if self.conns.get(w) is not conn:
+            return  # queued before its connection was dropped
+        try:
+            self.barrier.check(w, h.iteration, h.chunk)
+            s, e = self.chunks[h.chunk]
+            payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
+            sparse = self.compressor.decompress_sparse(payload)
+            who = f"worker {w} chunk {h.chunk}"
+            dense = None if sparse is not None else \
+                self.compressor.decompress(payload).reshape(-1)
+            a = acc[h.chunk]
+            if sparse is not None:
+                # Every check first (range, finite, bounded, no duplicate index), then the
+                # add in the order the duplicate test sorted: nothing added if it fails.
+                if a.added == 0:
+                    a.expect(len(self.active))
+                a.add_checked(*sparse, who=who, max_abs=self.cfg.guard.max_abs_grad,
+                              unique_indices=isinstance(self.compressor, SparseCompressor))
+            else:
+                assert dense is not None
+                check_gradient(None, dense, e - s, who=who,
+                               max_abs=self.cfg.guard.max_abs_grad, unique_indices=False)
+                if a.added == 0:
+                    a.expect(len(self.active))
+                a.add_dense(dense, who=who)
+        except (PayloadError, ValueError, RuntimeError, IndexError, TypeError) as err:
+            msg = str(err) if str(err).startswith(f"worker {w}") \
+                else f"worker {w} chunk {h.chunk}: {err}"
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, worker=w,
+                          error=msg)
+            self._refuse(conn, msg)  # tell the worker why before dropping it
+            self._handle(Lost(conn, f"bad payload: {msg}"))
+            return
+        self.barrier.record(w, h.chunk)
+        self.bytes_in += _wire_bytes(tensors)
+
+    def _step_chunk(self, c: int, acc: SparseAccumulator, n_workers: int) -> None:
+        """Mean, SGD step and downlink of one chunk (SGD is elementwise, so chunk-wise
+        steps are exactly one whole-model step)."""
+        if c == 0:
+            self._apply_commands()  # downlink pacing changes land at iteration boundaries
+        if c == len(self.chunks) - 1:
+            # The last byte of this iteration's gradients is in: the end of the upload window.
+            self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
+        t0 = time.perf_counter()
+        s, e = self.chunks[c]
+        grad = self.model.flat_grad[s:e]
+        params = self.model.flat_params[s:e]
+        acc.result(mean_over=n_workers, out=grad)
+        # With DGC's momentum correction the workers applied the momentum before compressing.
+        mom = 0.0 if self.cfg.feedback.momentum_correction else self.cfg.workload.momentum
+        if mom > 0 and self.momentum_buf is None:
+            self.momentum_buf = torch.zeros_like(self.model.flat_params)
+        wl = self.cfg.workload
+        lr = lr_at(wl.lr, self.iteration, self.cfg.run.iterations, wl.lr_schedule,
+                   wl.lr_decay_at, wl.lr_decay_factor)
+        sgd_step_(params, grad, None if self.momentum_buf is None else self.momentum_buf[s:e],
+                  lr=lr, momentum=mom, first=self.iteration == 0)
+        if self.shadow is None:
+            msg_type, tensors = codec.MsgType.WEIGHTS, [params]
+        else:
+            msg_type, tensors = codec.MsgType.UPDATE, self._delta(s, e)
+        self.agg_s += time.perf_counter() - t0
+        for w in sorted(self.active):
+            conn = self.conns[w]
+            self._send(conn, wire.message_buffers(
+                tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
+                iteration=self.iteration, chunk=c, mac=conn.session.down))
+        self.bytes_out += len(self.active) * _wire_bytes(tensors)
+
+    def _end_iteration(self, start_ns: int) -> None:
+        """Every chunk is stepped and queued: evaluate, admit joiners, report."""
+        i = self.iteration
+        metrics = None
+        if (i + 1) % self.cfg.run.eval_every == 0 or i + 1 == self.cfg.run.iterations:
+            metrics = self.workload.evaluate(self.model.module)
+            if metrics is not None:
+                self.log.emit("eval", iter=i, **metrics)
+        self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
+                      bytes_out=self.bytes_out, rebalanced=self.rebalanced,
+                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
+        self.barrier.end_iteration()
+        self.iteration += 1
+        if not bool(torch.isfinite(self.model.flat_params).all()):
+            # Every gradient passed the checks, and yet: nothing sane can follow.
+            self.stop_reason = f"model became non-finite at iteration {i}"
+            self.log.emit("frame_error", iter=i, peer="ps", error=self.stop_reason)
+            return
+        self._admit()
+        self.ctl.send("iter_done", iter=i, workers=len(self.active),
+                      **({"accuracy": metrics.get("accuracy"), "loss": metrics.get("loss")}
+                         if metrics else {}))
+        self.bytes_in = self.bytes_out = 0
+        self.agg_s = 0.0
+        self.rebalanced = 0
+
+    def _admit(self) -> None:
+        """Workers waiting to (re)join come in at an iteration boundary, with the weights.
+        Every joiner's welcome is queued at once and written by the event loop as each
+        socket takes it, in parallel: with link/N pacing on the downlink a sequential
+        welcome would cost N transfer times (measured: 39 s for 16 workers)."""
+        joined = [w for w, at in self.pending.items() if at <= self.iteration]
+        if not joined:
+            return
+        self._apply_commands()
+        weights = self.model.flat_params.clone()  # what they get, whatever steps next
+        for w in joined:
+            del self.pending[w]
+            if w in self.pacing_bps:
+                self._pace(w)
+            conn = self.conns[w]
+            self._send(conn, wire.bytes_buffers(
+                codec.hello_payload("ps", w), msg_type=codec.MsgType.WELCOME, run_tag=self.tag,
+                worker=w, iteration=self.iteration, mac=conn.session.down))
+            for c, (s, e) in enumerate(self.chunks):
+                self._send(conn, wire.message_buffers(
+                    [weights[s:e]], msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
+                    worker=w, iteration=self.iteration, chunk=c, mac=conn.session.down))
+            self.barrier.admit(w)
+            self.log.emit("worker_joined", iter=self.iteration, worker=w)
+        self._report_membership()
+
+    def _apply_commands(self) -> None:
+        """Controller commands: ``pace`` caps the PS's socket to one worker (downlink
+        link/N shaping with ``shaping.method = "pacing"``)."""
+        for cmd in self.ctl.poll():
+            if cmd.get("type") != "pace":
+                continue
+            w, rate = int(cmd["worker"]), float(cmd.get("rate_bps") or 0)
+            if rate > 0:
+                self.pacing_bps[w] = rate
+            else:
+                self.pacing_bps.pop(w, None)
+            self._pace(w)
+
+    def _pace(self, w: int) -> None:
+        conn = self.conns.get(w)
+        if conn is None:
+            return
+        rate = self.pacing_bps.get(w)
+        try:
+            if rate:
+                set_max_pacing_rate(conn.sock, rate)
+                self.applied_bps[w] = rate
+            else:
+                clear_max_pacing_rate(conn.sock)
+                self.applied_bps.pop(w, None)
+        except OSError as e:
+            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
+                          error=f"pacing failed: {e}")
+            return
+        self.log.emit("paced", iter=self.iteration, worker=w, rate_bps=rate or 0)
+
+    def rebalance(self) -> dict[int, float]:
+        """Downlink link/N with catch-up: re-split the controller's B_down (the sum of
+        the paced workers' B_down/N) among the active paced connections in proportion
+        to their undelivered bytes (``agents.core.policies.backlog``), so one that fell
+        behind catches up instead of holding the iteration back. Sockets are only
+        touched when their rate moves by more than 2 %. Returns the split (empty with
+        fewer than two paced connections). The event loop calls it every
+        ``REBALANCE_S``."""
+        paced = dict(self.pacing_bps)
+        conns = {w: c for w, c in dict(self.conns).items()
+                 if w in paced and w in self.active and not c.closed}
+        if len(conns) < 2:
+            return {}
+        rates = backlog_shares(sum(paced[w] for w in conns),
+                               {w: c.backlog_bytes() for w, c in conns.items()})
+        for w, rate in rates.items():
+            old = self.applied_bps.get(w)
+            if old is not None and abs(rate - old) <= 0.02 * old:
+                continue
+            try:
+                set_max_pacing_rate(conns[w].sock, rate)
+            except OSError:
+                continue  # closed under us: the event loop reports it
+            self.applied_bps[w] = rate
+            self.rebalanced += 1
+        return rates
+
+    def _report_membership(self) -> None:
+        self.ctl.send("membership", iter=self.iteration, active=sorted(self.active))
+
+    def _delta(self, s: int, e: int) -> list[torch.Tensor]:
+        """The change of params[s:e] since what workers hold: sparse (int32 indices,
+        values) when under a third of the entries changed, else dense. The shadow copy
+        is updated with exactly the operation the workers apply, so both stay identical."""
+        assert self.shadow is not None
+        delta = self.model.flat_params[s:e] - self.shadow[s:e]
+        nz = delta.nonzero().reshape(-1)
+        if nz.numel() * 3 < (e - s):
+            vals = delta[nz]
+            self.shadow[s:e].index_add_(0, nz, vals)
+            return [nz.to(torch.int32), vals]
+        self.shadow[s:e].add_(delta)
+        return [delta]
+
+    def _finish(self) -> None:
+        if self.shadow is not None:
+            # Workers hold the shadow; report the model they actually have.
+            self.model.flat_params.copy_(self.shadow)
+        final = self.workload.evaluate(self.model.module)
+        if final is not None:
+            self.log.emit("final_eval", iter=self.iteration, **final)
+        torch.save(self.model.flat_params.clone(), self.run_dir / "ps_final_weights.pt")
+        self.done.set()
+        conns = [c for c in self.conns.values() if not c.failed]
+        for conn in conns:  # the last chunks go out before BYE
+            conn.queue(wire.bytes_buffers(b"done", msg_type=codec.MsgType.BYE, run_tag=self.tag,
+                                          worker=conn.worker, iteration=self.iteration,
+                                          mac=conn.session.down))
+        self._flush_all(conns, self.cfg.run.timeout_s)
+        self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
+        self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
+        self.srv.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agents.dp.ps", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=None)
+    args = ap.parse_args(argv)
+    cfg = cfgmod.load(args.run_dir / "config.toml")
+    keys = auth.read_bundle()  # from the controller, on our stdin: never a file
+    auth.exit_with_controller()
+    run_id = args.run_dir.name
+    torch.set_num_threads(1)
+    ps = ParameterServer(cfg, args.run_dir, run_id, keys, host=args.host,
+                         port=args.port or cfg.net.ps_port)
+    try:
+        return ps.serve()
+    except TimeoutError as e:
+        ps.log.emit("ps_done", iter=ps.iteration, reason=str(e))
+        print(f"ps: {e}", file=sys.stderr)
+        return 3
+    finally:
+        ps.log.close()
+
+
+if __name__ == "__main__":
+    wire.exit_process(main())

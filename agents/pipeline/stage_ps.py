@@ -1,0 +1,377 @@
+"""The pipeline's PS: averages the stage gradients of d pipeline replicas once per step and
+evaluates the model the stages hold (DESIGN.md 1.3, data parallel across pipelines: the
+planner's layout (t = 1, p, d), seeds/003; issue 18).
+
+Run on its own host as ``python -m agents.pipeline.stage_ps --run-dir RUN --port P`` (the stage
+role places it on the fabric's host ``p * d``). Every stage ``s`` of every replica ``r``
+dials it and says HELLO as stage ``r * p + s``.
+
+What each connection carries is fixed by the stage's schedule, so the PS knows the one
+message that may come next on each: for every optimizer action (step ``k``, chunk ``c``) of
+stage ``s``'s schedule, with ``d > 1``, a ``GRAD`` holding that chunk's slice gradient;
+after step ``k``'s last optimizer action, from replica 0 and at an evaluated step
+(:func:`agents.pipeline.stage.is_eval_step`), one ``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
+out of that order, of the wrong size, or a gradient failing the PS's checks
+(:func:`agents.dp.aggregate.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
+run with a ``frame_error`` naming the peer, and the PS closes every connection, so no stage
+waits for a mean that will not come.
+
+Averaging: once the d gradients of ``(k, s, c)`` are in, ``mean = (g_0 + ... + g_{d-1}) /
+d``, summed in replica order, goes back as ``UPDATE`` to every replica through that
+connection's sender thread; each replica applies the same SGD step to the same mean, so
+the replicas stay identical (``tests/agents/pipeline/test_pipeline_transparency.py``). Per step the link of
+stage ``s`` of each replica carries its slice gradient up and the mean down
+(:func:`analysis.planner.pipeline_dp_link_bytes`).
+
+Evaluation: once every stage's weights of step ``k`` are in, they are copied into the
+whole model (the pieces share its parameter tensors) and a thread of its own evaluates it
+on the workload's held-out set (``eval``; after the last step also ``final_eval``), so the
+averaging never waits for an evaluation. These are the data-parallel PS's events, from node
+``ps``, so time to accuracy and final accuracy come out of the same code
+(:func:`analysis.metrics.time_to_accuracy`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from agents.compress.base import PayloadError
+from agents.core import config as cfgmod
+from agents.core.events import EventLog
+from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
+from agents.core.schedules import Kind, Schedule
+from agents.dp.aggregate import check_gradient
+from agents.net import auth, codec, link, wire
+from agents.pipeline.partition import balance_by_params, split
+from agents.pipeline.stage import (
+    CONNECT_TIMEOUT_S,
+    _LockedLog,
+    build_schedule,
+    is_eval_step,
+    ps_index,
+)
+from agents.workloads.base import FlatModel
+from agents.workloads.factory import make_workload
+
+GRAD, UPDATE = codec.MsgType.GRAD, codec.MsgType.UPDATE
+WEIGHTS, BYE = codec.MsgType.SLICE_WEIGHTS, codec.MsgType.BYE
+
+
+class StagePSError(RuntimeError):
+    """A stage sent what its schedule does not allow, or vanished."""
+
+
+@dataclass
+class _Conn:
+    """Stage ``stage`` of replica ``replica``: its socket, the messages it still owes
+    (in order), and the sender thread's queue of means."""
+
+    replica: int
+    stage: int
+    sock: socket.socket
+    peer: str
+    expect: list[tuple[codec.MsgType, int, int]]
+    conn: link.Link | None = None  # authenticated under the key this stage and the PS hold
+    outbox: queue.Queue[tuple[int, int, torch.Tensor] | None] = field(
+        default_factory=queue.Queue)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def node(self) -> str:
+        return f"r{self.replica}s{self.stage}"
+
+
+def expected_messages(schedule: Schedule, stage: int, replica: int, replicas: int,
+                      run: cfgmod.RunConfig) -> list[tuple[codec.MsgType, int, int]]:
+    """What stage ``stage`` of replica ``replica`` sends the PS, in order (the module
+    docstring says why each)."""
+    actions = schedule.actions[stage]
+    opts = [(a.mb, a.chunk) for a in actions if a.kind is Kind.OPTIMIZER]
+    last = {k: c for k, c in opts}  # the last optimizer chunk of every step
+    out: list[tuple[codec.MsgType, int, int]] = []
+    for k, c in opts:
+        if replicas > 1:
+            out.append((GRAD, k, c))
+        if c == last[k] and replica == 0 and is_eval_step(run, k):
+            out += [(WEIGHTS, k, ch) for ch in range(schedule.chunks)]
+    out.append((BYE, -1, -1))
+    return out
+
+
+class StagePS:
+    def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
+                 secret: bytes, *, host: str = "0.0.0.0", port: int = 6000,
+                 keys: auth.KeyBundle | None = None) -> None:
+        """``keys``: the PS's bundle, with the key of its link to every stage (without it,
+        derived from ``secret`` as ``--auth file`` does)."""
+        pc = cfg.pipeline
+        self.cfg, self.pc = cfg, pc
+        self.p, self.d = pc.stages, pc.replicas
+        self.run_id = run_id
+        bundle = keys or auth.file_bundle(secret, PS_NODE, stage_ps_links(self.p, self.d))
+        self.link_keys = {r * self.p + s: bundle.link_key("stage", PS_NODE,
+                                                          stage_node(r, s, self.d))
+                          for r in range(self.d) for s in range(self.p)}
+        self.log = _LockedLog(EventLog.for_node(run_dir, run_id, PS_NODE))
+        self.tag = codec.run_tag(run_id, secret)
+        self.schedule = build_schedule(pc, cfg.run.iterations)
+        self.workload = make_workload(cfg.workload, cfg.vision)
+        self.model = self.workload.build_model(cfg.run.seed)
+        positions = self.schedule.positions
+        balance = list(pc.balance) or balance_by_params(self.model, positions)
+        # One flat view per piece, in pipeline-position order; the pieces share the
+        # model's parameters, so copying a stage's weights in updates the whole model.
+        self.pieces = [FlatModel(piece) for piece in split(self.model, balance)]
+        self.workload.prepare(self.model, -1, cfg.run.seed)
+        self.max_payload_bytes = max(f.numel for f in self.pieces) * 4
+        self.conns: dict[tuple[int, int], _Conn] = {}
+        self.events: queue.Queue[tuple[_Conn, codec.FrameHeader | None,
+                                       list[torch.Tensor], str]] = queue.Queue()
+        self.grads: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+        self.weights: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+        self.evals: queue.Queue[tuple[int, list[torch.Tensor]] | None] = queue.Queue()
+        self.srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
+        self.srv.bind((host, port))
+        self.srv.listen(max(16, self.p * self.d))
+        self.log.emit("ps_ready", numel=sum(f.numel for f in self.pieces),
+                      chunks=len(self.pieces), compressor="none")
+
+    def numel(self, stage: int, chunk: int) -> int:
+        return self.pieces[self.schedule.position(stage, chunk)].numel
+
+    # -- connections -----------------------------------------------------------------------
+
+    def accept(self) -> None:
+        """Every stage of every replica, each once, within ``CONNECT_TIMEOUT_S``."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while len(self.conns) < self.p * self.d:
+            self.srv.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                sock, addr = self.srv.accept()
+            except TimeoutError:
+                missing = sorted(f"r{r}s{s}" for r in range(self.d) for s in range(self.p)
+                                 if (r, s) not in self.conns)
+                raise StagePSError(f"ps: stages {', '.join(missing)} never connected "
+                                   f"within {CONNECT_TIMEOUT_S:g} s") from None
+            peer = f"{addr[0]}:{addr[1]}"
+            try:
+                # Challenge-response under the key this PS shares with that stage only
+                # (agents.net.link): a stage cannot pass for another, nor can anyone else.
+                lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
+                                 me=ps_index(self.p, self.d),
+                                 keys={i: k for i, k in self.link_keys.items()
+                                       if divmod(i, self.p) not in self.conns},
+                                 timeout_s=CONNECT_TIMEOUT_S, name=f"ps <- {peer}")
+            except (OSError, codec.FrameError) as e:
+                self.log.emit("frame_error", peer=peer, error=str(e))
+                sock.close()
+                continue  # a stranger: the stages may still come
+            sock.settimeout(None)
+            r, s = divmod(lk.peer, self.p)
+            conn = _Conn(r, s, sock, f"{conn_name(r, s)} ({peer})",
+                         expected_messages(self.schedule, s, r, self.d, self.cfg.run), lk)
+            self.conns[(r, s)] = conn
+            reader = lk.reader(self.max_payload_bytes)
+            for target, args in ((self._read_loop, (conn, reader)), (self._send_loop, (conn,))):
+                th = threading.Thread(target=target, args=args, daemon=True,
+                                      name=f"{target.__name__}-{conn.node}")
+                th.start()
+                conn.threads.append(th)
+
+    def _read_loop(self, conn: _Conn, reader: wire.FrameReader) -> None:
+        try:
+            while True:
+                parts = reader.read_message()
+                h = parts[0][0]
+                self.events.put((conn, h, [t for _, t in parts], ""))
+                if h.msg_type == BYE:
+                    return
+        except wire.ConnectionClosed as e:
+            self.events.put((conn, None, [], f"{conn.peer}: closed before BYE ({e})"))
+        except (codec.FrameError, OSError, ValueError) as e:
+            self.events.put((conn, None, [], f"{conn.peer}: {e}"))
+
+    def _send_loop(self, conn: _Conn) -> None:
+        while True:
+            item = conn.outbox.get()
+            if item is None:
+                return
+            step, chunk, mean = item
+            try:
+                assert conn.conn is not None
+                n = conn.conn.send_message([mean], msg_type=UPDATE, worker=0,
+                                           iteration=step, chunk=chunk)
+            except OSError as e:
+                self.events.put((conn, None, [], f"{conn.peer}: send failed: {e}"))
+                return
+            self.log.emit("ps_slice_sent", iter=step, to=conn.node, chunk=chunk, bytes=n)
+
+    # -- the conversation ------------------------------------------------------------------
+
+    def serve(self) -> int:
+        evaluator = threading.Thread(target=self._eval_loop, daemon=True, name="eval")
+        evaluator.start()
+        try:
+            self.accept()
+            open_conns = len(self.conns)
+            while open_conns:
+                try:
+                    conn, h, tensors, err = self.events.get(timeout=self.cfg.run.timeout_s)
+                except queue.Empty:
+                    raise StagePSError(f"ps: nothing from any stage for "
+                                       f"{self.cfg.run.timeout_s:g} s") from None
+                if h is None:
+                    raise StagePSError(err)
+                if self._handle(conn, h, tensors):
+                    open_conns -= 1
+        finally:
+            self.evals.put(None)
+        evaluator.join()
+        self._close()
+        self.log.emit("ps_done", iter=self.cfg.run.iterations, reason="completed")
+        return 0
+
+    def _handle(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
+        """One message from ``conn``; True when it was its BYE."""
+        want = conn.expect[0] if conn.expect else None
+        if want is None or h.msg_type != want[0] or (
+                want[0] != BYE and (h.iteration, h.chunk) != want[1:]):
+            what = "nothing more" if want is None else (
+                want[0].name if want[0] == BYE else f"{want[0].name} of step {want[1]} "
+                                                    f"chunk {want[2]}")
+            raise StagePSError(f"{conn.peer}: sent {h.describe()}, expected {what}")
+        conn.expect.pop(0)
+        if h.msg_type == BYE:
+            return True
+        if h.worker != conn.replica * self.p + conn.stage:
+            raise StagePSError(f"{conn.peer}: {h.describe()} names stage {h.worker} on the "
+                               f"connection of {conn.node}")
+        numel = self.numel(conn.stage, h.chunk)
+        if len(tensors) != 1 or tensors[0].dtype != torch.float32 \
+                or tensors[0].numel() != numel:
+            raise StagePSError(f"{conn.peer}: {h.describe()}: expected one float32 tensor of "
+                               f"{numel} elements, got {[(t.dtype, t.numel()) for t in tensors]}")
+        t = tensors[0].reshape(-1)
+        who = f"{conn.node} step {h.iteration} chunk {h.chunk}"
+        try:
+            if h.msg_type == GRAD:
+                check_gradient(None, t, numel, who=who, max_abs=self.cfg.guard.max_abs_grad,
+                               unique_indices=False)
+            elif not bool(torch.isfinite(t).all()):
+                raise PayloadError(f"{who}: non-finite weights")
+        except PayloadError as e:
+            raise StagePSError(f"{conn.peer}: {e}") from None
+        if h.msg_type == GRAD:
+            self._add_grad(conn, h.iteration, h.chunk, t)
+        else:
+            self._add_weights(conn, h.iteration, h.chunk, t)
+        return False
+
+    def _add_grad(self, conn: _Conn, step: int, chunk: int, g: torch.Tensor) -> None:
+        key = (step, conn.stage, chunk)
+        got = self.grads.setdefault(key, {})
+        got[conn.replica] = g
+        if len(got) < self.d:
+            return
+        del self.grads[key]
+        mean = got[0].clone()
+        for r in range(1, self.d):
+            mean += got[r]
+        mean /= self.d
+        n = mean.numel() * mean.element_size() + codec.HEADER_SIZE
+        for r in range(self.d):
+            self.conns[(r, conn.stage)].outbox.put((step, chunk, mean))
+        self.log.emit("ps_slice_mean", iter=step, stage=conn.stage, chunk=chunk,
+                      replicas=self.d, bytes=n)
+
+    def _add_weights(self, conn: _Conn, step: int, chunk: int, w: torch.Tensor) -> None:
+        got = self.weights.setdefault(step, {})
+        got[(conn.stage, chunk)] = w
+        if len(got) < len(self.pieces):
+            return
+        del self.weights[step]
+        flat: list[torch.Tensor] = [torch.empty(0)] * len(self.pieces)
+        for (s, c), t in got.items():
+            flat[self.schedule.position(s, c)] = t
+        self.evals.put((step, flat))
+
+    def _eval_loop(self) -> None:
+        while True:
+            item = self.evals.get()
+            if item is None:
+                return
+            step, flat = item
+            for piece, t in zip(self.pieces, flat, strict=True):
+                piece.flat_params.copy_(t)
+            metrics = self.workload.evaluate(self.model)
+            if metrics is None:
+                continue
+            self.log.emit("eval", iter=step, **metrics)
+            if step + 1 == self.cfg.run.iterations:
+                # The weights after the last step are the final ones (a stale chunk's too:
+                # the stage sent the version it saves as final).
+                self.log.emit("final_eval", iter=step, **metrics)
+
+    def _close(self) -> None:
+        for conn in self.conns.values():
+            conn.outbox.put(None)
+        for conn in self.conns.values():
+            conn.threads[1].join(self.cfg.run.timeout_s)
+            conn.sock.close()
+        self.srv.close()
+
+    def abort(self, why: str) -> None:
+        """Close every connection at once: each stage's next read fails, none hangs."""
+        self.log.emit("frame_error", peer=why.split(":")[0], error=why)
+        self.log.emit("ps_done", reason=why)
+        for conn in self.conns.values():
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.sock.close()
+        self.srv.close()
+
+
+def conn_name(replica: int, stage: int) -> str:
+    return f"stage {stage} of replica {replica}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agents.pipeline.stage_ps",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", required=True, type=int)
+    auth.add_auth_argument(ap)
+    args = ap.parse_args(argv)
+    cfg = cfgmod.load(args.run_dir / "config.toml")
+    # With --auth stdin the bundle holds this agent's control key and the key of each link
+    # it is an end of (agents.net.link), which only the link's two ends hold.
+    keys, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
+    torch.set_num_threads(1)
+    ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
+                 keys=keys)
+    try:
+        return ps.serve()
+    except (StagePSError, OSError, codec.FrameError) as e:
+        ps.abort(str(e))
+        print(f"ps: {e}", file=sys.stderr)
+        return 2
+    finally:
+        ps.log.close()
+
+
+if __name__ == "__main__":
+    wire.exit_process(main())

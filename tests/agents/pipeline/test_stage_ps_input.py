@@ -1,0 +1,93 @@
+"""Every byte the pipeline's PS receives is hostile (agents/pipeline/stage_ps.py): on each stage's
+connection only the one message its schedule sends next is accepted, with exactly its
+slice's size and a sane gradient; the mean goes back only once all d replicas are in."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from agents.net import codec
+from agents.pipeline.stage_ps import StagePS, StagePSError, _Conn, expected_messages
+from tests.support.loopback import free_port
+from tests.support.pipeline_loopback import make_run_dir
+
+GRAD, W, BYE = codec.MsgType.GRAD, codec.MsgType.SLICE_WEIGHTS, codec.MsgType.BYE
+
+
+@pytest.fixture
+def ps(tmp_path):
+    run_dir, cfg = make_run_dir(tmp_path, [
+        "pipeline.stages=2", "pipeline.replicas=2", "pipeline.schedule='1f1b'",
+        "pipeline.micro_batches=2", "pipeline.micro_batch_size=4", "run.iterations=2",
+        "run.eval_every=1000"])
+    server = StagePS(cfg, run_dir, run_dir.name, b"k" * 32, host="127.0.0.1",
+                     port=free_port())
+    pairs = []
+    for r in range(2):
+        for s in range(2):
+            a, b = socket.socketpair()
+            pairs += [a, b]
+            server.conns[(r, s)] = _Conn(r, s, a, f"stage {s} of replica {r} (test)",
+                                         expected_messages(server.schedule, s, r, 2, cfg.run))
+    yield server
+    server.srv.close()
+    for x in pairs:
+        x.close()
+
+
+def _hdr(kind, step, chunk=0, worker=0, numel=1):
+    return codec.FrameHeader(msg_type=kind, run_tag=0, worker=worker, iteration=step,
+                             chunk=chunk, dtype=codec.DType.FLOAT32, numel=numel,
+                             payload_len=4 * numel)
+
+
+def test_each_connection_owes_its_schedule_order():
+    """1F1B, 2 steps, d = 2, evaluated only after the last step: a gradient per step,
+    then (replica 0 only) the weights after the last, then BYE."""
+    from agents.pipeline.stage import build_schedule
+
+    class Run:
+        iterations, eval_every = 2, 1000
+
+    class PC:
+        schedule, stages, micro_batches, recompute = "1f1b", 2, 2, False
+
+    sch = build_schedule(PC, 2)
+    assert expected_messages(sch, 0, 0, 2, Run) == [(GRAD, 0, 0), (GRAD, 1, 0), (W, 1, 0),
+                                                    (BYE, -1, -1)]
+    assert expected_messages(sch, 1, 1, 2, Run) == [(GRAD, 0, 0), (GRAD, 1, 0), (BYE, -1, -1)]
+    assert expected_messages(sch, 1, 0, 1, Run) == [(W, 1, 0), (BYE, -1, -1)]
+
+
+def test_the_mean_goes_back_once_every_replica_sent(ps):
+    n = ps.numel(1, 0)
+    g0, g1 = torch.randn(n), torch.randn(n)
+    ps._handle(ps.conns[(0, 1)], _hdr(GRAD, 0, worker=1, numel=n), [g0])
+    assert ps.conns[(0, 1)].outbox.empty()  # replica 1 still owes its gradient
+    ps._handle(ps.conns[(1, 1)], _hdr(GRAD, 0, worker=3, numel=n), [g1])
+    for r in range(2):
+        step, chunk, mean = ps.conns[(r, 1)].outbox.get_nowait()
+        assert (step, chunk) == (0, 0)
+        torch.testing.assert_close(mean, (g0 + g1) / 2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda n: (_hdr(GRAD, 1, numel=n), [torch.zeros(n)]),
+     "expected GRAD of step 0 chunk 0"),  # a step ahead of the schedule
+    (lambda n: (_hdr(W, 0, numel=n), [torch.zeros(n)]), "expected GRAD"),  # wrong kind
+    (lambda n: (_hdr(BYE, 0, numel=n), [torch.zeros(n)]), "expected GRAD"),  # leaves early
+    (lambda n: (_hdr(GRAD, 0, numel=n - 1), [torch.zeros(n - 1)]),
+     "expected one float32 tensor"),  # not the slice's size
+    (lambda n: (_hdr(GRAD, 0, worker=3, numel=n), [torch.zeros(n)]),
+     "names stage 3"),  # claims another stage
+    (lambda n: (_hdr(GRAD, 0, numel=n), [torch.full((n,), float("nan"))]), "non-finite"),
+])
+def test_rejects_hostile_messages(ps, make, match):
+    n = ps.numel(0, 0)
+    h, tensors = make(n)
+    with pytest.raises(StagePSError, match=match) as e:
+        ps._handle(ps.conns[(0, 0)], h, tensors)
+    assert "stage 0 of replica 0 (test)" in str(e.value)

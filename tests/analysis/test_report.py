@@ -1,0 +1,121 @@
+"""``gradbed report`` renders in a real browser: headless Chromium shows a non-blank page and
+every embedded image decodes. Runs on a real short run (``mininet``) and on a synthetic sweep."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from analysis.cli import report_main
+from analysis.report import write_report
+from tests.support import real_run
+from tests.support.make_fake_run import make_fake_run
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# Appended to a copy of the page (never to the report itself): once everything has loaded,
+# write how many <img> decoded into the title, which --dump-dom then shows.
+CHECK_SCRIPT = """<script>
+window.addEventListener('load', function () {
+  var imgs = Array.prototype.slice.call(document.images);
+  var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
+  document.title = 'IMGCHECK ' + ok + '/' + imgs.length;
+});
+</script>"""
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium not installed")
+
+
+def _chromium(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
+    profile = tmp / "chromium-profile"
+    profile.mkdir(exist_ok=True)
+    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def images_loaded(page: Path, tmp: Path) -> tuple[int, int]:
+    """(decoded, total) <img> elements of ``page`` as Chromium sees them."""
+    probe = tmp / f"probe-{page.parent.name}.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", CHECK_SCRIPT
+                                                              + "</body>"), encoding="utf-8")
+    proc = _chromium(["--dump-dom", "--virtual-time-budget=10000", probe.as_uri()], tmp)
+    m = re.search(r"<title>IMGCHECK (\d+)/(\d+)</title>", proc.stdout)
+    assert m, f"no IMGCHECK title in Chromium's DOM dump:\n{proc.stdout[:500]}\n{proc.stderr[-2000:]}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def screenshot_std(page: Path, tmp: Path) -> float:
+    """Pixel standard deviation of a 1280x2000 screenshot (0 for a blank page)."""
+    shot = tmp / f"shot-{page.parent.name}.png"
+    proc = _chromium([f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()], tmp)
+    assert shot.exists(), f"Chromium wrote no screenshot:\n{proc.stderr[-2000:]}"
+    return float(np.asarray(imread(shot))[..., :3].std())
+
+
+def _check_page(page: Path, tmp: Path, min_images: int) -> None:
+    html = page.read_text(encoding="utf-8")
+    n_img = html.count("<img ")
+    assert n_img >= min_images
+    assert "src=\"http" not in html and "src='http" not in html  # self-contained
+    assert images_loaded(page, tmp) == (n_img, n_img)
+    assert screenshot_std(page, tmp) > 0.05
+
+
+@pytest.fixture(scope="session")
+def real_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return real_run.real_run(tmp_path_factory.mktemp("real"))
+
+
+@pytest.mark.mininet
+def test_report_of_a_real_run_renders_in_chromium(real_run_dir: Path, tmp_path: Path) -> None:
+    assert report_main([str(real_run_dir), "--out", str(tmp_path / "rep")]) == 0
+    page = tmp_path / "rep" / "index.html"
+    _check_page(page, tmp_path, min_images=5)
+
+
+def test_report_of_a_synthetic_sweep_renders_in_chromium(tmp_path: Path) -> None:
+    runs = [make_fake_run(tmp_path / "sweep" / "topk-100", compressor="topk", seed=1),
+            make_fake_run(tmp_path / "sweep" / "dense-50", compressor="none", rate_mbps=50.0,
+                          adaptive=False, seed=2)]
+    page = write_report(runs, tmp_path / "rep")
+    html = page.read_text(encoding="utf-8")
+    assert "topk-100" in html and "dense-50" in html and "compress.name" in html
+    assert not list(page.parent.glob("*.tmp"))  # atomic write leaves no temporary behind
+    _check_page(page, tmp_path, min_images=10)
+
+
+def test_image_check_detects_a_broken_image(tmp_path: Path) -> None:
+    """The image check itself can fail: a corrupt data URI is reported as not decoded."""
+    run = make_fake_run(tmp_path / "run", iterations=6)
+    page = write_report([run], tmp_path / "rep")
+    html = page.read_text(encoding="utf-8")
+    broken = tmp_path / "broken" / "index.html"
+    broken.parent.mkdir()
+    broken.write_text(html.replace("data:image/png;base64,iVBOR", "data:image/png;base64,AAAA",
+                                   1), encoding="utf-8")
+    ok, total = images_loaded(broken, tmp_path)
+    assert total == html.count("<img ") and ok == total - 1
+
+
+def test_report_default_out_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    run = make_fake_run(tmp_path / "run", iterations=4, jsonl_only=True)  # interrupted run
+    assert report_main([str(run)]) == 0
+    assert (run / "report" / "index.html").exists()
+    assert capsys.readouterr().out.strip() == str(run / "report" / "index.html")
+    assert report_main([str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_report_of_a_run_killed_before_its_first_iteration(tmp_path: Path) -> None:
+    run = make_fake_run(tmp_path / "run", iterations=0, jsonl_only=True)
+    page = write_report([run], tmp_path / "rep")
+    html = page.read_text(encoding="utf-8")
+    assert html.count("<img ") >= 4 and "Run run" in html

@@ -1,0 +1,118 @@
+"""summary.json from synthetic events and link samples: the upload-window utilisation and
+the warm-up iterations left out of the iteration-time percentiles and utilisation."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from analysis.metrics import upload_window_utilization, upload_windows
+from controller.summary import summarize
+
+S = 1_000_000_000  # ns
+
+
+def _run(iter_s: list[float], busy: list[float]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Two workers; iteration i's upload window is [10 i, 10 i + 1] s, during which the
+    100 Mbit/s up link delivers busy[i] of what it allows."""
+    rows = []
+    for i, t in enumerate(iter_s):
+        start = 10 * i * S
+        for w in (0, 1):
+            rows.append({"event": "send_done", "node": f"w{w}", "iter": i, "ts_ns": start + S,
+                         "start_ns": start, "bytes": 1000, "send_s": 0.5})
+            rows.append({"event": "iter_done", "node": f"w{w}", "iter": i, "ts_ns": start + S,
+                         "iter_s": t})
+        rows.append({"event": "grads_in", "node": "ps", "iter": i, "ts_ns": start + S})
+        rows.append({"event": "ps_iter_done", "node": "ps", "iter": i, "ts_ns": start + S})
+    ev = pd.DataFrame(rows).sort_values("ts_ns", kind="stable").reset_index(drop=True)
+    sent = 0.0
+    links = [{"direction": "up", "dev": "s1-eth0", "ts_ns": -S, "sent_bytes": 0.0,
+              "rate_mbps": 100.0, "drops": 0}]
+    for i, b in enumerate(busy):
+        start = 10 * i * S
+        links.append({"direction": "up", "dev": "s1-eth0", "ts_ns": start, "sent_bytes": sent,
+                      "rate_mbps": 100.0, "drops": 0})
+        sent += b * 100e6 / 8
+        links.append({"direction": "up", "dev": "s1-eth0", "ts_ns": start + S,
+                      "sent_bytes": sent, "rate_mbps": 100.0, "drops": 0})
+    return ev, pd.DataFrame(links)
+
+
+def _cfg(warmup: int) -> dict:
+    return {"net": {"workers": 2}, "run": {"warmup_iterations": warmup}}
+
+
+def test_upload_windows_and_their_utilisation() -> None:
+    ev, links = _run([1.0, 1.0, 1.0], [0.5, 1.0, 0.9])
+    windows = upload_windows(ev)
+    assert windows == [(i, 10 * i * S, (10 * i + 1) * S) for i in range(3)]
+    assert upload_window_utilization(links, windows[1:2]) == pytest.approx(1.0)
+    assert upload_window_utilization(links, windows) == pytest.approx((0.5 + 1.0 + 0.9) / 3)
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 2])
+def test_warmup_iterations_are_left_out_of_times_and_utilisation(warmup) -> None:
+    iter_s = [9.0, 3.0, 2.0, 2.0]
+    busy = [0.3, 0.9, 1.0, 1.0]
+    ev, links = _run(iter_s, busy)
+    s = summarize(ev, links, _cfg(warmup), wall_s=40.0, interrupted=False,
+                  stop_reason="completed")
+    kept = iter_s[warmup:]
+    assert s["warmup_iterations"] == warmup
+    assert s["iterations"] == 4  # every iteration still counts as run
+    assert s["iter_time_s_mean"] == pytest.approx(sum(kept) / len(kept))
+    assert s["iter_time_s_p99"] == pytest.approx(max(kept), rel=0.05)
+    assert s["bottleneck_utilization"] == pytest.approx(sum(busy[warmup:]) / len(kept))
+
+
+def test_a_run_config_rejects_warmup_at_or_past_its_iterations() -> None:
+    from agents.core import config as cfgmod
+    with pytest.raises(cfgmod.ConfigError, match="run.warmup_iterations"):
+        cfgmod.from_dict({"run": {"iterations": 3, "warmup_iterations": 3}})
+
+
+def test_the_summary_and_the_report_agree_on_one_run_directory(tmp_path) -> None:
+    """The controller's summary.json and the report's numbers come from one definition
+    (analysis.metrics), so on the same run directory they are equal, key by key."""
+    import json
+    import math
+    import tomllib
+
+    import tomli_w
+
+    from analysis.load import load_events, load_run
+    from analysis.metrics import GLOSSARY
+    from analysis.report import glossary, render_report, run_metrics
+    from tests.support.make_fake_run import make_fake_run
+
+    run_dir = make_fake_run(tmp_path / "fake", workers=3, iterations=30)
+    cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    cfg["run"].update(target_accuracy=0.8, warmup_iterations=2)
+    (run_dir / "config.toml").write_text(tomli_w.dumps(cfg))
+    # What the controller does when a run ends (controller/run.py _finalize).
+    summary = summarize(load_events(run_dir), pd.read_parquet(run_dir / "links.parquet"),
+                        cfg, wall_s=12.0, interrupted=False, stop_reason="completed")
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+    computed = run_metrics(load_run(run_dir))
+    shared = sorted(set(summary) & set(computed))
+    for key in ("bottleneck_utilization", "jain_fairness", "time_to_target_s",
+                "iterations_to_target", "iter_time_s_p50", "final_accuracy", "bytes_up"):
+        assert key in shared, key
+        assert summary[key] is not None, key  # the fake run has data for every one
+    for key in shared:
+        a, b = summary[key], computed[key]
+        if a is None:
+            assert b is None or math.isnan(b), key
+        else:
+            assert b == pytest.approx(a, rel=1e-12), key
+    # Two utilisations with two names, both defined, and genuinely different here.
+    assert computed["busy_utilization_up"] != pytest.approx(summary["bottleneck_utilization"])
+    page = render_report([run_dir])
+    for key in ("bottleneck_utilization", "busy_utilization_up", "jain_fairness",
+                "jain_mean_1s", "time_to_target_s"):
+        assert f"<dt><code>{key}</code></dt><dd>" in page, key
+    # Every key the summary writes has a glossary line.
+    assert set(summary) <= set(GLOSSARY), set(summary) - set(GLOSSARY)
+    assert glossary(["no_such_column"]) == ""

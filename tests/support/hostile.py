@@ -1,0 +1,315 @@
+"""Attackers and faults against a live loopback run, shared by tests/agents/net/test_hardening.py and
+benchmarks/robustness.py. Each attack returns what the attacker saw; the PS's events say
+what it did about it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from agents.core.config import ExperimentConfig
+from agents.net import codec, protocol, wire
+from agents.workloads.base import FlatModel, chunk_ranges
+from agents.workloads.factory import make_workload
+from tests.support.loopback import connect, handshake, public_tag, start_ps, start_worker
+
+
+def rss_peak_kb(pid: int) -> int:
+    """VmHWM (peak resident set) of a process, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def read_error(s: socket.socket, timeout_s: float = 10.0) -> str:
+    """What the PS answered: its ERROR text (frames before it, such as the weights after
+    a WELCOME, are skipped), "closed" or "timeout"."""
+    s.settimeout(timeout_s)
+    reader = wire.FrameReader(s, max_payload_bytes=1 << 26)
+    for _ in range(100_000):
+        try:
+            h, body = reader.read_frame()
+        except wire.ConnectionClosed:
+            return "closed"
+        except TimeoutError:
+            return "timeout"
+        except (OSError, codec.FrameError) as e:
+            return f"error: {e}"
+        if h.msg_type == codec.MsgType.ERROR:
+            return bytes(body).decode("utf-8", "replace")
+    return "no ERROR frame"
+
+
+class CapturingProxy(threading.Thread):
+    """A tap between one worker and the PS (what tcpdump on the link would see): forwards
+    both ways and keeps every byte the worker sent."""
+
+    def __init__(self, ps_port: int) -> None:
+        super().__init__(daemon=True)
+        self.ps_port = ps_port
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.up = bytearray()
+        self.lock = threading.Lock()
+        self.upstream: socket.socket | None = None
+        self.connected = threading.Event()
+
+    def inject(self, raw: bytes) -> None:
+        """Send ``raw`` to the server as if the client had sent it (a replay on the link),
+        between two of the client's writes."""
+        self.connected.wait(30)
+        assert self.upstream is not None
+        with self.lock:
+            self.upstream.sendall(raw)
+
+    def run(self) -> None:
+        cli, _ = self.srv.accept()
+        ps = connect(self.ps_port)
+        ps.settimeout(None)
+        self.upstream = ps
+        self.connected.set()
+
+        def pump(a: socket.socket, b: socket.socket, keep: bytearray | None) -> None:
+            try:
+                while data := a.recv(1 << 16):
+                    if keep is None:
+                        b.sendall(data)
+                        continue
+                    with self.lock:  # the client's bytes and injected ones never interleave
+                        keep += data
+                        b.sendall(data)
+            except OSError:
+                pass
+            for x in (a, b):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        threading.Thread(target=pump, args=(ps, cli, None), daemon=True).start()
+        pump(cli, ps, self.up)
+
+    def frames(self) -> list[tuple[codec.FrameHeader, bytes]]:
+        """The captured frames, in order (raw header + payload bytes each)."""
+        out, data, off = [], bytes(self.up), 0
+        while off + codec.HEADER_SIZE <= len(data):
+            h = codec.decode_header(data[off:off + codec.HEADER_SIZE])
+            end = off + codec.HEADER_SIZE + h.payload_len
+            if end > len(data):
+                break
+            out.append((h, data[off:end]))
+            off = end
+        return out
+
+
+def replay_handshake(port: int, captured: list[tuple[codec.FrameHeader, bytes]]) -> str:
+    """Replay a captured HELLO, then its PROOF, against a fresh challenge."""
+    hello = next(raw for h, raw in captured if h.msg_type == codec.MsgType.HELLO)
+    proof = next(raw for h, raw in captured if h.msg_type == codec.MsgType.PROOF)
+    s = connect(port)
+    try:
+        s.sendall(hello)
+        reader = wire.FrameReader(s, max_payload_bytes=4096)
+        h, _ = reader.read_frame()
+        if h.msg_type != codec.MsgType.CHALLENGE:
+            return f"unexpected {h.msg_type.name}"
+        s.sendall(proof)
+        return read_error(s)
+    finally:
+        s.close()
+
+
+def replay_frame(port: int, raw: bytes) -> str:
+    """Send one captured frame (a GRAD, say) as the first frame of a new connection."""
+    s = connect(port)
+    try:
+        s.sendall(raw)
+        return read_error(s)
+    finally:
+        s.close()
+
+
+def second_hello(port: int, run_dir: Path, worker: int) -> str:
+    """A complete, correct handshake (the real key) for a worker that is alive."""
+    s = connect(port)
+    try:
+        handshake(s, run_dir, worker)
+        return "admitted"
+    except protocol.Rejected as e:
+        return str(e)
+    except (OSError, codec.FrameError) as e:
+        return f"error: {e}"
+    finally:
+        s.close()
+
+
+def file_reader(port: int, run_dir: Path, worker: int) -> list[str]:
+    """A host that reads every file of the run directory and tries each as the key (and,
+    as the old protocol's secret, as the run tag's HMAC key)."""
+    results = []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        try:
+            content = path.read_bytes()[:4096]
+        except OSError:
+            continue
+        for key in {content[:32].ljust(32, b"\0"), content.strip()[:64] or b"\0" * 32}:
+            s = connect(port)
+            try:
+                handshake(s, run_dir, worker, key=key)
+                results.append(f"{path.name}: admitted")
+            except (protocol.Rejected, OSError, codec.FrameError) as e:
+                results.append(f"{path.name}: {e}")
+            finally:
+                s.close()
+            if content:
+                old_tag = codec.run_tag(run_dir.name, content)
+                hdr, body = codec.frame_for_bytes(codec.hello_payload("worker", worker),
+                                                  msg_type=codec.MsgType.HELLO,
+                                                  run_tag=old_tag, worker=worker)
+                results.append(f"{path.name} (old tag): "
+                               f"{replay_frame(port, hdr + bytes(body))}")
+    return results
+
+
+def huge_header(port: int, run_dir: Path, *, authenticated_as: int | None = None,
+                payload_len: int = 2**32) -> str:
+    """A header announcing ``payload_len`` bytes: before authentication (a HELLO with the
+    right run tag), or as an authenticated worker's GRAD."""
+    s = connect(port)
+    try:
+        numel = payload_len
+        if authenticated_as is None:
+            h = codec.FrameHeader(msg_type=codec.MsgType.HELLO, run_tag=public_tag(run_dir),
+                                  worker=0, iteration=0, chunk=0, dtype=codec.DType.UINT8,
+                                  numel=numel, payload_len=payload_len)
+            s.sendall(codec.encode_header(h))
+        else:
+            _, session = handshake(s, run_dir, authenticated_as)
+            h = codec.FrameHeader(msg_type=codec.MsgType.GRAD, run_tag=0,
+                                  worker=authenticated_as, iteration=0, chunk=0,
+                                  dtype=codec.DType.UINT8, numel=numel,
+                                  payload_len=payload_len)
+            s.sendall(session.up.seal(codec.encode_header(h)))
+        s.sendall(b"\0" * 65536)  # start on the payload: the PS must not have reserved it
+        return read_error(s)
+    except protocol.Rejected as e:
+        return str(e)
+    finally:
+        s.close()
+
+
+def slow_connections(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that send 10 bytes of a header and then nothing."""
+    socks = []
+    for _ in range(n):
+        s = connect(port)
+        s.sendall(b"GBED\x01\x00\x01\x00\x00\x00")
+        socks.append(s)
+    return socks
+
+
+def closed_count(socks: list[socket.socket], wait_s: float) -> int:
+    """How many of ``socks`` the PS closed (EOF or an ERROR frame) within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    closed = 0
+    for s in socks:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            while s.recv(4096):
+                pass
+            closed += 1
+        except TimeoutError:
+            pass
+        except OSError:
+            closed += 1
+        finally:
+            s.close()
+    return closed
+
+
+POISONS = ("nan", "inf", "oversize", "duplicate")
+
+
+def poison_gradient(kind: str, chunk_numel: int) -> list[torch.Tensor]:
+    """One top-k payload (values, int32 indices) for chunk 0 of the given poison."""
+    k = 16
+    values = torch.ones(k)
+    idx = torch.arange(k, dtype=torch.int32)
+    if kind == "nan":
+        values[3] = float("nan")
+    elif kind == "inf":
+        values[5] = float("-inf")
+    elif kind == "oversize":
+        values[7] = 3e38
+    elif kind == "duplicate":
+        idx = torch.zeros(k, dtype=torch.int32)  # one index, k times
+    else:
+        raise ValueError(kind)
+    assert int(idx.max()) < chunk_numel
+    return [values, idx]
+
+
+class PoisonWorker(threading.Thread):
+    """Joins as ``worker`` with its real key (a compromised worker), takes the weights,
+    sends one poisoned GRAD for iteration 0, chunk 0."""
+
+    def __init__(self, port: int, run_dir: Path, worker: int, nchunks: int, chunk_numel: int,
+                 kind: str) -> None:
+        super().__init__(daemon=True)
+        self.port, self.run_dir, self.worker = port, run_dir, worker
+        self.nchunks, self.chunk_numel, self.kind = nchunks, chunk_numel, kind
+        self.answer = ""
+
+    def run(self) -> None:
+        try:
+            s = connect(self.port)
+            s.settimeout(150)  # admission waits for every worker, real ones included
+            reader, session = handshake(s, self.run_dir, self.worker)
+            for _ in range(self.nchunks):
+                reader.read_message()
+            wire.send_message(s, poison_gradient(self.kind, self.chunk_numel),
+                              msg_type=codec.MsgType.GRAD, run_tag=0, worker=self.worker,
+                              iteration=0, chunk=0, mac=session.up)
+            s.settimeout(120)
+            try:
+                while s.recv(65536):
+                    pass
+                self.answer = "dropped"
+            except TimeoutError:
+                self.answer = "not dropped within 120 s"
+            except OSError:
+                self.answer = "dropped"  # a reset: the PS closed with our bytes unread
+            s.close()
+        except BaseException as e:  # reported by the caller
+            self.answer = f"error: {e!r}"
+
+
+def poisoned_run(run_dir: Path, cfg: ExperimentConfig, ps_wait_s: float
+                 ) -> tuple[int, list[int], list[PoisonWorker]]:
+    """A run of ``cfg`` with two real workers (0, 1) and one PoisonWorker per kind of
+    POISONS as workers 2, 3, ...: returns the PS's exit code, the real workers' exit codes
+    and the fakes (each with its ``answer``). Every process is gone when it returns."""
+    model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
+    chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
+    port = cfg.net.ps_port
+    ps = start_ps(run_dir)
+    workers = [start_worker(run_dir, k, port) for k in (0, 1)]
+    fakes = [PoisonWorker(port, run_dir, 2 + i, len(chunks), chunks[0][1] - chunks[0][0], kind)
+             for i, kind in enumerate(POISONS)]
+    try:
+        for f in fakes:
+            f.start()
+        for f in fakes:
+            f.join(timeout=180)
+        rc = ps.wait(timeout=ps_wait_s)
+        return rc, [w.wait(timeout=30) for w in workers], fakes
+    finally:
+        for p in [ps, *workers]:
+            if p.poll() is None:
+                p.kill()
