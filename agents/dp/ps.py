@@ -71,12 +71,13 @@ import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
 from agents.compress.base import Compressor, PayloadError, make
+from agents.compress.checks import check_gradient
 from agents.compress.sparse import SparseCompressor
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
 from agents.core.policies.backlog import backlog_shares
-from agents.dp.aggregate import SparseAccumulator, check_gradient, max_message_bytes
+from agents.dp.aggregate import SparseAccumulator, max_message_bytes
 from agents.net import auth, codec, protocol, wire
 from agents.net.control import ControlClient, control_path
 from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate

@@ -12,7 +12,7 @@ stage ``s``'s schedule, with ``d > 1``, a ``GRAD`` holding that chunk's slice gr
 after step ``k``'s last optimizer action, from replica 0 and at an evaluated step
 (:func:`agents.pipeline.stage.is_eval_step`), one ``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
 out of that order, of the wrong size, or a gradient failing the PS's checks
-(:func:`agents.dp.aggregate.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
+(:func:`agents.compress.checks.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
 run with a ``frame_error`` naming the peer, and the PS closes every connection, so no stage
 waits for a mean that will not come.
 
@@ -45,11 +45,11 @@ from pathlib import Path
 import torch
 
 from agents.compress.base import PayloadError
+from agents.compress.checks import check_gradient
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
 from agents.core.schedules import Kind, Schedule
-from agents.dp.aggregate import check_gradient
 from agents.net import auth, codec, link, wire
 from agents.pipeline.partition import balance_by_params, split
 from agents.pipeline.stage import (

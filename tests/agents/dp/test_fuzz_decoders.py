@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import agents.compress  # noqa: F401  (registers every compressor)
 from agents.compress.base import PayloadError, make
-from agents.dp.aggregate import check_gradient
+from agents.compress.checks import check_gradient
 from agents.net import auth, codec, protocol, wire
 
 SETTINGS = settings(max_examples=150, deadline=None,

@@ -256,7 +256,7 @@ def test_control_socket_refuses_peers_without_the_key(tmp_path: Path) -> None:
 
 def test_check_gradient_names_each_problem() -> None:
     from agents.compress.base import PayloadError
-    from agents.dp.aggregate import check_gradient
+    from agents.compress.checks import check_gradient
 
     idx = torch.tensor([4, 1, 7], dtype=torch.int32)
     ok = torch.tensor([1.0, -2.0, 3.0])
