@@ -53,7 +53,7 @@ def run_main(argv: Sequence[str]) -> int:
         config_errors("gradbed run", e)
         return 2
     from agents.core.bandwidth import TraceError, load_trace
-    from agents.core.flowsize import load_flow_cdf
+    from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
     from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
@@ -63,12 +63,21 @@ def run_main(argv: Sequence[str]) -> int:
                           max_rate_mbps=RATE_MAX_MBPS)
 
     def flow_cdf(path: str) -> object:
-        # Says what it loaded and the distribution's mean, before anything is built.
+        # Says what it loaded and the distribution's mean (and whether that is the mean the
+        # file states), before anything is built.
+        import warnings
+
         bg = cfg.background
-        return load_flow_cdf(path, format=bg.flow_cdf_format,
-                             interpolation=bg.flow_cdf_interpolation,
-                             packet_bytes=bg.flow_cdf_packet_bytes,
-                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FlowSizeMeanWarning)
+            cdf = load_flow_cdf(path, format=bg.flow_cdf_format,
+                                interpolation=bg.flow_cdf_interpolation,
+                                packet_bytes=bg.flow_cdf_packet_bytes,
+                                log=lambda m: print(f"background.flow_cdf: {m}",
+                                                    file=sys.stderr))
+        for w in caught:
+            print(f"background.flow_cdf: warning: {w.message}", file=sys.stderr)
+        return cdf
 
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
