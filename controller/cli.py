@@ -42,6 +42,8 @@ def run_main(argv: Sequence[str]) -> int:
                     metavar="KEY=VALUE", help="override a config field, e.g. net.workers=8")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report RUN writes it later)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tc commands and agent command lines; change nothing")
     ap.add_argument("--cli", action="store_true",
@@ -139,7 +141,7 @@ def run_main(argv: Sequence[str]) -> int:
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress, spec=spec)
+                     progress=not args.no_progress, spec=spec, report=not args.no_report)
     try:
         run_dir = exp.run()
     except Exception as e:

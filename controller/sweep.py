@@ -26,7 +26,7 @@ the order the keys were given (the last key varies fastest).
 **What it does.** The pure part (:func:`parse_sweep`, :func:`expand`, :func:`validate`)
 expands the grid and validates *every* combination before anything runs, so a config error
 names the field and the combination up front. Then each combination runs sequentially as
-its own ``gradbed run`` subprocess (a crash in one run cannot take the sweep down), all
+its own ``gradbed run --no-report`` subprocess (a crash in one run cannot take the sweep down), all
 under ``OUT/sweep-NAME-STAMP/``: the stripped base config (``base.toml``), one run
 directory per combination, each run's console output in ``logs/``, and after every run,
 atomically, ``sweep.csv`` and ``sweep.md`` (one row per run: the varied keys, bytes per
@@ -402,8 +402,10 @@ def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Pa
              cfg: cfgmod.ExperimentConfig, res: RunResult) -> None:
     """Run one combination as ``gradbed run`` in its own session (so a terminal's Ctrl-C
     reaches only the sweep, which forwards exactly one SIGINT: the run then stops cleanly)."""
+    # No report per run: the sweep writes one for all its runs at the end, and on 2 cores
+    # each report is seconds that the next run waits for.
     argv = [sys.executable, "-m", "controller.cli", "run", str(base_toml), "--out",
-            str(sweep_dir), "--no-progress"]
+            str(sweep_dir), "--no-report", "--no-progress"]
     for o in [*spec.sets, *combo.overrides(base_seed(spec))]:
         argv += ["--set", o]
     log_path = sweep_dir / "logs" / f"{combo.index + 1:03d}.log"

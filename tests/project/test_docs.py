@@ -21,7 +21,7 @@ def test_the_readme_is_short_and_names_no_issue_or_history() -> None:
             if ln.startswith("#"):
                 assert not re.search(r"\bissue\s*\d", ln, re.I), (doc.name, ln)
                 assert not re.search(r"\bsession\b|\bchangelog\b|\bhistory\b", ln, re.I), ln
-    for needed in ("bash scripts/demo.sh", "bash scripts/test.sh", '"stop_reason"',
+    for needed in ("bash scripts/demo.sh", "bash scripts/test.sh", "stop_reason",
                    "| section | what it sets |"):
         assert needed in text, needed
     assert any("docs/" in h for h in headings)
