@@ -541,11 +541,16 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
         signal.signal(signal.SIGTERM, old_term)
     done = [r for r in results if r.status != "pending"]
     write_tables(sweep_dir, spec, done, target)
+    say(f"{sum(r.status == 'ok' for r in done)}/{len(combos)} runs ok in "
+        f"{time.monotonic() - t_sweep:.0f} s; {sweep_dir / 'sweep.md'}")
     compared = comparison(spec, done)
     if compared:
         write_atomic(sweep_dir / "comparison.txt", compared)
+        # The answer, before the report that takes a while: printed with --no-progress too.
+        print(compared, end="", file=sys.stderr, flush=True)
     dirs = [r.run_dir for r in done if r.run_dir is not None and (r.run_dir / "meta.json").exists()]
     if dirs:
+        say(f"writing {sweep_dir / 'report' / 'index.html'} ...")
         try:
             from analysis.report import write_report
 
@@ -553,10 +558,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
         except Exception as e:  # the table is what must survive; the report is a convenience
             say(f"warning: sweep report not written: {e}")
     hand_over(sweep_dir)
-    say(f"sweep done in {time.monotonic() - t_sweep:.0f} s: "
-        f"{sum(r.status == 'ok' for r in done)}/{len(combos)} ok; {sweep_dir / 'sweep.md'}")
-    if compared:  # the result, not progress: printed with --no-progress too
-        print(compared, end="", file=sys.stderr, flush=True)
+    say(f"sweep done in {time.monotonic() - t_sweep:.0f} s")
     return sweep_dir, done
 
 
