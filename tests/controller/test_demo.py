@@ -96,6 +96,10 @@ def test_shortened_demo_shows_the_network_mattering(short_tmp: Path) -> None:
     assert dense["bottleneck_utilization"] >= 0.9, dense
     assert topk["iter_time_s_p50"] <= 0.5 * dense["iter_time_s_p50"], (dense, topk)
     assert topk["bytes_up_per_iter"] < 0.1 * dense["bytes_up_per_iter"]
-    # What the demo prints: both side by side, and the verdict.
-    assert "verdict: topk pays on this network" in p.stderr
+    # What the demo prints: both side by side, and the verdict. After 25 iterations top-k
+    # still trails dense's accuracy by far more than 3 points, so the verdict may not say
+    # "pays" yet; its figures must be these runs'.
+    ratio = topk["iter_time_s_p50"] / dense["iter_time_s_p50"]
+    assert f"topk's median iteration took {ratio:.2f}x dense's" in p.stderr
+    assert f"kept the bottleneck {dense['bottleneck_utilization']:.2f} busy" in p.stderr
     assert (sweep_dir / "comparison.txt").read_text() in p.stderr
