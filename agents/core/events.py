@@ -81,6 +81,17 @@ def _declare(name: str, by: str, meaning: str, **fields: str) -> None:
     EVENTS[name] = EventType(name, by, meaning, dict(fields))
 
 
+# -- every agent with an authenticated connection (agents/net/handshake.py) ---------------
+_declare("handshake", "any agent", "one handshake through the driver (agents.net.handshake), "
+         "passed or refused",
+         end="dial (this end opened the connection) or answer (it accepted it)",
+         link="the connection's name (who, from where)",
+         peer_role="answer: the role the peer's HELLO claimed; dial: the role expected",
+         peer_index="the peer's index in that role",
+         ok="whether the peer proved its key (and, dialing, welcomed us)",
+         elapsed_ms="from the first byte to the end of the handshake (ms)",
+         error="why it failed, when it did")
+
 # -- worker (agents/dp/worker.py) --------------------------------------------------------------
 _declare("joined", "worker", "the PS admitted this worker (HELLO answered by WELCOME and "
          "the weights); iter is the iteration it joins at")

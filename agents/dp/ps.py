@@ -53,7 +53,6 @@ import argparse
 import errno
 import fcntl
 import queue
-import secrets
 import select
 import selectors
 import socket
@@ -77,7 +76,7 @@ from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
 from agents.core.policies.backlog import backlog_shares
 from agents.dp.aggregate import SparseAccumulator, check_gradient, max_message_bytes
-from agents.net import auth, codec, protocol, wire
+from agents.net import auth, codec, handshake, protocol, wire
 from agents.net.control import ControlClient, control_path
 from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
@@ -172,7 +171,8 @@ class ParameterServer:
         self.workers_root = keys.workers_root
         self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
         self.log = EventLog.for_node(run_dir, run_id, "ps")
-        self.ctl = ControlClient(control_path(run_dir), "ps", keys.key)
+        self.ctl = ControlClient(control_path(run_dir), "ps", keys.key,
+                                 timeout_s=cfg.guard.handshake_timeout_s, log=self.log)
         self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
@@ -251,16 +251,25 @@ class ParameterServer:
                               error=f"cannot start a handshake thread: {e}")
 
     def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        """Challenge-response (``agents.net.protocol.PSHandshake``) under a deadline of
-        ``guard.handshake_timeout_s``; nothing is allocated for the peer beyond one
-        preallocated hello-sized buffer until it has proved its key."""
+        """Challenge-response through the handshake driver, under the absolute deadline
+        ``guard.handshake_timeout_s``; WELCOME waits for admission (:meth:`_admit`)."""
         peer = f"{addr[0]}:{addr[1]}"
+        workers = self.cfg.net.workers
+        answerer = protocol.Answerer(
+            self.run_id, "worker",
+            lambda h: auth.worker_key(self.workers_root, h.worker) if h.worker < workers
+            else None, accepts=f"0..{workers - 1}")
         try:
-            session = self._authenticate(sock, peer)
+            session = handshake.answer(sock, answerer, run_tag=self.tag, name=peer,
+                                       welcome=None,
+                                       timeout_s=self.cfg.guard.handshake_timeout_s,
+                                       log=self.log)
+        except handshake.HandshakeError as e:
+            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=e.why)
+            sock.close()
+            return
         finally:
             self.handshakes.release()
-        if session is None:
-            return
         # Authenticated: from here the main thread's event loop serves the socket.
         sock.setblocking(False)
         self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
@@ -269,44 +278,10 @@ class ParameterServer:
         except OSError:
             pass  # a wake-up already pending (a full pipe), or the run is over
 
-    def _authenticate(self, sock: socket.socket, peer: str) -> protocol.Session | None:
-        hs = protocol.PSHandshake(self.run_id, self.cfg.net.workers,
-                                  lambda w: auth.worker_key(self.workers_root, w),
-                                  secrets.token_bytes(codec.NONCE_BYTES))
-        buf = bytearray(codec.MAX_HELLO_BYTES)
-        try:
-            sock.settimeout(self.cfg.guard.handshake_timeout_s)
-            deadline = time.monotonic() + self.cfg.guard.handshake_timeout_s
-            reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer,
-                                      max_payload_bytes=codec.MAX_HELLO_BYTES)
-            h, body = reader.read_frame_into(buf)
-            challenge = hs.receive_hello(h, body)
-            wire.send_bytes(sock, challenge, msg_type=codec.MsgType.CHALLENGE,
-                            run_tag=self.tag, worker=h.worker, peer=peer)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            reader.max_payload_bytes = protocol.PROOF_BYTES
-            h, body = reader.read_frame_into(buf)
-            return hs.receive_proof(h, body)
-        except (codec.FrameError, wire.ConnectionClosed, OSError) as e:
-            why = "handshake timed out" if isinstance(e, TimeoutError) else str(e)
-            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=why)
-            self._reject(sock, why)
-            return None
-
     @property
     def max_message_bytes(self) -> int:
         """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
         return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
-
-    def _reject(self, sock: socket.socket, why: str) -> None:
-        """Tell a peer that failed the handshake why, and close."""
-        try:
-            sock.settimeout(1.0)  # a peer that does not read must not hold us
-            wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
-                            msg_type=codec.MsgType.ERROR, run_tag=self.tag, worker=0)
-        except OSError:
-            pass
-        sock.close()
 
     def _bound(self, h: codec.FrameHeader) -> None:
         """What one frame from a worker may weigh, checked before its payload is read."""

@@ -50,7 +50,7 @@ from agents.core.events import EventLog
 from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
 from agents.core.schedules import Kind, Schedule
 from agents.dp.aggregate import check_gradient
-from agents.net import auth, codec, link, wire
+from agents.net import auth, codec, handshake, link, protocol, wire
 from agents.pipeline.partition import balance_by_params, split
 from agents.pipeline.stage import (
     CONNECT_TIMEOUT_S,
@@ -165,19 +165,24 @@ class StagePS:
                 raise StagePSError(f"ps: stages {', '.join(missing)} never connected "
                                    f"within {CONNECT_TIMEOUT_S:g} s") from None
             peer = f"{addr[0]}:{addr[1]}"
+            # Challenge-response under the key this PS shares with that stage only: a
+            # stage cannot pass for another, nor can anyone else, and each comes once.
+            waiting = {i: k for i, k in self.link_keys.items()
+                       if divmod(i, self.p) not in self.conns}
+            answerer = protocol.Answerer(self.run_id, "stage", protocol.keys_by_index(waiting),
+                                         accepts=f"stages {sorted(waiting)}")
+            name = f"ps <- {peer}"
             try:
-                # Challenge-response under the key this PS shares with that stage only
-                # (agents.net.link): a stage cannot pass for another, nor can anyone else.
-                lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
-                                 me=ps_index(self.p, self.d),
-                                 keys={i: k for i, k in self.link_keys.items()
-                                       if divmod(i, self.p) not in self.conns},
-                                 timeout_s=CONNECT_TIMEOUT_S, name=f"ps <- {peer}")
+                session = handshake.answer(sock, answerer, run_tag=self.tag, name=name,
+                                           welcome=("stage", ps_index(self.p, self.d)),
+                                           timeout_s=self.cfg.guard.handshake_timeout_s,
+                                           log=self.log)
             except (OSError, codec.FrameError) as e:
                 self.log.emit("frame_error", peer=peer, error=str(e))
                 sock.close()
                 continue  # a stranger: the stages may still come
             sock.settimeout(None)
+            lk = link.Link.answered(sock, session, name=name, run_tag=self.tag)
             r, s = divmod(lk.peer, self.p)
             conn = _Conn(r, s, sock, f"{conn_name(r, s)} ({peer})",
                          expected_messages(self.schedule, s, r, self.d, self.cfg.run), lk)
