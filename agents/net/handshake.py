@@ -26,8 +26,11 @@ how long each took to authenticate.
 
 from __future__ import annotations
 
+import errno
 import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from agents.net import codec, protocol, wire
@@ -37,6 +40,11 @@ from agents.net.codec import FrameError, MsgType
 DEFAULT_TIMEOUT_S = 5.0
 #: What a peer that has not proved its key may make this end read, all frames together.
 MAX_UNAUTHENTICATED_BYTES = 64 * 1024
+#: Handshakes under way at once at one listening socket; beyond, a new connection is
+#: closed at once (reported).
+MAX_HANDSHAKES = 1024
+#: accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
+ACCEPT_BACKOFF_S = (0.01, 1.0)
 #: How long a refusal (an ERROR frame) may take to write: a peer that does not read
 #: must not hold the answering end.
 REFUSE_TIMEOUT_S = 1.0
@@ -183,3 +191,45 @@ def _refuse(sock: socket.socket, run_tag: int, why: str) -> None:
                         msg_type=MsgType.ERROR, run_tag=run_tag, worker=0)
     except OSError:
         pass
+
+
+def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
+                   *, stopped: threading.Event, report: Callable[[str, str], None],
+                   max_at_once: int = MAX_HANDSHAKES) -> None:
+    """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
+    ``on_connection(sock, "addr:port")`` (the answering handshake, then handing the
+    connection over) on a thread of its own, at most ``max_at_once`` at a time; a
+    connection beyond that is closed at once. An accept error that passes (EMFILE,
+    ENFILE, ENOBUFS, ENOMEM, a peer that reset before accept) is reported through
+    ``report(peer, error)`` and retried after a growing pause."""
+    slots = threading.BoundedSemaphore(max_at_once)
+
+    def run(sock: socket.socket, peer: str) -> None:
+        try:
+            on_connection(sock, peer)
+        finally:
+            slots.release()
+
+    pause = ACCEPT_BACKOFF_S[0]
+    while not stopped.is_set():
+        try:
+            sock, addr = srv.accept()
+        except OSError as e:
+            if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                return  # our own socket was closed: the run is over
+            report("accept", f"accept failed ({e}); retrying in {pause:.2f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+            continue
+        pause = ACCEPT_BACKOFF_S[0]
+        peer = f"{addr[0]}:{addr[1]}"
+        if not slots.acquire(blocking=False):
+            report(peer, f"{max_at_once} handshakes under way: closed")
+            sock.close()
+            continue
+        try:
+            threading.Thread(target=run, args=(sock, peer), daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
+            slots.release()
+            sock.close()
+            report("accept", f"cannot start a handshake thread: {e}")
