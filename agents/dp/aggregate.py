@@ -15,15 +15,18 @@ keeps serving the others; nothing is added to the accumulator before validation 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from agents.compress.base import Compressor, Payload, PayloadError
 from agents.compress.checks import checked_sparse, validate_sparse
+from agents.net.codec import FrameHeader, MsgType
+from agents.net.protocol import ProtocolError
 
-__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "max_message_bytes"]
+__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "max_message_bytes",
+           "uplink_bound", "weights_delta"]
 
 # Sparse accumulation wins while the total number of received elements is below this
 # fraction of the tensor; above it, decompressing and adding dense tensors streams better.
@@ -43,6 +46,44 @@ def max_message_bytes(compressor: str, numel: int) -> int:
     elements: what the PS lets a worker announce before it allocates anything."""
     del compressor  # one bound serves every registered compressor (see above)
     return MESSAGE_DENSE_FACTOR * 4 * numel + MESSAGE_SLACK_BYTES
+
+
+def uplink_bound(compressor: str, chunks: Sequence[tuple[int, int]]
+                 ) -> Callable[[FrameHeader], None]:
+    """What one frame from a worker may weigh, checked before its payload is read (the
+    PS's receivers call it on every header): a BYE at most 64 bytes, a GRAD of a chunk in
+    range at most :func:`max_message_bytes` of that chunk in at most 16 parts."""
+
+    def bound(h: FrameHeader) -> None:
+        if h.msg_type == MsgType.BYE:
+            if h.payload_len > 64:
+                raise ProtocolError(f"BYE of {h.payload_len} bytes")
+            return
+        if not 0 <= h.chunk < len(chunks):
+            raise ProtocolError(f"chunk {h.chunk} out of range 0..{len(chunks) - 1}")
+        s, e = chunks[h.chunk]
+        limit = max_message_bytes(compressor, e - s)
+        if h.payload_len > limit or h.nparts > 16:
+            raise ProtocolError(
+                f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
+                f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
+
+    return bound
+
+
+def weights_delta(params: Tensor, shadow: Tensor) -> list[Tensor]:
+    """The change of ``params`` since ``shadow`` (what the workers hold): sparse (int32
+    indices, values) when under a third of the entries changed, else dense. ``shadow`` is
+    updated in place with exactly the operation the workers apply, so both stay
+    identical."""
+    delta = params - shadow
+    nz = delta.nonzero().reshape(-1)
+    if nz.numel() * 3 < params.numel():
+        vals = delta[nz]
+        shadow.index_add_(0, nz, vals)
+        return [nz.to(torch.int32), vals]
+    shadow.add_(delta)
+    return [delta]
 
 
 class SparseAccumulator:
