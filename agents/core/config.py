@@ -14,9 +14,11 @@ names (``rate_mbps``, ``queue_bytes``, ``delay_ms``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -428,6 +430,10 @@ class ExperimentConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        self.validate_across()
+
+    def validate_across(self) -> None:
+        """The checks that read more than one section."""
         for i, entry in enumerate(self.membership.schedule):
             _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
                    f"must name a worker in [0, {self.net.workers - 1}]")
@@ -529,14 +535,27 @@ def from_dict(data: dict[str, Any]) -> ExperimentConfig:
             else:
                 kwargs[key] = _build(hints[key], value, key)
         cfg = ExperimentConfig(**kwargs)
-        try:
-            cfg.validate()
-        except (TypeError, KeyError, ValueError):
-            if not errors:  # a check that trips over an earlier bad value is not news
-                raise
+        for name in sections:
+            _run_check(functools.partial(getattr(cfg, name).validate, name), errors)
+        _run_check(cfg.validate_across, errors)
     if errors:
-        raise ConfigError(errors)
+        # A section built with a bad value checks itself twice (constructing it and again
+        # here); the author needs each error once, in the order found.
+        raise ConfigError(list(dict.fromkeys(errors)))
     return cfg
+
+
+def _run_check(validate: Callable[[], None], errors: list[str]) -> None:
+    """Run one section's checks so that one section failing never hides the next: a
+    ConfigError raised outright (not through ``checks.check``) joins the collection, and a
+    check that trips over a value already reported as wrong is not news."""
+    try:
+        validate()
+    except ConfigError as e:
+        errors.extend(e.errors)
+    except (TypeError, KeyError, ValueError):
+        if not errors:
+            raise
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -7,15 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agents.core.checks import check as _check
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "two_group")  # agents.core.schedules registers these
 PIPELINE_COMPRESSORS = ("none", "fp16", "topk")
-
-
-def _check(cond: bool, path: str, value: object, allowed: str) -> None:
-    from agents.core.checks import ConfigError
-
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
 
 
 @dataclass(frozen=True)
