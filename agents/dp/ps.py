@@ -65,12 +65,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, PayloadError, make
+from agents.compress.base import Compressor, PayloadError
+from agents.compress.builder import CompressionSpec, build_compressor
 from agents.compress.sparse import SparseCompressor
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
@@ -177,7 +177,7 @@ class ParameterServer:
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
-        self.compressor: Compressor = make(cfg.compress.name, **self._compressor_params())
+        self.compressor: Compressor = build_compressor(CompressionSpec.from_config(cfg))
         self.momentum_buf: torch.Tensor | None = None
         # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
         self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
@@ -210,12 +210,6 @@ class ParameterServer:
         self.srv.bind((host, port))
         self.srv.listen(256)
         self.stop_reason = ""
-
-    def _compressor_params(self) -> dict[str, Any]:
-        params = dict(self.cfg.compress.params)
-        if self.cfg.compress.index_encoding != "int32":
-            params.setdefault("index_encoding", self.cfg.compress.index_encoding)
-        return params
 
     # -- connections: accepted and authenticated on threads, then served by the loop -----
 
