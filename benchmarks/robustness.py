@@ -68,7 +68,7 @@ def ps_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
     run_dir, cfg = make_run_dir(tmp, CLEAN, name="attacked")
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     proxy = hostile.CapturingProxy(port)
     proxy.start()
@@ -153,7 +153,7 @@ def controller_death(tmp: Path) -> tuple[bool, str]:
     run_dir, cfg = make_run_dir(tmp, ["net.workers=2", "run.timeout_s=60"], name="orphan")
     ps = start_ps(run_dir)
     try:
-        connect(cfg.net.ps_port, timeout_s=120).close()
+        connect(cfg.net.port, timeout_s=120).close()
         assert ps.stdin is not None
         t0 = time.monotonic()
         ps.stdin.close()

@@ -58,7 +58,6 @@ import select
 import selectors
 import socket
 import struct
-import sys
 import termios
 import threading
 import time
@@ -798,15 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_dir.name
     torch.set_num_threads(1)
     ps = ParameterServer(cfg, args.run_dir, run_id, keys, host=args.host,
-                         port=args.port or cfg.net.ps_port)
-    try:
-        return ps.serve()
-    except TimeoutError as e:
-        ps.log.emit("ps_done", iter=ps.iteration, reason=str(e))
-        print(f"ps: {e}", file=sys.stderr)
-        return 3
-    finally:
-        ps.log.close()
+                         port=args.port or cfg.net.port)
+    return wire.run_agent(ps.serve, name=lambda: "ps", errors=(TimeoutError,), code=3,
+                          on_error=lambda e: ps.log.emit("ps_done", iter=ps.iteration, reason=e),
+                          close=ps.log.close)
 
 
 if __name__ == "__main__":

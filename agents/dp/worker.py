@@ -29,7 +29,6 @@ import argparse
 import math
 import secrets
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -524,16 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     auth.exit_with_controller()
     torch.set_num_threads(1)
     w = Worker(cfg, args.run_dir, args.run_dir.name, keys.key,
-               args.worker, args.ps, args.port or cfg.net.ps_port,
+               args.worker, args.ps, args.port or cfg.net.port,
                pick_device(args.device or cfg.run.device), args.gso_segs)
-    try:
-        return w.run()
-    except (ConnectionError, codec.FrameError, wire.ConnectionClosed) as e:
-        w.log.emit("worker_error", iter=w.iteration, error=str(e))
-        print(f"{w.node}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        w.close()
+    return wire.run_agent(w.run, name=lambda: w.node,
+                          errors=(ConnectionError, codec.FrameError, wire.ConnectionClosed),
+                          code=2, on_error=lambda e: w.log.emit("worker_error",
+                                                                iter=w.iteration, error=e),
+                          close=w.close)
 
 
 if __name__ == "__main__":

@@ -436,14 +436,14 @@ class Stage:
             kind, comp = Kind.RECV_GRAD, _compressor(self.grad_send)
         else:
             raise StageError(f"unexpected {h.msg_type.name}")
-        key = (kind, h.iteration, h.chunk)
+        key = (kind, h.micro_batch, h.chunk)
         if key not in self.expected:
             raise StageError(f"{h.describe()}: not a message stage {self.s}'s schedule "
                              f"receives (or received already)")
         src = self.schedule.upstream(self.s, h.chunk) if kind is Kind.RECV_ACT \
             else self.schedule.downstream(self.s, h.chunk)
-        if src is None or src[0] != peer.stage or h.worker != peer.stage:
-            raise StageError(f"{h.describe()}: came from stage {h.worker} on the connection "
+        if src is None or src[0] != peer.stage or h.stage != peer.stage:
+            raise StageError(f"{h.describe()}: came from stage {h.stage} on the connection "
                              f"of stage {peer.stage}, expected stage {src}")
         shape = (self.in_shape[h.chunk] if kind is Kind.RECV_ACT
                  else self.shapes[self.schedule.position(self.s, h.chunk)])
@@ -519,7 +519,7 @@ class Stage:
         if sender is None:
             tensors = [t.reshape(-1)]
         else:
-            tensors = list(sender.compress(t, f"c{chunk}", self.pc.ratio)[0].tensors)
+            tensors = list(sender.compress(t, f"c{chunk}", self.cfg.compress.ratio)[0].tensors)
         peer.outbox.put((msg, mb, dst[1], tensors))
         return sum(x.numel() * x.element_size() + codec.HEADER_SIZE for x in tensors)
 
@@ -814,14 +814,10 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
                parse_peers(args.peers), args.replica, ps, keys)
-    try:
-        return st.run()
-    except (StageError, ConnectionError, codec.FrameError, OSError) as e:
-        st.log.emit("stage_error", error=str(e))
-        print(f"{st.node}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        st.log.close()
+    return wire.run_agent(st.run, name=lambda: st.node,
+                          errors=(StageError, ConnectionError, codec.FrameError, OSError),
+                          code=2, on_error=lambda e: st.log.emit("stage_error", error=e),
+                          close=st.log.close)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import queue
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,7 +70,7 @@ class StagePSError(RuntimeError):
 
 
 @dataclass
-class _Conn:
+class _StageConn:
     """Stage ``stage`` of replica ``replica``: its socket, the messages it still owes
     (in order), and the sender thread's queue of means."""
 
@@ -133,8 +132,8 @@ class StagePS:
         self.pieces = [FlatModel(piece) for piece in split(self.model, balance)]
         self.workload.prepare(self.model, -1, cfg.run.seed)
         self.max_payload_bytes = max(f.numel for f in self.pieces) * 4
-        self.conns: dict[tuple[int, int], _Conn] = {}
-        self.events: queue.Queue[tuple[_Conn, codec.FrameHeader | None,
+        self.conns: dict[tuple[int, int], _StageConn] = {}
+        self.events: queue.Queue[tuple[_StageConn, codec.FrameHeader | None,
                                        list[torch.Tensor], str]] = queue.Queue()
         self.grads: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
         self.weights: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
@@ -179,7 +178,7 @@ class StagePS:
                 continue  # a stranger: the stages may still come
             sock.settimeout(None)
             r, s = divmod(lk.peer, self.p)
-            conn = _Conn(r, s, sock, f"{conn_name(r, s)} ({peer})",
+            conn = _StageConn(r, s, sock, f"{conn_name(r, s)} ({peer})",
                          expected_messages(self.schedule, s, r, self.d, self.cfg.run), lk)
             self.conns[(r, s)] = conn
             reader = lk.reader(self.max_payload_bytes)
@@ -189,7 +188,7 @@ class StagePS:
                 th.start()
                 conn.threads.append(th)
 
-    def _read_loop(self, conn: _Conn, reader: wire.FrameReader) -> None:
+    def _read_loop(self, conn: _StageConn, reader: wire.FrameReader) -> None:
         try:
             while True:
                 parts = reader.read_message()
@@ -202,7 +201,7 @@ class StagePS:
         except (codec.FrameError, OSError, ValueError) as e:
             self.events.put((conn, None, [], f"{conn.peer}: {e}"))
 
-    def _send_loop(self, conn: _Conn) -> None:
+    def _send_loop(self, conn: _StageConn) -> None:
         while True:
             item = conn.outbox.get()
             if item is None:
@@ -242,7 +241,7 @@ class StagePS:
         self.log.emit("ps_done", iter=self.cfg.run.iterations, reason="completed")
         return 0
 
-    def _handle(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
+    def _handle(self, conn: _StageConn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
         """One message from ``conn``; True when it was its BYE."""
         want = conn.expect[0] if conn.expect else None
         if want is None or h.msg_type != want[0] or (
@@ -278,7 +277,7 @@ class StagePS:
             self._add_weights(conn, h.iteration, h.chunk, t)
         return False
 
-    def _add_grad(self, conn: _Conn, step: int, chunk: int, g: torch.Tensor) -> None:
+    def _add_grad(self, conn: _StageConn, step: int, chunk: int, g: torch.Tensor) -> None:
         key = (step, conn.stage, chunk)
         got = self.grads.setdefault(key, {})
         got[conn.replica] = g
@@ -295,7 +294,7 @@ class StagePS:
         self.log.emit("ps_slice_mean", iter=step, stage=conn.stage, chunk=chunk,
                       replicas=self.d, bytes=n)
 
-    def _add_weights(self, conn: _Conn, step: int, chunk: int, w: torch.Tensor) -> None:
+    def _add_weights(self, conn: _StageConn, step: int, chunk: int, w: torch.Tensor) -> None:
         got = self.weights.setdefault(step, {})
         got[(conn.stage, chunk)] = w
         if len(got) < len(self.pieces):
@@ -363,14 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
                  keys=keys)
-    try:
-        return ps.serve()
-    except (StagePSError, OSError, codec.FrameError) as e:
-        ps.abort(str(e))
-        print(f"ps: {e}", file=sys.stderr)
-        return 2
-    finally:
-        ps.log.close()
+    return wire.run_agent(ps.serve, name=lambda: "ps",
+                          errors=(StagePSError, OSError, codec.FrameError), code=2,
+                          on_error=ps.abort, close=ps.log.close)
 
 
 if __name__ == "__main__":

@@ -297,7 +297,7 @@ def poisoned_run(run_dir: Path, cfg: ExperimentConfig, ps_wait_s: float
     and the fakes (each with its ``answer``). Every process is gone when it returns."""
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     workers = [start_worker(run_dir, k, port) for k in (0, 1)]
     fakes = [PoisonWorker(port, run_dir, 2 + i, len(chunks), chunks[0][1] - chunks[0][0], kind)

@@ -48,7 +48,7 @@ def make_run_dir(tmp: Path, overrides: list[str], name: str = "run") -> tuple[Pa
     run_dir = tmp / name
     (run_dir / "events").mkdir(parents=True)
     cfg = cfgmod.load(REPO / "configs" / "digits.toml",
-                      [f"net.ps_port={free_port()}", *overrides])
+                      [f"net.port={free_port()}", *overrides])
     (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
     MASTERS[run_dir] = auth.new_master()
     return run_dir, cfg
@@ -126,7 +126,7 @@ def run_loopback(tmp: Path, overrides: list[str], timeout_s: float = 120) -> tup
     """Run a whole experiment over loopback; returns (run_dir, PS exit status)."""
     run_dir, cfg = make_run_dir(tmp, overrides)
     ps = start_ps(run_dir)
-    workers = [start_worker(run_dir, k, cfg.net.ps_port) for k in range(cfg.net.workers)]
+    workers = [start_worker(run_dir, k, cfg.net.port) for k in range(cfg.net.workers)]
     try:
         rc = ps.wait(timeout=timeout_s)
         for w in workers:

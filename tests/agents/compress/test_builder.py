@@ -10,6 +10,7 @@ import torch
 from agents.compress.builder import CompressionSpec, Sender, build_compressor, sender_generator
 from agents.compress.sparse import SparseCompressor
 from agents.core import config as cfgmod
+from agents.core.registry import COMPRESSOR
 
 
 def test_two_senders_of_one_rank_send_the_same_bytes_and_other_ranks_differ() -> None:
@@ -54,3 +55,20 @@ def test_the_config_reaches_the_compressor() -> None:
 def test_layerwise_selection_needs_a_sparse_compressor() -> None:
     with pytest.raises(ValueError, match="'fp16' is not a sparse compressor"):
         build_compressor(CompressionSpec("fp16", per_layer=True))
+
+
+@pytest.mark.parametrize("name", COMPRESSOR.declared())
+def test_every_registered_compressor_carries_a_pipeline_message(name: str) -> None:
+    """The pipeline accepts any registered compressor for activations and gradients: each
+    must round-trip a message of an activation's shape through its parts, as a stage does."""
+    t = torch.randn(16, 128, generator=torch.Generator().manual_seed(3))
+    sender = Sender(CompressionSpec(name), 0, 1)
+    payload, _ = sender.compress(t, "c0", 0.1)
+    back = sender.compressor.from_parts(list(payload.tensors), t.numel(), tuple(t.shape),
+                                        torch.float32)
+    dense = sender.compressor.decompress(back).reshape(t.shape)
+    assert dense.shape == t.shape and torch.isfinite(dense).all()
+    assert sender.feedback is not None
+    residual = sender.feedback.residual("c0")
+    assert residual is not None
+    torch.testing.assert_close(dense + residual.reshape(t.shape), t, rtol=1e-4, atol=1e-4)

@@ -98,7 +98,7 @@ def test_ps_steps_with_the_scheduled_lr(tmp_path) -> None:
     assert len(chunk_ranges(model.numel, cfg.workload.chunk_bytes)) == 1
     ps = start_ps(run_dir)
     try:
-        sock = connect(cfg.net.ps_port)
+        sock = connect(cfg.net.port)
         reader, hs = prove(sock, run_dir, 0)
         mac = welcome(reader, hs).up
         params = reader.read_message()[0][1]

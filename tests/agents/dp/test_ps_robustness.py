@@ -112,7 +112,7 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "run.eval_every=10", "compress.name=topk", "compress.ratio=0.1", "run.seed=3"])
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     workers = [start_worker(run_dir, k, port) for k in (0, 1)]
     hold = threading.Event()

@@ -60,7 +60,7 @@ def test_each_chunk_comes_down_once_every_worker_sent_it(tmp_path) -> None:
     assert len(chunks) >= 3, chunks
     ps = start_ps(run_dir)
     try:
-        hellos = [_hello(cfg.net.ps_port, run_dir, w) for w in (0, 1)]
+        hellos = [_hello(cfg.net.port, run_dir, w) for w in (0, 1)]
         (w0, mac0), (w1, mac1) = (_welcome(c, len(chunks)) for c in hellos)
         conns = [(c[0], c[1]) for c in hellos]
         assert torch.equal(w0, w1)
@@ -107,7 +107,7 @@ def test_single_chunk_models_still_step_once_per_iteration(tmp_path) -> None:
     assert len(chunk_ranges(model.numel, cfg.workload.chunk_bytes)) == 1
     ps = start_ps(run_dir)
     try:
-        conn = _hello(cfg.net.ps_port, run_dir, 0)
+        conn = _hello(cfg.net.port, run_dir, 0)
         sock, reader = conn[0], conn[1]
         w0, mac = _welcome(conn, 1)
         g = torch.full((model.numel,), 0.5)

@@ -62,7 +62,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def attacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_dir, cfg = make_run_dir(tmp_path_factory.mktemp("attacked"), CLEAN)
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     proxy = hostile.CapturingProxy(port)
     proxy.start()
@@ -144,7 +144,7 @@ def test_real_workers_finish_with_the_clean_result(attacked: dict[str, Any],
 def test_a_huge_header_costs_the_ps_less_than_10_mb(tmp_path: Path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=2", "workload.hidden=32",
                                            "run.iterations=5", "run.timeout_s=60"])
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     try:
         s = connect(port)  # the PS listens: it has loaded torch and its model
@@ -200,7 +200,7 @@ def test_an_agent_ends_when_its_controller_is_gone(tmp_path: Path) -> None:
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=2", "run.timeout_s=60"])
     ps = start_ps(run_dir)
     try:
-        connect(cfg.net.ps_port).close()  # up and listening
+        connect(cfg.net.port).close()  # up and listening
         assert ps.stdin is not None
         ps.stdin.close()  # what the kernel does when the controller is killed
         rc = ps.wait(timeout=10)
@@ -338,8 +338,8 @@ def test_a_model_that_becomes_non_finite_stops_the_run(tmp_path: Path) -> None:
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
     ps = start_ps(run_dir)
-    workers = [start_worker(run_dir, k, cfg.net.ps_port) for k in (0, 1)]
-    s = connect(cfg.net.ps_port)
+    workers = [start_worker(run_dir, k, cfg.net.port) for k in (0, 1)]
+    s = connect(cfg.net.port)
     try:
         s.settimeout(60)
         reader, session = hostile.handshake(s, run_dir, 2)

@@ -328,7 +328,7 @@ def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path
         """Start hosts ``links`` (of 2) as the controller does, each bundle on stdin."""
         (run_dir / "events").mkdir(parents=True)
         cfg = cfgmod.load(repo / "configs" / "digits.toml",
-                          [*overrides, "run.iterations=1", f"moe.port={free_ports(2)}"])
+                          [*overrides, "run.iterations=1", f"net.port={free_ports(2)}"])
         (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
         procs = []
         for h in links:

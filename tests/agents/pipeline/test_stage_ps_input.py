@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from agents.net import codec
-from agents.pipeline.stage_ps import StagePS, StagePSError, _Conn, expected_messages
+from agents.pipeline.stage_ps import StagePS, StagePSError, _StageConn, expected_messages
 from tests.support.loopback import free_port
 from tests.support.pipeline_loopback import make_run_dir
 
@@ -30,7 +30,7 @@ def ps(tmp_path):
         for s in range(2):
             a, b = socket.socketpair()
             pairs += [a, b]
-            server.conns[(r, s)] = _Conn(r, s, a, f"stage {s} of replica {r} (test)",
+            server.conns[(r, s)] = _StageConn(r, s, a, f"stage {s} of replica {r} (test)",
                                          expected_messages(server.schedule, s, r, 2, cfg.run))
     yield server
     server.srv.close()
