@@ -1,4 +1,4 @@
-"""Pipeline benchmark (issue 18): measured bubble against the closed forms, and the three
+"""Pipeline benchmark: measured bubble against the closed forms, and the three
 schedules' throughput at three link rates.
 
 Part 1, compute dominating: GPipe and 1F1B for p in {2, 4} and m in {4, 8, 16}, stages as

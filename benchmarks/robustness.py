@@ -1,4 +1,4 @@
-"""Attacks and faults against live runs (issue 22), each with its verdict.
+"""Attacks and faults against live runs, each with its verdict.
 
 Real agent processes over loopback TCP (``tests/support/loopback.py``; no Mininet needed): a PS
 and two workers train the digits MLP (dense SGD, 1,000 iterations). One run is clean; the

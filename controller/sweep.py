@@ -1,6 +1,6 @@
 """``gradbed sweep``: run every combination of a parameter grid and tabulate the results.
 
-Issue 3 item 5 (the GRACE-style comparison, Xu et al., "GRACE: A Compressed Communication
+For the GRACE-style comparison (Xu et al., "GRACE: A Compressed Communication
 Framework for Distributed Machine Learning", ICDCS 2021: which compressor wins depends on
 the bandwidth and the model). One sweep is::
 

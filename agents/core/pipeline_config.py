@@ -1,4 +1,4 @@
-"""The ``[pipeline]`` config section: pipeline-parallel training (DESIGN.md 1.3, issue 18).
+"""The ``[pipeline]`` config section: pipeline-parallel training (DESIGN.md 1.3).
 
 ``stages = 0`` (the default) means no pipeline: the run is data-parallel as before. The top-k
 keep ratio is ``compress.ratio`` and the stages' ports count up from ``net.port``.

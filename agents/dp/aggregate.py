@@ -102,7 +102,7 @@ def checked_sparse(idx: Tensor, values: Tensor, numel: int, *, who: str, max_abs
 
 def check_gradient(sparse: tuple[Tensor, Tensor] | None, dense: Tensor | None, numel: int,
                    *, who: str, max_abs: float, unique_indices: bool) -> None:
-    """Gradient sanity at the PS (issue 22): raise :class:`PayloadError` naming ``who``
+    """Gradient sanity at the PS: raise :class:`PayloadError` naming ``who``
     for a non-finite value, a value with ``|v| > max_abs`` (``max_abs`` = 0: no bound),
     or, where the encoding sends each index once (``unique_indices``), a duplicate.
 

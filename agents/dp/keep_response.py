@@ -1,6 +1,6 @@
 """How many iterations a workload needs to reach a target accuracy at a fixed keep ratio,
 measured in one process: the input ``analysis.tta_model`` needs, for any workload, without
-running a network (issue 4, DESIGN.md 1.1-1.2).
+running a network (DESIGN.md 1.1-1.2).
 
 It runs the same mathematics as a synchronous data-parallel run, with the project's parts:
 - the workload's model, its per-worker batches and its held-out evaluation;

@@ -529,7 +529,7 @@ class ParameterServer:
             old = self.conns.get(conn.worker)
             if old is not None and not old.dead():
                 # A second HELLO for a live worker: whoever it is, it does not take the
-                # slot over (issue 22). The live connection keeps it.
+                # slot over. The live connection keeps it.
                 why = (f"worker {conn.worker}: refused a second connection from {conn.peer}"
                        f" while {old.peer} is alive")
                 self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,

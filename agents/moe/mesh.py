@@ -5,7 +5,7 @@ hosts shares exactly one TCP connection, used in both directions. Each connectio
 authenticated :class:`agents.net.link.Link`: challenge-response under the pair key only
 hosts i and j hold (``keys[j]``, from the controller through stdin), then a MAC with a
 sequence number on every frame, so no host can pass for another and a replayed frame is
-refused (issue 22).
+refused.
 
 :meth:`Mesh.exchange` is one all-to-all: this host sends one frame to every peer and
 receives one frame from every peer, all at once (a thread per send and per receive:

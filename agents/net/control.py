@@ -10,7 +10,7 @@ A controller that is absent (an agent started by hand, or in a test) is not an
 error: the client then drops reports and receives no commands.
 
 Every emulated host can reach the socket (it is a file), so each side proves it knows
-the agent's own key before a line counts (issue 22): the client opens with
+the agent's own key before a line counts: the client opens with
 ``{"type": "hello", "node", "nonce"}``, the server answers with its nonce and an HMAC
 over both nonces, and the client replies with its own HMAC (:func:`control_proof`,
 compared in constant time). The server also reads the peer's pid and uid

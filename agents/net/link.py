@@ -1,4 +1,4 @@
-"""Authenticated links between two agents of a mesh (issue 22): the MoE expert mesh
+"""Authenticated links between two agents of a mesh: the MoE expert mesh
 (:mod:`agents.moe.mesh`) and the pipeline's stage-to-stage and replica-hub connections
 (:mod:`agents.pipeline.stage`).
 

@@ -5,7 +5,7 @@ payload bytes from :mod:`agents.net.codec`) and return what to send or what happ
 raise :class:`ProtocolError` for anything the other side may not do in the current
 state. The agents' threads only move bytes (``agents.dp.ps``, ``agents.dp.worker``).
 
-Handshake (challenge-response, issue 22)::
+Handshake (challenge-response)::
 
     worker                                   PS
     HELLO {role, worker, nonce_w}   ->                       (public run tag)

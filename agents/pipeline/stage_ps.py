@@ -1,6 +1,6 @@
 """The pipeline's PS: averages the stage gradients of d pipeline replicas once per step and
 evaluates the model the stages hold (DESIGN.md 1.3, data parallel across pipelines: the
-planner's layout (t = 1, p, d), seeds/003; issue 18).
+planner's layout (t = 1, p, d), seeds/003).
 
 Run on its own host as ``python -m agents.pipeline.stage_ps --run-dir RUN --port P`` (the stage
 role places it on the fabric's host ``p * d``). Every stage ``s`` of every replica ``r``

@@ -1,4 +1,4 @@
-"""The PS survives hostile and broken peers (issue 3: "the PS rejects a payload whose
+"""The PS survives hostile and broken peers ("the PS rejects a payload whose
 indices are out of range or whose lengths disagree, with a clear error, and keeps serving
 the other workers").
 

@@ -1,4 +1,4 @@
-"""Per-worker fixed keep ratios (``compress.worker_ratios``, issue 21 item 4): the config
+"""Per-worker fixed keep ratios (``compress.worker_ratios``): the config
 checks them, each worker's fixed policy keeps its own entry, and over loopback each
 worker's compressor really gets its own ratio."""
 

@@ -1,4 +1,4 @@
-"""Issue 22: attacks and faults against live loopback runs (real agent processes, real TCP).
+"""Attacks and faults against live loopback runs (real agent processes, real TCP).
 
 - Hijack: a captured HELLO+PROOF replayed, a captured GRAD replayed as a first frame, a
   second correct HELLO for a live worker, and a host that reads every file of the run

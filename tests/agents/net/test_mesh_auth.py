@@ -1,4 +1,4 @@
-"""Per-agent keys on the stage and expert meshes (issue 22, agents/net/link.py): a peer with a
+"""Per-agent keys on the stage and expert meshes (agents/net/link.py): a peer with a
 wrong key, a peer claiming another's index, and a frame replayed on a live link are each
 refused with an error naming the connection, and the real peers still connect."""
 

@@ -1,4 +1,4 @@
-"""Time to accuracy for pipeline runs (issue 18): the pipeline's PS (agents.pipeline.stage_ps)
+"""Time to accuracy for pipeline runs: the pipeline's PS (agents.pipeline.stage_ps)
 evaluates the weights the stages send after every ``run.eval_every`` steps and after the
 last, with the data-parallel PS's ``eval``/``final_eval`` events, so the summary reports
 ``final_accuracy`` and ``time_to_target_s`` for pipeline runs too. Stages and PS as real

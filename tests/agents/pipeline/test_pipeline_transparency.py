@@ -1,4 +1,4 @@
-"""Pipeline transparency over real TCP (torchgpipe's test, issue 18): stages as real
+"""Pipeline transparency over real TCP (torchgpipe's test): stages as real
 processes on loopback, activations and gradients through the frame codec.
 
 GPipe and 1F1B must reach the unsplit model's weights (plain SGD on the whole batch); the

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: string round trip, the validator's rejections, the
-simulator's bubble against the closed forms (DESIGN.md 1.3, 1.5; issue 18)."""
+simulator's bubble against the closed forms (DESIGN.md 1.3, 1.5)."""
 
 from __future__ import annotations
 
