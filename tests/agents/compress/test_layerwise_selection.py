@@ -130,6 +130,7 @@ def test_config_needs_a_k_keeping_sparse_compressor() -> None:
                 cfgmod.from_dict({"compress": {"name": name}, "feedback": {opt: True}})
 
 
+@pytest.mark.loopback
 def test_workers_over_tcp_match_the_one_process_run(tmp_path) -> None:
     """The workers wire the options (and the warm-up) as ``agents.dp.keep_response`` does:
     two real worker processes over loopback end at its weights. 8 KB chunks cut the

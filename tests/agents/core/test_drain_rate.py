@@ -273,6 +273,7 @@ def test_drain_window_is_validated() -> None:
         cfgmod.from_dict({"adaptive": {"drain_window": 0}})
 
 
+@pytest.mark.loopback
 def test_real_workers_read_their_kernel_stamps_every_upload(tmp_path: Path) -> None:
     """The worker's side over loopback TCP (real sockets and kernel stamps, no Mininet, no
     shaper): every upload ends with one ``drain`` event holding its writes' stamps, nothing

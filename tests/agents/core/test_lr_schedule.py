@@ -85,6 +85,7 @@ def test_step_schedule_without_fractions_is_refused() -> None:
         cfgmod.from_dict({"workload": {"lr_schedule": "step", "lr_decay_at": []}})
 
 
+@pytest.mark.loopback
 def test_ps_steps_with_the_scheduled_lr(tmp_path) -> None:
     # One worker, no momentum, 4 iterations, lr 0.4 halved at 50 %: the weights after
     # iteration i are the previous ones minus lr_at(i) x the gradient sent.
@@ -121,6 +122,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("schedule,reference", [
     ("gpipe", reference_pieces), ("two_group", reference_two_group)])
 def test_pipeline_stages_step_with_the_scheduled_lr(tmp_path, schedule, reference) -> None:

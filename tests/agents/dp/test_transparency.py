@@ -7,6 +7,7 @@ reaches training on the concatenated batch -- over real TCP, real processes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agents.workloads.base import FlatModel, Workload
@@ -14,6 +15,8 @@ from agents.workloads.digits_cnn import DigitsCNN
 from agents.workloads.digits_mlp import DigitsMLP
 from analysis.load import load_events
 from tests.support.loopback import run_loopback
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 
 def reference_weights(n_workers: int, iterations: int, lr: float, momentum: float,

@@ -60,6 +60,7 @@ def test_each_worker_keeps_its_own_ratio_and_the_toml_round_trips(tmp_path: Path
     assert _keeps(cfgmod.load(HET, [FIXED, "compress.ratio=0.3"])) == [0.3] * 4
 
 
+@pytest.mark.loopback
 def test_loopback_workers_compress_at_their_own_ratio(tmp_path: Path) -> None:
     """Two real worker processes and the PS over loopback TCP: every chunk worker 0
     compresses gets 0.05, every chunk of worker 1 gets 0.5, and worker 0 sends fewer bytes."""

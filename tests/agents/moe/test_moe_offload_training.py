@@ -26,6 +26,7 @@ def dumps(root: Path, hosts: int, steps: int) -> list[list[dict[str, np.ndarray]
             for h in range(hosts)]
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("policy", ["belady", "lru"])
 def test_offload_trains_equal_and_counts_the_policys_transfers(tmp_path: Path,
                                                                 policy: str) -> None:

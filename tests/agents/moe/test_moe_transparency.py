@@ -23,6 +23,8 @@ from agents.moe.model import build_model, global_batch, load_data, loss_fn
 from agents.moe.zero import ParamClass, classify
 from tests.support import warm
 
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
+
 REPO = Path(__file__).resolve().parents[3]
 
 

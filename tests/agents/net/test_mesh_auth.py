@@ -75,6 +75,7 @@ def _host(h: int, addrs: list[tuple[str, int]], keys: dict[int, bytes],
         out[h] = e
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("attack", ["wrong key", "another host's index"])
 def test_expert_mesh_refuses_an_impostor(attack: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +108,7 @@ def test_expert_mesh_refuses_an_impostor(attack: str,
             assert torch.equal(t, torch.full((4,), float(10 * j + h)))
 
 
+@pytest.mark.loopback
 def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     """The dialer checks the acceptor too: WELCOME's MAC proves it holds the pair key."""
     srv = socket.create_server(("127.0.0.1", 0))
@@ -137,6 +139,7 @@ def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     srv.close()
 
 
+@pytest.mark.loopback
 def test_expert_mesh_refuses_a_replayed_frame() -> None:
     base = free_ports(2)
     addrs = [("127.0.0.1", base), ("127.0.0.1", base + 1)]
@@ -222,6 +225,7 @@ def _close(*stages: Stage) -> None:
         st.log.close()
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("attack", ["wrong key", "another stage's index"])
 def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -264,6 +268,7 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
         _close(s0, s1)
 
 
+@pytest.mark.loopback
 def test_stage_mesh_refuses_a_replayed_frame(tmp_path: Path) -> None:
     s0, s1, _ = _stages(tmp_path)
     tap = CapturingProxy(s1.peers_addr[1][1])
@@ -309,6 +314,7 @@ def test_roles_hand_each_agent_only_its_own_links(tmp_path: Path) -> None:
     assert names["gbh0"] & names["gbh1"] == {"stage/r0s0|r0s1"}
 
 
+@pytest.mark.loopback
 def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path) -> None:
     """``agents.moe.expert --auth stdin`` takes its mesh keys from the bundle on its stdin
     (``auth.agent_keys``, as the stage and the pipeline PS do), with no RUN/secret: two

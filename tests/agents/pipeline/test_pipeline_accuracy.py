@@ -22,6 +22,8 @@ from analysis.load import load_events
 from controller.summary import summarize
 from tests.support.pipeline_loopback import logs, reference_evals, reference_pieces, run_pipeline
 
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
+
 
 def _reference_eval(cfg, steps: int) -> dict[str, float]:
     """The unsplit model after ``steps`` steps of plain SGD, evaluated in this process."""

@@ -21,6 +21,8 @@ from tests.support.pipeline_loopback import (
     run_pipeline,
 )
 
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
+
 STEPS = 3
 
 
