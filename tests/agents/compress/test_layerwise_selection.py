@@ -15,7 +15,7 @@ from agents.core import config as cfgmod
 from agents.dp.keep_response import TrainingSpec, train
 from agents.workloads.base import chunk_layer_dims, chunk_layers
 from agents.workloads.digits_mlp import DigitsMLP
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
 
 # A weight (4 x 25 = 100 elements) with large gradients, its bias (4), and a weight
 # (2 x 50 = 100) with small ones, laid out flat as a worker packs them.

@@ -16,7 +16,7 @@ from agents.core.drain import TxStamp, conservative_rate_bps, queued_departure_r
 from agents.core.ethernet import TCP_MSS_BYTES
 from agents.core.policies import AdaptiveRatio
 from analysis.load import load_events
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
 
 MS = 1_000_000
 GSO_PKT_BYTES = 8 * TCP_MSS_BYTES  # gradbed caps the worker's GSO packets at 8 segments

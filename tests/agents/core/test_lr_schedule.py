@@ -15,8 +15,8 @@ from agents.core.lr_schedule import decay_iterations, lr_at
 from agents.net import codec, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import connect, make_run_dir, prove, start_ps, welcome
-from tests.support.pipeline_loopback import (
+from controller.loopback.dp import connect, make_run_dir, prove, start_ps, welcome
+from controller.loopback.pipeline import (
     logs,
     pipeline_pieces,
     reference_pieces,

@@ -28,7 +28,7 @@ from agents.core.events import read_jsonl
 from agents.net import auth, codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import (
+from controller.loopback.dp import (
     MASTERS,
     connect,
     handshake,

@@ -19,7 +19,7 @@ import torch
 from agents.net import codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import connect, make_run_dir, prove, start_ps, welcome
+from controller.loopback.dp import connect, make_run_dir, prove, start_ps, welcome
 
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 

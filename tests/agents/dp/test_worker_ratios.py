@@ -12,7 +12,7 @@ from agents.core import config as cfgmod
 from agents.core.policies import ratio_policy_from_config
 from agents.core.policies.base import RatioContext
 from analysis.load import load_events
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
 
 REPO = Path(__file__).resolve().parents[3]
 HET = REPO / "configs" / "heterogeneous.toml"

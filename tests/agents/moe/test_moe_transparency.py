@@ -21,7 +21,7 @@ from agents.moe.hosts import dispatch_bytes, owned_experts
 from agents.moe.layer import MoELayer
 from agents.moe.model import build_model, global_batch, load_data, loss_fn
 from agents.moe.zero import ParamClass, classify
-from tests.support import warm
+from controller.loopback import warm
 
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 

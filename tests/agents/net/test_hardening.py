@@ -28,8 +28,8 @@ from agents.core.events import read_jsonl
 from agents.net import auth, codec, wire
 from agents.net.control import ControlClient
 from controller.control import ControlServer
-from tests.support import hostile
-from tests.support.loopback import (
+from controller.loopback import hostile
+from controller.loopback.dp import (
     connect,
     make_run_dir,
     prove,

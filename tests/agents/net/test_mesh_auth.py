@@ -19,12 +19,12 @@ from agents.moe.mesh import Mesh, file_keys
 from agents.net import auth, codec, link
 from agents.net.codec import FrameError, MsgType
 from agents.pipeline.stage import Stage, StageError
+from controller.loopback import warm
+from controller.loopback.dp import Agent, connect, free_port
+from controller.loopback.hostile import CapturingProxy
+from controller.loopback.pipeline import make_run_dir
 from controller.roles import RoleContext, plan_commands
 from tests.agents.moe.test_moe_transparency import free_ports
-from tests.support import warm
-from tests.support.hostile import CapturingProxy
-from tests.support.loopback import Agent, connect, free_port
-from tests.support.pipeline_loopback import make_run_dir
 from topo.shapes import shape_spec
 
 SECRET = b"mesh auth test secret"

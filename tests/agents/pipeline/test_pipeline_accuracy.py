@@ -19,8 +19,8 @@ import pytest
 
 from agents.workloads.factory import make_workload
 from analysis.load import load_events
+from controller.loopback.pipeline import logs, reference_evals, reference_pieces, run_pipeline
 from controller.summary import summarize
-from tests.support.pipeline_loopback import logs, reference_evals, reference_pieces, run_pipeline
 
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.pipeline_loopback import (
+from controller.loopback.pipeline import (
     logs,
     pipeline_pieces,
     reference_pieces,

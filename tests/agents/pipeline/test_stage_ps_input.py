@@ -11,8 +11,8 @@ import torch
 
 from agents.net import codec
 from agents.pipeline.stage_ps import StagePS, StagePSError, _StageConn, expected_messages
-from tests.support.loopback import free_port
-from tests.support.pipeline_loopback import make_run_dir
+from controller.loopback.dp import free_port
+from controller.loopback.pipeline import make_run_dir
 
 GRAD, W, BYE = codec.MsgType.GRAD, codec.MsgType.SLICE_WEIGHTS, codec.MsgType.BYE
 
