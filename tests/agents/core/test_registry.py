@@ -144,8 +144,10 @@ def test_shapes_roles_and_schedules_use_the_one_registry_type() -> None:
         assert isinstance(reg, Registry), reg
     assert {"star", "dumbbell", "fabric"} <= set(SHAPES.names())
     assert {"ps", "worker", "stage", "expert"} <= set(ROLES.names())
-    # The shapes' and schedules' source scan agrees with what their modules register.
+    # The shapes' and schedules' source scan finds what their modules register (a test may
+    # have registered a shape of its own at run time, as gradbed.register_shape allows).
     from topo.shapes import SHAPE
 
-    assert SHAPES.names() == SHAPE.declared()
+    assert set(SHAPE.declared()) <= set(SHAPES.names())
+    assert {"star", "dumbbell", "fabric"} <= set(SHAPE.declared())
     assert SCHEDULES.names() == SCHEDULE.declared()
