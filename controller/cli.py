@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,10 +51,16 @@ def run_main(argv: Sequence[str]) -> int:
                     help="build the network, start no role, and open Mininet's CLI on it")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", cfgmod.ConfigDeprecation)
+            cfg = load_config(args.config, args.overrides)
     except cfgmod.ConfigError as e:
         config_errors("gradbed run", e)
         return 2
+    notes = [f"warning: {args.config}: {w.message}" for w in caught
+             if issubclass(w.category, cfgmod.ConfigDeprecation)]
+    for note in notes:
+        print(f"gradbed run: {note}", file=sys.stderr)
     from agents.core.bandwidth import TraceError, load_trace
     from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
     from topo.spec import RATE_MAX_MBPS
@@ -141,7 +148,8 @@ def run_main(argv: Sequence[str]) -> int:
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress, spec=spec, report=not args.no_report)
+                     progress=not args.no_progress, spec=spec, report=not args.no_report,
+                     notes=notes)
     try:
         run_dir = exp.run()
     except Exception as e:

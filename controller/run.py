@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -123,12 +124,13 @@ class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False, spec: NetSpec | None = None,
-                 report: bool = True) -> None:
+                 report: bool = True, notes: Sequence[str] = ()) -> None:
         # Relative file names in a config built in Python are the caller's; the agents run
         # elsewhere (controller.paths).
         self.cfg = resolve_paths(cfg, Path.cwd())
         self.out_root = out_root
         self.argv = argv
+        self.notes = tuple(notes)  # warnings from loading the config, repeated in run.log
         self.progress = progress and not quiet
         self.quiet = quiet
         # False: no report/index.html (a sweep writes one report for all its runs).
@@ -215,6 +217,8 @@ class Experiment:
         self.say(f"run {run_dir.name}: {self.spec.shape}, {cfg.net.workers} workers, "
                  f"{cfg.net.bottleneck_mbps} Mbit/s bottleneck, {cfg.workload.name}, "
                  f"compress={cfg.compress.name}")
+        for note in self.notes:
+            self.say(note)
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None

@@ -1,6 +1,6 @@
 """``gradbed sweep``: run every combination of a parameter grid and tabulate the results.
 
-Issue 3 item 5 (the GRACE-style comparison, Xu et al., "GRACE: A Compressed Communication
+For the GRACE-style comparison (Xu et al., "GRACE: A Compressed Communication
 Framework for Distributed Machine Learning", ICDCS 2021: which compressor wins depends on
 the bandwidth and the model). One sweep is::
 
@@ -52,7 +52,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,8 +167,9 @@ def parse_sweep(data: dict[str, Any], grid_args: Sequence[str] = (), sets: Seque
     if not isinstance(file_grid, dict):
         raise cfgmod.ConfigError(f"{source}: sweep.grid = {file_grid!r}: must be a table of "
                                  f'"section.field" = [values]')
-    for key, values in _flat_grid(file_grid).items():
-        if not isinstance(values, list) or not values:
+    # Both ``"net.bottleneck_mbps" = [...]`` and ``[sweep.grid.net]`` sub-tables.
+    for key, values in cfgmod.flatten(file_grid).items():
+        if not isinstance(values, tuple) or not values:
             raise cfgmod.ConfigError(f"{source}: sweep.grid.\"{key}\" = {values!r}: must be a "
                                      f"non-empty list of values")
         if len(key.split(".")) < 2:
@@ -194,17 +194,6 @@ def parse_sweep(data: dict[str, Any], grid_args: Sequence[str] = (), sets: Seque
         raise cfgmod.ConfigError(f"{source}: sweep.name = {name!r}: must be a name without '/'")
     return SweepSpec(name=name, base=base, grid=tuple(grid.items()), repeat=rep,
                      sets=tuple(sets), source=source)
-
-
-def _flat_grid(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Accept both ``"net.bottleneck_mbps" = [...]`` and ``[sweep.grid.net]`` sub-tables."""
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        if isinstance(v, dict):
-            out.update(_flat_grid(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def expand(spec: SweepSpec) -> list[Combination]:
@@ -246,16 +235,7 @@ def load_sweep(path: str | Path, grid_args: Sequence[str] = (), sets: Sequence[s
                repeat: int | None = None) -> SweepSpec:
     """Read a sweep file (an experiment config with an optional ``[sweep]`` table)."""
     path = resolve_config_file(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise cfgmod.ConfigError(f"{path}: config file not found") from e
-    except IsADirectoryError as e:
-        raise cfgmod.ConfigError(f"{path}: is a directory, not a config file") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise cfgmod.ConfigError(f"{path}: cannot read: {e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise cfgmod.ConfigError(f"{path}: not valid TOML: {e}") from e
+    data = cfgmod.read_toml(path)
     # base.toml is re-read from the sweep's own folder: its file names must not be relative.
     base_dir = path.parent.absolute()
     for section, name in PATH_FIELDS:

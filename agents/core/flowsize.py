@@ -4,7 +4,7 @@ flow-size CDFs and background-flow generators).
 A :class:`FlowSizeCDF` is pure data: points ``(size_bytes, cumulative fraction)``, read
 linearly between points (as the data-centre workload files of the DCTCP paper (web search)
 and of Facebook's Hadoop cluster are published and used by HPCC's ``traffic_gen``) or as
-steps (ns-2's empirical CDFs). :func:`load_flow_cdf` reads the published layouts (issue 21):
+steps (ns-2's empirical CDFs). :func:`load_flow_cdf` reads the published layouts:
 ``size cdf`` pairs in percent or as fractions, a first line holding the mean (Homa's
 workload files), Tcl-style ``size _ cdf`` lines in packets (pFabric's ns-2 files), and
 HPCC's flow lists; it detects them, says what it loaded and its mean, and every error

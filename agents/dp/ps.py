@@ -52,17 +52,16 @@ from __future__ import annotations
 import argparse
 import queue
 import socket
-import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, PayloadError, make
+from agents.compress.base import Compressor, PayloadError
+from agents.compress.builder import CompressionSpec, build_compressor
 from agents.compress.checks import check_gradient
 from agents.compress.sparse import SparseCompressor
 from agents.core import config as cfgmod
@@ -117,7 +116,7 @@ class ParameterServer:
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
-        self.compressor: Compressor = make(cfg.compress.name, **self._compressor_params())
+        self.compressor: Compressor = build_compressor(CompressionSpec.from_config(cfg))
         self.momentum_buf: torch.Tensor | None = None
         # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
         self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
@@ -143,12 +142,6 @@ class ParameterServer:
         self.srv.bind((host, port))
         self.srv.listen(256)
         self.stop_reason = ""
-
-    def _compressor_params(self) -> dict[str, Any]:
-        params = dict(self.cfg.compress.params)
-        if self.cfg.compress.index_encoding != "int32":
-            params.setdefault("index_encoding", self.cfg.compress.index_encoding)
-        return params
 
     # -- connections: accepted and authenticated on threads, then served by the loop -----
 
@@ -309,7 +302,7 @@ class ParameterServer:
             old = self.conns.get(conn.worker)
             if old is not None and not old.dead():
                 # A second HELLO for a live worker: whoever it is, it does not take the
-                # slot over (issue 22). The live connection keeps it.
+                # slot over. The live connection keeps it.
                 why = (f"worker {conn.worker}: refused a second connection from {conn.peer}"
                        f" while {old.peer} is alive")
                 self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
@@ -505,15 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_dir.name
     torch.set_num_threads(1)
     ps = ParameterServer(cfg, args.run_dir, run_id, keys, host=args.host,
-                         port=args.port or cfg.net.ps_port)
-    try:
-        return ps.serve()
-    except TimeoutError as e:
-        ps.log.emit("ps_done", iter=ps.iteration, reason=str(e))
-        print(f"ps: {e}", file=sys.stderr)
-        return 3
-    finally:
-        ps.log.close()
+                         port=args.port or cfg.net.port)
+    return wire.run_agent(ps.serve, name=lambda: "ps", errors=(TimeoutError,), code=3,
+                          on_error=lambda e: ps.log.emit("ps_done", iter=ps.iteration, reason=e),
+                          close=ps.log.close)
 
 
 if __name__ == "__main__":

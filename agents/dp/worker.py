@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import math
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +37,8 @@ from typing import Any
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, Payload, make
-from agents.compress.feedback import ErrorFeedback
-from agents.compress.sparse import SparseCompressor
+from agents.compress.base import Compressor, Payload
+from agents.compress.builder import CompressionSpec, Sender
 from agents.compress.staging import PayloadStager, Staged
 from agents.core import config as cfgmod
 from agents.core.drain import WAIT_MIN_NS, queued_departure_rate_bps
@@ -55,7 +53,7 @@ from agents.net.control import ControlClient, control_path
 from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.net.tcpinfo import read_tcp_info
 from agents.net.txstamps import TxStampReader
-from agents.workloads.base import FlatModel, chunk_layer_dims, chunk_layers, chunk_ranges
+from agents.workloads.base import FlatModel, chunk_layer_specs, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 
@@ -146,28 +144,9 @@ class Worker:
         # Payloads go to the socket through pinned host buffers on CUDA (a no-op on the CPU).
         self.stager = PayloadStager(device)
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
-        params = dict(cfg.compress.params)
-        if cfg.compress.index_encoding != "int32":
-            params.setdefault("index_encoding", cfg.compress.index_encoding)
-        self.compressor: Compressor = make(cfg.compress.name, **params)
-        if cfg.feedback.per_layer or cfg.feedback.dense_1d:
-            # DGC's layer-wise selection (the config check allows k-keeping sparse ones only).
-            if not isinstance(self.compressor, SparseCompressor):
-                raise ValueError(f"feedback.per_layer / dense_1d: compress.name = "
-                                 f"{cfg.compress.name!r} is not a sparse compressor")
-            self.compressor.select_by_layer(per_layer=cfg.feedback.per_layer,
-                                            dense_1d=cfg.feedback.dense_1d)
-        # Per-layer compressors (PowerSGD, layer-wise sparse) see each chunk's layers; the
-        # others ignore them.
-        for c, (s, e) in enumerate(self.chunks):
-            self.compressor.set_layers(f"c{c}", chunk_layers(self.model.shapes, s, e),
-                                       chunk_layer_dims(self.model.shapes, s, e))
-        # DGC's momentum correction: the momentum is applied here, before compression, and
-        # the PS steps without it (agents.compress.feedback).
-        mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0
-        self.ef = (ErrorFeedback(self.compressor, momentum=mc, masking=cfg.feedback.masking)
-                   if cfg.compress.error_feedback else None)
-        self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
+        self.sender = Sender(CompressionSpec.from_config(cfg), cfg.run.seed, worker,
+                             chunk_layer_specs(self.model.shapes, self.chunks))
+        self.compressor: Compressor = self.sender.compressor
         self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers
                             * TCP_GOODPUT_FRACTION)
         self.policy: Any = self._make_policy()
@@ -294,12 +273,7 @@ class Worker:
         return loss
 
     def _compress(self, c: int, grad: torch.Tensor, ratio: float) -> tuple[Payload, dict[str, Any]]:
-        key = f"c{c}"
-        if self.ef is not None:
-            return self.ef.step(grad, key, ratio, self.rng, clip_norm=self.clip)
-        payload = self.compressor.compress(grad, key, ratio, self.rng)
-        return payload, {"raw_bytes": grad.numel() * grad.element_size(),
-                         "wire_bytes": payload.wire_bytes(), "residual_norm": 0.0}
+        return self.sender.compress(grad, f"c{c}", ratio, clip_norm=self.clip)
 
     def element_ratio(self, keep: float) -> float:
         """The compressor ratio that spends ``keep`` of the chunk's dense bytes.
@@ -538,16 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     auth.exit_with_controller()
     torch.set_num_threads(1)
     w = Worker(cfg, args.run_dir, args.run_dir.name, keys.key,
-               args.worker, args.ps, args.port or cfg.net.ps_port,
+               args.worker, args.ps, args.port or cfg.net.port,
                pick_device(args.device or cfg.run.device), args.gso_segs)
-    try:
-        return w.run()
-    except (ConnectionError, codec.FrameError, wire.ConnectionClosed) as e:
-        w.log.emit("worker_error", iter=w.iteration, error=str(e))
-        print(f"{w.node}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        w.close()
+    return wire.run_agent(w.run, name=lambda: w.node,
+                          errors=(ConnectionError, codec.FrameError, wire.ConnectionClosed),
+                          code=2, on_error=lambda e: w.log.emit("worker_error",
+                                                                iter=w.iteration, error=e),
+                          close=w.close)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ Header layout (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
       6   2  msg_type     MsgType
       8   2  flags        bit 0 = payload CRC present (FLAG_CRC); other bits must be 0
      10   8  run_tag      run_tag(run_id, secret): rejects frames of other runs
-     18   4  worker       sender's worker index
-     22   4  iteration    training iteration
+     18   4  worker       sender's index (see below)
+     22   4  iteration    training iteration (see below)
      26   4  chunk        chunk id in the fixed send order
      30   2  part         index of this tensor within the chunk's message
      32   2  nparts       tensors in the message (values, indices, scales, ...)
@@ -29,6 +29,11 @@ Header layout (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
      51   4  payload_crc  CRC-32 (zlib polynomial) of the payload; 0 when FLAG_CRC unset
      55   5  (reserved)   zero; rounds the header to 64 bytes and leaves room
      60   4  header_crc   CRC-32 of bytes 0..59
+
+``worker`` and ``iteration`` name the sender and the step in every protocol's own terms: a
+data-parallel worker and its iteration; on a link between pipeline stages the sending stage
+and the micro-batch (:attr:`FrameHeader.stage`, :attr:`FrameHeader.micro_batch`); towards the
+pipeline's PS ``replica * stages + stage`` and the step; an MoE expert host and its step.
 
 Payloads are flat: a frame carries ``numel`` elements, not a shape. Shapes are
 known to both ends (the model, or the compressor's own metadata part).
@@ -200,6 +205,16 @@ class FrameHeader:
     @property
     def has_crc(self) -> bool:
         return bool(self.flags & FLAG_CRC)
+
+    @property
+    def stage(self) -> int:
+        """On a link between pipeline stages: the sending stage (the ``worker`` field)."""
+        return self.worker
+
+    @property
+    def micro_batch(self) -> int:
+        """On a link between pipeline stages: the micro-batch (the ``iteration`` field)."""
+        return self.iteration
 
     def describe(self) -> str:
         """Short label for error messages and logs."""

@@ -629,6 +629,23 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+def run_agent(body: Callable[[], int], *, name: Callable[[], str],
+              errors: tuple[type[BaseException], ...], code: int,
+              on_error: Callable[[str], None], close: Callable[[], None]) -> int:
+    """The end of every agent's ``main``: run ``body``; an error of ``errors`` (the ones the
+    agent expects from its peers and the network) is recorded with ``on_error`` (its event),
+    said in one line on stderr naming the agent (``name()``), and ends the agent with
+    ``code`` instead of a traceback; ``close`` runs however it ends."""
+    try:
+        return body()
+    except errors as e:
+        on_error(str(e))
+        print(f"{name()}: {e}", file=sys.stderr)
+        return code
+    finally:
+        close()
+
+
 def exit_process(code: int) -> None:
     """End an agent process once its results are on disk: flush stdio, then ``os._exit``.
 

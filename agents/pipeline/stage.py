@@ -55,8 +55,8 @@ import torch
 from torch import nn
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, PayloadError, make
-from agents.compress.feedback import ErrorFeedback
+from agents.compress.base import Compressor, PayloadError
+from agents.compress.builder import CompressionSpec, Sender
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
@@ -108,8 +108,16 @@ def micro_batch(workload: Any, pc: Any, mb: int, replica: int) -> Batch:
     return Batch(full.x[i * b:(i + 1) * b], full.y[i * b:(i + 1) * b])
 
 
-def make_pipeline_compressor(name: str, ratio: float) -> Compressor | None:
-    return None if name == "none" else make(name)
+def pipeline_sender(name: str, error_feedback: bool, seed: int, stage: int) -> Sender | None:
+    """The sender of one direction of a stage's links; None for ``none``, whose tensors go
+    out as they are, without a compressor's framing."""
+    if name == "none":
+        return None
+    return Sender(CompressionSpec(name, error_feedback=error_feedback), seed, stage)
+
+
+def _compressor(sender: Sender | None) -> Compressor | None:
+    return None if sender is None else sender.compressor
 
 
 class _LockedLog:
@@ -243,12 +251,10 @@ class Stage:
                                  for vs in self.versions.values() for fm in vs}
         self.momentum: dict[int, torch.Tensor] = {}
         self.opt_count: dict[int, int] = {}
-        self.act_comp = make_pipeline_compressor(pc.act_compress, pc.ratio)
-        grad_comp = make_pipeline_compressor(pc.grad_compress, pc.ratio)
-        self.grad_comp = grad_comp
-        self.grad_ef = (ErrorFeedback(grad_comp) if grad_comp is not None and pc.error_feedback
-                        else None)
-        self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + stage)
+        # Activations downstream never keep a residual (each micro-batch's is new data).
+        self.act_send = pipeline_sender(pc.act_compress, False, cfg.run.seed, stage)
+        self.grad_send = pipeline_sender(pc.grad_compress, pc.error_feedback, cfg.run.seed,
+                                         stage)
         self.held: dict[tuple[int, int], _Held] = {}
         self.held_bytes = 0
         self.peak_held_bytes = 0
@@ -428,19 +434,19 @@ class Stage:
     def _accept_message(self, peer: _Peer, h: codec.FrameHeader,
                         tensors: list[torch.Tensor]) -> None:
         if h.msg_type == ACT:
-            kind, comp = Kind.RECV_ACT, self.act_comp
+            kind, comp = Kind.RECV_ACT, _compressor(self.act_send)
         elif h.msg_type == GRAD:
-            kind, comp = Kind.RECV_GRAD, self.grad_comp
+            kind, comp = Kind.RECV_GRAD, _compressor(self.grad_send)
         else:
             raise StageError(f"unexpected {h.msg_type.name}")
-        key = (kind, h.iteration, h.chunk)
+        key = (kind, h.micro_batch, h.chunk)
         if key not in self.expected:
             raise StageError(f"{h.describe()}: not a message stage {self.s}'s schedule "
                              f"receives (or received already)")
         src = self.schedule.upstream(self.s, h.chunk) if kind is Kind.RECV_ACT \
             else self.schedule.downstream(self.s, h.chunk)
-        if src is None or src[0] != peer.stage or h.worker != peer.stage:
-            raise StageError(f"{h.describe()}: came from stage {h.worker} on the connection "
+        if src is None or src[0] != peer.stage or h.stage != peer.stage:
+            raise StageError(f"{h.describe()}: came from stage {h.stage} on the connection "
                              f"of stage {peer.stage}, expected stage {src}")
         shape = (self.in_shape[h.chunk] if kind is Kind.RECV_ACT
                  else self.shapes[self.schedule.position(self.s, h.chunk)])
@@ -507,21 +513,16 @@ class Stage:
         sch = self.schedule
         if kind is Kind.SEND_ACT:
             dst = sch.downstream(self.s, chunk)
-            peer, msg, comp = self.down, ACT, self.act_comp
-            ef = None
+            peer, msg, sender = self.down, ACT, self.act_send
         else:
             dst = sch.upstream(self.s, chunk)
-            peer, msg, comp = self.up, GRAD, self.grad_comp
-            ef = self.grad_ef
+            peer, msg, sender = self.up, GRAD, self.grad_send
         assert dst is not None and peer is not None and peer.stage == dst[0]
         t = t.detach().contiguous()
-        if comp is None:
+        if sender is None:
             tensors = [t.reshape(-1)]
-        elif ef is not None:
-            payload, _ = ef.step(t, f"c{chunk}", self.pc.ratio, self.rng)
-            tensors = list(payload.tensors)
         else:
-            tensors = list(comp.compress(t, f"c{chunk}", self.pc.ratio, self.rng).tensors)
+            tensors = list(sender.compress(t, f"c{chunk}", self.cfg.compress.ratio)[0].tensors)
         peer.outbox.put((msg, mb, dst[1], tensors))
         return sum(x.numel() * x.element_size() + codec.HEADER_SIZE for x in tensors)
 
@@ -816,14 +817,10 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
                parse_peers(args.peers), args.replica, ps, keys)
-    try:
-        return st.run()
-    except (StageError, ConnectionError, codec.FrameError, OSError) as e:
-        st.log.emit("stage_error", error=str(e))
-        print(f"{st.node}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        st.log.close()
+    return wire.run_agent(st.run, name=lambda: st.node,
+                          errors=(StageError, ConnectionError, codec.FrameError, OSError),
+                          code=2, on_error=lambda e: st.log.emit("stage_error", error=e),
+                          close=st.log.close)
 
 
 if __name__ == "__main__":

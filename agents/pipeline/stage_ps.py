@@ -1,6 +1,6 @@
 """The pipeline's PS: averages the stage gradients of d pipeline replicas once per step and
 evaluates the model the stages hold (DESIGN.md 1.3, data parallel across pipelines: the
-planner's layout (t = 1, p, d), seeds/003; issue 18).
+planner's layout (t = 1, p, d), seeds/003).
 
 Run on its own host as ``python -m agents.pipeline.stage_ps --run-dir RUN --port P`` (the stage
 role places it on the fabric's host ``p * d``). Every stage ``s`` of every replica ``r``
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import queue
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -75,7 +74,7 @@ class StagePSError(RuntimeError):
     """A stage sent what its schedule does not allow, or vanished."""
 
 
-class _Conn(loop.Transport):
+class _StageConn(loop.Transport):
     """Stage ``stage`` of replica ``replica`` on the PS's event loop: the transport, its
     link's MACs, and the messages it still owes (in order)."""
 
@@ -136,7 +135,7 @@ class StagePS:
         self.pieces = [FlatModel(piece) for piece in split(self.model, balance)]
         self.workload.prepare(self.model, -1, cfg.run.seed)
         self.max_payload_bytes = max(f.numel for f in self.pieces) * 4
-        self.conns: dict[tuple[int, int], _Conn] = {}
+        self.conns: dict[tuple[int, int], _StageConn] = {}
         self.loop = loop.EventLoop(self)
         self.open_conns = 0  # connections that have not said BYE
         self.grads: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
@@ -188,12 +187,12 @@ class StagePS:
             lk = link.Link.answered(sock, session, name=name, run_tag=self.tag)
             r, s = divmod(lk.peer, self.p)
             lk.name = f"{conn_name(r, s)} ({peer})"
-            conn = _Conn(r, s, lk, expected_messages(self.schedule, s, r, self.d, self.cfg.run))
+            conn = _StageConn(r, s, lk, expected_messages(self.schedule, s, r, self.d, self.cfg.run))
             self.conns[(r, s)] = conn
             self.loop.serve(conn, wire.MessageReceiver(sock, peer=lk.name, mac=lk.recv_mac,
                                                        max_payload_bytes=self.max_payload_bytes))
 
-    def data_received(self, conn: _Conn, messages: list[wire.Message]) -> None:
+    def data_received(self, conn: _StageConn, messages: list[wire.Message]) -> None:
         """A stage's complete messages (the loop's handler); nothing is read after BYE."""
         for parts in messages:
             if self._handle(conn, parts[0][0], [t for _, t in parts]):
@@ -202,7 +201,7 @@ class StagePS:
                 self.open_conns -= 1
                 return
 
-    def connection_lost(self, conn: _Conn, error: Exception, during: str) -> None:
+    def connection_lost(self, conn: _StageConn, error: Exception, during: str) -> None:
         """A stage's connection failed (the loop's handler): the run cannot go on, unless
         the stage had said BYE and only a last write to it failed."""
         if conn.said_bye and during == "write":
@@ -235,7 +234,7 @@ class StagePS:
         self.log.emit("ps_done", iter=self.cfg.run.iterations, reason="completed")
         return 0
 
-    def _handle(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
+    def _handle(self, conn: _StageConn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
         """One message from ``conn``; True when it was its BYE."""
         want = conn.expect[0] if conn.expect else None
         if want is None or h.msg_type != want[0] or (
@@ -271,7 +270,7 @@ class StagePS:
             self._add_weights(conn, h.iteration, h.chunk, t)
         return False
 
-    def _add_grad(self, conn: _Conn, step: int, chunk: int, g: torch.Tensor) -> None:
+    def _add_grad(self, conn: _StageConn, step: int, chunk: int, g: torch.Tensor) -> None:
         key = (step, conn.stage, chunk)
         got = self.grads.setdefault(key, {})
         got[conn.replica] = g
@@ -293,7 +292,7 @@ class StagePS:
         self.log.emit("ps_slice_mean", iter=step, stage=conn.stage, chunk=chunk,
                       replicas=self.d, bytes=n)
 
-    def _add_weights(self, conn: _Conn, step: int, chunk: int, w: torch.Tensor) -> None:
+    def _add_weights(self, conn: _StageConn, step: int, chunk: int, w: torch.Tensor) -> None:
         got = self.weights.setdefault(step, {})
         got[(conn.stage, chunk)] = w
         if len(got) < len(self.pieces):
@@ -362,14 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
                  keys=keys)
-    try:
-        return ps.serve()
-    except (StagePSError, OSError, codec.FrameError) as e:
-        ps.abort(str(e))
-        print(f"ps: {e}", file=sys.stderr)
-        return 2
-    finally:
-        ps.log.close()
+    return wire.run_agent(ps.serve, name=lambda: "ps",
+                          errors=(StagePSError, OSError, codec.FrameError), code=2,
+                          on_error=ps.abort, close=ps.log.close)
 
 
 if __name__ == "__main__":

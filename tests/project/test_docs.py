@@ -1,4 +1,4 @@
-"""The README is a front door and docs/ holds the rest (issue 17 item 7): a short README
+"""The README is a front door and docs/ holds the rest: a short README
 with no section named after an issue, a docs/ index naming every document, links that
 resolve, and benchmark figures that say when and on what machine they were taken."""
 

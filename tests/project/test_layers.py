@@ -1,4 +1,4 @@
-"""The import arrows of issue 17 hold: the import-linter contracts in ``.importlinter`` pass
+"""The import arrows of docs/architecture.md hold: the import-linter contracts in ``.importlinter`` pass
 on the code as it is, and fail as soon as one forbidden import is added."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two hosts (ps and w0) through a LinuxBridge, delay and loss configured on both directions
 of the link between the switch and ps. On a kernel with netem the same specs go to netem
-instead, and the same physical checks apply (issue 21's tests):
+instead, and the same physical checks apply:
 
 - ping's minimum (-U) and TCP_INFO's min_rtt within 5 % (or 0.2 ms) of the configured RTT at 1, 10 and
   100 ms one-way;

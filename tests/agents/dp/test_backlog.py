@@ -17,7 +17,7 @@ from agents.core.policies.backlog import backlog_shares
 from agents.dp.ps import ParameterServer, _Conn
 from agents.net import codec, wire
 from agents.net.pacing import get_max_pacing_rate
-from tests.support.loopback import any_session, make_run_dir, ps_keys
+from controller.loopback.dp import any_session, make_run_dir, ps_keys
 
 CASES = [
     {0: 100, 1: 100, 2: 100},

@@ -1,4 +1,4 @@
-"""Hypothesis fuzzing of every decoder that sees bytes from the network (issue 22).
+"""Hypothesis fuzzing of every decoder that sees bytes from the network.
 
 Each decoder may only raise its own error (FrameError, ConnectionClosed, PayloadError, the
 key bundle's ValueError) on any input, and memory stays bounded: the FrameReader never

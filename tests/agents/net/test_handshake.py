@@ -22,8 +22,8 @@ from agents.core.events import EventLog
 from agents.net import auth, codec, handshake, protocol
 from agents.net.control import control_path
 from controller.control import ControlServer
-from tests.support.loopback import MASTERS, connect, make_run_dir, start_ps, start_worker
-from tests.support.pipeline_loopback import run_pipeline
+from controller.loopback.dp import MASTERS, connect, make_run_dir, start_ps, start_worker
+from controller.loopback.pipeline import run_pipeline
 
 RUN = "hs-run"
 TAG = codec.run_tag(RUN, codec.PUBLIC_SECRET)

@@ -1,4 +1,4 @@
-"""Per-agent keys on the stage and expert meshes (issue 22, agents/net/link.py): a peer with a
+"""Per-agent keys on the stage and expert meshes (agents/net/link.py): a peer with a
 wrong key, a peer claiming another's index, and a frame replayed on a live link are each
 refused with an error naming the connection, and the real peers still connect."""
 
@@ -19,12 +19,12 @@ from agents.moe.mesh import Mesh, file_keys
 from agents.net import auth, codec, handshake, protocol
 from agents.net.codec import FrameError, MsgType
 from agents.pipeline.stage import Stage, StageError
+from controller.loopback import warm
+from controller.loopback.dp import Agent, connect, free_port
+from controller.loopback.hostile import CapturingProxy
+from controller.loopback.pipeline import make_run_dir
 from controller.roles import RoleContext, plan_commands
 from tests.agents.moe.test_moe_transparency import free_ports
-from tests.support import warm
-from tests.support.hostile import CapturingProxy
-from tests.support.loopback import Agent, connect, free_port
-from tests.support.pipeline_loopback import make_run_dir
 from topo.shapes import shape_spec
 
 SECRET = b"mesh auth test secret"
@@ -75,6 +75,7 @@ def _host(h: int, addrs: list[tuple[str, int]], keys: dict[int, bytes],
         out[h] = e
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("attack", ["wrong key", "another host's index"])
 def test_expert_mesh_refuses_an_impostor(attack: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +108,7 @@ def test_expert_mesh_refuses_an_impostor(attack: str,
             assert torch.equal(t, torch.full((4,), float(10 * j + h)))
 
 
+@pytest.mark.loopback
 def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     """The dialer checks the acceptor too: WELCOME's MAC proves it holds the pair key."""
     srv = socket.create_server(("127.0.0.1", 0))
@@ -140,6 +142,7 @@ def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     srv.close()
 
 
+@pytest.mark.loopback
 def test_expert_mesh_refuses_a_replayed_frame() -> None:
     base = free_ports(2)
     addrs = [("127.0.0.1", base), ("127.0.0.1", base + 1)]
@@ -225,6 +228,7 @@ def _close(*stages: Stage) -> None:
         st.log.close()
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("attack", ["wrong key", "another stage's index"])
 def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -268,6 +272,7 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
         _close(s0, s1)
 
 
+@pytest.mark.loopback
 def test_stage_mesh_refuses_a_replayed_frame(tmp_path: Path) -> None:
     s0, s1, _ = _stages(tmp_path)
     tap = CapturingProxy(s1.peers_addr[1][1])
@@ -313,6 +318,7 @@ def test_roles_hand_each_agent_only_its_own_links(tmp_path: Path) -> None:
     assert names["gbh0"] & names["gbh1"] == {"stage/r0s0|r0s1"}
 
 
+@pytest.mark.loopback
 def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path) -> None:
     """``agents.moe.expert --auth stdin`` takes its mesh keys from the bundle on its stdin
     (``auth.agent_keys``, as the stage and the pipeline PS do), with no RUN/secret: two
@@ -332,7 +338,7 @@ def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path
         """Start hosts ``links`` (of 2) as the controller does, each bundle on stdin."""
         (run_dir / "events").mkdir(parents=True)
         cfg = cfgmod.load(repo / "configs" / "digits.toml",
-                          [*overrides, "run.iterations=1", f"moe.port={free_ports(2)}"])
+                          [*overrides, "run.iterations=1", f"net.port={free_ports(2)}"])
         (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
         procs = []
         for h in links:

@@ -11,9 +11,9 @@ import torch
 
 from agents.net import codec, link, wire
 from agents.net.codec import FrameMac
-from agents.pipeline.stage_ps import StagePS, StagePSError, _Conn, expected_messages
-from tests.support.loopback import free_port
-from tests.support.pipeline_loopback import make_run_dir
+from agents.pipeline.stage_ps import StagePS, StagePSError, _StageConn, expected_messages
+from controller.loopback.dp import free_port
+from controller.loopback.pipeline import make_run_dir
 
 GRAD, W, BYE = codec.MsgType.GRAD, codec.MsgType.SLICE_WEIGHTS, codec.MsgType.BYE
 SEND_KEY = b"s" * 32  # what the PS seals the means with, on every test connection
@@ -36,7 +36,7 @@ def ps(tmp_path):
             lk = link.Link(r * 2 + s, a, f"stage {s} of replica {r} (test)",
                            send_mac=FrameMac(SEND_KEY), recv_mac=FrameMac(b"r" * 32),
                            run_tag=0)
-            server.conns[(r, s)] = _Conn(r, s, lk,
+            server.conns[(r, s)] = _StageConn(r, s, lk,
                                          expected_messages(server.schedule, s, r, 2, cfg.run))
             server.peers[(r, s)] = b
     yield server

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.support.pipeline_loopback import logs, run_pipeline
+from controller.loopback.pipeline import logs, run_pipeline
 
 
 def test_the_stage_ps_runs_the_same_threads_with_2_and_8_stages(tmp_path: Path) -> None:
