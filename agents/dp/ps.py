@@ -14,7 +14,7 @@ iteration:
    delta (``UPDATE``) back to every worker at once, through the same bottleneck,
    while later chunks are still coming up -- the per-partition push/pull pipelining
    of ps-lite and BytePS. Every worker socket is non-blocking and served by one
-   event loop on the main thread (``selectors``): it reads whatever bytes have
+   event loop on the main thread (:mod:`agents.net.loop`): it reads whatever bytes have
    arrived, adds the messages they complete, and writes each connection's queued
    downlink as its socket takes it, so the downlink of chunk c overlaps the uplink
    of chunk c+1 and a slow receiver never blocks the loop. When every chunk is out,
@@ -30,8 +30,8 @@ Workers authenticate at connect time by challenge-response under their own keys,
 every later frame carries a per-connection MAC (``agents.net.protocol``, ``agents.net.auth``);
 the conversation's rules (handshake, chunk barrier, iteration order, BYE) are the
 sans-I/O state machines of ``agents.net.protocol``, and the code here only moves bytes.
-Accepting and the handshake run on threads (each under its own deadline); an
-authenticated connection is handed to the event loop.
+Accepting and the handshake (:mod:`agents.net.handshake`) run on threads, each under
+one absolute deadline; an authenticated connection is handed to the event loop.
 Nothing is allocated for a peer before it has proved its key, and then no more than
 the message it may send weighs. A malformed frame or an insane gradient (non-finite,
 above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a

@@ -13,8 +13,10 @@ def test_the_stage_ps_runs_the_same_threads_with_2_and_8_stages(tmp_path: Path) 
     threads = {}
     for replicas in (1, 4):  # 2 stages each: 2 and 8 stage connections
         run_dir, cfg, rcs = run_pipeline(tmp_path / f"d{replicas}", [
-            "pipeline.stages=2", f"pipeline.replicas={replicas}", "pipeline.micro_batches=2",
-            "pipeline.micro_batch_size=8", "run.iterations=2"], ps=True)
+            "pipeline.stages=2", f"pipeline.replicas={replicas}", "pipeline.schedule='1f1b'",
+            "pipeline.micro_batches=4", "pipeline.micro_batch_size=16", "workload.depth=2",
+            "workload.hidden=64", "run.iterations=2", "run.eval_every=2"],
+            timeout_s=300, ps=True)
         assert rcs == [0] * len(rcs), logs(run_dir)
         rows = [json.loads(line) for line in
                 (run_dir / "events" / "ps.jsonl").read_text().splitlines()]
