@@ -35,6 +35,7 @@ Idle is what a lane does not cover; :func:`plot_gantt` leaves it white.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,23 @@ _PP_KIND = {"F": "forward", "B": "backward", "R": "recompute", "OPT": "optimizer
             "RA": "receive", "RG": "receive", "SA": "send", "SG": "send"}
 COLUMNS = ["node", "lane", "category", "activity", "label", "iter", "start_ns", "end_ns"]
 Row = dict[str, Any]
+
+
+_LANE_ORDER = ("main", "compute", "step", "layers", "send")
+
+
+def node_sort_key(node: str) -> tuple[int, str, int]:
+    """ps first, then the other hosts by name and number (w2 before w10), controller last."""
+    m = re.fullmatch(r"(.*?)(\d+)", node)
+    head, num = (m.group(1), int(m.group(2))) if m else (node, -1)
+    rank = 0 if node == "ps" else 2 if node == "controller" else 1
+    return rank, head, num
+
+
+def lane_sort_key(lane: str) -> tuple[int, str]:
+    """A role's main thread first, its sender thread after."""
+    order = {name: i for i, name in enumerate(_LANE_ORDER)}
+    return order.get(lane, len(order)), lane
 
 
 def activity_of(category: str) -> str:

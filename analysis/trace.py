@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ import pandas as pd
 
 from analysis import metrics
 from analysis.load import load_events, load_links, run_origin_ns
-from analysis.timeline import host_timeline
+from analysis.timeline import host_timeline, lane_sort_key, node_sort_key
 
 TRACE_FILE = "trace.json"
 #: The network's counters live in a process of their own, named so.
@@ -42,16 +41,7 @@ NETWORK = "network"
 #: Events drawn as instants on their host's ``events`` thread (tid 0).
 INSTANTS = ("run_start", "run_end", "trace_step", "membership", "eval", "final_eval",
             "worker_error", "worker_lost", "stage_error", "replay_error", "ps_done")
-_LANE_ORDER = ("main", "compute", "step", "layers", "send")
 Event = dict[str, Any]
-
-
-def _node_key(node: str) -> tuple[int, str, int]:
-    """ps first, then the other hosts by name and number (w2 before w10), controller last."""
-    m = re.fullmatch(r"(.*?)(\d+)", node)
-    head, num = (m.group(1), int(m.group(2))) if m else (node, -1)
-    rank = 0 if node == "ps" else 2 if node == "controller" else 1
-    return rank, head, num
 
 
 def _us(ns: float, origin_ns: int) -> float:
@@ -115,11 +105,9 @@ def _spans(events: pd.DataFrame, ids: _Ids, origin_ns: int) -> list[Event]:
     out: list[Event] = []
     if tl.empty:
         return out
-    lane_rank = {lane: i for i, lane in enumerate(_LANE_ORDER)}
-    for node in sorted(tl["node"].unique(), key=_node_key):
+    for node in sorted(tl["node"].unique(), key=node_sort_key):
         ids.pid(node)
-        for lane in sorted(tl.loc[tl["node"] == node, "lane"].unique(),
-                           key=lambda lane: (lane_rank.get(lane, len(lane_rank)), lane)):
+        for lane in sorted(tl.loc[tl["node"] == node, "lane"].unique(), key=lane_sort_key):
             ids.tid(node, lane)
     for r in _records(tl):
         out.append({"name": r["label"], "cat": r["activity"], "ph": "X",
