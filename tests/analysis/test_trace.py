@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from analysis import metrics
 from analysis.cli import trace_main
 from analysis.load import load_events
 from analysis.trace import TRACE_FILE, chrome_trace, write_trace
@@ -180,7 +181,14 @@ def test_loopback_run_partitions_every_iteration(tmp_path: Path) -> None:
     assert len(chunks) > 1
     w0 = [e for e in spans[("w0", "main")] if e["args"]["iter"] == 1]
     assert sum(e["cat"] == "compress" for e in w0) == len(chunks)
-    # The PS: receive the gradients, then aggregate, every iteration after the first (whose
+    # The report's iteration breakdown is these spans' mean per phase: one definition.
+    b = metrics.iteration_breakdown(events, by="node")
+    for node in ("w0", "w1"):
+        mine = spans[(node, "main")]
+        for phase in PHASES:
+            mean_s = sum(e["dur"] for e in mine if e["cat"] == phase) / 3 / 1e6
+            assert b.loc[node, f"{phase}_s"] == pytest.approx(mean_s, abs=1e-6), (node, phase)
+        # The PS: receive the gradients, then aggregate, every iteration after the first (whose
     # receive has no previous end to start from).
     ps = [e["args"]["category"] for e in spans[("ps", "main")] if e["args"]["iter"] == 2]
     assert ps == ["receive", "aggregate"], ps
