@@ -1,6 +1,7 @@
-"""Command-line entry points of the analysis package: ``gradbed report`` and ``gradbed plan``.
+"""Command-line entry points of the analysis package: ``gradbed report``, ``gradbed trace``
+and ``gradbed plan``.
 
-The ``gradbed`` console script (controller.cli) dispatches the two sub-commands here. Each
+The ``gradbed`` console script (controller.cli) dispatches these sub-commands here. Each
 ``*_main`` takes the arguments after the sub-command and returns the exit status.
 """
 
@@ -36,6 +37,37 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         print(f"gradbed report: {e}", file=sys.stderr)
         return 2
     print(path)
+    return 0
+
+
+def trace_main(argv: Sequence[str] | None = None) -> int:
+    """``gradbed trace RUN [--rebuild]``: print where the run's ``trace.json`` is and how to
+    open it, writing it first when it is missing (a run from before it was written) or
+    ``--rebuild`` is given."""
+    ap = argparse.ArgumentParser(prog="gradbed trace",
+                                 description="Where a run's Chrome-trace timelines are, and "
+                                             "how to open them.")
+    ap.add_argument("run", type=Path, help="run directory")
+    ap.add_argument("--rebuild", action="store_true", help="write trace.json again")
+    args = ap.parse_args(argv)
+    from analysis.trace import TRACE_FILE, write_trace
+
+    run: Path = args.run
+    if not (run / "meta.json").is_file() and not (run / "events").is_dir():
+        print(f"gradbed trace: {run}: not a run directory (no meta.json or events/)",
+              file=sys.stderr)
+        return 2
+    path = run / TRACE_FILE
+    try:
+        if args.rebuild or not path.exists():
+            path = write_trace(run)
+            print(f"wrote {path}", file=sys.stderr)
+    except (RunLoadError, OSError) as e:
+        print(f"gradbed trace: {e}", file=sys.stderr)
+        return 2
+    print(path.resolve())
+    print("open it in https://ui.perfetto.dev (Open trace file; the file stays on this "
+          "machine) or chrome://tracing (Load); w/s zoom, a/d pan", file=sys.stderr)
     return 0
 
 
@@ -87,8 +119,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sub = sys.argv[1] if len(sys.argv) > 1 else ""
-    mains = {"report": report_main, "plan": plan_main}
+    mains = {"report": report_main, "trace": trace_main, "plan": plan_main}
     if sub not in mains:
-        print("usage: python -m analysis.cli {report,plan} ...", file=sys.stderr)
+        print("usage: python -m analysis.cli {report,trace,plan} ...", file=sys.stderr)
         sys.exit(2)
     sys.exit(mains[sub](sys.argv[2:]))

@@ -197,7 +197,9 @@ def load_events(run_dir: str | os.PathLike[str], *, allow_empty: bool = False) -
     return events
 
 
-def _load_links(path: Path) -> pd.DataFrame:
+def load_links(path: Path) -> pd.DataFrame:
+    """A run's ``links.parquet`` sorted by direction, dev and time (empty, with every
+    column, where the file is missing). Raises :class:`RunLoadError` naming the file."""
     if not path.exists():
         return pd.DataFrame({c: pd.Series(dtype=object if c in ("direction", "dev") else "float64")
                              for c in LINK_COLUMNS})
@@ -211,6 +213,20 @@ def _load_links(path: Path) -> pd.DataFrame:
     links = links.copy()
     links["ts_ns"] = links["ts_ns"].astype("int64")
     return links.sort_values(["direction", "dev", "ts_ns"], kind="stable").reset_index(drop=True)
+
+
+def run_origin_ns(events: pd.DataFrame, links: pd.DataFrame) -> int:
+    """Time zero of a run on its shared clock (CLOCK_MONOTONIC ns): the controller's
+    ``run_start`` event when present, else the earliest event, else the earliest link
+    sample (0 for a run with neither)."""
+    if len(events):
+        starts = events.loc[events["event"] == "run_start", "ts_ns"]
+        if len(starts):
+            return int(starts.min())
+        return int(events["ts_ns"].min())
+    if len(links):
+        return int(links["ts_ns"].min())
+    return 0
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
@@ -228,17 +244,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     summary_path = run_dir / "summary.json"
     summary = _read_json(summary_path) if summary_path.exists() else {}
     events = load_events(run_dir)
-    links = _load_links(run_dir / "links.parquet")
+    links = load_links(run_dir / "links.parquet")
 
-    starts = events.loc[events["event"] == "run_start", "ts_ns"]
-    if len(starts):
-        start_ns = int(starts.min())
-    elif len(events):
-        start_ns = int(events["ts_ns"].min())
-    elif len(links):
-        start_ns = int(links["ts_ns"].min())
-    else:
-        start_ns = 0
+    start_ns = run_origin_ns(events, links)
     events["t_s"] = (events["ts_ns"] - start_ns) / 1e9
     links["t_s"] = (links["ts_ns"] - start_ns) / 1e9
     for col in ("node", "event"):

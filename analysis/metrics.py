@@ -260,15 +260,21 @@ def drops(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:
 
 def iteration_breakdown(events: pd.DataFrame, by: str | None = None,
                         skip_first: int = 0) -> pd.DataFrame:
-    """Mean seconds per iteration spent in each phase, from the workers' ``iter_done`` rows.
+    """Mean seconds per iteration spent in each phase of the workers' iterations.
 
     - ``compute_s``  forward + backward;
     - ``compress_s`` compression with error feedback;
-    - ``send_s``     pushing the payload into the socket until written;
-    - ``wait_s``     waiting for the PS (aggregation and the reply's first byte);
-    - ``receive_s``  the rest of the iteration: ``iter_s - (compute + compress + send + wait)``,
-      clipped at 0 -- receiving and applying the reply plus any untimed overhead;
-    - ``iter_s``     the whole iteration; the parts sum to it (up to the clip).
+    - ``send_s``     pushing the payload into the socket until written (and, where the
+      policy times the upload, until it drained);
+    - ``wait_s``     waiting for the PS: from the end of the send to the reply's first byte;
+    - ``receive_s``  the rest of the iteration: receiving and applying the reply;
+    - ``iter_s``     the whole iteration; the parts sum to it.
+
+    Where the workers logged their phase events (``compute_done`` ... ``recv_done``), the
+    parts are the durations of the intervals that partition each iteration on the per-host
+    timeline (:func:`analysis.timeline.host_timeline`, the same spans ``trace.json`` and the
+    report's timeline draw). Otherwise they come from ``iter_done``'s fields, ``receive_s``
+    being ``iter_s`` minus the others, clipped at 0.
 
     ``skip_first`` drops each worker's first iterations (warm-up). ``by=None`` gives one row
     indexed ``"all"``; ``by="node"`` one row per worker.
@@ -280,14 +286,37 @@ def iteration_breakdown(events: pd.DataFrame, by: str | None = None,
             else pd.DataFrame(columns=cols)
     if skip_first:
         df = df[df["iter"] >= df.groupby("node", observed=True)["iter"].transform("min") + skip_first]
-    parts = df[["iter_s", "compute_s", "compress_s", "send_s", "wait_s"]].astype(float).fillna(0.0)
-    parts["receive_s"] = (parts["iter_s"] - parts[["compute_s", "compress_s", "send_s",
-                                                   "wait_s"]].sum(axis=1)).clip(lower=0.0)
+    parts = _timeline_parts(events, df)
+    if parts is None:
+        parts = df[["iter_s", "compute_s", "compress_s", "send_s", "wait_s"]].astype(float).fillna(0.0)
+        parts["receive_s"] = (parts["iter_s"] - parts[["compute_s", "compress_s", "send_s",
+                                                       "wait_s"]].sum(axis=1)).clip(lower=0.0)
     parts = parts[[*ITERATION_PARTS, "iter_s"]]
     if by is None:
         return parts.mean().to_frame("all").T
     parts[by] = df[by].astype(str).to_numpy()
     return parts.groupby(by, sort=True).mean()
+
+
+def _timeline_parts(events: pd.DataFrame, done: pd.DataFrame) -> pd.DataFrame | None:
+    """Per ``iter_done`` row (same order), the seconds of each phase on the timeline; None
+    when the workers logged no phase events to partition their iterations with."""
+    from analysis.timeline import host_timeline
+
+    if not (events["event"] == "send_done").any():
+        return None
+    tl = host_timeline(events[events["event"].isin(
+        ["compute_done", "compress_done", "send_done", "recv_done", "iter_done"])])
+    tl = tl[tl["lane"] == "main"]
+    dur = (tl["end_ns"] - tl["start_ns"]) / 1e9
+    sums = dur.groupby([tl["node"], tl["iter"], tl["activity"]]).sum().unstack()
+    keys = pd.MultiIndex.from_arrays([done["node"].astype(str).to_numpy(),
+                                      done["iter"].astype(int).to_numpy()])
+    out = pd.DataFrame({f"{a}_s": sums[a].reindex(keys).to_numpy(float) if a in sums else 0.0
+                        for a in ("compute", "compress", "send", "wait", "receive")})
+    out = out.fillna(0.0)
+    out["iter_s"] = done["iter_s"].astype(float).to_numpy()
+    return out
 
 
 def training_start_ns(events: pd.DataFrame) -> int | None:

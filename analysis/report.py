@@ -2,15 +2,21 @@
 
 The page holds the summary tables and every plot of :mod:`analysis.plots`, with the images
 embedded as base64 PNG so the single ``index.html`` opens offline, can be mailed, and survives
-being moved (Pantheon's per-run report, in one file). It is written atomically: a reader sees
-the old page or the new one, never half of one.
+being moved (Pantheon's per-run report, in one file). Each run's per-host timeline is
+interactive (zoom with the wheel, drag, pan): drawn by uPlot (MIT, ``analysis/vendor/uplot``),
+inlined with its licence, never fetched. Tables wrap their cells to the page's width rather
+than run off it; a run's one-row summary and an overview of a few runs are shown transposed
+(one row per number). It is written atomically: a reader sees the old page or the new one,
+never half of one.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,17 +27,39 @@ from matplotlib.figure import Figure
 from analysis import metrics, plots, timeline
 from analysis.load import Run, flatten, load_run, load_runs
 
+VENDOR = Path(__file__).resolve().parent / "vendor" / "uplot"
+TIMELINE_JS = Path(__file__).resolve().parent / "report_timeline.js"
+#: Up to this many runs the overview is transposed: one row per number, one column per run.
+TRANSPOSE_MAX_RUNS = 8
+#: A table with more columns than this is set smaller so its headers break less.
+WIDE_COLUMNS = 12
+
+# Cells may break anywhere (long config values, snake_case names), so a table's narrowest
+# layout always fits the page; its box scrolls only if even that does not.
 CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222;
+       padding: 0 1em; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; }
-table { border-collapse: collapse; font-size: .85em; margin: .5em 0 1.5em; }
-th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: right; }
+.table-box { overflow-x: auto; max-width: 100%; margin: .5em 0 1.5em; }
+table { border-collapse: collapse; font-size: .85em; max-width: 100%; }
+th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: right;
+         overflow-wrap: anywhere; }
 th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
+td.n { white-space: nowrap; overflow-wrap: normal; }
+.wide table { font-size: .72em; } .wide th, .wide td { padding: .2em .3em; }
+tbody tr:nth-child(even) { background: #fafafa; }
 figure { margin: 1em 0; } img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: .85em; color: #555; }
-.meta { font-size: .85em; color: #555; }
-.glossary dl { font-size: .85em; display: grid; grid-template-columns: max-content auto;
-               gap: .1em 1em; } .glossary dd { margin: 0; }
+.meta { font-size: .85em; color: #555; overflow-wrap: anywhere; }
+.glossary dl { font-size: .85em; display: grid; grid-template-columns: minmax(8em, max-content)
+               minmax(0, 1fr); gap: .1em 1em; } .glossary dd { margin: 0; }
+.glossary dt { overflow-wrap: anywhere; }
+.gb-timeline { border: 1px solid #eee; padding: .3em 0; }
+.gb-info { font-size: .8em; color: #555; min-height: 1.3em; padding: 0 .5em; }
+.gb-legend { font-size: .8em; padding: .2em .5em; }
+.gb-legend span { margin-right: 1em; white-space: nowrap; }
+.gb-legend i { display: inline-block; width: .9em; height: .9em; margin-right: .3em;
+               vertical-align: -.1em; }
 """
 
 
@@ -42,10 +70,76 @@ def _img(fig: Figure, caption: str) -> str:
             f"<figcaption>{cap}</figcaption></figure>")
 
 
+_NUMBER_CELL = re.compile(r"<td>([-+]?[0-9][0-9.e+-]*|–|nan|inf|True|False)</td>")
+_HEADER_CELL = re.compile(r"<th>([^<]*)</th>")
+
+
 def _table(df: pd.DataFrame, index: bool = False) -> str:
-    return ('<div style="overflow-x:auto">'
-            + df.to_html(index=index, escape=True, na_rep="–", border=0,
-                         float_format=lambda v: f"{v:.4g}") + "</div>")
+    """The table in a box of the page's width. Headers may break after ``_`` and ``.``
+    (then anywhere); numbers never break, other cells anywhere."""
+    text = df.to_html(index=index, escape=True, na_rep="–", border=0,
+                      float_format=lambda v: f"{v:.4g}")
+    text = _HEADER_CELL.sub(lambda m: "<th>" + m.group(1).replace("_", "_<wbr>")
+                            .replace(".", ".<wbr>") + "</th>", text)
+    text = _NUMBER_CELL.sub(r'<td class="n">\1</td>', text)
+    box = "table-box wide" if df.shape[1] > WIDE_COLUMNS else "table-box"
+    return f'<div class="{box}">' + text + "</div>"
+
+
+def _transposed(df: pd.DataFrame, first: str, names: list[str]) -> str:
+    """A table of a few rows shown as one row per column of ``df`` (``first`` heads the
+    names' column), each original row a column named by ``names``."""
+    t = df.T
+    t.columns = names
+    t = t.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
+    t.insert(0, first, [str(c) for c in df.columns])
+    return _table(t)
+
+
+def _json_script(ident: str, data: object) -> str:
+    # "</" inside a <script> would end it early.
+    text = json.dumps(data, allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
+    return f'<script type="application/json" id="{ident}">{text}</script>'
+
+
+def interactive_timeline(tl: pd.DataFrame, origin_ns: int, ident: str) -> str:
+    """The per-host timeline as an interactive chart (``report_timeline.js`` on uPlot):
+    one row per host and lane, a bar per interval coloured by category, on the run's
+    time axis (seconds since ``origin_ns``)."""
+    keys = sorted(dict.fromkeys(zip(tl["node"], tl["lane"], strict=True)),
+                  key=lambda k: (timeline.node_sort_key(str(k[0])),
+                                 timeline.lane_sort_key(str(k[1]))))
+    row = {k: i for i, k in enumerate(keys)}
+    present = set(tl["category"])
+    cats = [c for c in timeline.CATEGORIES if c in present] + sorted(
+        present - set(timeline.CATEGORIES))
+    cat = {c: i for i, c in enumerate(cats)}
+    labels = list(dict.fromkeys(tl["label"].astype(str)))
+    lab = {x: i for i, x in enumerate(labels)}
+    start = (tl["start_ns"] - origin_ns) / 1e9
+    end = (tl["end_ns"] - origin_ns) / 1e9
+    spans = [[row[(n, ln)], cat[c], lab[str(lb)], round(float(a), 9), round(float(b), 9)]
+             for n, ln, c, lb, a, b in zip(tl["node"], tl["lane"], tl["category"],
+                                           tl["label"], start, end, strict=True)]
+    names = [f"{n} {ln}" for n, ln in keys]
+    data = {"rows": names, "cats": cats, "labels": labels, "spans": spans,
+            "colors": [timeline.COLORS.get(c, "#999999") for c in cats],
+            "t_min": float(start.min()), "t_max": float(end.max()),
+            "label_px": 16 + 7 * max(len(x) for x in names)}
+    return (f'<figure><div class="gb-timeline" data-src="{ident}"></div>'
+            + _json_script(ident, data)
+            + "<figcaption>Per-host timeline: what each host did when, one row per host and "
+              "thread (white is idle); the same intervals as the run's trace.json</figcaption>"
+              "</figure>")
+
+
+def _timeline_assets() -> str:
+    """uPlot and the timeline script, inlined (the page must open offline and alone)."""
+    lic = (VENDOR / "LICENSE").read_text(encoding="utf-8").replace("*/", "* /")
+    return (f"<style>{(VENDOR / 'uPlot.min.css').read_text(encoding='utf-8')}</style>\n"
+            f"<script>/* uPlot licence:\n{lic}*/\n"
+            f"{(VENDOR / 'uPlot.iife.min.js').read_text(encoding='utf-8')}</script>\n"
+            f"<script>{TIMELINE_JS.read_text(encoding='utf-8')}</script>\n")
 
 
 def _labels(runs: Sequence[Run]) -> list[str]:
@@ -86,7 +180,7 @@ def glossary(columns: Sequence[str]) -> str:
         return ""
     items = "".join(f"<dt><code>{html.escape(c)}</code></dt>"
                     f"<dd>{html.escape(metrics.GLOSSARY[c])}</dd>" for c in known)
-    return ('<details class="glossary" open><summary>What the columns mean</summary>'
+    return ('<details class="glossary" open><summary>What the numbers mean</summary>'
             f"<dl>{items}</dl></details>")
 
 
@@ -103,7 +197,7 @@ def _overview(paths: Sequence[Path], runs: Sequence[Run], labels: Sequence[str])
     return table
 
 
-def _run_section(run: Run, label: str) -> str:
+def _run_section(run: Run, label: str, ident: int) -> str:
     parts = [f'<h2 id="{html.escape(label)}">Run {html.escape(label)}</h2>',
              f'<p class="meta">{html.escape(str(run.path))} &middot; git '
              f'{html.escape(str(run.meta.get("git_sha", "?"))[:12])} &middot; command '
@@ -112,7 +206,7 @@ def _run_section(run: Run, label: str) -> str:
     if run.summary:
         summ = pd.DataFrame([{k: v for k, v in run.summary.items()
                               if not isinstance(v, dict | list)}])
-        parts.append("<h3>Summary</h3>" + _table(summ))
+        parts.append("<h3>Summary</h3>" + _transposed(summ, "number", ["value"]))
     parts.append("<h3>Iteration time breakdown (mean per iteration, s)</h3>"
                  + _table(metrics.iteration_breakdown(run.events, by="node").reset_index()))
     parts.append(_img(plots.plot_bottleneck(run.links, "up"),
@@ -131,8 +225,8 @@ def _run_section(run: Run, label: str) -> str:
                           "Adaptive keep ratio and the bandwidth it reacted to"))
     tl = timeline.host_timeline(run.events)
     if not tl.empty:
-        parts.append(_img(timeline.gantt_figure(tl),
-                          "Per-host timeline (Gantt): what each host did when; white is idle"))
+        parts.append("<h3>Per-host timeline</h3>"
+                     + interactive_timeline(tl, run.start_ns, f"timeline-{ident}"))
     cfg = pd.DataFrame(sorted(flatten(run.config).items()), columns=["config key", "value"])
     cfg["value"] = cfg["value"].map(str)
     parts.append("<details><summary>Resolved config</summary>" + _table(cfg) + "</details>")
@@ -150,7 +244,9 @@ def render_report(paths: Sequence[str | os.PathLike[str]]) -> str:
     title = (f"gradbed report: {labels[0]}" if len(runs) == 1
              else f"gradbed report: {len(runs)} runs")
     shown = overview.drop(columns=["run"])
-    body = [f"<h1>{html.escape(title)}</h1>", "<h2>Overview</h2>", _table(shown),
+    table = (_transposed(shown.drop(columns=["label"]), "number", list(labels))
+             if len(runs) <= TRANSPOSE_MAX_RUNS else _table(shown))
+    body = [f"<h1>{html.escape(title)}</h1>", "<h2>Overview</h2>", table,
             glossary(list(shown.columns))]
     by_label_events = {lab: r.events for lab, r in zip(labels, runs, strict=True)}
     body.append(_img(plots.plot_iteration_cdf(by_label_events), "Iteration time CDF"))
@@ -163,11 +259,12 @@ def render_report(paths: Sequence[str | os.PathLike[str]]) -> str:
     if len(runs) > 1:
         body.append(_img(plots.plot_summary_scatter(overview),
                          "One point per run: mean iteration time against final accuracy"))
-    for lab, r in zip(labels, runs, strict=True):
-        body.append(_run_section(r, lab))
+    for i, (lab, r) in enumerate(zip(labels, runs, strict=True)):
+        body.append(_run_section(r, lab, i))
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n"
-            + "\n".join(body) + "\n</body></html>\n")
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>{html.escape(title)}</title><style>{CSS}</style>\n{_timeline_assets()}"
+            "</head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def write_report(runs: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str]

@@ -5,6 +5,7 @@
     gradbed probe            kernel capabilities as JSON
     gradbed cleanup          remove what a crashed or killed run left behind (idempotent)
     gradbed report RUN...    self-contained HTML report
+    gradbed trace RUN        where the run's trace.json (Chrome trace timelines) is
     gradbed plan ...         3D-parallel planner (DESIGN 1.5)
 
 Human strings are parsed here and nowhere else. Bad input at this edge (a config that is a
@@ -197,6 +198,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cleanup": ("controller.cleanup", "cleanup_main",
                 "remove what a crashed or killed run left; finish its run directory (root)"),
     "report": ("analysis.cli", "report_main", "a self-contained HTML report of runs"),
+    "trace": ("analysis.cli", "trace_main",
+              "where a run's trace.json timelines are (Perfetto, chrome://tracing)"),
     "plan": ("analysis.cli", "plan_main", "the 3D-parallel planner (DESIGN 1.5)"),
 }
 

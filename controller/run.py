@@ -349,6 +349,7 @@ class Experiment:
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
+        rundir.write_timelines(run_dir, self.say)  # every run, a sweep's too
         if not self.report:
             return
         try:

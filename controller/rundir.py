@@ -3,7 +3,8 @@
 A run directory explains itself (Pantheon's metadata, Mahimahi's logged command
 line): ``config.toml`` (resolved), ``meta.json`` (git SHA, command line, package
 versions, kernel capabilities, schema version), ``events/*.parquet``,
-``links.parquet``, ``summary.json`` and ``run.log`` with every external command.
+``links.parquet``, ``summary.json``, ``trace.json`` (the timelines, Chrome Trace Event
+Format) and ``run.log`` with every external command.
 Every file is written atomically (temporary name, then ``os.replace``), so an
 interrupted run never leaves a half-written file.
 """
@@ -17,6 +18,7 @@ import platform
 import secrets
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +245,8 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
     if error:
         summary["error"] = error
     write_json(summary_path, summary)
+    if write_timelines(run_dir, done.append):
+        done.append("wrote trace.json")
     sock = control_path(run_dir)
     for leftover in (run_dir / "secret", sock, run_dir / "control.path"):
         if leftover.exists() or leftover.is_symlink():
@@ -250,6 +254,19 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
             done.append(f"removed {leftover}")
     hand_over(run_dir)
     return done
+
+
+def write_timelines(run_dir: Path, say: Callable[[str], object]) -> bool:
+    """Write ``trace.json`` (:func:`analysis.trace.write_trace`); a failure is said, never
+    raised: the timelines are a view of the events, which are what must survive."""
+    try:
+        from analysis.trace import write_trace
+
+        write_trace(run_dir)
+    except Exception as e:
+        say(f"warning: trace.json not written: {type(e).__name__}: {e}")
+        return False
+    return True
 
 
 def _summary_from_events(run_dir: Path, stop_reason: str) -> dict[str, Any]:

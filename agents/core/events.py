@@ -133,7 +133,8 @@ _declare("send_done", "worker", "the whole gradient of one iteration is written 
          bytes="wire bytes sent", send_s="from the first chunk's compression to the last write (s)",
          start_ns="when the first chunk's compression began (CLOCK_MONOTONIC ns)")
 _declare("recv_done", "worker", "the new weights of one iteration have arrived",
-         bytes="wire bytes received", wait_s="from the last write to the last weight byte (s)")
+         bytes="wire bytes received", wait_s="from the last write to the last weight byte (s)",
+         first_ns="when the first weight chunk's header arrived (CLOCK_MONOTONIC ns)")
 _declare("iter_done", "worker", "one training iteration is over on this worker",
          iter_s="wall time of the iteration (s)", compute_s="forward+backward (s)",
          compress_s="compression, summed over chunks (s)", send_s="as in send_done (s)",

@@ -411,14 +411,19 @@ class Worker:
                       start_ns=start_ns)
         return compress_s, send_s, wire_bytes
 
-    def recv_weights(self) -> int:
-        """Receive every chunk of the new weights (or the sparse delta) into the model."""
+    def recv_weights(self) -> tuple[int, int]:
+        """Receive every chunk of the new weights (or the sparse delta) into the model.
+        Returns the wire bytes and when the first chunk's header arrived (CLOCK_MONOTONIC
+        ns): before it the worker waited on the PS, after it the weights were arriving."""
         assert self.reader is not None
         total = 0
+        first_ns = 0
         flat = self.host_params
         down = protocol.Downlink([e - s for s, e in self.chunks])
         for c, (s, e) in enumerate(self.chunks):
             h = self.reader.read_header()
+            if c == 0:
+                first_ns = now_ns()
             kind = down.receive(h)  # order, type and size: before anything is read
             if kind == codec.MsgType.BYE:
                 raise PSClosed("PS said BYE")
@@ -442,7 +447,7 @@ class Worker:
             if flat is not self.model.flat_params:
                 self.model.flat_params[s:e].copy_(flat[s:e], non_blocking=True)
             total += h.payload_len + codec.HEADER_SIZE
-        return total
+        return total, first_ns
 
     def run(self) -> int:
         schedule = {w: (leave, rejoin) for w, leave, rejoin in self.cfg.membership.schedule}
@@ -466,12 +471,13 @@ class Worker:
             compress_s, send_s, up = self.send_gradient()
             tw = time.perf_counter()
             try:
-                down = receiving.result()
+                down, first_ns = receiving.result()
             except PSClosed:
                 break
             wait_s = time.perf_counter() - tw
             iter_s = time.perf_counter() - t0
-            self.log.emit("recv_done", iter=self.iteration, bytes=down, wait_s=wait_s)
+            self.log.emit("recv_done", iter=self.iteration, bytes=down, wait_s=wait_s,
+                          first_ns=first_ns)
             self.log.emit("iter_done", iter=self.iteration, iter_s=iter_s, compute_s=compute_s,
                           compress_s=compress_s, send_s=send_s, wait_s=wait_s, bytes_up=up,
                           bytes_down=down, loss=loss)

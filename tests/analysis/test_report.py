@@ -1,5 +1,7 @@
-"""``gradbed report`` renders in a real browser: headless Chromium shows a non-blank page and
-every embedded image decodes. Runs on a real short run (``mininet``) and on a synthetic sweep."""
+"""``gradbed report`` renders in a real browser: headless Chromium shows a non-blank page,
+every embedded image decodes, at 1400 px every table fits its box, and a wheel event on the
+interactive timeline narrows its visible time range. Runs on a real short run (``mininet``)
+and on a synthetic sweep."""
 
 from __future__ import annotations
 
@@ -30,6 +32,30 @@ window.addEventListener('load', function () {
 });
 </script>"""
 
+# The layout probe: once loaded, count the tables wider than their box (scrollWidth over the
+# box's clientWidth), read the first timeline's visible range, send it a wheel event (zoom
+# in about its middle), and after the chart has redrawn read the range again.
+LAYOUT_SCRIPT = """<script>
+window.addEventListener('load', function () {
+  setTimeout(function () {
+    var tables = document.querySelectorAll('table'), wide = [];
+    tables.forEach(function (t) {
+      if (t.scrollWidth > t.parentElement.clientWidth)
+        wide.push(t.scrollWidth + '>' + t.parentElement.clientWidth);
+    });
+    var el = document.querySelector('.gb-timeline');
+    function range() { return +el.getAttribute('data-x-max') - +el.getAttribute('data-x-min'); }
+    var before = range(), over = el.querySelector('.u-over'), r = over.getBoundingClientRect();
+    over.dispatchEvent(new WheelEvent('wheel', {deltaY: -120, clientX: r.left + r.width / 2,
+      clientY: r.top + r.height / 2, bubbles: true, cancelable: true}));
+    setTimeout(function () {
+      document.title = 'LAYOUT ' + tables.length + ' ' + wide.length + ' ' + before + ' ' +
+        range() + ' ' + wide.join(',');
+    }, 100);
+  }, 100);
+});
+</script>"""
+
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium not installed")
 
 
@@ -49,6 +75,25 @@ def images_loaded(page: Path, tmp: Path) -> tuple[int, int]:
     m = re.search(r"<title>IMGCHECK (\d+)/(\d+)</title>", proc.stdout)
     assert m, f"no IMGCHECK title in Chromium's DOM dump:\n{proc.stdout[:500]}\n{proc.stderr[-2000:]}"
     return int(m.group(1)), int(m.group(2))
+
+
+def layout(page: Path, tmp: Path) -> tuple[int, int, float, float]:
+    """(tables, tables wider than their box, visible seconds of the timeline before and
+    after one wheel event) of ``page`` in a 1400 px wide Chromium window."""
+    probe = tmp / f"layout-{page.parent.name}.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", LAYOUT_SCRIPT
+                                                              + "</body>"), encoding="utf-8")
+    proc = _chromium(["--dump-dom", "--window-size=1400,1000", "--virtual-time-budget=10000",
+                      probe.as_uri()], tmp)
+    m = re.search(r"<title>LAYOUT (\d+) (\d+) (\S+) (\S+) ?([^<]*)</title>", proc.stdout)
+    assert m, f"no LAYOUT title in Chromium's DOM dump:\n{proc.stdout[:500]}\n{proc.stderr[-2000:]}"
+    return int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))
+
+
+def _check_layout(page: Path, tmp: Path) -> None:
+    tables, wide, before, after = layout(page, tmp)
+    assert tables >= 3 and wide == 0
+    assert 0 < after < 0.9 * before, (before, after)
 
 
 def screenshot_std(page: Path, tmp: Path) -> float:
@@ -78,6 +123,7 @@ def test_report_of_a_real_run_renders_in_chromium(real_run_dir: Path, tmp_path: 
     assert report_main([str(real_run_dir), "--out", str(tmp_path / "rep")]) == 0
     page = tmp_path / "rep" / "index.html"
     _check_page(page, tmp_path, min_images=5)
+    _check_layout(page, tmp_path)
 
 
 def test_report_of_a_synthetic_sweep_renders_in_chromium(tmp_path: Path) -> None:
@@ -89,6 +135,33 @@ def test_report_of_a_synthetic_sweep_renders_in_chromium(tmp_path: Path) -> None
     assert "topk-100" in html and "dense-50" in html and "compress.name" in html
     assert not list(page.parent.glob("*.tmp"))  # atomic write leaves no temporary behind
     _check_page(page, tmp_path, min_images=10)
+    _check_layout(page, tmp_path)
+    html_text = page.read_text(encoding="utf-8")
+    assert "uPlot" in html_text and "<script src" not in html_text  # inlined, not fetched
+
+
+def test_a_wide_overview_wraps_to_the_page_and_the_checks_can_fail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not transposed (as for a sweep of many runs), the overview's many columns wrap. The
+    probe can fail: with cells that may not wrap the table runs off the page, and without
+    its wheel handler the timeline's range stays put."""
+    from analysis import report
+
+    monkeypatch.setattr(report, "TRANSPOSE_MAX_RUNS", 1)
+    runs = [make_fake_run(tmp_path / "sweep" / f"run-{i}", seed=i, iterations=5,
+                          rate_mbps=50.0 * (i + 1), keep=0.05 * (i + 1)) for i in range(2)]
+    page = write_report(runs, tmp_path / "rep")
+    html_text = page.read_text(encoding="utf-8")
+    assert html_text.count("<th>") > 20  # one column per number
+    _check_layout(page, tmp_path)
+    broken = tmp_path / "broken" / "index.html"
+    broken.parent.mkdir()
+    broken.write_text(html_text.replace("overflow-wrap: anywhere;", "white-space: nowrap;")
+                      .replace(".table-box { overflow-x: auto;", ".table-box {")
+                      .replace('u.over.addEventListener("wheel"', 'u.over.addEventListener("x"'),
+                      encoding="utf-8")
+    tables, wide, before, after = layout(broken, tmp_path)
+    assert wide > 0 and after == before > 0
 
 
 def test_image_check_detects_a_broken_image(tmp_path: Path) -> None:

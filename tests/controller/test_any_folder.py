@@ -212,7 +212,7 @@ def test_version_help_and_unknown_commands(tmp_path: Path) -> None:
     assert p.returncode == 0 and p.stdout.startswith("gradbed ")
     p = gradbed("-h", cwd=tmp_path)
     assert p.returncode == 0 and p.stdout.startswith("usage: gradbed")
-    for name in ("run", "sweep", "probe", "cleanup", "report", "plan"):
+    for name in ("run", "sweep", "probe", "cleanup", "report", "trace", "plan"):
         assert name in p.stdout
     p = gradbed("run", "-h", cwd=tmp_path)
     assert p.returncode == 0 and p.stdout.startswith("usage: gradbed run")

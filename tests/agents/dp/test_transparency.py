@@ -2,10 +2,13 @@
 
 With the ``none`` compressor, N workers that each send the mean gradient of their
 shard, averaged at the PS and stepped with SGD, must end at the weights one process
-reaches training on the concatenated batch -- over real TCP, real processes.
+reaches training on the concatenated batch -- over real TCP, real processes. The same run's
+``trace.json`` partitions every worker iteration into its phases.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +16,15 @@ import torch
 from agents.workloads.base import FlatModel, Workload
 from agents.workloads.digits_cnn import DigitsCNN
 from agents.workloads.digits_mlp import DigitsMLP
+from analysis import metrics
 from analysis.load import load_events
+from analysis.trace import write_trace
+from tests.support.chrome_trace import (
+    PHASES,
+    check_worker_partition,
+    load_trace,
+    spans_by_host,
+)
 from controller.loopback.dp import run_loopback
 
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
@@ -52,6 +63,31 @@ def test_dense_workers_match_single_process(tmp_path):
     ev = load_events(run_dir)
     first = ev[(ev["event"] == "compute_done") & (ev["iter"] == 0)]
     assert len(first) == n and first["compute_s"].max() < 0.5, first
+    check_trace(run_dir, n, iters)
+
+
+def check_trace(run_dir: Path, n: int, iters: int) -> None:
+    """The run's trace.json: each worker's compute, compress (one per chunk), send, wait and
+    receive spans partition every iteration; the report's iteration breakdown is their mean
+    per phase (one definition); the PS receives, then aggregates."""
+    trace = load_trace(write_trace(run_dir))
+    events = load_events(run_dir)
+    assert check_worker_partition(trace, events, need_receive=True) == n * iters
+    spans = spans_by_host(trace)
+    chunks = events[(events["event"] == "compress_done") & (events["node"] == "w0")
+                    & (events["iter"] == 1)]
+    assert len(chunks) > 1
+    assert sum(e["cat"] == "compress" for e in spans[("w0", "main")]
+               if e["args"]["iter"] == 1) == len(chunks)
+    b = metrics.iteration_breakdown(events, by="node")
+    for k in range(n):
+        mine = spans[(f"w{k}", "main")]
+        for phase in PHASES:
+            mean_s = sum(e["dur"] for e in mine if e["cat"] == phase) / iters / 1e6
+            assert b.loc[f"w{k}", f"{phase}_s"] == pytest.approx(mean_s, abs=1e-6), (k, phase)
+    # After the first iteration (whose receive has no previous end to start from).
+    ps = [e["args"]["category"] for e in spans[("ps", "main")] if e["args"]["iter"] == 2]
+    assert ps == ["receive", "aggregate"], ps
 
 
 def test_sparse_delta_downlink_keeps_workers_identical(tmp_path):

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -216,3 +217,21 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
                       and ph["layer"] == r["layer"]
                       and ph["phase"] in ("dispatch_counts", "dispatch_tokens"))
             assert got == dispatch_bytes(rows, m.d_model, per)
+    # trace.json: every phase of every host is one span, whole-model phases on the host's
+    # "step" thread (one after the other), a layer's phases on its "layers" thread.
+    from analysis.load import load_events
+    from analysis.trace import chrome_trace
+
+    ev = load_events(run_dir)
+    trace = chrome_trace(ev, pd.DataFrame(columns=["ts_ns", "direction", "dev"]))["traceEvents"]
+    host = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    lane = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    for h in range(H):
+        phases = events(run_dir, h, "moe_phase")
+        for name, whole in (("step", True), ("layers", False)):
+            spans = sorted((e for e in trace if e["ph"] == "X" and host[e["pid"]] == f"e{h}"
+                            and lane[(e["pid"], e["tid"])] == name), key=lambda e: e["ts"])
+            assert len(spans) == sum((p["layer"] < 0) == whole for p in phases) > 0
+            if whole:
+                assert all(a["ts"] + a["dur"] <= b["ts"] + 0.002
+                           for a, b in zip(spans, spans[1:], strict=False))

@@ -64,7 +64,7 @@ def test_worker_ps_and_control_connections_go_through_the_driver(tmp_path: Path)
                         log=ctl_log)
     try:
         ps = start_ps(run_dir)
-        workers = [start_worker(run_dir, k, cfg.net.ps_port) for k in range(2)]
+        workers = [start_worker(run_dir, k, cfg.net.port) for k in range(2)]
         rcs = _wait_all([ps, *workers], 120)
     finally:
         srv.close()
@@ -183,7 +183,7 @@ def test_the_ps_cuts_off_a_trickling_peer_at_guard_handshake_timeout_s(tmp_path:
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1", "guard.handshake_timeout_s=2"])
     ps = start_ps(run_dir)
     try:
-        s = connect(cfg.net.ps_port)
+        s = connect(cfg.net.port)
         stop = threading.Event()
         t = threading.Thread(target=_trickle, args=(s, _hello_frame(), 1.0, stop))
         t0 = time.monotonic()

@@ -6,6 +6,8 @@ through the PS with the planner's data-parallel bytes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from agents.core import config as cfgmod
@@ -39,6 +41,14 @@ def test_four_stages_on_the_fabric(tmp_path, schedule):
         assert len(act[act["node"] == f"s{s}"]) == len(sch.actions[s])
     tl = host_timeline(ev)
     assert {"forward", "backward", "receive", "send"} <= set(tl["category"])
+    # The controller wrote trace.json: one span per schedule action on each stage's thread.
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    host = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    lane = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    for s in range(4):
+        assert len(sch.actions[s]) == sum(
+            1 for e in trace if e["ph"] == "X" and host[e["pid"]] == f"s{s}"
+            and lane[(e["pid"], e["tid"])] == "compute")
     final = ev[(ev["event"] == "final_eval") & (ev["node"] == "ps")]
     assert len(final) == 1 and summary(run_dir)["final_accuracy"] == final["accuracy"].iloc[0]
     assert leftovers() == []

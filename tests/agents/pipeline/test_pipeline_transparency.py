@@ -71,7 +71,7 @@ def test_measured_link_bytes_timeline_and_bubble(tmp_path):
     from agents.pipeline.partition import balance_by_params, boundary_shapes, split
     from agents.pipeline.stage import micro_batch
     from agents.workloads.base import make_workload
-    from analysis.load import load_events
+    from analysis.load import load_events, load_links
     from analysis.pipeline import pipeline_metrics
     from analysis.planner import pipeline_link_bytes
     from analysis.timeline import host_timeline
@@ -96,6 +96,20 @@ def test_measured_link_bytes_timeline_and_bubble(tmp_path):
     comp = tl[tl["category"].isin(["forward", "backward"])]
     assert sorted(comp.groupby("node").size().tolist()) == [2 * m * steps] * p
     assert (tl["end_s"] >= tl["start_s"]).all() and set(tl["lane"]) == {"compute", "send"}
+    # trace.json: one complete event per schedule action on each stage's compute thread.
+    from agents.core.schedules import make
+    from analysis.trace import chrome_trace
+
+    trace = chrome_trace(ev, load_links(run_dir / "links.parquet"))["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace
+             if e["name"] == "thread_name"}
+    hosts = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    sch = make("1f1b", p, m, steps=steps)
+    for s in range(p):
+        spans = [e for e in trace if e["ph"] == "X" and hosts[e["pid"]] == f"s{s}"
+                 and names[(e["pid"], e["tid"])] == "compute"]
+        assert len(spans) == len(sch.actions[s]) == len(ev[(ev["event"] == "pp_action")
+                                                          & (ev["node"] == f"s{s}")])
     assert 0.0 < met.bubble < 1.0 and len(met.bubble_per_stage) == p
     assert all(v > 0 for v in met.peak_act_bytes.values())
 

@@ -1,0 +1,119 @@
+"""``trace.json``: the Chrome Trace Event Format's rules, and its content.
+
+The content checks: a worker's compute, compress, send, wait and receive spans partition
+each of its iterations (sum to ``iter_s`` within 1 %, in order, without overlap); MoE and
+any role added later appear; the controller and ``gradbed cleanup`` write the file; and
+``gradbed trace`` says where it is. Run on a synthetic run and, marked ``mininet``, the real
+controller run the report tests make; the real loopback runs of the data-parallel, pipeline
+and MoE transparency tests check their traces too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.cli import trace_main
+from analysis.load import load_events
+from analysis.trace import TRACE_FILE, chrome_trace, write_trace
+from tests.support import real_run
+from tests.support.chrome_trace import (
+    check_worker_partition,
+    format_problems,
+    load_trace,
+    spans_by_host,
+)
+from tests.support.make_fake_run import make_fake_run
+
+
+def test_synthetic_run_follows_the_format_and_partitions_iterations(tmp_path: Path) -> None:
+    run = make_fake_run(tmp_path / "run", workers=3, iterations=6)
+    trace = load_trace(write_trace(run))
+    events = load_events(run)
+    assert check_worker_partition(trace, events, need_receive=False) == 18
+    evs = trace["traceEvents"]
+    hosts = {e["args"]["name"] for e in evs if e["name"] == "process_name"}
+    assert {"ps", "w0", "w1", "w2", "network", "controller"} <= hosts
+    counters = {e["name"] for e in evs if e["ph"] == "C"}
+    # Each shaping point's rate, queue and drops (links.parquet), each flow's cwnd and RTT.
+    assert counters == {f"{point} {what}" for point in ("s1-eth1 up", "s1-eth2 down")
+                        for what in ("rate (Mbit/s)", "queue", "drops")} | {
+        "cwnd (segments)", "RTT (ms)"}, counters
+    # On the run's clock: the controller's run_start is time zero.
+    start = [e for e in evs if e["ph"] == "i" and e["name"] == "run_start"]
+    assert len(start) == 1 and start[0]["ts"] == 0
+    assert not list(run.glob(".*.tmp"))  # written atomically
+
+
+def test_format_check_catches_broken_traces(tmp_path: Path) -> None:
+    run = make_fake_run(tmp_path / "run", iterations=3)
+    good = chrome_trace(load_events(run), pd.DataFrame(
+        columns=["ts_ns", "direction", "dev"]))
+    assert format_problems(good) == []
+    x = next(i for i, e in enumerate(good["traceEvents"]) if e["ph"] == "X")
+    for mutate, what in [(lambda e: e.pop("dur"), "dur"), (lambda e: e.update(dur=-1.0), "dur"),
+                         (lambda e: e.update(tid=99), "thread_name"),
+                         (lambda e: e.pop("ts"), "ts"), (lambda e: e.update(pid=77), "pid")]:
+        broken = json.loads(json.dumps(good))
+        mutate(broken["traceEvents"][x])
+        assert any(what in p for p in format_problems(broken)), what
+    broken = json.loads(json.dumps(good))
+    broken["traceEvents"].append({"name": "q", "ph": "C", "ts": 1.0, "pid": 1, "tid": 0,
+                                  "args": {"q": "high"}})
+    assert any("C whose args" in p for p in format_problems(broken))
+
+
+def test_moe_phases_and_a_role_added_later_appear() -> None:
+    base = 10_000_000_000
+    rows = [{"ts_ns": base, "node": "controller", "iter": -1, "event": "run_start"}]
+    for h in range(2):
+        t = base + 1000 * h
+        for name, layer, a, b in [("forward", -1, 0, 500), ("dispatch_tokens", 0, 100, 200),
+                                  ("expert", 0, 200, 300), ("backward", -1, 500, 900)]:
+            rows.append({"ts_ns": t + b, "node": f"e{h}", "iter": 0, "event": "moe_phase",
+                         "phase": name, "layer": layer, "start_ns": t + a, "end_ns": t + b})
+    rows.append({"ts_ns": base + 5000, "node": "q0", "iter": 3, "event": "quantum_hop",
+                 "kind": "teleport", "start_ns": base + 4000})
+    trace = chrome_trace(pd.DataFrame(rows), pd.DataFrame(columns=["ts_ns", "direction", "dev"]))
+    assert format_problems(trace) == []
+    spans = spans_by_host(trace)
+    assert [e["name"] for e in spans[("e1", "step")]] == ["forward", "backward"]
+    assert [(e["name"], e["cat"]) for e in spans[("e0", "layers")]] == [
+        ("dispatch_tokens L0", "exchange"), ("expert L0", "compute")]
+    new = spans[("q0", "quantum_hop")]
+    assert [(e["name"], e["ts"], e["dur"], e["args"]["iter"]) for e in new] == [
+        ("teleport", 4.0, 1.0, 3)]
+
+
+def test_gradbed_trace_builds_a_missing_file_and_says_how_to_open_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_fake_run(tmp_path / "run", iterations=3)
+    assert not (run / TRACE_FILE).exists()
+    assert trace_main([str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str((run / TRACE_FILE).resolve())
+    assert "ui.perfetto.dev" in err and "chrome://tracing" in err
+    load_trace(run / TRACE_FILE)
+    assert trace_main([str(tmp_path / "nothing")]) == 2
+    assert "nothing" in capsys.readouterr().err
+
+
+def test_cleanup_finalisation_writes_the_trace_of_a_killed_run(tmp_path: Path) -> None:
+    from controller import rundir
+
+    run = make_fake_run(tmp_path / "run", iterations=3, jsonl_only=True)  # killed: no parquet
+    done = rundir.finish(run, "controller killed")
+    assert "wrote trace.json" in done
+    check_worker_partition(load_trace(run / TRACE_FILE), load_events(run), need_receive=False)
+
+
+@pytest.mark.mininet
+def test_the_controller_writes_the_trace_of_a_real_run(tmp_path_factory: pytest.TempPathFactory
+                                                       ) -> None:
+    run_dir = real_run.real_run(tmp_path_factory.mktemp("real"))
+    trace = load_trace(run_dir / TRACE_FILE)
+    assert check_worker_partition(trace, load_events(run_dir), need_receive=True) > 0
+    assert any(e["ph"] == "C" and "queue" in e["name"] for e in trace["traceEvents"])
