@@ -499,29 +499,35 @@ def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
             poll([sock], [], [], 0.5)
             _drain(sock, buf, by_queue, trust, loop)
             continue
+        # The verdicts are built before the sleep and the bookkeeping is done after the
+        # send: between the wake-up and the send there are only clock reads (Python on the
+        # shared development machine takes tens of microseconds for a few lines, cold).
+        batch = [(x, last) for x in lines if (last := x.last_due_id(nxt)) is not None]
+        msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
         now = clock()
         wake_ns = nxt - spin.window_ns(now)
+        overshoot_ns = None
         if wake_ns > now:
             if poll([sock], [], [], (wake_ns - now) / 1e9)[0]:
                 _drain(sock, buf, by_queue, trust, loop)
                 continue  # a packet of a shorter-delay queue may now be due first
-            spin.woke(clock() - wake_ns)
-        # The verdicts are built before the spin and the bookkeeping done after the send:
-        # between the due time and the send there is only the clock read (Python on this
-        # machine takes tens of microseconds for what an interpreter elsewhere does in a
-        # few).
-        batch = [(x, last) for x in lines if (last := x.last_due_id(nxt)) is not None]
-        msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
-        start = now = clock()
+            now = clock()
+            overshoot_ns = now - wake_ns
+        start = now
         while now < nxt:
             if poll([sock], [], [], 0)[0]:
-                break
+                # Notices came: read them; only a shorter-delay queue's packet due first
+                # changes the plan (the new packets of the planned queues fall due later).
+                _drain(sock, buf, by_queue, trust, loop)
+                if (_next_due_ns(lines) or nxt) < nxt:
+                    break
             now = clock()
-        if now < nxt:  # notices came: read them, and plan again
+        if now < nxt:
             spin.spun(now - start, now)
-            _drain(sock, buf, by_queue, trust, loop)
             continue
         _send_verdicts(sock, msgs, loop)
+        if overshoot_ns is not None:
+            spin.woke(overshoot_ns)
         for x, last in batch:
             x.release_through(last, now)
         spin.spun(now - start, now)
