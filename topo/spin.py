@@ -13,9 +13,9 @@ CPU that a busy machine at 100 Mbit/s does not need to pay.
 is a high quantile of the last ``samples`` overshoots (actual wake time minus requested),
 plus a margin, clamped to ``[min_ns, max_ns]``. The spin it pays for is bounded: once the
 loop has spun ``budget_frac`` of the current ``period_ns``, the window falls to
-``min_ns`` until the period ends, so a window learnt while idle cannot cost a core once
-traffic keeps the loop awake (with releases closer together than the window, no wake-up
-would ever correct it). ``SpinConfig.fixed`` keeps one window for control runs.
+``min_ns`` (the fixed window used before) until the period ends, so a window learnt while
+idle cannot cost a core once traffic keeps the loop awake (with releases closer together
+than the window, no wake-up would ever correct it). ``SpinConfig.fixed`` keeps one window for control runs.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ class SpinError(ValueError):
 class SpinConfig:
     """The spin window's knobs. Every field is in nanoseconds unless its name says else."""
 
-    # Window before any wake-up was observed: the old fixed window, right for a busy machine.
+    # Window before any wake-up was observed: the floor.
     initial_ns: int = 30_000
-    # Floor: a release spun into lands within one loop turn (a few us) of its due time.
-    min_ns: int = 10_000
+    # Floor, also the window while the budget is spent: the fixed window the delay line
+    # used before it learnt one (at 100 Mbit/s and 1 ms RTT it cost the two delay lines
+    # 0.65 cores, no spin 0.73: the spin itself is cheap there, the notices are not).
+    min_ns: int = 30_000
     # Ceiling: more window, fewer late releases on an idle host, more CPU per release.
     max_ns: int = 200_000
     # Added to the quantile: the spin loop's own turn, so a wake at the quantile is in time.
