@@ -493,6 +493,8 @@ def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
     buf = bytearray(1 << 16)
     clock = time.time_ns
     poll = select.select
+    planned: list[tuple[DelayLine, int]] = []
+    msgs = b""
     while True:
         nxt = _next_due_ns(lines)
         if nxt is None:
@@ -503,7 +505,9 @@ def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
         # send: between the wake-up and the send there are only clock reads (Python on the
         # shared development machine takes tens of microseconds for a few lines, cold).
         batch = [(x, last) for x in lines if (last := x.last_due_id(nxt)) is not None]
-        msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
+        if batch != planned:  # a notice that woke the loop seldom changes the plan
+            planned = batch
+            msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
         now = clock()
         wake_ns = nxt - spin.window_ns(now)
         overshoot_ns = None
