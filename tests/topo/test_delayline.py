@@ -109,6 +109,12 @@ def test_queue_arguments_are_checked() -> None:
             dl.parse_queue_arg(bad)
 
 
+def test_a_bad_fixed_spin_is_refused_naming_the_option(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    assert dl.main(["--queue", "1:1", "--spin-us", "-5"]) == 2  # before any socket opens
+    assert "--spin-us" in capsys.readouterr().err
+
+
 def test_rules_put_loss_before_the_queue_and_never_bypass() -> None:
     imps = [Impairment("ps-eth0", delay_ms=5, loss_pct=1.0),
             Impairment("ps-eth0", delay_ms=7, sources=("10.0.0.10", "10.0.0.11"))]
