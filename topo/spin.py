@@ -15,7 +15,8 @@ plus a margin, clamped to ``[min_ns, max_ns]``. The spin it pays for is bounded:
 loop has spun ``budget_frac`` of the current ``period_ns``, the window falls to
 ``min_ns`` (the fixed window used before) until the period ends, so a window learnt while
 idle cannot cost a core once traffic keeps the loop awake (with releases closer together
-than the window, no wake-up would ever correct it). ``SpinConfig.fixed`` keeps one window for control runs.
+than the window, no wake-up would ever correct it). ``SpinConfig.fixed`` keeps one
+window for control runs.
 """
 
 from __future__ import annotations
