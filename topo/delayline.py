@@ -48,7 +48,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 from topo.loss import LossDraw, LossError
@@ -473,6 +473,26 @@ def _next_due_ns(lines: Sequence[DelayLine]) -> int | None:
     return min((d for d in (x.next_due_ns() for x in lines) if d is not None), default=None)
 
 
+def _sleep(sock: socket.socket, nxt: int, spin: SpinWindow, drain: Callable[[], None],
+           next_due: Callable[[], int | None]) -> tuple[int, int | None]:
+    """Sleep until ``spin``'s window before ``nxt``, reading notices as they come (the
+    plan stands: new packets of a queue fall due after its held ones); return the time
+    and, if the timer ended the sleep, how late. Returns early if a notice brought a
+    packet due before ``nxt`` (a shorter-delay queue's)."""
+    clock = time.time_ns
+    while True:
+        now = clock()
+        wake_ns = nxt - spin.window_ns(now)
+        if wake_ns <= now:
+            return now, None
+        if not select.select([sock], [], [], (wake_ns - now) / 1e9)[0]:
+            now = clock()
+            return now, now - wake_ns
+        drain()
+        if (next_due() or nxt) < nxt:
+            return clock(), None
+
+
 def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
          loop: LoopStats) -> None:
     """Hold and release until _Stop. A packet's delay runs from the kernel's receive stamp
@@ -495,6 +515,10 @@ def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
     poll = select.select
     planned: list[tuple[DelayLine, int]] = []
     msgs = b""
+
+    def drain() -> None:
+        _drain(sock, buf, by_queue, trust, loop)
+
     while True:
         nxt = _next_due_ns(lines)
         if nxt is None:
@@ -505,18 +529,12 @@ def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
         # send: between the wake-up and the send there are only clock reads (Python on the
         # shared development machine takes tens of microseconds for a few lines, cold).
         batch = [(x, last) for x in lines if (last := x.last_due_id(nxt)) is not None]
-        if batch != planned:  # a notice that woke the loop seldom changes the plan
+        if batch != planned:  # unchanged after a spin that a notice cut short
             planned = batch
             msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
-        now = clock()
-        wake_ns = nxt - spin.window_ns(now)
-        overshoot_ns = None
-        if wake_ns > now:
-            if poll([sock], [], [], (wake_ns - now) / 1e9)[0]:
-                _drain(sock, buf, by_queue, trust, loop)
-                continue  # a packet of a shorter-delay queue may now be due first
-            now = clock()
-            overshoot_ns = now - wake_ns
+        now, overshoot_ns = _sleep(sock, nxt, spin, drain, lambda: _next_due_ns(lines))
+        if (_next_due_ns(lines) or nxt) < nxt:
+            continue  # a packet of a shorter-delay queue is due first: plan again
         start = now
         while now < nxt:
             if poll([sock], [], [], 0)[0]:
