@@ -469,6 +469,14 @@ def _send_verdicts(sock: socket.socket, msgs: bytes, loop: LoopStats) -> None:
     loop.verdict_send_max_ns = max(loop.verdict_send_max_ns, took)
 
 
+# A spin that overran its due time by more than this (a burst of notices read in it, a
+# late wake-up) also releases the packets that fell due meanwhile, in the same verdict:
+# otherwise each waits a loop turn for its own (at 100 Mbit/s the data side's releases
+# were 37-52 us late on average instead of 21-30). Below it, the send is not delayed by
+# the extra planning (one loop turn of the spin is a few microseconds).
+FOLD_AFTER_NS = 10_000
+
+
 def _next_due_ns(lines: Sequence[DelayLine]) -> int | None:
     return min((d for d in (x.next_due_ns() for x in lines) if d is not None), default=None)
 
@@ -547,6 +555,11 @@ def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
         if now < nxt:
             spin.spun(now - start, now)
             continue
+        if now - nxt > FOLD_AFTER_NS:  # the spin overran: release what fell due meanwhile
+            batch = [(x, last) for x in lines if (last := x.last_due_id(now)) is not None]
+            if batch != planned:
+                planned = batch
+                msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
         _send_verdicts(sock, msgs, loop)
         if overshoot_ns is not None:
             spin.woke(overshoot_ns)
