@@ -7,10 +7,12 @@ ingress (``topo.netfilter``) hands each packet to an NFQUEUE; the kernel keeps t
 and sends this process only its metadata (copy mode META: the packet id, no payload).
 For a constant delay the packets leave in arrival order, so one batch verdict
 (``NFQNL_MSG_VERDICT_BATCH``: accept every queued id <= X) releases everything older than
-the delay. Each packet is timed from the kernel's receive stamp. The loop wakes at the next
-release time (``select`` has microsecond resolution)
-or when a packet arrives, so a packet leaves within a fraction of a millisecond of its due
-time; ``DelayStats`` records how late.
+the delay. Each packet is timed from the kernel's receive stamp. The loop sleeps until a
+window before the next release (or until a notice arrives) and spins the rest; the window
+is learnt from how late its own timed wake-ups land (``topo.spin``), and the verdict is
+built before the spin, so a release leaves a few microseconds after its due time when the
+wake-up was within the window. ``DelayStats`` records how late each release was sent, and
+the stats file what the wake-ups and the verdict sends cost.
 
 Seeded loss (``net.loss_model = "seeded"``): a queue may also lose packets, each decided
 by ``topo.loss`` from the run's seed, the link's name and the kernel's packet id; a lost
@@ -46,10 +48,11 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 from topo.loss import LossDraw, LossError
+from topo.spin import SpinConfig, SpinError, SpinWindow
 
 # linux/netlink.h, linux/netfilter/nfnetlink.h, linux/netfilter/nfnetlink_queue.h
 NETLINK_NETFILTER = 12
@@ -228,6 +231,8 @@ class DelayStats:
     max_held: int = 0
     late_max_us: float = 0.0
     late_sum_us: float = 0.0
+    # Packets already due when their notice was read: late however the loop sleeps.
+    read_late: int = 0
 
     @property
     def late_mean_us(self) -> float:
@@ -260,30 +265,49 @@ class DelayLine:
         self.stats = DelayStats(queue=self.queue, delay_ms=self.delay_ms)
         self._delay_ns = round(self.delay_ms * 1e6)
 
-    def arrive(self, packet_id: int, now_ns: int) -> bool:
-        """Hold ``packet_id`` until its due time; False (not held) when it is lost."""
+    def arrive(self, packet_id: int, now_ns: int, read_ns: int | None = None) -> bool:
+        """Hold ``packet_id`` (received at ``now_ns``) until its due time; False (not
+        held) when it is lost. ``read_ns``: when its notice was read, to count the packets
+        that were due before the loop even knew of them."""
         if self.loss is not None and self.loss.drops(packet_id):
             self.stats.dropped += 1
             return False
-        self.held.append((now_ns + self._delay_ns, packet_id))
+        due_ns = now_ns + self._delay_ns
+        if read_ns is not None and read_ns >= due_ns:
+            self.stats.read_late += 1
+        self.held.append((due_ns, packet_id))
         self.stats.max_held = max(self.stats.max_held, len(self.held))
         return True
 
     def next_due_ns(self) -> int | None:
         return self.held[0][0] if self.held else None
 
-    def due(self, now_ns: int) -> int | None:
+    def last_due_id(self, until_ns: int) -> int | None:
+        """The largest held id due by ``until_ns`` (nothing is released), or None."""
         last = None
+        for due_ns, packet_id in self.held:
+            if due_ns > until_ns:
+                break
+            last = packet_id
+        return last
+
+    def release_through(self, last_id: int, now_ns: int) -> None:
+        """Forget every held packet with an id <= ``last_id``, released at ``now_ns``."""
         held, stats = self.held, self.stats
-        while held and held[0][0] <= now_ns:
-            due_ns, last = held.popleft()
+        while held and held[0][1] <= last_id:
+            due_ns, _ = held.popleft()
             late_us = (now_ns - due_ns) / 1e3
             stats.packets += 1
             stats.late_sum_us += late_us
             if late_us > stats.late_max_us:
                 stats.late_max_us = late_us
+        stats.batches += 1
+
+    def due(self, now_ns: int) -> int | None:
+        """Release everything due by ``now_ns``: the id for one batch verdict, or None."""
+        last = self.last_due_id(now_ns)
         if last is not None:
-            stats.batches += 1
+            self.release_through(last, now_ns)
         return last
 
 
@@ -385,19 +409,172 @@ def _open(queues: Sequence[int], maxlen_pkts: int) -> socket.socket:
     return sock
 
 
-# The loop sleeps until this long before the next release and spins the rest: a wake-up
-# from select lands 20-80 us late here, a spin lands within a few microseconds. At
-# 100 Mbit/s (1 ms RTT) a 100 us spin cost the two delay lines 1.16 cores, 30 us 0.65
-# and none 0.73 (then 41 us late on average instead of 14).
-SPIN_NS = 30_000
+# How the loop tells what it did apart from what the kernel and the machine did: a release
+# is late either because its notice was read after its due time (``read_late``: the read
+# lag, nothing the loop's timing can fix), or because the loop woke or turned late, which
+# ``SpinWindow`` measures (timed wake-ups' overshoot) and answers by spinning.
+@dataclass
+class LoopStats:
+    untrusted: int = 0  # packets timed from the read of their notice (stamp_trust_ns)
+    errors: dict[int, int] = field(default_factory=dict)  # errno -> netlink errors
+    verdicts: int = 0
+    verdict_send_sum_ns: int = 0  # how long the batch verdicts' send() took (the kernel
+    verdict_send_max_ns: int = 0  # reinjects the released packets inside it)
+
+    def record(self) -> dict[str, object]:
+        return {"timed_from_read": self.untrusted,
+                "netlink_errors": {errno.errorcode.get(k, str(k)): v
+                                   for k, v in self.errors.items()},
+                "verdict_send_mean_us": self.verdict_send_sum_ns / self.verdicts / 1e3
+                if self.verdicts else 0.0,
+                "verdict_send_max_us": self.verdict_send_max_ns / 1e3}
+
+
+def _drain(sock: socket.socket, buf: bytearray, by_queue: dict[int, DelayLine],
+           trust: dict[int, int], loop: LoopStats) -> None:
+    """Read every notice that is waiting (the process never lags the kernel by more than
+    one loop turn), hold or drop each packet, and send the drops' verdicts."""
+    view = memoryview(buf)
+    clock = time.time_ns  # CLOCK_REALTIME, the stamps' clock
+    drop: list[bytes] = []
+    while True:
+        try:
+            n = sock.recv_into(buf)
+        except BlockingIOError:
+            break
+        now = clock()
+        for item in parse_messages(bytes(view[:n])):
+            if isinstance(item, Packet):
+                line = by_queue.get(item.queue)
+                if line is None:
+                    continue
+                rx = item.rx_real_ns
+                if rx is None or not 0 <= now - rx <= trust[item.queue]:
+                    loop.untrusted += 1
+                    rx = now
+                if not line.arrive(item.packet_id, rx, read_ns=now):
+                    drop.append(verdict_one(line.queue, item.packet_id))
+            elif item.code != 0:
+                loop.errors[-item.code] = loop.errors.get(-item.code, 0) + 1
+    if drop:  # before any batch verdict that covers their ids
+        sock.send(b"".join(drop))
+
+
+def _send_verdicts(sock: socket.socket, msgs: bytes, loop: LoopStats) -> None:
+    t0 = time.monotonic_ns()
+    sock.send(msgs)
+    took = time.monotonic_ns() - t0
+    loop.verdicts += 1
+    loop.verdict_send_sum_ns += took
+    loop.verdict_send_max_ns = max(loop.verdict_send_max_ns, took)
+
+
+# A spin that overran its due time by more than this (a burst of notices read in it, a
+# late wake-up) also releases the packets that fell due meanwhile, in the same verdict:
+# otherwise each waits a loop turn for its own (at 100 Mbit/s the data side's releases
+# were 37-52 us late on average instead of 21-30). Below it, the send is not delayed by
+# the extra planning (one loop turn of the spin is a few microseconds).
+FOLD_AFTER_NS = 10_000
+
+
+def _next_due_ns(lines: Sequence[DelayLine]) -> int | None:
+    return min((d for d in (x.next_due_ns() for x in lines) if d is not None), default=None)
+
+
+def _sleep(sock: socket.socket, nxt: int, spin: SpinWindow, drain: Callable[[], None],
+           next_due: Callable[[], int | None]) -> tuple[int, int | None]:
+    """Sleep until ``spin``'s window before ``nxt``, reading notices as they come (the
+    plan stands: new packets of a queue fall due after its held ones); return the time
+    and, if the timer ended the sleep, how late. Returns early if a notice brought a
+    packet due before ``nxt`` (a shorter-delay queue's)."""
+    clock = time.time_ns
+    while True:
+        now = clock()
+        wake_ns = nxt - spin.window_ns(now)
+        if wake_ns <= now:
+            return now, None
+        if not select.select([sock], [], [], (wake_ns - now) / 1e9)[0]:
+            now = clock()
+            return now, now - wake_ns
+        drain()
+        if (next_due() or nxt) < nxt:
+            return clock(), None
+
+
+def _run(sock: socket.socket, lines: Sequence[DelayLine], spin: SpinWindow,
+         loop: LoopStats) -> None:
+    """Hold and release until _Stop. A packet's delay runs from the kernel's receive stamp
+    (NFQA_TIMESTAMP, taken when the interface received it), not from when its notice is
+    read: on the shared 2-core machine a notice is read 40-570 us (median 170 us) after
+    the packet arrived, the softirq's latency before the hook runs plus this process's
+    wake-up, and stamping at read time added that to every delay (a 1 ms + 1 ms path gave
+    a 2.33 ms ping). A stamp older than ``stamp_trust_ns(delay)`` is not this arrival's (a
+    clock step, a stamp carried over from another packet): that packet is timed from its
+    read instead, and counted.
+
+    The loop sleeps until ``spin.window_ns`` before the next release and spins the rest.
+    The spin is only the clock and a zero-timeout poll (notices arriving meanwhile are
+    still read), so the release lands within one such turn of its due time; the wake-up's
+    lateness (the timer's, plus the return to Python) is what ``spin`` learns from."""
+    by_queue = {line.queue: line for line in lines}
+    trust = {x.queue: stamp_trust_ns(x.delay_ms) for x in lines}
+    buf = bytearray(1 << 16)
+    clock = time.time_ns
+    poll = select.select
+    planned: list[tuple[DelayLine, int]] = []
+    msgs = b""
+
+    def drain() -> None:
+        _drain(sock, buf, by_queue, trust, loop)
+
+    while True:
+        nxt = _next_due_ns(lines)
+        if nxt is None:
+            poll([sock], [], [], 0.5)
+            _drain(sock, buf, by_queue, trust, loop)
+            continue
+        # The verdicts are built before the sleep and the bookkeeping is done after the
+        # send: between the wake-up and the send there are only clock reads (Python on the
+        # shared development machine takes tens of microseconds for a few lines, cold).
+        batch = [(x, last) for x in lines if (last := x.last_due_id(nxt)) is not None]
+        if batch != planned:  # unchanged after a spin that a notice cut short
+            planned = batch
+            msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
+        now, overshoot_ns = _sleep(sock, nxt, spin, drain, lambda: _next_due_ns(lines))
+        if (_next_due_ns(lines) or nxt) < nxt:
+            continue  # a packet of a shorter-delay queue is due first: plan again
+        start = now
+        while now < nxt:
+            if poll([sock], [], [], 0)[0]:
+                # Notices came: read them; only a shorter-delay queue's packet due first
+                # changes the plan (the new packets of the planned queues fall due later).
+                _drain(sock, buf, by_queue, trust, loop)
+                if (_next_due_ns(lines) or nxt) < nxt:
+                    break
+            now = clock()
+        if now < nxt:
+            spin.spun(now - start, now)
+            continue
+        if now - nxt > FOLD_AFTER_NS:  # the spin overran: release what fell due meanwhile
+            batch = [(x, last) for x in lines if (last := x.last_due_id(now)) is not None]
+            if batch != planned:
+                planned = batch
+                msgs = b"".join(verdict_batch(x.queue, last) for x, last in batch)
+        _send_verdicts(sock, msgs, loop)
+        if overshoot_ns is not None:
+            spin.woke(overshoot_ns)
+        for x, last in batch:
+            x.release_through(last, now)
+        spin.spun(now - start, now)
 
 
 def serve(lines: Sequence[DelayLine], *, ready_path: str | None = None,
           stats_path: str | None = None, maxlen_pkts: int = QUEUE_MAXLEN_PKTS,
-          realtime: bool = True, spin_ns: int = SPIN_NS) -> None:
+          realtime: bool = True, spin: SpinConfig | None = None) -> None:
     """Bind every queue, then hold and release until SIGTERM/SIGINT; then release what is
     held (the run is over; dropping it would only add losses nobody configured), unbind,
-    and write the stats. ``ready_path`` is created once every queue is bound."""
+    and write the stats. ``ready_path`` is created once every queue is bound. ``spin``:
+    how the loop learns how long to spin before each release (``topo.spin``)."""
     by_queue = {line.queue: line for line in lines}
     if len(by_queue) != len(lines):
         raise DelayLineError(f"queues {[x.queue for x in lines]}: each queue at most once")
@@ -410,66 +587,16 @@ def serve(lines: Sequence[DelayLine], *, ready_path: str | None = None,
     tuning = tune_process(realtime)
     sock = _open(list(by_queue), maxlen_pkts)
     stamper = _enable_rx_timestamps()
-    errors: dict[int, int] = {}
-    untrusted = 0
+    window = SpinWindow(spin or SpinConfig())
+    loop = LoopStats()
     started = time.monotonic_ns()
     try:
         if ready_path:
             with open(ready_path, "w") as f:
                 f.write(str(os.getpid()))
         sock.setblocking(False)
-        buf = bytearray(1 << 16)
-        view = memoryview(buf)
-        # A packet's delay runs from the kernel's receive stamp (NFQA_TIMESTAMP, taken when
-        # the interface received it), not from when its notice is read: on the shared
-        # 2-core machine a notice is read 40-570 us (median 170 us) after the packet
-        # arrived, the softirq's latency before the hook runs plus this process's
-        # wake-up, and stamping at read time added that to every delay (a 1 ms + 1 ms
-        # path gave a 2.33 ms ping). A stamp older than ``stamp_trust_ns(delay)`` is
-        # not this arrival's (a clock step, a stamp carried over from another packet):
-        # that packet is timed from its read instead, and counted.
-        clock = time.time_ns  # CLOCK_REALTIME, the stamps' clock
-        trust = {x.queue: stamp_trust_ns(x.delay_ms) for x in lines}
         try:
-            while True:
-                now = clock()
-                nxt = min((d for d in (x.next_due_ns() for x in lines) if d is not None),
-                          default=None)
-                timeout = 0.5 if nxt is None else (nxt - now - spin_ns) / 1e9
-                if timeout > 0:
-                    select.select([sock], [], [], timeout)
-                elif nxt is not None:
-                    # Spin to the due time, still taking notices as they come.
-                    select.select([sock], [], [], 0)
-                # Drain every notice that is waiting, stamping each with the time it is
-                # read: the process never lags the kernel by more than one loop turn.
-                drop: list[bytes] = []
-                while True:
-                    try:
-                        n = sock.recv_into(buf)
-                    except BlockingIOError:
-                        break
-                    now = clock()
-                    for item in parse_messages(bytes(view[:n])):
-                        if isinstance(item, Packet):
-                            line = by_queue.get(item.queue)
-                            if line is None:
-                                continue
-                            rx = item.rx_real_ns
-                            if rx is None or not 0 <= now - rx <= trust[item.queue]:
-                                untrusted += 1
-                                rx = now
-                            if not line.arrive(item.packet_id, rx):
-                                drop.append(verdict_one(line.queue, item.packet_id))
-                        elif item.code != 0:
-                            errors[-item.code] = errors.get(-item.code, 0) + 1
-                if drop:  # before any batch verdict that covers their ids
-                    sock.send(b"".join(drop))
-                now = clock()
-                for line in lines:
-                    last = line.due(now)
-                    if last is not None:
-                        sock.send(verdict_batch(line.queue, last))
+            _run(sock, lines, window, loop)
         except _Stop:
             pass
         for line in lines:
@@ -483,9 +610,8 @@ def serve(lines: Sequence[DelayLine], *, ready_path: str | None = None,
         stamper.close()
         if stats_path:
             out = {"pid": os.getpid(), "ran_s": (time.monotonic_ns() - started) / 1e9,
-                   "tuning": tuning, "timed_from_read": untrusted,
-                   "netlink_errors": {errno.errorcode.get(k, str(k)): v
-                                      for k, v in errors.items()},
+                   "tuning": tuning, **loop.record(),
+                   "spin": {**asdict(window.config), **window.record()},
                    "queues": [{**asdict(x.stats), "late_mean_us": x.stats.late_mean_us}
                               for x in lines]}
             tmp = stats_path + ".tmp"
@@ -506,9 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stats", help="JSON file written at exit with what was released")
     ap.add_argument("--maxlen", type=int, default=QUEUE_MAXLEN_PKTS,
                     help="packets the kernel holds per queue before it drops")
-    ap.add_argument("--spin-us", type=float, default=SPIN_NS / 1000,
-                    help="spin this long before each release instead of sleeping "
-                         "(less lateness, more CPU)")
+    ap.add_argument("--spin-us", type=float, default=None,
+                    help="spin this long before each release instead of learning the "
+                         "window from the wake-ups (topo.spin); for control runs")
     ap.add_argument("--no-realtime", action="store_true",
                     help="stay SCHED_OTHER (releases then wait behind busy processes)")
     args = ap.parse_args(argv)
@@ -519,9 +645,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if losses:
             raise DelayLineError(f"--loss for queue(s) {sorted(losses)} without a --queue")
         serve(lines, ready_path=args.ready, stats_path=args.stats, maxlen_pkts=args.maxlen,
-              realtime=not args.no_realtime, spin_ns=int(args.spin_us * 1000))
-    except DelayLineError as e:
-        print(f"delayline: {e}", file=sys.stderr)
+              realtime=not args.no_realtime,
+              spin=None if args.spin_us is None else SpinConfig.fixed(int(args.spin_us * 1000)))
+    except (DelayLineError, SpinError) as e:
+        where = "--spin-us: " if isinstance(e, SpinError) else ""
+        print(f"delayline: {where}{e}", file=sys.stderr)
         return 2
     return 0
 

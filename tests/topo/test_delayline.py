@@ -79,11 +79,40 @@ def test_release_is_everything_older_than_the_delay_in_order() -> None:
         dl.DelayLine(queue=1, delay_ms=-1)
 
 
+def test_verdicts_built_ahead_release_exactly_the_planned_ids() -> None:
+    # The loop plans the batch for the next due time before spinning; packets that fall
+    # due while it spins wait for the next batch, and lateness is charged at the send.
+    line = dl.DelayLine(queue=100, delay_ms=1.0)
+    for i, t_us in enumerate([0, 10, 500, 2000]):
+        line.arrive(i + 1, t_us * 1000)
+    assert line.last_due_id(1_009_999) == 1 and line.last_due_id(999_999) is None
+    assert line.last_due_id(1_600_000) == 3 and len(line.held) == 4  # a peek releases nothing
+    line.release_through(2, now_ns=1_520_000)  # sent late, after id 3 fell due too
+    assert [pid for _, pid in line.held] == [3, 4]
+    assert line.stats.packets == 2 and line.stats.batches == 1
+    assert line.stats.late_max_us == pytest.approx(520.0)
+    assert line.stats.late_sum_us == pytest.approx(520.0 + 510.0)
+    assert line.due(1_520_000) == 3 and line.stats.late_max_us == pytest.approx(520.0)
+
+
+def test_packets_due_before_their_notice_was_read_are_counted() -> None:
+    line = dl.DelayLine(queue=100, delay_ms=1.0)
+    line.arrive(1, 0, read_ns=400_000)
+    line.arrive(2, 0, read_ns=1_000_000)
+    assert line.stats.read_late == 1
+
+
 def test_queue_arguments_are_checked() -> None:
     assert dl.parse_queue_arg("100:2.5") == (100, 2.5)
     for bad in ("100", "x:1", "100:-3", "99999:1"):
         with pytest.raises(dl.DelayLineError):
             dl.parse_queue_arg(bad)
+
+
+def test_a_bad_fixed_spin_is_refused_naming_the_option(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    assert dl.main(["--queue", "1:1", "--spin-us", "-5"]) == 2  # before any socket opens
+    assert "--spin-us" in capsys.readouterr().err
 
 
 def test_rules_put_loss_before_the_queue_and_never_bypass() -> None:
