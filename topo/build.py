@@ -36,7 +36,7 @@ from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
 from topo.netfilter import HostImpairment, Impairment
 from topo.netlink import ClassCounters, RtNetlink
-from topo.plan import Step, build_plan, delay_loss
+from topo.plan import Step, build_plan, delay_loss, require_local
 from topo.plan import impairments as _impairments
 from topo.plan import require_impairments as _require_impairments
 from topo.probe import probe
@@ -86,6 +86,8 @@ class Network:
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
                  caps: dict[str, Any] | None = None) -> None:
         self.spec: NetSpec = _net_spec(spec)
+        # Refused before the lock or any namespace: this builder runs every node here.
+        require_local(self.spec)
         self.log = log
         self.caps = caps
         self.tc = Tc(log=log)

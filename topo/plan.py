@@ -27,6 +27,7 @@ from typing import Any
 
 from topo import qdisc
 from topo.netfilter import Impairment, delay_queues, loss_args, mechanisms, rule_commands
+from topo.placement import describe_placement, server_of
 from topo.spec import LinkSpec, NetSpec, PointPlace, ShapingPoint, SpecError
 
 
@@ -160,25 +161,25 @@ def point_steps(place: PointPlace, caps: Mapping[str, Any], offload: bool,
 def require_local(spec: NetSpec) -> None:
     """Refuse a spec that places a host or switch on another machine.
 
-    The spec carries each node's ``placement`` so that a network can later be spread with
-    Mininet Cluster Edition (``RemoteHost``, ``RemoteLink``) without changing shapes or
-    roles; this builder runs every node in this kernel, so it names the first node placed
-    elsewhere instead of silently building it here."""
+    ``topo.placement`` fills each node's ``placement`` from the ``[cluster]`` section, and
+    the dry run prints it; this builder runs every node in this kernel, so it names the
+    first node placed elsewhere instead of silently building it here."""
     placed = [(h.name, h.placement) for h in spec.hosts]
     placed += [(s.name, s.placement) for s in spec.switches]
     for name, placement in placed:
         if placement:
             raise SpecError(f"{name}.placement={placement!r}: this builder puts "
-                            "every node on this machine; placing nodes on other machines "
-                            "(Mininet Cluster Edition) is not supported yet, leave it \"\"")
+                            "every node on this machine; building nodes on other machines "
+                            "(Mininet Cluster Edition) is not supported yet, leave "
+                            "cluster.servers = [\"localhost\"]")
 
 
 def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
     """Every command that shapes ``spec``'s network once Mininet made its namespaces,
     veths and bridges: offload settings on every interface, then every shaping point.
-    Raises ``SpecError`` for a node placed on another machine and ``CapabilityError``
-    when the kernel cannot do it, before anything is built."""
-    require_local(spec)
+    Raises ``CapabilityError`` when the kernel cannot do it, before anything is built.
+    A node placed on another server keeps its steps; ``describe_plan`` names the server
+    each runs on."""
     require_impairments(spec, caps)
     seeded = spec.loss_seed is not None
     shaping = [s for place in spec.places()
@@ -191,15 +192,20 @@ def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
 
 def describe_plan(spec: NetSpec, steps: list[Step]) -> list[str]:
     """The plan as the dry run prints it: a comment line per interface and point, then
-    ``$ argv`` lines."""
+    ``$ argv`` lines; with nodes on several servers, first the placement
+    (``topo.placement.describe_placement``) and each interface's server."""
     out = [f"# {spec.shape}: {len(spec.hosts)} hosts ("
            + ", ".join(f"{h.name}={h.role or '-'}" for h in spec.hosts) + "), switches "
            + ", ".join(s.name for s in spec.switches)]
+    placed = describe_placement(spec)
+    out += placed
     last = None
     for s in steps:
         head = (s.where(), s.what)
         if head != last:
-            out.append(f"# {s.where()}: {s.what if s.what == 'offload' else 'point ' + s.what}")
+            on = f" on {server_of(spec, s.dev.rsplit('-eth', 1)[0])}" if placed else ""
+            out.append(f"# {s.where()}{on}: "
+                       f"{s.what if s.what == 'offload' else 'point ' + s.what}")
             last = head
         out.append("$ " + " ".join(s.argv))
     return out
