@@ -8,6 +8,8 @@
 #     keeps its own network lock (/run/gradbed) and sshd state, as separate machines do;
 #   - a time namespace whose CLOCK_MONOTONIC is offset by N * 1000 s: the servers' clocks
 #     really differ, as on separate machines;
+#   - a pid namespace with its own /proc, sshd its first process: a server sees (and its
+#     cleanup kills) only its own processes, and killing its sshd ends all of them;
 #   - its own sshd (Debian's openssh-server, never the system service), root login by a
 #     key made here for this cluster only, no password.
 #
@@ -60,13 +62,18 @@ EOF
     # sshd -D stays in the foreground as the namespaces' first process; setsid detaches it
     # from this script. The inner shell binds the private /run first.
     setsid ip netns exec "$ns" \
-        unshare --mount --propagation private --time --fork \
+        unshare --mount --propagation private --time --pid --fork --mount-proc \
         --monotonic "$((n * MONO_STEP_S))" -- \
         sh -c "mount --bind '$dir/run' /run && mkdir -p /run/sshd && chmod 0755 /run/sshd \
                && exec /usr/sbin/sshd -D -e -f '$dir/sshd_config'" \
         </dev/null >"$dir/sshd.log" 2>&1 &
     echo $! > "$dir/launcher.pid"
     echo "$SUBNET.$n $(cut -d' ' -f1,2 "$dir/host_key.pub")" >> "$state/known_hosts"
+}
+
+sshd_pid() {  # $1 = the server's state dir: its sshd's pid on this machine (the child of
+    # the launcher, unshare, which waits for it), or nothing
+    pgrep -P "$(cat "$1/launcher.pid" 2>/dev/null || echo 0)" 2>/dev/null | head -1 || true
 }
 
 wait_ssh() {  # $1 = N, $2 = STATE
@@ -131,7 +138,7 @@ down() {  # $1 = STATE
         # Everything the server runs shares its time namespace: its sshd, the sessions and
         # what they started, in its network namespace or in the hosts' below it. A run
         # removes its own; what a killed run left goes with its server here.
-        pid=$(cat "$state/s$i/run/sshd.pid" 2>/dev/null || true)
+        pid=$(sshd_pid "$state/s$i")
         if [ -n "$pid" ]; then
             for p in $(time_ns_pids "$pid"); do kill -9 "$p" 2>/dev/null || true; done
         fi

@@ -2,7 +2,7 @@
 definition a user can read and run by hand) made and removed around a test.
 
 Each server is a network namespace on the root bridge ``gbfc0`` with its own sshd, its own
-``/run`` and a CLOCK_MONOTONIC offset of N * 1000 s; the ssh key is made for the test and
+``/run``, its own pid namespace and a CLOCK_MONOTONIC offset of N * 1000 s; the ssh key is made for the test and
 removed with the cluster. ``fake_cluster`` holds a lock of its own (not the network lock:
 a test may build a network while its servers are up), so two tests never share ``gbfc0``.
 """
@@ -45,9 +45,13 @@ class FakeCluster:
         return self.state / "id_ed25519"
 
     def sshd_pid(self, server: str) -> int:
-        """The pid (in this machine's pid namespace) of ``server``'s sshd."""
+        """The pid, in this machine's pid namespace, of ``server``'s sshd (pid 1 of the
+        server's own): the child of the launcher (``unshare``, which waits for it)."""
         i = self.servers.index(server) + 1
-        return int((self.state / f"s{i}" / "run" / "sshd.pid").read_text())
+        launcher = (self.state / f"s{i}" / "launcher.pid").read_text().strip()
+        out = subprocess.run(["pgrep", "-P", launcher], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return int(out[0])
 
     def ssh(self, server: str, command: str, timeout_s: float = 30.0
             ) -> subprocess.CompletedProcess[str]:

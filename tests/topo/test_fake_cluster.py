@@ -4,6 +4,7 @@ nothing behind. Root; marked ``mininet`` for the lock and the skip without root.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -17,32 +18,33 @@ pytestmark = [pytest.mark.mininet,
                                  reason="no sshd: GRADBED_WITH_SSHD=1 scripts/setup.sh")]
 
 
-def _ancestors(pid: int) -> list[int]:
+# Run on a server: its pid namespace, then the command name of each ancestor of the
+# session's shell up to its pid namespace's first process.
+_LINEAGE = ("readlink /proc/self/ns/pid; p=$$; while [ \"$p\" -gt 1 ]; do "
+            "p=$(cut -d' ' -f4 /proc/$p/stat); cat /proc/$p/comm; done")
+
+
+def _commands_in(pidns: str) -> list[str]:
+    """The command names of every process in pid namespace ``pidns``."""
     out = []
-    while pid > 1:
-        out.append(pid)
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
-    return out
-
-
-def _session_ancestors(ssh_config: Path, server: str) -> list[int]:
-    """The pids above a live process of an ssh session on ``server``."""
-    with subprocess.Popen(["ssh", "-F", str(ssh_config), server, "echo $$; exec sleep 30"],
-                          stdout=subprocess.PIPE, text=True) as p:
-        assert p.stdout is not None
+    for proc in Path("/proc").iterdir():
         try:
-            return _ancestors(int(p.stdout.readline()))
-        finally:
-            p.terminate()
+            if proc.name.isdigit() and os.readlink(proc / "ns" / "pid") == pidns:
+                out.append((proc / "comm").read_text().strip())
+        except OSError:
+            continue  # gone meanwhile
+    return out
 
 
 def test_three_servers_are_apart_take_only_their_key_and_leave_nothing(tmp_path: Path):
     state = tmp_path / "cluster"
     with fake_cluster(state, n=3) as c:
         for i, server in enumerate(c.servers, start=1):
-            # Its own sshd: a session's process descends from it.
-            assert c.sshd_pid(server) in _session_ancestors(c.ssh_config, server)
+            # Its own sshd, first of its own pid namespace: a session descends from it.
+            pidns, *lineage = c.ssh(server, _LINEAGE).stdout.split()
+            sshd = c.sshd_pid(server)
+            assert pidns == os.readlink(f"/proc/{sshd}/ns/pid")
+            assert lineage[-1] == "sshd" and Path(f"/proc/{sshd}/comm").read_text() == "sshd\n"
             # Its own address, CLOCK_MONOTONIC (N * 1000 s ahead of this machine's) and
             # /run: a file made there is on no other server and not here.
             before = time.monotonic()
@@ -66,10 +68,8 @@ def test_three_servers_are_apart_take_only_their_key_and_leave_nothing(tmp_path:
             capture_output=True, text=True, timeout=30)
         assert refused.returncode == 255 and "Permission denied" in refused.stderr
         # A process a session leaves running goes when the cluster goes.
-        sleeper = int(c.ssh(c.servers[1], "setsid sleep 600 >/dev/null 2>&1 < /dev/null & "
-                                          "echo $!").stdout)
-        assert Path(f"/proc/{sleeper}").exists()
-        sshd = c.sshd_pid(c.servers[1])
+        c.ssh(c.servers[1], "setsid sleep 600 >/dev/null 2>&1 < /dev/null &")
+        ns = os.readlink(f"/proc/{c.sshd_pid(c.servers[1])}/ns/pid")
+        assert "sleep" in _commands_in(ns) and "sshd" in _commands_in(ns)
     assert leftovers(state) == []
-    assert not Path(f"/proc/{sshd}").exists()
-    assert not Path(f"/proc/{sleeper}").exists()
+    assert _commands_in(ns) == []
