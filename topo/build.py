@@ -29,13 +29,14 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
 from topo.netfilter import HostImpairment, Impairment
 from topo.netlink import ClassCounters, RtNetlink
+from topo.placement import LOCAL, servers_used
 from topo.plan import Step, build_plan, delay_loss, require_local
 from topo.plan import impairments as _impairments
 from topo.plan import require_impairments as _require_impairments
@@ -43,6 +44,9 @@ from topo.probe import probe
 from topo.qdisc import QdiscStats
 from topo.spec import LinkSpec, NetSpec, SpecError, default_queue_bytes
 from topo.tc import Tc, TcError
+
+if TYPE_CHECKING:  # topo.cluster imports Mininet, needed only for a spread network
+    from topo.cluster import Cluster, SshAccess
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down")
@@ -80,14 +84,16 @@ class Network:
     log: receives every external command as ``$ tc ...`` plus progress lines.
     lock_path / lock_timeout_s: the machine-wide network lock (topo.lock).
     caps: kernel capabilities (topo.probe); probed when None.
+    access: how to reach the servers of a spec placed over several (``topo.cluster``);
+        None builds every node here and refuses a spec placed elsewhere.
     """
 
     def __init__(self, spec: NetSpec | HasNetSpec, *, log: Callable[[str], None] | None = None,
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
-                 caps: dict[str, Any] | None = None) -> None:
+                 caps: dict[str, Any] | None = None, access: SshAccess | None = None) -> None:
         self.spec: NetSpec = _net_spec(spec)
-        # Refused before the lock or any namespace: this builder runs every node here.
-        require_local(self.spec)
+        # Refused before the lock or any namespace.
+        self.cluster = _cluster(self.spec, access, log)
         self.log = log
         self.caps = caps
         self.tc = Tc(log=log)
@@ -136,27 +142,17 @@ class Network:
         # The whole plan first: what the kernel cannot do is refused before anything exists.
         self.mechanisms = _require_impairments(spec, self.caps)
         plan = build_plan(spec, self.caps)
-        self.removed_at_start = cleanup()
+        if self.cluster is not None:
+            self.cluster.precheck()
+            self.cluster.require_shapeable(self.mechanisms, self._netem)
+        self.removed_at_start = self._cleanup()
         for line in self.removed_at_start:
             self._say(f"cleanup before build: {line}")
-
-        from mininet.link import Link
         from mininet.log import setLogLevel
-        from mininet.net import Mininet
-        from mininet.node import Host
-        from mininet.nodelib import LinuxBridge
 
         setLogLevel("error")  # our own log carries the commands; Mininet's is noise here
-        net = Mininet(topo=None, controller=None, switch=LinuxBridge, host=Host, link=Link,
-                      build=False, autoSetMacs=True)
+        net = _local_mininet(spec) if self.cluster is None else self.cluster.mininet()
         self._net = net
-        for sw in spec.switches:
-            net.addSwitch(sw.name, cls=LinuxBridge, stp=False)
-        for h in spec.hosts:
-            net.addHost(h.name, ip=f"{h.ip}/24")
-        for e in spec.edges:
-            net.addLink(net[e.a], net[e.b], port1=e.a_port, port2=e.b_port,
-                        intfName1=e.a_intf, intfName2=e.b_intf)
         net.build()
         net.start()
         self._say(f"{spec.shape} up: {len(spec.hosts)} hosts, switches "
@@ -203,8 +199,21 @@ class Network:
         return any(getattr(p.point.link, field) > 0 for p in self.spec.places())
 
     def _run_steps(self, steps: Sequence[Step]) -> None:
+        """Each namespace's steps in their order, one namespace after another (one
+        session per namespace on another server; interfaces do not depend on each
+        other)."""
+        batches: dict[tuple[str | None, str], tuple[str, list[list[str]]]] = {}
         for step in steps:
-            self._dev_tc(step.host).run_all([list(step.argv)])
+            node = step.host or step.dev.rsplit("-eth", 1)[0]
+            where = self.cluster.where[node] if self.cluster is not None else ""
+            batches.setdefault((step.host, where), (step.dev, []))[1].append(list(step.argv))
+        for (host, _), (dev, commands) in batches.items():
+            self._dev_tc(host, dev).run_all(commands)
+
+    def _cleanup(self) -> list[str]:
+        """``topo.cleanup`` here (when a node runs here) and on every remote server."""
+        here = cleanup() if self.cluster is None or self.cluster.local_used else []
+        return here + (self.cluster.cleanup() if self.cluster is not None else [])
 
     def _teardown(self) -> None:
         for nl in self._netlink.values():
@@ -233,9 +242,11 @@ class Network:
                     self._net = None
         finally:
             try:
-                self.removed_at_exit = cleanup()
+                self.removed_at_exit = self._cleanup()
                 for line in self.removed_at_exit:
                     self._say(f"cleanup after stop: {line}")
+                if self.cluster is not None:
+                    self.cluster.close()
             finally:
                 self._lock.release()
 
@@ -252,10 +263,24 @@ class Network:
                          for c in qdisc.offload_commands(dev, on, segs)])
 
     def _host_tc(self, host: str) -> Tc:
-        return self.tc.in_netns(self.pid(host), host)
+        return self._on_server(self.tc.in_netns(self.pid(host), host), host)
 
-    def _dev_tc(self, host: str | None) -> Tc:
-        return self.tc if host is None else self._host_tc(host)
+    def _dev_tc(self, host: str | None, dev: str) -> Tc:
+        """Commands for ``dev``: in ``host``'s namespace, or the root namespace of the
+        server that owns the interface (a switch port's switch)."""
+        if host is not None:
+            return self._host_tc(host)
+        return self._on_server(self.tc, dev.rsplit("-eth", 1)[0])
+
+    def _on_server(self, tc: Tc, node: str) -> Tc:
+        if self.cluster is None:
+            return tc
+        via, server = self.cluster.via(node)
+        return tc.on_server(via, server) if via else tc
+
+    def _in_host(self, name: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` in host ``name``'s network namespace, on the server that runs it."""
+        return self._host_tc(name).full_argv(argv)
 
     def point_dev(self, point: str) -> str:
         """Interface whose egress carries shaping point ``point``."""
@@ -282,7 +307,7 @@ class Network:
             # The spec left the queue to gradbed (20 ms at the rate): keep it 20 ms at the
             # new rate, or a cap from 1000 to 2.5 Mbit/s would leave an 8 s queue behind.
             queue_bytes = default_queue_bytes(rate_mbps)
-        tc = self._dev_tc(host)
+        tc = self._dev_tc(host, dev)
         # The rate change goes over rtnetlink from this process (topo/netlink.py: a
         # fork+exec of tc lands 15-60 ms late here); the log shows the equivalent command.
         argv, = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
@@ -301,6 +326,10 @@ class Network:
 
     def _rtnetlink(self, host: str | None) -> RtNetlink:
         """One netlink socket per namespace, opened on first use, closed at teardown."""
+        if self.cluster is not None and self._on_server(self.tc, host or "").via:
+            raise SpecError(f"{host or 'a switch'}: changing a rate on another server "
+                            "(netlink) is not supported yet; keep traces and caps on "
+                            "links of this machine")
         if host not in self._netlink:
             self._netlink[host] = RtNetlink(None if host is None else self.pid(host))
         return self._netlink[host]
@@ -356,7 +385,7 @@ class Network:
     def point_stats(self, point: str) -> QdiscStats:
         """The counters of shaping point ``point``'s queue (its bfifo leaf)."""
         place = self.spec.place(point)
-        text = self._dev_tc(place.host).run(qdisc.stats_command(place.dev), echo=False)
+        text = self._dev_tc(place.host, place.dev).run(qdisc.stats_command(place.dev), echo=False)
         return qdisc.bottleneck_counters(text)
 
     def point_classes(self, point: str) -> dict[str, ClassCounters]:
@@ -369,7 +398,7 @@ class Network:
             classes = self._rtnetlink(place.host).class_counters(place.dev)
         except OSError as e:
             raise TcError(["tc", "-s", "class", "show", "dev", place.dev], e.errno or -1,
-                          f"netlink: {e}", self._dev_tc(place.host).where) from e
+                          f"netlink: {e}", self._dev_tc(place.host, place.dev).where) from e
         out = {f"{c.classid >> 16:x}:{c.classid & 0xFFFF:x}": c for c in classes
                if c.kind == "htb"}
         if qdisc.CLASS_ID not in out:
@@ -382,7 +411,7 @@ class Network:
 
     def qdisc_stats(self, host: str | None, dev: str) -> list[QdiscStats]:
         """Every qdisc on ``dev`` (in ``host``'s namespace, or the root one for None)."""
-        return qdisc.parse_tc_stats(self._dev_tc(host).run(qdisc.stats_command(dev),
+        return qdisc.parse_tc_stats(self._dev_tc(host, dev).run(qdisc.stats_command(dev),
                                                            echo=False))
 
     def set_congestion_control(self, algo: str) -> None:
@@ -430,7 +459,7 @@ class Network:
         The process shares the file system (Unix control sockets in the run directory
         work) and is terminated, then killed, when the network is torn down.
         """
-        full = ["nsenter", "-t", str(self.pid(name)), "-n", "--", *argv]
+        full = self._in_host(name, argv)
         kw.setdefault("env", {**os.environ})
         proc = subprocess.Popen(full, **kw)
         self._procs.append(proc)
@@ -451,9 +480,40 @@ class Network:
     def run(self, name: str, argv: Sequence[str], timeout_s: float = 60.0,
             ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` in host ``name`` to completion; raise on a non-zero exit."""
-        full = ["nsenter", "-t", str(self.pid(name)), "-n", "--", *argv]
+        full = self._in_host(name, argv)
         return subprocess.run(full, capture_output=True, text=True, timeout=timeout_s,
                               check=True)
+
+
+def _cluster(spec: NetSpec, access: SshAccess | None,
+             log: Callable[[str], None] | None) -> Cluster | None:
+    """The servers of a spec placed over several (None: every node here); without
+    ``access`` a node placed elsewhere is refused (``topo.plan.require_local``)."""
+    if access is None or servers_used(spec) == [LOCAL]:
+        require_local(spec)
+        return None
+    from topo.cluster import Cluster
+
+    return Cluster(spec, access, log)
+
+
+def _local_mininet(spec: NetSpec) -> Any:
+    """The spec's nodes and links in a plain ``Mininet`` on this machine (not built yet)."""
+    from mininet.link import Link
+    from mininet.net import Mininet
+    from mininet.node import Host
+    from mininet.nodelib import LinuxBridge
+
+    net = Mininet(topo=None, controller=None, switch=LinuxBridge, host=Host, link=Link,
+                  build=False, autoSetMacs=True)
+    for sw in spec.switches:
+        net.addSwitch(sw.name, cls=LinuxBridge, stp=False)
+    for h in spec.hosts:
+        net.addHost(h.name, ip=f"{h.ip}/24")
+    for e in spec.edges:
+        net.addLink(net[e.a], net[e.b], port1=e.a_port, port2=e.b_port,
+                    intfName1=e.a_intf, intfName2=e.b_intf)
+    return net
 
 
 # The name this builder had while it built only stars; scripts and benchmarks use it.

@@ -3,7 +3,7 @@ Edition's placers (``mininet/examples/cluster.py``: ``SwitchBinPlacer``,
 ``RoundRobinPlacer``, ``RandomPlacer``) run over the spec's node names and links, with a
 config's pins laid over them.
 
-Pure: the placers only read names, nothing is built and no server is contacted. The result
+Pure: the placers (``topo.placers``, imported only for more than one server) only read names, nothing is built and no server is contacted. The result
 is the spec itself with ``HostSpec.placement`` and ``SwitchSpec.placement`` filled in, so
 the dry run (``topo.plan.describe_placement``) and the builder read the same data. A
 placement of "" means this machine: a one-server cluster on ``localhost`` (the default)
@@ -12,59 +12,13 @@ returns the spec unchanged.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mininet.examples.cluster import RandomPlacer, RoundRobinPlacer, SwitchBinPlacer
-
 from topo.spec import EdgeSpec, NetSpec, SpecError
 
 LOCAL = "localhost"
-
-
-class PinnedSwitchBinPlacer(SwitchBinPlacer):  # type: ignore[misc]
-    """Mininet's switch bins, then the pins: a pinned switch moves to its server and takes
-    every unpinned host whose (last) switch it is along, as ``SwitchBinPlacer`` co-locates
-    a host with its switch; a pinned host stays where it is pinned."""
-
-    def __init__(self, *args: Any, pins: Mapping[str, str], **kwargs: Any) -> None:
-        self.pins = dict(pins)
-        super().__init__(*args, **kwargs)
-
-    def calculatePlacement(self) -> dict[str, str]:  # noqa: N802  (Mininet's name)
-        free = [s for s in self.switches if s not in self.pins]
-        placement: dict[str, str] = dict(self.bin(free, self.servers))
-        placement.update({s: self.pins[s] for s in self.switches if s in self.pins})
-        switch_for: dict[str, str] = {}
-        for src, dst in self.links:  # the last switch a host links to, as upstream does
-            if src in self.hset and dst in self.sset:
-                switch_for[src] = dst
-            if dst in self.hset and src in self.sset:
-                switch_for[dst] = src
-        for h in self.hosts:
-            if h in self.pins:
-                placement[h] = self.pins[h]
-            elif h in switch_for:
-                placement[h] = placement[switch_for[h]]
-            else:
-                raise SpecError(f"cluster.placement = 'switchbin': host {h} links to no "
-                                "switch, so it has no switch to sit with; pin it "
-                                "(cluster.pins) or use roundrobin")
-        return placement
-
-
-class SeededRandomPlacer(RandomPlacer):  # type: ignore[misc]
-    """Mininet's random placement, drawn from a generator seeded with the run's seed, so
-    the dry run and the build (and every rerun) place alike."""
-
-    def __init__(self, *args: Any, seed: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.rng = random.Random(seed)
-
-    def place(self, node: str) -> str:
-        return str(self.servers[self.rng.randrange(len(self.servers))])
 
 
 @dataclass(frozen=True)
@@ -116,6 +70,9 @@ def place(spec: NetSpec, servers: Sequence[str], placement: str = "switchbin",
                             f"cluster.servers {servers}")
     if servers == [LOCAL]:
         return spec
+    # Mininet is imported only for a spec that leaves this machine.
+    from topo.placers import PinnedSwitchBinPlacer, RoundRobinPlacer, SeededRandomPlacer
+
     hosts = list(spec.host_names())
     switches = [s.name for s in spec.switches]
     links = [(e.a, e.b) for e in spec.edges]
