@@ -265,12 +265,13 @@ class Network:
     def _host_tc(self, host: str) -> Tc:
         return self._on_server(self.tc.in_netns(self.pid(host), host), host)
 
-    def _dev_tc(self, host: str | None, dev: str) -> Tc:
+    def _dev_tc(self, host: str | None, dev: str = "") -> Tc:
         """Commands for ``dev``: in ``host``'s namespace, or the root namespace of the
-        server that owns the interface (a switch port's switch)."""
+        server that owns the interface (a switch port's switch; this machine's without
+        ``dev``)."""
         if host is not None:
             return self._host_tc(host)
-        return self._on_server(self.tc, dev.rsplit("-eth", 1)[0])
+        return self._on_server(self.tc, dev.rsplit("-eth", 1)[0]) if dev else self.tc
 
     def _on_server(self, tc: Tc, node: str) -> Tc:
         if self.cluster is None:
