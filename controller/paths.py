@@ -37,6 +37,7 @@ from controller.rundir import hand_over, make_dirs
 PATH_FIELDS: tuple[tuple[str, str], ...] = (
     ("trace", "up"), ("trace", "down"), ("background", "flow_cdf"), ("background", "pcap"),
     ("topo", "traces"), ("cluster", "key_path"),
+    ("cluster", "ssh_config"),
 )
 
 #: The shipped data: package, folder inside it, and the prefix a config writes for it.

@@ -36,6 +36,7 @@ from typing import Any
 from mininet.examples.cluster import MininetCluster, Placer, RemoteGRELink, RemoteHost, RemoteMixin
 from mininet.nodelib import LinuxBridge
 
+from agents.core.cluster_config import ClusterConfig
 from topo.placement import LOCAL, crossings, node_servers, servers_used
 from topo.plan import impairments
 from topo.spec import NetSpec, SpecError
@@ -63,6 +64,11 @@ class SshAccess:
     # server for the whole run instead of one per command (about a second each on a
     # loaded machine: a star's build took 165 s without). "" = a new connection each time.
     control_dir: str = ""
+
+    @classmethod
+    def from_config(cls, c: ClusterConfig) -> SshAccess:
+        """The ``[cluster]`` section's user, key and ssh_config."""
+        return cls(user=c.user, key_path=c.key_path, ssh_config=c.ssh_config)
 
     def argv(self, server_ip: str, tty: bool = False) -> list[str]:
         """The ssh command that runs one command line on ``server_ip``; ``tty``: with

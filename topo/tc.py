@@ -130,7 +130,7 @@ class Tc:
         if self.dry_run:
             return
         lines = [f"{shlex.join(Tc(netns_pid=self.netns_pid).full_argv(a))} || "
-                 f"{{ rc=$?; echo {FAILED_MARK}{i} >&2; exit $rc; }}"
+                 f"{{ rc=$?; printf '\\n{FAILED_MARK}{i}\\n' >&2; exit $rc; }}"
                  for i, a in enumerate(commands)]
         try:
             proc = subprocess.run([*self.via, "\n".join(lines)], capture_output=True,

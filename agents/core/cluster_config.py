@@ -42,6 +42,7 @@ class ClusterConfig:
     servers: tuple[str, ...] = ("localhost",)
     user: str = "root"                # ssh user on every remote server (needs root there)
     key_path: str = ""                # ssh private key for the remote servers; "" = ssh's default
+    ssh_config: str = ""              # an ssh_config file (ssh -F): known hosts, ports; "" = ssh's own
     placement: str = "switchbin"      # switchbin, roundrobin or random (PLACEMENTS)
     # Node or role -> server, placed before the placer runs, e.g. {ps = "localhost",
     # worker = "10.99.0.2"}: a node name pins that node, a role name every host of the
@@ -64,8 +65,9 @@ class ClusterConfig:
                f"must not repeat a server (repeated: {', '.join(map(str, dup))})")
         _check(bool(_USER.match(self.user)), f"{p}.user", self.user,
                "must be a user name (lower case letters, digits, '_', '-')")
-        _check(self.key_path == "" or "\n" not in self.key_path, f"{p}.key_path",
-               self.key_path, "must be a file path or empty")
+        for name in ("key_path", "ssh_config"):
+            value = getattr(self, name)
+            _check("\n" not in value, f"{p}.{name}", value, "must be a file path or empty")
         _check(self.placement in PLACEMENTS, f"{p}.placement", self.placement,
                f"must be one of {', '.join(PLACEMENTS)}")
         for key, server in self.pins.items():
