@@ -158,20 +158,20 @@ def point_steps(place: PointPlace, caps: Mapping[str, Any], offload: bool,
     return [Step(place.host, place.dev, place.point.name, tuple(c)) for c in cmds]
 
 
-def require_local(spec: NetSpec) -> None:
-    """Refuse a spec that places a host or switch on another machine.
+def require_local(spec: NetSpec, why: str = "") -> None:
+    """Refuse a spec that places a host or switch on another machine, naming the first.
 
     ``topo.placement`` fills each node's ``placement`` from the ``[cluster]`` section, and
-    the dry run prints it; this builder runs every node in this kernel, so it names the
-    first node placed elsewhere instead of silently building it here."""
+    the dry run prints it; a builder without the servers' ssh access (``topo.build
+    .Network`` without ``access``), or ``why`` a caller gives, cannot go there."""
     placed = [(h.name, h.placement) for h in spec.hosts]
     placed += [(s.name, s.placement) for s in spec.switches]
     for name, placement in placed:
         if placement:
-            raise SpecError(f"{name}.placement={placement!r}: this builder puts "
-                            "every node on this machine; building nodes on other machines "
-                            "(Mininet Cluster Edition) is not supported yet, leave "
-                            "cluster.servers = [\"localhost\"]")
+            raise SpecError(f"{name}.placement={placement!r}: " + (why or (
+                "building on other servers (Mininet Cluster Edition) needs their ssh "
+                "access: Network(spec, access=SshAccess(...)), docs/cluster.md"))
+                + "; leave cluster.servers = [\"localhost\"] to run here")
 
 
 def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
