@@ -145,6 +145,7 @@ class Network:
         if self.cluster is not None:
             self.cluster.precheck()
             self.cluster.require_shapeable(self.mechanisms, self._netem)
+            self.cluster.record_clocks("start")
         self.removed_at_start = self._cleanup()
         for line in self.removed_at_start:
             self._say(f"cleanup before build: {line}")
@@ -225,6 +226,8 @@ class Network:
                 hi.__exit__(None, None, None)
             self.impairment_records = [hi.record() for hi in self.host_impairments]
             self.host_impairments.clear()
+            if self.cluster is not None and "start" in self.cluster.clocks:
+                self.cluster.record_clocks("end")
             for proc in self._procs:
                 if proc.poll() is None:
                     proc.terminate()

@@ -37,6 +37,7 @@ from mininet.examples.cluster import MininetCluster, Placer, RemoteGRELink, Remo
 from mininet.nodelib import LinuxBridge
 
 from agents.core.cluster_config import ClusterConfig
+from topo import clocks
 from topo.placement import LOCAL, crossings, node_servers, servers_used
 from topo.plan import impairments
 from topo.spec import NetSpec, SpecError
@@ -156,6 +157,8 @@ class Cluster:
         self.servers = servers_used(spec)
         self.remote = [s for s in self.servers if s != LOCAL]
         self.ips = {s: RemoteMixin.findServerIP(s) for s in self.servers}
+        # "start"/"end" -> server -> its CLOCK_MONOTONIC offset (topo.clocks), for meta.json
+        self.clocks: dict[str, dict[str, dict[str, float | int | str]]] = {}
         for s, ip in self.ips.items():
             if not ip:
                 raise SpecError(f"cluster.servers: {s!r} has no IPv4 address here "
@@ -208,6 +211,24 @@ class Cluster:
                 raise SpecError(f"point {place.point.name}: a trace on {place.dev} on "
                                 f"{self.where[node]} is not supported yet (its rate "
                                 "changes go over netlink from this machine)")
+
+    def record_clocks(self, when: str) -> None:
+        """Measure every remote server's clock offset now (min-RTT ping-pong over its
+        ssh session) into ``clocks[when]``."""
+        self.clocks[when] = {}
+        for s in self.remote:
+            try:
+                off = clocks.measure(self.access.argv(self.ips[s]))
+            except (OSError, subprocess.TimeoutExpired) as e:
+                # At the end a server may be gone: recorded, and teardown goes on.
+                if when == "start":
+                    raise
+                self.clocks[when][s] = {"error": str(e)}
+                continue
+            self.clocks[when][s] = off.describe()
+            if self.log is not None:
+                self.log(f"clock of {s}: {off.offset_ns / 1e9:+.6f} s "
+                         f"(+- {off.error_ns / 1e6:.3f} ms, {when})")
 
     def _underlay(self) -> dict[str, str]:
         """server -> the address peers reach it at (this machine: its route's source)."""

@@ -10,7 +10,7 @@ import pytest
 
 from agents.core import config as cfgmod
 from controller.run import plan_commands
-from tests.support.fake_cluster import FakeCluster, fake_cluster
+from tests.support.fake_cluster import MONO_STEP_S, FakeCluster, fake_cluster
 from topo.build import Network
 from topo.cluster import LINK_MTU, SshAccess
 from topo.placement import crossings, node_servers
@@ -52,6 +52,13 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(tmp_path: P
         with Network(spec, caps=CAPS, access=SshAccess(ssh_config=str(c.ssh_config))) as net:
             assert net.cluster is not None
             assert net.cluster.built_placement(net.mininet) == planned
+            # Each server's CLOCK_MONOTONIC runs N * 1000 s ahead (its time namespace);
+            # the min-RTT ping-pong finds it within its stated error.
+            for n, s in enumerate(c.servers, start=1):
+                clock = net.cluster.clocks["start"][s]
+                assert abs(float(clock["offset_s"]) - n * MONO_STEP_S) \
+                    <= float(clock["error_s"]) + 1e-6
+                assert float(clock["error_s"]) < 0.05
             # Every host reaches every other; ps <-> wK crosses the VXLAN tunnel. One
             # session per host (an ssh to a server takes about a second here).
             for a in spec.host_names():
@@ -70,4 +77,5 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(tmp_path: P
             assert "htb" in c.ssh(s2, f"nsenter -t {net.pid('w0')} -n tc qdisc show "
                                       "dev w0-eth0").stdout
             assert "gbsw0-eth2" in c.ssh(s1, "ip -o link show master gbsw0").stdout
+        assert set(net.cluster.clocks["end"]) == {s1, s2}
         assert _server_leftovers(c) == []
