@@ -22,7 +22,9 @@ ssh (gradbed's names only), never upstream's ``mn -c`` on every server.
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
+import json
 import shlex
 import shutil
 import subprocess
@@ -84,6 +86,37 @@ class SshAccess:
             out += ["-o", "ControlMaster=auto", "-o", f"ControlPath={self.control_dir}/%C",
                     "-o", "ControlPersist=60"]
         return [*out, *(["-tt"] if tty else []), f"{self.user}@{server_ip}"]
+
+
+# What every server must run alike; read from package metadata (no import of torch).
+VERSIONED = ("gradbed", "mininet", "torch")
+VERSION_PROBE = ("import json, importlib.metadata as m\n"
+                 "def v(n):\n"
+                 "    try:\n"
+                 "        return m.version(n)\n"
+                 "    except m.PackageNotFoundError:\n"
+                 "        return None\n"
+                 f"print(json.dumps({{n: v(n) for n in {VERSIONED!r}}}))")
+
+
+def local_versions() -> dict[str, str | None]:
+    """This machine's versions of :data:`VERSIONED` (what ``VERSION_PROBE`` prints)."""
+    out: dict[str, str | None] = {}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def version_mismatches(server: str, here: Mapping[str, str | None],
+                       there: Mapping[str, str | None]) -> list[str]:
+    """One line per package of :data:`VERSIONED` whose version on ``server`` differs from
+    this machine's, naming both."""
+    return [f"cluster server {server}: {name} {there.get(name) or 'missing'} there, "
+            f"{here.get(name) or 'missing'} here" for name in VERSIONED
+            if there.get(name) != here.get(name)]
 
 
 class _Remote(RemoteMixin):  # type: ignore[misc]
@@ -184,16 +217,25 @@ class Cluster:
                               timeout=timeout_s, check=False)
 
     def precheck(self) -> None:
-        """Every remote server answers ssh as root, before anything is built; the answer
-        opens the connection the run's commands share (``SshAccess.control_dir``)."""
+        """Before anything is built: every remote server answers ssh as root and runs the
+        same gradbed, Mininet and torch as this machine (else one error naming each
+        difference); the answer opens the connection the run's commands share
+        (``SshAccess.control_dir``)."""
         if not self.access.control_dir:
             self.access = replace(self.access, control_dir=tempfile.mkdtemp(prefix="gbssh-"))
+        here, wrong = local_versions(), []
         for s in self.remote:
-            p = self.ssh(s, "id -u")
-            if p.returncode != 0 or p.stdout.strip() != "0":
+            p = self.ssh(s, f"id -u && cd {shlex.quote(str(REPO))} && "
+                            f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSION_PROBE)}")
+            lines = p.stdout.splitlines()
+            if p.returncode != 0 or not lines or lines[0].strip() != "0":
                 raise SpecError(f"cluster server {s}: ssh {self.access.user}@{self.ips[s]} "
                                 f"failed (exit {p.returncode}): "
                                 f"{(p.stderr or p.stdout).strip() or 'not root there'}")
+            wrong += version_mismatches(s, here, json.loads(lines[-1]))
+        if wrong:
+            raise SpecError("\n".join([*wrong, "every server needs the same gradbed, "
+                                       "Mininet and torch (docs/cluster.md)"]))
 
     def require_shapeable(self, mechanisms: Mapping[str, str | None], netem: bool) -> None:
         """Refuse what is not built on another server yet, naming it: a delay line or

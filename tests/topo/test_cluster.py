@@ -52,3 +52,20 @@ def test_a_spec_placed_elsewhere_needs_the_servers_access():
         Network(spec, lock_path="/nonexistent/lock")
     net = Network(spec, lock_path="/nonexistent/lock", access=cluster.SshAccess())
     assert net.cluster is not None and net.cluster.servers == ["10.99.0.1"]
+
+
+def test_servers_with_other_versions_are_named_with_both_versions():
+    here = cluster.local_versions()
+    assert set(here) == {"gradbed", "mininet", "torch"} and here["mininet"]
+    assert cluster.version_mismatches("10.99.0.2", here, dict(here)) == []
+    there = {**here, "torch": "1.0.0", "gradbed": None}
+    assert cluster.version_mismatches("10.99.0.2", here, there) == [
+        f"cluster server 10.99.0.2: gradbed missing there, {here['gradbed']} here",
+        f"cluster server 10.99.0.2: torch 1.0.0 there, {here['torch']} here"]
+    # The probe the servers run prints what this machine reads.
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", cluster.VERSION_PROBE], capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out) == here

@@ -36,6 +36,15 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
     return out
 
 
+def _all_pairs_reach(net: Network, hosts: list[str]) -> None:
+    """Every host pings every other (one session per host: an ssh costs ~1 s here)."""
+    for a in hosts:
+        others = " ".join(net.ip(b) for b in hosts if b != a)
+        failed = net.run(a, ["sh", "-c", f"for ip in {others}; do ping -c 1 -W 3 "
+                             "$ip >/dev/null || echo $ip; done"]).stdout.split()
+        assert failed == [], f"{a} cannot reach {failed}"
+
+
 def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(tmp_path: Path):
     with fake_cluster(tmp_path / "cluster", n=2) as c:
         s1, s2 = c.servers
@@ -59,13 +68,8 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(tmp_path: P
                 assert abs(float(clock["offset_s"]) - n * MONO_STEP_S) \
                     <= float(clock["error_s"]) + 1e-6
                 assert float(clock["error_s"]) < 0.05
-            # Every host reaches every other; ps <-> wK crosses the VXLAN tunnel. One
-            # session per host (an ssh to a server takes about a second here).
-            for a in spec.host_names():
-                others = " ".join(spec.ip(b) for b in spec.host_names() if b != a)
-                failed = net.run(a, ["sh", "-c", f"for ip in {others}; do ping -c 1 -W 3 "
-                                     "$ip >/dev/null || echo $ip; done"]).stdout.split()
-                assert failed == [], f"{a} cannot reach {failed}"
+            # Every host reaches every other; ps <-> wK crosses the VXLAN tunnel.
+            _all_pairs_reach(net, list(spec.host_names()))
             # A worker's end of the tunnel: VXLAN, the run's MTU, shaped on server 2.
             link = net.run("w0", ["ip", "-d", "link", "show", "w0-eth0"]).stdout
             assert "vxlan id" in link and f"mtu {LINK_MTU}" in link
@@ -78,4 +82,21 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(tmp_path: P
                                       "dev w0-eth0").stdout
             assert "gbsw0-eth2" in c.ssh(s1, "ip -o link show master gbsw0").stdout
         assert set(net.cluster.clocks["end"]) == {s1, s2}
+        assert _server_leftovers(c) == []
+
+
+def test_a_fabric_spread_round_robin_over_three_servers(tmp_path: Path):
+    with fake_cluster(tmp_path / "cluster", n=3) as c:
+        servers = ", ".join(f'"{s}"' for s in c.servers)
+        cfg = cfgmod.load("configs/demo.toml", [
+            'topo.shape="fabric"', "topo.hosts=5", "net.workers=5", "net.delay_ms=0",
+            "net.loss_pct=0", 'trace.up=""', f"cluster.servers=[{servers}]",
+            'cluster.placement="roundrobin"'])
+        spec = shape_spec(cfg)
+        planned = node_servers(spec)
+        assert set(planned.values()) == set(c.servers)  # every server holds some node
+        with Network(spec, caps=CAPS, access=SshAccess(ssh_config=str(c.ssh_config))) as net:
+            assert net.cluster is not None
+            assert net.cluster.built_placement(net.mininet) == planned
+            _all_pairs_reach(net, list(spec.host_names()))
         assert _server_leftovers(c) == []
