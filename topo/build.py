@@ -37,7 +37,7 @@ from topo.lock import DEFAULT_LOCK_PATH, NetLock
 from topo.netfilter import HostImpairment, Impairment
 from topo.netlink import ClassCounters, RtNetlink
 from topo.placement import LOCAL, servers_used
-from topo.plan import Step, build_plan, delay_loss, require_local
+from topo.plan import Step, build_plan, delay_loss, group_steps, require_local
 from topo.plan import impairments as _impairments
 from topo.plan import require_impairments as _require_impairments
 from topo.probe import probe
@@ -200,15 +200,8 @@ class Network:
         return any(getattr(p.point.link, field) > 0 for p in self.spec.places())
 
     def _run_steps(self, steps: Sequence[Step]) -> None:
-        """Each namespace's steps in their order, one namespace after another (one
-        session per namespace on another server; interfaces do not depend on each
-        other)."""
-        batches: dict[tuple[str | None, str], tuple[str, list[list[str]]]] = {}
-        for step in steps:
-            node = step.host or step.dev.rsplit("-eth", 1)[0]
-            where = self.cluster.where[node] if self.cluster is not None else ""
-            batches.setdefault((step.host, where), (step.dev, []))[1].append(list(step.argv))
-        for (host, _), (dev, commands) in batches.items():
+        where = self.cluster.where if self.cluster is not None else {}
+        for host, dev, commands in group_steps(steps, where):
             self._dev_tc(host, dev).run_all(commands)
 
     def _cleanup(self) -> list[str]:
@@ -282,10 +275,6 @@ class Network:
         via, server = self.cluster.via(node)
         return tc.on_server(via, server) if via else tc
 
-    def _in_host(self, name: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` in host ``name``'s network namespace, on the server that runs it."""
-        return self._host_tc(name).full_argv(argv)
-
     def point_dev(self, point: str) -> str:
         """Interface whose egress carries shaping point ``point``."""
         return self.spec.place(point).dev
@@ -320,7 +309,7 @@ class Network:
         if not tc.dry_run:
             cls = qdisc.htb_class(rate_mbps, self.spec.offload, burst_bytes)
             try:
-                self._rtnetlink(host).change_htb_class(dev, cls)
+                self._rtnetlink(host, dev).change_htb_class(dev, cls)
             except OSError as e:
                 raise TcError(argv, e.errno or -1, f"netlink: {e}", tc.where) from e
         if queue_bytes is not None:
@@ -328,12 +317,10 @@ class Network:
                                                    ack_first=self._ack_first.get(dev, False)))
         self._rates[dev] = rate_mbps
 
-    def _rtnetlink(self, host: str | None) -> RtNetlink:
+    def _rtnetlink(self, host: str | None, dev: str) -> RtNetlink:
         """One netlink socket per namespace, opened on first use, closed at teardown."""
-        if self.cluster is not None and self._on_server(self.tc, host or "").via:
-            raise SpecError(f"{host or 'a switch'}: changing a rate on another server "
-                            "(netlink) is not supported yet; keep traces and caps on "
-                            "links of this machine")
+        if self.cluster is not None:
+            self.cluster.require_here(host or dev.rsplit("-eth", 1)[0], dev)
         if host not in self._netlink:
             self._netlink[host] = RtNetlink(None if host is None else self.pid(host))
         return self._netlink[host]
@@ -399,7 +386,7 @@ class Network:
         rtnetlink: no fork, ~15 us, so a sampler can read every point every few ms."""
         place = self.spec.place(point)
         try:
-            classes = self._rtnetlink(place.host).class_counters(place.dev)
+            classes = self._rtnetlink(place.host, place.dev).class_counters(place.dev)
         except OSError as e:
             raise TcError(["tc", "-s", "class", "show", "dev", place.dev], e.errno or -1,
                           f"netlink: {e}", self._dev_tc(place.host, place.dev).where) from e
@@ -463,7 +450,7 @@ class Network:
         The process shares the file system (Unix control sockets in the run directory
         work) and is terminated, then killed, when the network is torn down.
         """
-        full = self._in_host(name, argv)
+        full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         kw.setdefault("env", {**os.environ})
         proc = subprocess.Popen(full, **kw)
         self._procs.append(proc)
@@ -484,7 +471,7 @@ class Network:
     def run(self, name: str, argv: Sequence[str], timeout_s: float = 60.0,
             ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` in host ``name`` to completion; raise on a non-zero exit."""
-        full = self._in_host(name, argv)
+        full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         return subprocess.run(full, capture_output=True, text=True, timeout=timeout_s,
                               check=True)
 

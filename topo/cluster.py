@@ -208,6 +208,14 @@ class Cluster:
         return ((), LOCAL) if server == LOCAL else (tuple(self.access.argv(self.ips[server])),
                                                     server)
 
+    def require_here(self, node: str, dev: str) -> None:
+        """Refuse what only works from this machine (rtnetlink: rate changes and class
+        counters) on an interface of another server, naming it."""
+        if self.where[node] != LOCAL:
+            raise SpecError(f"{dev} on {self.where[node]}: rate changes and class counters "
+                            "over netlink on another server are not supported yet; keep "
+                            "traces and caps on links of this machine")
+
     def ssh(self, server: str, command: str, timeout_s: float = SSH_TIMEOUT_S
             ) -> subprocess.CompletedProcess[str]:
         argv = self.access.argv(self.ips[server])

@@ -3,11 +3,12 @@ Edition's placers (``mininet/examples/cluster.py``: ``SwitchBinPlacer``,
 ``RoundRobinPlacer``, ``RandomPlacer``) run over the spec's node names and links, with a
 config's pins laid over them.
 
-Pure: the placers (``topo.placers``, imported only for more than one server) only read names, nothing is built and no server is contacted. The result
-is the spec itself with ``HostSpec.placement`` and ``SwitchSpec.placement`` filled in, so
-the dry run (``topo.plan.describe_placement``) and the builder read the same data. A
-placement of "" means this machine: a one-server cluster on ``localhost`` (the default)
-returns the spec unchanged.
+Pure: the placers (``topo.placers``, imported only for more than one server) only read
+names, nothing is built and no server is contacted. The result is the spec itself with
+``HostSpec.placement`` and ``SwitchSpec.placement`` filled in, so the dry run
+(``topo.plan.describe_placement``) and the builder read the same data. A placement of ""
+means this machine: a one-server cluster on ``localhost`` (the default) returns the spec
+unchanged.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ of a FIFO rate limit and a delay line does not change what a single path sees.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -188,6 +188,20 @@ def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
                for host, dev, segs in spec.interfaces()
                for c in qdisc.offload_commands(dev, spec.offload, segs)]
     return offload + shaping
+
+
+def group_steps(steps: Sequence[Step], where: Mapping[str, str]
+                ) -> list[tuple[str | None, str, list[list[str]]]]:
+    """The steps as (host, an interface, commands) per namespace, each namespace's steps in
+    their order: a host's own, or a server's root namespace (``where``: node -> server,
+    empty on one machine). Interfaces do not depend on each other, so each namespace's
+    commands can go to its server as one session (``topo.tc.Tc.run_all``)."""
+    out: dict[tuple[str | None, str], tuple[str, list[list[str]]]] = {}
+    for step in steps:
+        node = step.host or step.dev.rsplit("-eth", 1)[0]
+        out.setdefault((step.host, where.get(node, "")), (step.dev, []))[1].append(
+            list(step.argv))
+    return [(host, dev, commands) for (host, _), (dev, commands) in out.items()]
 
 
 def describe_plan(spec: NetSpec, steps: list[Step]) -> list[str]:
