@@ -12,7 +12,7 @@ import pytest
 from agents.core import config as cfgmod
 from controller.run import plan_commands
 from topo.placement import crossings, describe_placement, node_servers, place, servers_used
-from topo.plan import build_plan
+from topo.plan import build_plan, group_steps
 from topo.shapes import shape_spec
 from topo.spec import SpecError
 
@@ -139,3 +139,22 @@ def test_gradbed_run_across_servers_is_refused_before_any_folder(tmp_path):
     assert "w0.placement='10.99.0.2': gradbed run starts its agents on this machine only" \
         in p.stderr
     assert not out.exists()
+
+
+def test_plan_steps_group_by_namespace_and_server_keeping_their_order():
+    # The dumbbell's two switches land on two servers: two root namespaces.
+    spec = place(shape_spec(cfg('topo.shape="dumbbell"', "net.workers=2")), TWO)
+    where = node_servers(spec)
+    steps = build_plan(spec, NFQ)
+    groups = group_steps(steps, where)
+    roots = [dev for host, dev, _ in groups if host is None]
+    assert sorted(where[d.rsplit("-eth", 1)[0]] for d in roots) == sorted(TWO)
+    assert len(groups) == len(spec.hosts) + 2
+    assert sum(len(g[2]) for g in groups) == len(steps)
+    for host, dev, commands in groups:  # each namespace's steps, in their order
+        server = where[host or dev.rsplit("-eth", 1)[0]]
+        assert commands == [list(s.argv) for s in steps if s.host == host
+                            and where[s.host or s.dev.rsplit("-eth", 1)[0]] == server]
+    # On one machine the root namespace is one group.
+    local = build_plan(shape_spec(cfg('topo.shape="dumbbell"', "net.workers=2")), NFQ)
+    assert [g[0] for g in group_steps(local, {})].count(None) == 1
