@@ -40,7 +40,7 @@ from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.summary import summarize
 from topo.build import Network
-from topo.plan import build_plan, describe_impairments, describe_plan
+from topo.plan import build_plan, describe_impairments, describe_plan, require_local
 from topo.probe import probe
 from topo.shapes import shape_spec
 from topo.shapes.star import star_spec
@@ -50,6 +50,9 @@ __all__ = ["Experiment", "LinkSampler", "links_frame", "plan_commands", "shape_s
            "star_spec"]
 
 LINK_SAMPLE_S = 0.1
+# The agents, their control plane and events run on this machine only so far.
+NOT_ACROSS_SERVERS = ("gradbed run starts its agents on this machine only (the network "
+                      "alone builds across servers: docs/cluster.md)")
 
 
 def check_spec(cfg: cfgmod.ExperimentConfig, spec: NetSpec) -> None:
@@ -146,6 +149,7 @@ class Experiment:
         # config's shape; the config still gives everything else.
         self.spec: NetSpec = spec if spec is not None else shape_spec(self.cfg)
         check_spec(cfg, self.spec)
+        require_local(self.spec, NOT_ACROSS_SERVERS)
         # The run's master key lives in this process only; agents get theirs on stdin.
         self._master = auth.new_master()
         self._net: Network | None = None

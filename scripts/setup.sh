@@ -11,6 +11,9 @@ APT_PKGS=(mininet bridge-utils iperf3 iputils-ping iproute2 ethtool tcpdump tcpr
           dataset-fashion-mnist)  # Fashion-MNIST IDX files, read by agents/workloads
 # Chromium renders the HTML report in the test suite; only the tests ask for it.
 if [ "${GRADBED_WITH_CHROMIUM:-0}" = "1" ]; then APT_PKGS+=(chromium); fi
+# sshd for the fake cluster servers of the tests (scripts/fake_cluster.sh), which start
+# their own; the system service is neither enabled nor started (below, and policy-rc.d).
+if [ "${GRADBED_WITH_SSHD:-0}" = "1" ]; then APT_PKGS+=(openssh-server); fi
 
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -19,7 +22,23 @@ done
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "== apt-get install ${missing[*]}"
     apt-get update -qq
+    # exit 101 from policy-rc.d: no package may start its service while installing.
+    no_start=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+        no_start=1
+    fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    if [ "$no_start" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+fi
+if [ "${GRADBED_WITH_SSHD:-0}" = "1" ]; then
+    # The package enables ssh.service; the tests only ever run their own sshds.
+    if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+        systemctl disable --now ssh.service >/dev/null 2>&1 || true
+    else
+        rm -f /etc/systemd/system/multi-user.target.wants/ssh.service \
+              /etc/systemd/system/sshd.service
+    fi
 fi
 
 # Mininet lives in Debian's python3, so the venv must see the system site-packages.

@@ -3,5 +3,5 @@
 set -euo pipefail
 if [ "$(id -u)" -ne 0 ]; then exec sudo -E bash "$0" "$@"; fi
 cd "$(dirname "$0")/.."
-GRADBED_WITH_CHROMIUM=1 bash scripts/setup.sh
+GRADBED_WITH_CHROMIUM=1 GRADBED_WITH_SSHD=1 bash scripts/setup.sh
 .venv/bin/python -m pytest -q "$@"

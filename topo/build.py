@@ -29,20 +29,24 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
 from topo.netfilter import HostImpairment, Impairment
 from topo.netlink import ClassCounters, RtNetlink
-from topo.plan import Step, build_plan, delay_loss
+from topo.placement import LOCAL, servers_used
+from topo.plan import Step, build_plan, delay_loss, group_steps, require_local
 from topo.plan import impairments as _impairments
 from topo.plan import require_impairments as _require_impairments
 from topo.probe import probe
 from topo.qdisc import QdiscStats
 from topo.spec import LinkSpec, NetSpec, SpecError, default_queue_bytes
 from topo.tc import Tc, TcError
+
+if TYPE_CHECKING:  # topo.cluster imports Mininet, needed only for a spread network
+    from topo.cluster import Cluster, SshAccess
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down")
@@ -80,12 +84,16 @@ class Network:
     log: receives every external command as ``$ tc ...`` plus progress lines.
     lock_path / lock_timeout_s: the machine-wide network lock (topo.lock).
     caps: kernel capabilities (topo.probe); probed when None.
+    access: how to reach the servers of a spec placed over several (``topo.cluster``);
+        None builds every node here and refuses a spec placed elsewhere.
     """
 
     def __init__(self, spec: NetSpec | HasNetSpec, *, log: Callable[[str], None] | None = None,
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
-                 caps: dict[str, Any] | None = None) -> None:
+                 caps: dict[str, Any] | None = None, access: SshAccess | None = None) -> None:
         self.spec: NetSpec = _net_spec(spec)
+        # Refused before the lock or any namespace.
+        self.cluster = _cluster(self.spec, access, log)
         self.log = log
         self.caps = caps
         self.tc = Tc(log=log)
@@ -134,27 +142,18 @@ class Network:
         # The whole plan first: what the kernel cannot do is refused before anything exists.
         self.mechanisms = _require_impairments(spec, self.caps)
         plan = build_plan(spec, self.caps)
-        self.removed_at_start = cleanup()
+        if self.cluster is not None:
+            self.cluster.precheck()
+            self.cluster.require_shapeable(self.mechanisms, self._netem)
+            self.cluster.record_clocks("start")
+        self.removed_at_start = self._cleanup()
         for line in self.removed_at_start:
             self._say(f"cleanup before build: {line}")
-
-        from mininet.link import Link
         from mininet.log import setLogLevel
-        from mininet.net import Mininet
-        from mininet.node import Host
-        from mininet.nodelib import LinuxBridge
 
         setLogLevel("error")  # our own log carries the commands; Mininet's is noise here
-        net = Mininet(topo=None, controller=None, switch=LinuxBridge, host=Host, link=Link,
-                      build=False, autoSetMacs=True)
+        net = _local_mininet(spec) if self.cluster is None else self.cluster.mininet()
         self._net = net
-        for sw in spec.switches:
-            net.addSwitch(sw.name, cls=LinuxBridge, stp=False)
-        for h in spec.hosts:
-            net.addHost(h.name, ip=f"{h.ip}/24")
-        for e in spec.edges:
-            net.addLink(net[e.a], net[e.b], port1=e.a_port, port2=e.b_port,
-                        intfName1=e.a_intf, intfName2=e.b_intf)
         net.build()
         net.start()
         self._say(f"{spec.shape} up: {len(spec.hosts)} hosts, switches "
@@ -201,8 +200,14 @@ class Network:
         return any(getattr(p.point.link, field) > 0 for p in self.spec.places())
 
     def _run_steps(self, steps: Sequence[Step]) -> None:
-        for step in steps:
-            self._dev_tc(step.host).run_all([list(step.argv)])
+        where = self.cluster.where if self.cluster is not None else {}
+        for host, dev, commands in group_steps(steps, where):
+            self._dev_tc(host, dev).run_all(commands)
+
+    def _cleanup(self) -> list[str]:
+        """``topo.cleanup`` here (when a node runs here) and on every remote server."""
+        here = cleanup() if self.cluster is None or self.cluster.local_used else []
+        return here + (self.cluster.cleanup() if self.cluster is not None else [])
 
     def _teardown(self) -> None:
         for nl in self._netlink.values():
@@ -214,6 +219,8 @@ class Network:
                 hi.__exit__(None, None, None)
             self.impairment_records = [hi.record() for hi in self.host_impairments]
             self.host_impairments.clear()
+            if self.cluster is not None and "start" in self.cluster.clocks:
+                self.cluster.record_clocks("end")
             for proc in self._procs:
                 if proc.poll() is None:
                     proc.terminate()
@@ -231,9 +238,11 @@ class Network:
                     self._net = None
         finally:
             try:
-                self.removed_at_exit = cleanup()
+                self.removed_at_exit = self._cleanup()
                 for line in self.removed_at_exit:
                     self._say(f"cleanup after stop: {line}")
+                if self.cluster is not None:
+                    self.cluster.close()
             finally:
                 self._lock.release()
 
@@ -250,10 +259,21 @@ class Network:
                          for c in qdisc.offload_commands(dev, on, segs)])
 
     def _host_tc(self, host: str) -> Tc:
-        return self.tc.in_netns(self.pid(host), host)
+        return self._on_server(self.tc.in_netns(self.pid(host), host), host)
 
-    def _dev_tc(self, host: str | None) -> Tc:
-        return self.tc if host is None else self._host_tc(host)
+    def _dev_tc(self, host: str | None, dev: str = "") -> Tc:
+        """Commands for ``dev``: in ``host``'s namespace, or the root namespace of the
+        server that owns the interface (a switch port's switch; this machine's without
+        ``dev``)."""
+        if host is not None:
+            return self._host_tc(host)
+        return self._on_server(self.tc, dev.rsplit("-eth", 1)[0]) if dev else self.tc
+
+    def _on_server(self, tc: Tc, node: str) -> Tc:
+        if self.cluster is None:
+            return tc
+        via, server = self.cluster.via(node)
+        return tc.on_server(via, server) if via else tc
 
     def point_dev(self, point: str) -> str:
         """Interface whose egress carries shaping point ``point``."""
@@ -280,7 +300,7 @@ class Network:
             # The spec left the queue to gradbed (20 ms at the rate): keep it 20 ms at the
             # new rate, or a cap from 1000 to 2.5 Mbit/s would leave an 8 s queue behind.
             queue_bytes = default_queue_bytes(rate_mbps)
-        tc = self._dev_tc(host)
+        tc = self._dev_tc(host, dev)
         # The rate change goes over rtnetlink from this process (topo/netlink.py: a
         # fork+exec of tc lands 15-60 ms late here); the log shows the equivalent command.
         argv, = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
@@ -289,7 +309,7 @@ class Network:
         if not tc.dry_run:
             cls = qdisc.htb_class(rate_mbps, self.spec.offload, burst_bytes)
             try:
-                self._rtnetlink(host).change_htb_class(dev, cls)
+                self._rtnetlink(host, dev).change_htb_class(dev, cls)
             except OSError as e:
                 raise TcError(argv, e.errno or -1, f"netlink: {e}", tc.where) from e
         if queue_bytes is not None:
@@ -297,8 +317,10 @@ class Network:
                                                    ack_first=self._ack_first.get(dev, False)))
         self._rates[dev] = rate_mbps
 
-    def _rtnetlink(self, host: str | None) -> RtNetlink:
+    def _rtnetlink(self, host: str | None, dev: str) -> RtNetlink:
         """One netlink socket per namespace, opened on first use, closed at teardown."""
+        if self.cluster is not None:
+            self.cluster.require_here(host or dev.rsplit("-eth", 1)[0], dev)
         if host not in self._netlink:
             self._netlink[host] = RtNetlink(None if host is None else self.pid(host))
         return self._netlink[host]
@@ -354,7 +376,7 @@ class Network:
     def point_stats(self, point: str) -> QdiscStats:
         """The counters of shaping point ``point``'s queue (its bfifo leaf)."""
         place = self.spec.place(point)
-        text = self._dev_tc(place.host).run(qdisc.stats_command(place.dev), echo=False)
+        text = self._dev_tc(place.host, place.dev).run(qdisc.stats_command(place.dev), echo=False)
         return qdisc.bottleneck_counters(text)
 
     def point_classes(self, point: str) -> dict[str, ClassCounters]:
@@ -364,10 +386,10 @@ class Network:
         rtnetlink: no fork, ~15 us, so a sampler can read every point every few ms."""
         place = self.spec.place(point)
         try:
-            classes = self._rtnetlink(place.host).class_counters(place.dev)
+            classes = self._rtnetlink(place.host, place.dev).class_counters(place.dev)
         except OSError as e:
             raise TcError(["tc", "-s", "class", "show", "dev", place.dev], e.errno or -1,
-                          f"netlink: {e}", self._dev_tc(place.host).where) from e
+                          f"netlink: {e}", self._dev_tc(place.host, place.dev).where) from e
         out = {f"{c.classid >> 16:x}:{c.classid & 0xFFFF:x}": c for c in classes
                if c.kind == "htb"}
         if qdisc.CLASS_ID not in out:
@@ -380,7 +402,7 @@ class Network:
 
     def qdisc_stats(self, host: str | None, dev: str) -> list[QdiscStats]:
         """Every qdisc on ``dev`` (in ``host``'s namespace, or the root one for None)."""
-        return qdisc.parse_tc_stats(self._dev_tc(host).run(qdisc.stats_command(dev),
+        return qdisc.parse_tc_stats(self._dev_tc(host, dev).run(qdisc.stats_command(dev),
                                                            echo=False))
 
     def set_congestion_control(self, algo: str) -> None:
@@ -428,7 +450,7 @@ class Network:
         The process shares the file system (Unix control sockets in the run directory
         work) and is terminated, then killed, when the network is torn down.
         """
-        full = ["nsenter", "-t", str(self.pid(name)), "-n", "--", *argv]
+        full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         kw.setdefault("env", {**os.environ})
         proc = subprocess.Popen(full, **kw)
         self._procs.append(proc)
@@ -449,9 +471,40 @@ class Network:
     def run(self, name: str, argv: Sequence[str], timeout_s: float = 60.0,
             ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` in host ``name`` to completion; raise on a non-zero exit."""
-        full = ["nsenter", "-t", str(self.pid(name)), "-n", "--", *argv]
+        full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         return subprocess.run(full, capture_output=True, text=True, timeout=timeout_s,
                               check=True)
+
+
+def _cluster(spec: NetSpec, access: SshAccess | None,
+             log: Callable[[str], None] | None) -> Cluster | None:
+    """The servers of a spec placed over several (None: every node here); without
+    ``access`` a node placed elsewhere is refused (``topo.plan.require_local``)."""
+    if access is None or servers_used(spec) == [LOCAL]:
+        require_local(spec)
+        return None
+    from topo.cluster import Cluster
+
+    return Cluster(spec, access, log)
+
+
+def _local_mininet(spec: NetSpec) -> Any:
+    """The spec's nodes and links in a plain ``Mininet`` on this machine (not built yet)."""
+    from mininet.link import Link
+    from mininet.net import Mininet
+    from mininet.node import Host
+    from mininet.nodelib import LinuxBridge
+
+    net = Mininet(topo=None, controller=None, switch=LinuxBridge, host=Host, link=Link,
+                  build=False, autoSetMacs=True)
+    for sw in spec.switches:
+        net.addSwitch(sw.name, cls=LinuxBridge, stp=False)
+    for h in spec.hosts:
+        net.addHost(h.name, ip=f"{h.ip}/24")
+    for e in spec.edges:
+        net.addLink(net[e.a], net[e.b], port1=e.a_port, port2=e.b_port,
+                    intfName1=e.a_intf, intfName2=e.b_intf)
+    return net
 
 
 # The name this builder had while it built only stars; scripts and benchmarks use it.

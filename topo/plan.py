@@ -21,12 +21,13 @@ of a FIFO rate limit and a delay line does not change what a single path sees.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from topo import qdisc
 from topo.netfilter import Impairment, delay_queues, loss_args, mechanisms, rule_commands
+from topo.placement import describe_placement, server_of
 from topo.spec import LinkSpec, NetSpec, PointPlace, ShapingPoint, SpecError
 
 
@@ -157,28 +158,28 @@ def point_steps(place: PointPlace, caps: Mapping[str, Any], offload: bool,
     return [Step(place.host, place.dev, place.point.name, tuple(c)) for c in cmds]
 
 
-def require_local(spec: NetSpec) -> None:
-    """Refuse a spec that places a host or switch on another machine.
+def require_local(spec: NetSpec, why: str = "") -> None:
+    """Refuse a spec that places a host or switch on another machine, naming the first.
 
-    The spec carries each node's ``placement`` so that a network can later be spread with
-    Mininet Cluster Edition (``RemoteHost``, ``RemoteLink``) without changing shapes or
-    roles; this builder runs every node in this kernel, so it names the first node placed
-    elsewhere instead of silently building it here."""
+    ``topo.placement`` fills each node's ``placement`` from the ``[cluster]`` section, and
+    the dry run prints it; a builder without the servers' ssh access (``topo.build
+    .Network`` without ``access``), or ``why`` a caller gives, cannot go there."""
     placed = [(h.name, h.placement) for h in spec.hosts]
     placed += [(s.name, s.placement) for s in spec.switches]
     for name, placement in placed:
         if placement:
-            raise SpecError(f"{name}.placement={placement!r}: this builder puts "
-                            "every node on this machine; placing nodes on other machines "
-                            "(Mininet Cluster Edition) is not supported yet, leave it \"\"")
+            raise SpecError(f"{name}.placement={placement!r}: " + (why or (
+                "building on other servers (Mininet Cluster Edition) needs their ssh "
+                "access: Network(spec, access=SshAccess(...)), docs/cluster.md"))
+                + "; leave cluster.servers = [\"localhost\"] to run here")
 
 
 def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
     """Every command that shapes ``spec``'s network once Mininet made its namespaces,
     veths and bridges: offload settings on every interface, then every shaping point.
-    Raises ``SpecError`` for a node placed on another machine and ``CapabilityError``
-    when the kernel cannot do it, before anything is built."""
-    require_local(spec)
+    Raises ``CapabilityError`` when the kernel cannot do it, before anything is built.
+    A node placed on another server keeps its steps; ``describe_plan`` names the server
+    each runs on."""
     require_impairments(spec, caps)
     seeded = spec.loss_seed is not None
     shaping = [s for place in spec.places()
@@ -189,17 +190,36 @@ def build_plan(spec: NetSpec, caps: Mapping[str, Any]) -> list[Step]:
     return offload + shaping
 
 
+def group_steps(steps: Sequence[Step], where: Mapping[str, str]
+                ) -> list[tuple[str | None, str, list[list[str]]]]:
+    """The steps as (host, an interface, commands) per namespace, each namespace's steps in
+    their order: a host's own, or a server's root namespace (``where``: node -> server,
+    empty on one machine). Interfaces do not depend on each other, so each namespace's
+    commands can go to its server as one session (``topo.tc.Tc.run_all``)."""
+    out: dict[tuple[str | None, str], tuple[str, list[list[str]]]] = {}
+    for step in steps:
+        node = step.host or step.dev.rsplit("-eth", 1)[0]
+        out.setdefault((step.host, where.get(node, "")), (step.dev, []))[1].append(
+            list(step.argv))
+    return [(host, dev, commands) for (host, _), (dev, commands) in out.items()]
+
+
 def describe_plan(spec: NetSpec, steps: list[Step]) -> list[str]:
     """The plan as the dry run prints it: a comment line per interface and point, then
-    ``$ argv`` lines."""
+    ``$ argv`` lines; with nodes on several servers, first the placement
+    (``topo.placement.describe_placement``) and each interface's server."""
     out = [f"# {spec.shape}: {len(spec.hosts)} hosts ("
            + ", ".join(f"{h.name}={h.role or '-'}" for h in spec.hosts) + "), switches "
            + ", ".join(s.name for s in spec.switches)]
+    placed = describe_placement(spec)
+    out += placed
     last = None
     for s in steps:
         head = (s.where(), s.what)
         if head != last:
-            out.append(f"# {s.where()}: {s.what if s.what == 'offload' else 'point ' + s.what}")
+            on = f" on {server_of(spec, s.dev.rsplit('-eth', 1)[0])}" if placed else ""
+            out.append(f"# {s.where()}{on}: "
+                       f"{s.what if s.what == 'offload' else 'point ' + s.what}")
             last = head
         out.append("$ " + " ".join(s.argv))
     return out

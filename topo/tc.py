@@ -35,6 +35,10 @@ class TcError(RuntimeError):
                          f"{shlex.join(self.argv)}: {self.stderr or '(no stderr)'}")
 
 
+# Marks, on stderr, which command of a batch run on another server failed.
+FAILED_MARK = "gradbed-failed-command "
+
+
 @dataclass
 class Tc:
     """Runs commands in one network namespace (root, or the one of process ``netns_pid``).
@@ -43,12 +47,17 @@ class Tc:
         command runs inside a host). None echoes nothing.
     dry_run: record and echo, but do not run; queries then return "".
     host: the host's name, used only in echoes and errors.
+    via: a command that runs the rest on another server (``ssh ... root@SERVER``,
+        ``topo.cluster``); () = this machine. The command goes to it as one quoted line.
+    server: that server's name, used only in echoes and errors.
     """
 
     log: LogFn | None = None
     dry_run: bool = False
     netns_pid: int | None = None
     host: str | None = None
+    via: tuple[str, ...] = ()
+    server: str = ""
     # Shared between a Tc and the copies made by ``in_netns`` so a dry run of a whole
     # topology is one ordered list.
     recorded: list[list[str]] = field(default_factory=list)
@@ -56,17 +65,23 @@ class Tc:
     def in_netns(self, pid: int, host: str) -> Tc:
         """The same log, dry-run mode and record, aimed at the namespace of ``pid``."""
         return Tc(log=self.log, dry_run=self.dry_run, netns_pid=pid, host=host,
-                  recorded=self.recorded)
+                  via=self.via, server=self.server, recorded=self.recorded)
+
+    def on_server(self, via: Sequence[str], server: str) -> Tc:
+        """The same namespace, log and record, on another server reached by ``via``."""
+        return Tc(log=self.log, dry_run=self.dry_run, netns_pid=self.netns_pid,
+                  host=self.host, via=tuple(via), server=server, recorded=self.recorded)
 
     @property
     def where(self) -> str:
-        return "root namespace" if self.netns_pid is None else (
+        ns = "root namespace" if self.netns_pid is None else (
             f"host {self.host} (pid {self.netns_pid})")
+        return f"{ns} on {self.server}" if self.via else ns
 
     def full_argv(self, argv: Sequence[str]) -> list[str]:
-        if self.netns_pid is None:
-            return list(argv)
-        return ["nsenter", "-t", str(self.netns_pid), "-n", "--", *argv]
+        inner = list(argv) if self.netns_pid is None else [
+            "nsenter", "-t", str(self.netns_pid), "-n", "--", *argv]
+        return [*self.via, shlex.join(inner)] if self.via else inner
 
     def run(self, argv: Sequence[str], *, echo: bool = True) -> str:
         """Run one command and return its stdout; raise TcError on a non-zero exit.
@@ -98,13 +113,37 @@ class Tc:
         self.recorded.append(list(argv))
         if self.log is not None:
             notes = [n for n in (how, "" if self.netns_pid is None
-                                 else f"in {self.host or self.netns_pid}") if n]
+                                 else f"in {self.host or self.netns_pid}",
+                                 f"on {self.server}" if self.via else "") if n]
             suffix = f"  # {', '.join(notes)}" if notes else ""
             self.log(f"$ {shlex.join(argv)}{suffix}")
 
     def run_all(self, commands: Sequence[Sequence[str]]) -> None:
+        """Run each command in order; on another server all of them in one session
+        (one ssh round trip, not one per command), stopping at the first that fails."""
+        if not self.via or len(commands) < 2:
+            for argv in commands:
+                self.run(argv)
+            return
         for argv in commands:
-            self.run(argv)
+            self.echo(argv)
+        if self.dry_run:
+            return
+        lines = [f"{shlex.join(Tc(netns_pid=self.netns_pid).full_argv(a))} || "
+                 f"{{ rc=$?; printf '\\n{FAILED_MARK}{i}\\n' >&2; exit $rc; }}"
+                 for i, a in enumerate(commands)]
+        try:
+            proc = subprocess.run([*self.via, "\n".join(lines)], capture_output=True,
+                                  text=True, timeout=COMMAND_TIMEOUT_S * len(commands),
+                                  check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise TcError(commands[0], -1, "timed out", self.where) from exc
+        if proc.returncode != 0:
+            failed = [ln for ln in proc.stderr.splitlines() if ln.startswith(FAILED_MARK)]
+            i = int(failed[-1][len(FAILED_MARK):]) if failed else 0
+            err = "\n".join(ln for ln in proc.stderr.splitlines()
+                            if not ln.startswith(FAILED_MARK))
+            raise TcError(commands[i], proc.returncode, err, self.where)
 
     def tc(self, *args: str, echo: bool = True) -> str:
         return self.run(["tc", *args], echo=echo)

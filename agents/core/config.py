@@ -29,6 +29,7 @@ import tomli_w
 from agents.core.checks import ConfigError, collect, collecting, fail
 from agents.core.checks import check as _check
 from agents.core.checks import check_registered as _check_name
+from agents.core.cluster_config import ClusterConfig
 from agents.core.feedback_config import LAYERWISE_COMPRESSORS, FeedbackConfig
 from agents.core.guard_config import GuardConfig
 from agents.core.lr_schedule import check_lr_schedule
@@ -428,6 +429,7 @@ class ExperimentConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -11,6 +11,7 @@ from agents.core import config as cfgmod
 from controller.background import commands
 from controller.run import plan_commands
 from topo import qdisc
+from topo.build import Network
 from topo.netfilter import Impairment
 from topo.plan import build_plan, impairments
 from topo.shapes import get, names, register, shape_spec
@@ -245,9 +246,10 @@ def test_a_new_shape_is_one_registered_function():
 
 def test_a_node_placed_on_another_machine_is_refused_before_anything_is_built():
     spec = shape_spec(cfg())
-    assert build_plan(spec, NFQ)  # every node local: the plan builds
     w1 = next(h for h in spec.hosts if h.name == "w1")
     remote = dataclasses.replace(spec, hosts=tuple(
         dataclasses.replace(h, placement="rack2") if h is w1 else h for h in spec.hosts))
+    assert build_plan(remote, NFQ)  # the plan is data: the dry run prints it
+    # The builder refuses it in its constructor: no lock taken, nothing made.
     with pytest.raises(SpecError, match=r"w1.placement='rack2'.*Cluster Edition"):
-        build_plan(remote, NFQ)
+        Network(remote, lock_path="/nonexistent/dir/lock")

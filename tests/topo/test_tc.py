@@ -197,6 +197,26 @@ def test_failing_command_raises_with_exit_code_and_stderr():
     assert len(lines) == 2  # the quiet query was not echoed
 
 
+def test_commands_for_another_server_go_as_one_session_that_names_the_failed_one(tmp_path):
+    # "sh -c" stands in for "ssh root@SERVER": it runs the one command line it is given.
+    lines: list[str] = []
+    there = Tc(log=lines.append).on_server(("sh", "-c"), "10.99.0.2")
+    out = tmp_path / "order"
+    there.run_all([["sh", "-c", f"echo one >> {out}"], ["sh", "-c", f"echo 'two words' >> {out}"]])
+    assert out.read_text() == "one\ntwo words\n"
+    assert lines[0].endswith("  # on 10.99.0.2")
+    with pytest.raises(TcError) as info:
+        there.run_all([["true"], [sys.executable, "-c", "import sys; sys.stderr.write('boom');"
+                                                       " sys.exit(3)"], ["sh", "-c", f"echo no >> {out}"]])
+    err = info.value
+    assert err.argv[0] == sys.executable and err.returncode == 3 and err.stderr == "boom"
+    assert "root namespace on 10.99.0.2" in str(err)
+    assert out.read_text().count("no") == 0  # nothing after the failed command ran
+    host = there.in_netns(4242, "w0")
+    assert host.full_argv(["tc", "qdisc", "show"]) == [
+        "sh", "-c", "nsenter -t 4242 -n -- tc qdisc show"]
+
+
 def test_cleanup_matches_only_gradbed_names():
     for name in ["gbsw0", "gbsw0-eth1", "gbsw12-eth33", "w3-eth0", "ps-eth0", "bg1-eth0"]:
         assert is_gradbed_link(name), name

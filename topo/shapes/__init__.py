@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from agents.core.config import ExperimentConfig
 from agents.core.registry import Registry, RegistryKind, UnknownName
+from topo.placement import place
 from topo.spec import NetSpec, SpecError
 
 Shape = Callable[[ExperimentConfig], NetSpec]
@@ -41,7 +42,8 @@ def shape_spec(cfg: ExperimentConfig) -> NetSpec:
     """The network a config asks for (pure: no root needed): its shape's spec, with the
     traces of ``trace.up``/``trace.down`` (the ``up``/``down`` points) and of
     ``topo.traces`` on their shaping points, and ``run.seed`` as the loss seed when
-    ``net.loss_model = "seeded"``."""
+    ``net.loss_model = "seeded"``; its nodes placed on ``cluster.servers``
+    (``topo.placement.place``: on this machine alone by default)."""
     spec = get(cfg.topo.shape)(cfg)
     traces = {}
     for point, path in (("up", cfg.trace.up), ("down", cfg.trace.down)):
@@ -53,4 +55,6 @@ def shape_spec(cfg: ExperimentConfig) -> NetSpec:
     traces.update(cfg.topo.traces)
     if cfg.net.loss_model == "seeded":
         spec = replace(spec, loss_seed=cfg.run.seed)
-    return spec.with_traces(traces) if traces else spec
+    spec = spec.with_traces(traces) if traces else spec
+    c = cfg.cluster
+    return place(spec, c.servers, c.placement, c.pins, cfg.run.seed)

@@ -19,13 +19,13 @@ from agents.workloads.digits_mlp import DigitsMLP
 from analysis import metrics
 from analysis.load import load_events
 from analysis.trace import write_trace
+from controller.loopback.dp import run_loopback
 from tests.support.chrome_trace import (
     PHASES,
     check_worker_partition,
     load_trace,
     spans_by_host,
 )
-from controller.loopback.dp import run_loopback
 
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
