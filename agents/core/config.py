@@ -32,6 +32,7 @@ from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
 from agents.core.topo_config import TopoConfig
+from agents.core.torchrun_config import TorchrunConfig
 from agents.core.vision_config import VisionConfig
 
 __all__ = ["ConfigError"]
@@ -424,6 +425,7 @@ class ExperimentConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    torchrun: TorchrunConfig = field(default_factory=TorchrunConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
