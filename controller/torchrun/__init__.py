@@ -1,7 +1,7 @@
 """``gradbed torchrun``: a user's unmodified ``torch.distributed`` script on the emulated
 hosts, launched by real ``torchrun`` (``python -m torch.distributed.run``) in each host.
 
-- :mod:`.plan` (pure): which hosts train, each host's command line and environment (the
+- :mod:`controller.roles.torchrun` (pure): which hosts train, each host's command line and environment (the
   variables that keep gloo, TensorPipe and NCCL on the emulated interface), the store
   timeouts scaled to the configured delay and loss;
 - :mod:`.sockdiag`: the ranks' TCP connections read with sock_diag from outside the

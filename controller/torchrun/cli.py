@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agents.core.config import ExperimentConfig
-
 from controller.torchrun.experiment import EXIT_FAILED_START, EXIT_USAGE
 
 
@@ -44,7 +43,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
     from agents.core import config as cfgmod
     from controller.cli import _need_root, config_errors
     from controller.paths import OutDirError, check_out_dir, load_config
-    from controller.torchrun.plan import TorchrunError
+    from controller.roles.torchrun import TorchrunError
 
     own, script = split_script(argv)
     ap = argparse.ArgumentParser(
@@ -119,14 +118,14 @@ def torchrun_main(argv: Sequence[str]) -> int:
 
 def _dry_run(cfg: ExperimentConfig) -> int:
     from controller.roles import RoleError
-    from controller.run import plan_commands
-    from controller.torchrun.plan import (
+    from controller.roles.torchrun import (
         TorchrunError,
         check_script,
         describe,
         rank_plans,
         torchrun_spec,
     )
+    from controller.run import plan_commands
     from topo.probe import probe
     from topo.qdisc import CapabilityError
     from topo.shapes import shape_spec

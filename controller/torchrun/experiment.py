@@ -2,7 +2,7 @@
 trace replay, link and class samplers, the run directory) with the torchrun role on every
 training host, and what only such a run needs around it:
 
-- each host's torchrun starts with the variables of :mod:`.plan`, as the user who ran sudo
+- each host's torchrun starts with the variables of :mod:`controller.roles.torchrun`, as the user who ran sudo
   (``setpriv``; never as root), in the directory gradbed was started from;
 - the ranks' connections are sampled with sock_diag from the start (:mod:`.sockdiag`);
 - rank 0's output is shown live; a host whose torchrun fails ends the run naming the rank;
@@ -31,10 +31,7 @@ from agents.core import config as cfgmod
 from agents.core.events import now_ns
 from controller import rundir
 from controller.roles import RoleCommand
-from controller.run import Experiment
-from controller.runner import RoleRunner
-from controller.torchrun import proof
-from controller.torchrun.plan import (
+from controller.roles.torchrun import (
     RankPlan,
     check_gpus,
     check_script,
@@ -43,6 +40,9 @@ from controller.torchrun.plan import (
     torchrun_spec,
     training_hosts,
 )
+from controller.run import Experiment
+from controller.runner import RoleRunner
+from controller.torchrun import proof
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
 from topo.build import Network
 from topo.shapes import shape_spec
@@ -263,7 +263,7 @@ class TorchrunExperiment(Experiment):
 
 
 def _intf(spec: NetSpec, host: str) -> str:
-    from controller.torchrun.plan import interface
+    from controller.roles.torchrun import interface
 
     return interface(spec, host)
 
