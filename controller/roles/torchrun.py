@@ -225,3 +225,13 @@ ROLE_DECL = register(Role(
     commands=commands,
     phase=1,
 ))
+
+
+_FAILURE_TIME = r"^\s*time\s*:\s*(\S+)\s*\n\s*host\s*:.*\n\s*rank\s*:\s*{rank}\s*\("
+
+
+def failure_time(log_text: str, rank: int) -> str:
+    """When torchrun's failure report says ``rank`` failed (``2026-11-27_06:27:18``; they
+    sort as text), or "~" (after any time) when the report does not name it."""
+    m = re.search(_FAILURE_TIME.format(rank=rank), log_text, re.MULTILINE)
+    return m.group(1) if m else "~"

@@ -35,6 +35,7 @@ from controller.roles.torchrun import (
     RankPlan,
     check_gpus,
     check_script,
+    failure_time,
     rank_exit_codes,
     rank_plans,
     torchrun_spec,
@@ -57,6 +58,7 @@ EXIT_RANK_LOST = 4
 EXIT_TIMED_OUT = 5
 EXIT_BYPASSED = 6
 STOP_GRACE_S = 5.0
+FAILURE_SETTLE_S = 1.0
 POLL_S = 0.1
 
 
@@ -144,10 +146,9 @@ class TorchrunExperiment(Experiment):
         procs = [(c, p) for _, c, p in runner.procs]
         deadline = time.monotonic() + self.cfg.run.timeout_s
         while True:
-            for c, p in procs:
-                if p.poll() not in (None, 0):
-                    self.exit_status = EXIT_RANK_LOST
-                    return self._failed(c.host, p.returncode)
+            if any(p.poll() not in (None, 0) for _, p in procs):
+                self.exit_status = EXIT_RANK_LOST
+                return self._first_failure(procs)
             if all(p.poll() is not None for _, p in procs):
                 return "completed"
             if time.monotonic() > deadline:
@@ -161,18 +162,30 @@ class TorchrunExperiment(Experiment):
                     return self._stalled(c.host, total, tr.stall_s)
             time.sleep(POLL_S)
 
+    def _first_failure(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]]) -> str:
+        """The stop reason naming the rank that failed first. Its peers fail right after
+        it (gloo: connection closed by peer), often within one poll: after a short wait,
+        the failure that torchrun's report dates first wins, and among those, a rank
+        whose own exit code is not the peers' 1."""
+        assert self.run_dir is not None
+        time.sleep(FAILURE_SETTLE_S)
+        found = []
+        for c, p in procs:
+            if p.poll() in (None, 0):
+                continue
+            text = _read(self.run_dir / "logs" / f"{c.host}.log")
+            codes = rank_exit_codes(self.plans[c.host], p.returncode, text)
+            for r, code in codes.items():
+                if code not in (0, None):
+                    found.append((failure_time(text, r), code == 1, r, code, c.host))
+            if not any(code not in (0, None) for code in codes.values()):
+                found.append(("~", True, self.plans[c.host].ranks[0], p.returncode, c.host))
+        _, _, rank, code, host = min(found)
+        return f"rank {rank} (host {host}) exited with status {code}; see logs/{host}.log"
+
     def _ranks(self, host: str) -> str:
         ranks = list(self.plans[host].ranks)
         return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-    def _failed(self, host: str, status: int) -> str:
-        assert self.run_dir is not None
-        log = self.run_dir / "logs" / f"{host}.log"
-        codes = rank_exit_codes(self.plans[host], status, _read(log))
-        bad = [(r, c) for r, c in codes.items() if c not in (0, None)]
-        who = (f"rank {bad[0][0]} (host {host}) exited with status {bad[0][1]}" if bad
-               else f"{self._ranks(host)} (host {host}): torchrun exited with status {status}")
-        return f"{who}; see logs/{host}.log"
 
     def _stalled(self, host: str, total: int, stall_s: float) -> str:
         plan = self.plans[host]
