@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agents.core import config as cfgmod
-from controller.roles import get, plan_commands
+from controller.roles import RoleContext, get, plan_commands
 from controller.roles.torchrun import (
     TorchrunError,
     check_gpus,
@@ -22,7 +22,6 @@ from controller.roles.torchrun import (
     torchrun_spec,
     training_hosts,
 )
-from controller.roles import RoleContext
 from topo.shapes import shape_spec
 
 REPO = Path(__file__).resolve().parents[3]
