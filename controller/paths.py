@@ -36,7 +36,7 @@ from controller.rundir import hand_over, make_dirs
 #: A field may hold one name or a table of them (``topo.traces``: shaping point -> trace).
 PATH_FIELDS: tuple[tuple[str, str], ...] = (
     ("trace", "up"), ("trace", "down"), ("background", "flow_cdf"), ("background", "pcap"),
-    ("topo", "traces"),
+    ("topo", "traces"), ("torchrun", "script"),
 )
 
 #: The shipped data: package, folder inside it, and the prefix a config writes for it.

@@ -365,8 +365,10 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, results: Sequence[RunResult],
 def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Path,
              cfg: cfgmod.ExperimentConfig, res: RunResult) -> None:
     """Run one combination as ``gradbed run`` in its own session (so a terminal's Ctrl-C
-    reaches only the sweep, which forwards exactly one SIGINT: the run then stops cleanly)."""
-    argv = [sys.executable, "-m", "controller.cli", "run", str(base_toml), "--out",
+    reaches only the sweep, which forwards exactly one SIGINT: the run then stops cleanly).
+    A config whose ``[torchrun]`` section names a script runs as ``gradbed torchrun``."""
+    command = "torchrun" if cfg.torchrun.script else "run"
+    argv = [sys.executable, "-m", "controller.cli", command, str(base_toml), "--out",
             str(sweep_dir), "--no-progress"]
     for o in [*spec.sets, *combo.overrides(base_seed(spec))]:
         argv += ["--set", o]
