@@ -82,6 +82,13 @@ class TorchrunExperiment(Experiment):
         self.result: dict[str, Any] = {}
         self.exit_status = EXIT_COMPLETED
 
+    def headline(self) -> str:
+        tr = self.cfg.torchrun
+        hosts = training_hosts(self.spec)
+        return (f"torchrun {Path(tr.script).name} on {len(hosts)} hosts of the "
+                f"{self.spec.shape} ({hosts[0].name}..{hosts[-1].name}), "
+                f"{tr.nproc_per_node} per host, {tr.backend}")
+
     # -- starting a host's torchrun ---------------------------------------------------
 
     def _start(self, net: Network, cmd: RoleCommand, run_dir: Path

@@ -97,3 +97,28 @@ def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
     assert s["torchrun"]["exit_codes"]["2"] == 3
     assert "rank 2 (host gbh2) exited with status 3" in proc.stderr
     assert leftovers() == []
+
+
+def test_an_fsdp_script_shards_over_the_emulated_links(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard``) over gloo: the parameters after K steps are the DDP
+    script's on loopback (a reduce-scatter sums in another order: 1e-5), and every host
+    sends between one all-gather plus one reduce-scatter of the parameters per step and
+    five times that (forward and backward all-gathers, a reduce-scatter gloo may run as
+    an all-reduce), plus the rendezvous."""
+    steps, hosts, hidden = 3, 4, 128
+    run_dir, proc = gradbed_torchrun(tmp_path, EXAMPLE / "fsdp.py",
+                                     ["--steps", str(steps), "--save", str(tmp_path / "f.pt")],
+                                     ["topo.traces={}", "net.loss_pct=0"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params_bytes = 4 * (64 * hidden + hidden + hidden * 10 + 10)
+    shard = (hosts - 1) / hosts * params_bytes
+    for host, sent in summary(run_dir)["torchrun"]["bytes"]["payload_sent_bytes"].items():
+        assert 2 * shard * steps < sent < 5 * shard * (steps + 1) + 100_000, (host, sent)
+    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
+                          "--steps", str(steps), "--save", str(tmp_path / "d.pt")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for a, b in zip(torch.load(tmp_path / "f.pt"), torch.load(tmp_path / "d.pt"), strict=True):
+        assert float((a - b).abs().max()) < 1e-5
+    assert leftovers() == []
