@@ -207,20 +207,25 @@ class TorchrunExperiment(Experiment):
                 f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 
     def _stop_ranks(self, runner: RoleRunner) -> None:
-        """SIGTERM every torchrun still running (its process group: the ranks too), then
-        SIGKILL after STOP_GRACE_S."""
-        live = [p for _, _, p in runner.procs if p.poll() is None]
+        """SIGTERM every torchrun still running and every process under it (torchrun
+        starts each rank in a session of its own, so its process group is not enough),
+        then SIGKILL what is left after STOP_GRACE_S: a torchrun blocked in a store call
+        handles SIGTERM only when the call returns."""
+        pids = [p.pid for _, _, p in runner.procs if p.poll() is None]
+        tree = [q for pid in pids for q in [pid, *descendants(pid)]]
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in live:
+            for pid in tree:
                 try:
-                    os.killpg(p.pid, sig)
+                    os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
             end = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < end and any(p.poll() is None for p in live):
+            while time.monotonic() < end and any(_alive(q) for q in tree):
+                for _, _, p in runner.procs:
+                    p.poll()  # reap our own children
                 time.sleep(0.05)
-            live = [p for p in live if p.poll() is None]
-            if not live:
+            tree = [q for q in tree if _alive(q)]
+            if not tree:
                 break
 
     # -- the record ---------------------------------------------------------------------
@@ -280,6 +285,35 @@ class TorchrunExperiment(Experiment):
             "hosts": {p.host: {"argv": list(p.argv), "env": dict(p.env)}
                       for p in self.plans.values()}}
         rundir.write_json(run_dir / "meta.json", meta_now)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        q = todo.pop(0)
+        out.append(q)
+        todo += children.get(q, [])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is done: it only waits for its parent to read its status)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _intf(spec: NetSpec, host: str) -> str:

@@ -23,12 +23,13 @@ CONFIG = EXAMPLE / "fabric4.toml"
 
 
 def gradbed_torchrun(out: Path, script: Path, args: list[str], overrides: list[str] = (),
-                     timeout_s: float = 400) -> tuple[Path, subprocess.CompletedProcess[str]]:
+                     timeout_s: float = 1200) -> tuple[Path, subprocess.CompletedProcess[str]]:
     argv = [sys.executable, "-m", "controller.cli", "torchrun", str(CONFIG), "--out",
             str(out), "--no-progress"]
     for o in overrides:
         argv += ["--set", o]
-    # From the test's folder (the ranks start where gradbed was started), with this
+    # The timeout covers waiting for the machine-wide network lock, which other runs may
+    # hold for minutes. From the test's folder (the ranks start where gradbed was started), with this
     # checkout first on the path.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([*argv, "--", str(script), *args], cwd=out, capture_output=True,
