@@ -77,6 +77,18 @@ def torchrun_main(argv: Sequence[str]) -> int:
 
     if args.dry_run:
         return _dry_run(cfg)
+    # The script, the shape and the GPUs are checked before any folder is made.
+    from controller.roles.torchrun import check_gpus, check_script, torchrun_spec, training_hosts
+    from topo.shapes import shape_spec
+
+    try:
+        check_script(cfg.torchrun.script)
+        hosts = training_hosts(torchrun_spec(shape_spec(cfg)))
+        gpus = gpu_count() if cfg.torchrun.backend == "nccl" else 0
+        check_gpus(cfg, len(hosts), gpus)
+    except (TorchrunError, SpecError) as e:
+        print(f"gradbed torchrun: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args.out = check_out_dir(args.out)
     except OutDirError as e:
@@ -86,7 +98,7 @@ def torchrun_main(argv: Sequence[str]) -> int:
     try:
         exp = TorchrunExperiment(cfg, out_root=args.out,
                                  argv=["gradbed", "torchrun", *argv],
-                                 progress=not args.no_progress, gpus=gpu_count())
+                                 progress=not args.no_progress, gpus=gpus)
     except (TorchrunError, SpecError, RoleError, CapabilityError) as e:
         print(f"gradbed torchrun: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -162,7 +162,9 @@ class TorchrunExperiment(Experiment):
                 self.exit_status = EXIT_TIMED_OUT
                 return f"timeout after {self.cfg.run.timeout_s:g} s"
             now = now_ns()
-            for c, p in procs:
+            # A sampler that failed reads no bytes: that is no stall (its error is in the
+            # summary's torchrun.sampler_error).
+            for c, p in procs if self.sampler.error is None else []:
                 total, since = self.sampler.progress[c.host]
                 if p.poll() is None and (now - since) / 1e9 > tr.stall_s:
                     self.exit_status = EXIT_RANK_LOST
