@@ -276,6 +276,7 @@ class TorchrunExperiment(Experiment):
         if interrupted:
             self.exit_status = 128 + signal.SIGINT
         self.result["exit_status"] = self.exit_status
+        self.result["points_busy_utilization"] = _busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["torchrun"] = self.result
         rundir.write_json(run_dir / "summary.json", summary)
@@ -316,6 +317,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _busy(links_path: Path) -> dict[str, float | None]:
+    """Each sampled shaping point's busy-span utilisation (analysis.metrics defines it)."""
+    import math
+
+    from analysis.metrics import busy_utilization
+
+    try:
+        links = pd.read_parquet(links_path)
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float | None] = {}
+    for point in sorted(links["direction"].unique()) if len(links) else []:
+        u = busy_utilization(links, str(point))
+        out[str(point)] = None if math.isnan(u) else round(u, 4)
+    return out
 
 
 def _intf(spec: NetSpec, host: str) -> str:

@@ -50,6 +50,7 @@ def test_ddp_parameters_equal_loopback_and_one_more_step_is_far(tmp_path: Path) 
     sent = s["torchrun"]["bytes"]["payload_sent_bytes"]
     assert all(b > 0 for b in sent.values()), sent  # every host's ranks crossed its link
     assert (run_dir / "tcp.parquet").exists() and load_run(run_dir).summary == s
+    assert 0 < s["torchrun"]["points_busy_utilization"]["gbh3.up"] <= 1.05  # the traced uplink
     # The same script on loopback (4 local processes, no emulation), one step further.
     ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
