@@ -22,6 +22,12 @@ EXAMPLE = REPO / "examples" / "torchrun_ddp"
 CONFIG = EXAMPLE / "fabric4.toml"
 
 
+def mine_left() -> list[str]:
+    """What these runs could leave: the fabric's hosts (gbh*) and torchrun processes.
+    Other engineers' networks on this machine (stars, fake clusters) are not counted."""
+    return [x for x in leftovers() if "gbh" in x or "torch.distributed" in x]
+
+
 def gradbed_torchrun(out: Path, script: Path, args: list[str], overrides: list[str] = (),
                      timeout_s: float = 1200) -> tuple[Path, subprocess.CompletedProcess[str]]:
     argv = [sys.executable, "-m", "controller.cli", "torchrun", str(CONFIG), "--out",
@@ -65,7 +71,7 @@ def test_ddp_parameters_equal_loopback_and_one_more_step_is_far(tmp_path: Path) 
 
     assert gap(got, hist[steps - 1]) <= 1e-6
     assert gap(got, hist[steps]) > 1e-3  # the check can fail: one extra step is far away
-    assert leftovers() == []
+    assert mine_left() == []
 
 
 def test_ring_allreduce_payload_is_two_n_minus_one_over_n(tmp_path: Path) -> None:
@@ -82,7 +88,7 @@ def test_ring_allreduce_payload_is_two_n_minus_one_over_n(tmp_path: Path) -> Non
         assert abs(b["payload_received_bytes"][host] - want) / want < 0.02
         # Headers and ACKs ride on top of the payload on the emulated interface.
         assert sent < b["interface_tx_bytes"][host] < 1.1 * sent + 200_000
-    assert leftovers() == []
+    assert mine_left() == []
 
 
 def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
@@ -98,7 +104,7 @@ def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
     assert s["stop_reason"].startswith("rank 2 (host gbh2) exited with status 3"), s
     assert s["torchrun"]["exit_codes"]["2"] == 3
     assert "rank 2 (host gbh2) exited with status 3" in proc.stderr
-    assert leftovers() == []
+    assert mine_left() == []
 
 
 def test_an_fsdp_script_shards_over_the_emulated_links(tmp_path: Path) -> None:
@@ -123,4 +129,4 @@ def test_an_fsdp_script_shards_over_the_emulated_links(tmp_path: Path) -> None:
     assert ref.returncode == 0, ref.stderr[-3000:]
     for a, b in zip(torch.load(tmp_path / "f.pt"), torch.load(tmp_path / "d.pt"), strict=True):
         assert float((a - b).abs().max()) < 1e-5
-    assert leftovers() == []
+    assert mine_left() == []
