@@ -126,7 +126,8 @@ class TorchrunExperiment(Experiment):
         assert self.run_dir is not None
         hosts = [h.name for h in training_hosts(net.spec)]
         # Open before any rank starts: the destroy broadcast of every connection is seen.
-        self.sampler = ConnSampler({h: (net.pid(h), net.ip(h)) for h in hosts})
+        self.sampler = ConnSampler({h: (net.pid(h), net.ip(h)) for h in hosts},
+                                   store_port=self.cfg.torchrun.port)
         self.sampler.start()
         tail: _Tail | None = None
         reason = "completed"
@@ -164,12 +165,22 @@ class TorchrunExperiment(Experiment):
             now = now_ns()
             # A sampler that failed reads no bytes: that is no stall (its error is in the
             # summary's torchrun.sampler_error).
-            for c, p in procs if self.sampler.error is None else []:
-                total, since = self.sampler.progress[c.host]
-                if p.poll() is None and (now - since) / 1e9 > tr.stall_s:
-                    self.exit_status = EXIT_RANK_LOST
-                    return self._stalled(c.host, total, tr.stall_s)
+            stalled = [c.host for c, p in procs if self.sampler.error is None
+                       and p.poll() is None
+                       and (now - self.sampler.progress[c.host][1]) / 1e9 > tr.stall_s]
+            if stalled:
+                self.exit_status = EXIT_RANK_LOST
+                # Peers of a rank that never calls init_process_group wait in theirs and
+                # stall with it: name the one that never got there first.
+                stalled.sort(key=lambda h: self._reached_init(h))
+                return self._stalled(stalled[0], tr.stall_s)
             time.sleep(POLL_S)
+
+    def _reached_init(self, host: str) -> bool:
+        """Whether every rank of ``host`` opened its store connection (init_process_group):
+        one client connection per rank besides torchrun's own."""
+        assert self.sampler is not None
+        return len(self.sampler.store_clients[host]) > self.cfg.torchrun.nproc_per_node
 
     def _first_failure(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]]) -> str:
         """The stop reason naming the rank that failed first. Its peers fail right after
@@ -196,15 +207,20 @@ class TorchrunExperiment(Experiment):
         ranks = list(self.plans[host].ranks)
         return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
-    def _stalled(self, host: str, total: int, stall_s: float) -> str:
+    def _stalled(self, host: str, stall_s: float) -> str:
+        assert self.sampler is not None
         plan = self.plans[host]
-        if total == 0:
-            env = " ".join(f"{k}={v}" for k, v in sorted(plan.env.items())
-                           if k.endswith("IFNAME") or k.startswith("NCCL"))
-            return (f"{self._ranks(host)} (host {host}) never reached rendezvous / "
-                    f"init_process_group: no connection to another host in {stall_s:g} s "
-                    f"(master {self.plans[next(iter(self.plans))].ip}:"
-                    f"{self.cfg.torchrun.port}, {env}); see logs/{host}.log")
+        env = " ".join(f"{k}={v}" for k, v in sorted(plan.env.items())
+                       if k.endswith("IFNAME") or k.startswith("NCCL"))
+        master = f"{self.plans[next(iter(self.plans))].ip}:{self.cfg.torchrun.port}"
+        if self.sampler.progress[host][0] == 0:
+            return (f"{self._ranks(host)} (host {host}) never reached rendezvous: no "
+                    f"connection to another host in {stall_s:g} s (master {master}, {env}); "
+                    f"see logs/{host}.log")
+        if not self._reached_init(host):
+            return (f"{self._ranks(host)} (host {host}) never reached init_process_group in "
+                    f"{stall_s:g} s (torchrun.stall_s; master {master}, {env}); see "
+                    f"logs/{host}.log")
         return (f"{self._ranks(host)} (host {host}) stalled: its connections moved no bytes "
                 f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 

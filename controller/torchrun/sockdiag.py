@@ -208,7 +208,8 @@ class ConnSampler(threading.Thread):
     payload bytes (acked + received) over its connections that leave it, and the time
     (``now_ns``) that total last grew: what the stall check reads."""
 
-    def __init__(self, hosts: dict[str, tuple[int, str]], period_s: float = 0.2) -> None:
+    def __init__(self, hosts: dict[str, tuple[int, str]], period_s: float = 0.2,
+                 store_port: int = 0) -> None:
         super().__init__(name="tcp-sampler", daemon=True)
         self.period_s = period_s
         self.ips = {h: ip for h, (_, ip) in hosts.items()}
@@ -217,6 +218,11 @@ class ConnSampler(threading.Thread):
         self.last: dict[tuple[str, int], ConnSample] = {}  # (host, cookie) -> newest
         started = now_ns()
         self.progress: dict[str, tuple[int, int]] = {h: (0, started) for h in hosts}
+        # Per host, the client connections to the c10d store (``dport == store_port``)
+        # ever seen: torchrun's agent opens one, and each rank one more in
+        # init_process_group (the agent's store, TORCHELASTIC_USE_AGENT_STORE).
+        self.store_port = store_port
+        self.store_clients: dict[str, set[int]] = {h: set() for h in hosts}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.error: str | None = None
@@ -225,6 +231,8 @@ class ConnSampler(threading.Thread):
         with self.lock:
             for c in conns:
                 self.last[(host, c.cookie)] = c
+                if self.store_port and c.dport == self.store_port:
+                    self.store_clients[host].add(c.cookie)
                 self.rows.append({"ts_ns": ts, "host": host, "local": is_local(c, self.ips[host]),
                                   **c.__dict__})
             total = sum(c.bytes_acked + c.bytes_received for (h, _), c in self.last.items()
