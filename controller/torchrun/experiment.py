@@ -292,7 +292,7 @@ class TorchrunExperiment(Experiment):
         if interrupted:
             self.exit_status = 128 + signal.SIGINT
         self.result["exit_status"] = self.exit_status
-        self.result["points_busy_utilization"] = _busy(run_dir / "links.parquet")
+        self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["torchrun"] = self.result
         rundir.write_json(run_dir / "summary.json", summary)
@@ -335,7 +335,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _busy(links_path: Path) -> dict[str, float | None]:
+def points_busy(links_path: Path) -> dict[str, float | None]:
     """Each sampled shaping point's busy-span utilisation (analysis.metrics defines it)."""
     import math
 
@@ -345,6 +345,7 @@ def _busy(links_path: Path) -> dict[str, float | None]:
         links = pd.read_parquet(links_path)
     except (OSError, ValueError):
         return {}
+    links["t_s"] = (links["ts_ns"] - links["ts_ns"].min()) / 1e9 if len(links) else 0.0
     out: dict[str, float | None] = {}
     for point in sorted(links["direction"].unique()) if len(links) else []:
         u = busy_utilization(links, str(point))

@@ -106,3 +106,17 @@ def test_a_closed_connection_keeps_its_last_counters_from_the_destroy_broadcast(
         sampler.stop()
     mine = [x for _, x in sampler.final_connections() if x.sport == port and x.final]
     assert mine and mine[0].bytes_acked >= 2_000_000
+
+
+def test_each_sampled_point_gets_its_busy_utilisation(tmp_path) -> None:
+    from controller.run import links_frame
+    from controller.torchrun.experiment import points_busy
+
+    rows = [{"ts_ns": int(i * 1e8), "direction": "gbh3.up", "dev": "gbh3-eth0",
+             "sent_bytes": i * 625_000 if i < 6 else 3_125_000,  # 50 Mbit/s "sent_pkts": 0, "drops": 0,
+             "overlimits": 0, "backlog_bytes": 0, "backlog_pkts": 0, "rate_mbps": 100.0}
+            for i in range(10)]  # half the rate for 0.5 s, then idle
+    links_frame(rows).to_parquet(tmp_path / "links.parquet")
+    assert points_busy(tmp_path / "links.parquet") == {"gbh3.up": 0.5}
+    links_frame([]).to_parquet(tmp_path / "empty.parquet")
+    assert points_busy(tmp_path / "empty.parquet") == {}
