@@ -142,6 +142,10 @@ class TorchrunExperiment(Experiment):
             reason = self._wait(runner)
             return reason
         finally:
+            # Trace replay ends with the ranks, before the network goes (the base class
+            # stops the driver only after the teardown).
+            if self.driver is not None:
+                self.driver.stop()
             self._stop_ranks(runner)
             if tail is not None:
                 tail.stop()
