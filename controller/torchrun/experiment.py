@@ -113,8 +113,12 @@ class TorchrunExperiment(Experiment):
             argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--init-groups", "--",
                     *argv]
         path = cmd.log_path(run_dir)
-        self.say(f"start {cmd.host}: {' '.join(f'{k}={v}' for k, v in plan.env.items())} "
-                 f"{' '.join(argv)}")
+        # The terminal gets one short line; run.log the whole command with its variables.
+        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}")
+        if self._logf is not None:
+            self._logf.write(f"{time.strftime('%H:%M:%S')} $ "
+                             f"{' '.join(f'{k}={v}' for k, v in plan.env.items())} "
+                             f"{' '.join(argv)}  # in {cmd.host}\n")
         with open(path, "ab") as log:
             return net.popen(cmd.host, argv, stdin=subprocess.DEVNULL, stdout=log,
                              stderr=subprocess.STDOUT, cwd=str(self.cwd), env=env,
