@@ -46,8 +46,9 @@ from _common import emit, log
 
 from agents.compress import k_for, make
 from agents.compress.base import Payload
+from agents.compress.checks import check_gradient, validate_sparse
 from agents.compress.randomk import random_subset
-from agents.dp.aggregate import SparseAccumulator, aggregate, check_gradient, validate_sparse
+from agents.dp.aggregate import SparseAccumulator, aggregate
 
 N = 25_000_000
 RATIO = 0.01

@@ -187,7 +187,7 @@ def control_injection(tmp: Path) -> tuple[bool, str]:
     finally:
         srv.close()
     injected = any(m.get("type") == "membership" for m in got)
-    return (not injected and "not our controller" in impostor,
+    return (not injected and "failed the challenge" in impostor,
             f"membership injected: {injected}; keyless client: {impostor}")
 
 

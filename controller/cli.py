@@ -43,6 +43,8 @@ def run_main(argv: Sequence[str]) -> int:
                     metavar="KEY=VALUE", help="override a config field, e.g. net.workers=8")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report RUN writes it later)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tc commands and agent command lines; change nothing")
     ap.add_argument("--cli", action="store_true",
@@ -54,7 +56,7 @@ def run_main(argv: Sequence[str]) -> int:
         config_errors("gradbed run", e)
         return 2
     from agents.core.bandwidth import TraceError, load_trace
-    from agents.core.flowsize import load_flow_cdf
+    from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
     from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
@@ -64,12 +66,21 @@ def run_main(argv: Sequence[str]) -> int:
                           max_rate_mbps=RATE_MAX_MBPS)
 
     def flow_cdf(path: str) -> object:
-        # Says what it loaded and the distribution's mean, before anything is built.
+        # Says what it loaded and the distribution's mean (and whether that is the mean the
+        # file states), before anything is built.
+        import warnings
+
         bg = cfg.background
-        return load_flow_cdf(path, format=bg.flow_cdf_format,
-                             interpolation=bg.flow_cdf_interpolation,
-                             packet_bytes=bg.flow_cdf_packet_bytes,
-                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FlowSizeMeanWarning)
+            cdf = load_flow_cdf(path, format=bg.flow_cdf_format,
+                                interpolation=bg.flow_cdf_interpolation,
+                                packet_bytes=bg.flow_cdf_packet_bytes,
+                                log=lambda m: print(f"background.flow_cdf: {m}",
+                                                    file=sys.stderr))
+        for w in caught:
+            print(f"background.flow_cdf: warning: {w.message}", file=sys.stderr)
+        return cdf
 
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
@@ -131,7 +142,7 @@ def run_main(argv: Sequence[str]) -> int:
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress, spec=spec)
+                     progress=not args.no_progress, spec=spec, report=not args.no_report)
     try:
         run_dir = exp.run()
     except Exception as e:

@@ -122,7 +122,8 @@ def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
-                 quiet: bool = False, spec: NetSpec | None = None) -> None:
+                 quiet: bool = False, spec: NetSpec | None = None,
+                 report: bool = True) -> None:
         # Relative file names in a config built in Python are the caller's; the agents run
         # elsewhere (controller.paths).
         self.cfg = resolve_paths(cfg, Path.cwd())
@@ -130,6 +131,8 @@ class Experiment:
         self.argv = argv
         self.progress = progress and not quiet
         self.quiet = quiet
+        # False: no report/index.html (a sweep writes one report for all its runs).
+        self.report = report
         self.run_dir: Path | None = None
         self._logf: IO[str] | None = None
         self._bar: Any = None
@@ -346,6 +349,8 @@ class Experiment:
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
+        if not self.report:
+            return
         try:
             from analysis.report import write_report
 

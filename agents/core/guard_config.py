@@ -14,7 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class GuardConfig:
     max_abs_grad: float = 1e6          # |gradient value| above this is a payload error; 0 = no bound
-    handshake_timeout_s: float = 10.0  # a connection must prove its key within this
+    handshake_timeout_s: float = 5.0  # a whole handshake must finish within this (absolute)
 
     def validate(self, p: str) -> None:
         from agents.core.checks import ConfigError

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import secrets
 import socket
 import sys
 import threading
@@ -51,7 +50,7 @@ from agents.core.feedback_config import warmup_keep
 from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.core.policies.adaptive import ack_clock_rate_bps
-from agents.net import auth, codec, protocol, wire
+from agents.net import auth, codec, handshake, protocol, wire
 from agents.net.control import ControlClient, control_path
 from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.net.tcpinfo import read_tcp_info
@@ -133,7 +132,8 @@ class Worker:
         self.session: protocol.Session | None = None
         self.node = worker_node(worker)
         self.log = EventLog.for_node(run_dir, run_id, self.node)
-        self.ctl = ControlClient(control_path(run_dir), self.node, key)
+        self.ctl = ControlClient(control_path(run_dir), self.node, key,
+                                 timeout_s=cfg.guard.handshake_timeout_s, log=self.log)
         self.device = device
         self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
@@ -217,34 +217,23 @@ class Worker:
         self._drop_stamps()
         if self.pacing_bps:
             set_max_pacing_rate(s, self.pacing_bps)
-        # Challenge-response (agents.net.protocol): nothing the PS sends before WELCOME may
-        # weigh more than a hello, and WELCOME's MAC proves the PS knows our key.
-        hs = protocol.WorkerHandshake(self.run_id, self.rank, self.key,
-                                      secrets.token_bytes(codec.NONCE_BYTES))
-        reader = wire.FrameReader(s, expect_tag=self.tag,
-                                  max_payload_bytes=codec.MAX_HELLO_BYTES)
-        buf = bytearray(codec.MAX_HELLO_BYTES)
-        s.settimeout(self.cfg.guard.handshake_timeout_s)
-        wire.send_bytes(s, hs.hello(join_at), msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                        worker=self.rank, iteration=join_at)
-        h, payload = reader.read_frame_into(buf)
-        wire.send_bytes(s, hs.receive_challenge(h, payload), msg_type=codec.MsgType.PROOF,
-                        run_tag=self.tag, worker=self.rank, iteration=join_at)
-        # The wait for WELCOME lasts until the PS admits us at an iteration boundary.
+        # Challenge-response (agents.net.handshake): WELCOME's MAC proves the PS knows our
+        # key, and the wait for it lasts until the PS admits us at an iteration boundary.
+        dialer = protocol.Dialer(self.run_id, "worker", self.rank, self.key,
+                                 welcome_from=("ps", self.rank))
+        self.session, joined_at = handshake.dial(
+            s, dialer, run_tag=self.tag, name=f"{self.node} -> ps ({wire.peer_name(s)})",
+            timeout_s=self.cfg.guard.handshake_timeout_s, join_at=join_at,
+            welcome_timeout_s=self.cfg.run.timeout_s, log=self.log)
         # From here on the kernel times the socket out (no poll before each recv/send).
         wire.set_kernel_timeouts(s, self.cfg.run.timeout_s)
-        reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
-        h, payload = reader.read_frame_into(buf)
-        hs.receive_welcome(reader.last_header, h, payload)
-        assert hs.session is not None
-        self.session = hs.session
-        self.reader = wire.FrameReader(s, mac=hs.session.down,
+        self.reader = wire.FrameReader(s, mac=self.session.down,
                                        max_payload_bytes=self.max_down_bytes)
         if self.device.type != "cpu":
             self.host_params.copy_(self.model.flat_params)
         self.recv_weights()
-        self.log.emit("joined", iter=h.iteration)
-        return h.iteration
+        self.log.emit("joined", iter=joined_at)
+        return joined_at
 
     @property
     def max_down_bytes(self) -> int:

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     limit = max_frame_bytes(cfg, data.tokens, numels)
     del probe
     with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
-              max_payload_bytes=limit) as mesh:
+              max_payload_bytes=limit, handshake_timeout_s=cfg.guard.handshake_timeout_s,
+              log=log) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed)
         formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}

@@ -506,8 +506,10 @@ def buffer_address(mv: memoryview) -> int:
 
 # --- HELLO handshake (control fields only: small JSON, never tensors) -------------------
 
-_ROLES = frozenset({"worker", "ps", "stage", "expert", "controller"})
+# "agent": any agent proving its node's key on the control socket (its ``node`` names it).
+_ROLES = frozenset({"worker", "ps", "stage", "expert", "controller", "agent"})
 MAX_HELLO_BYTES = 4096
+MAX_NODE_CHARS = 64
 MAX_HELLO_DEPTH = 4  # a hello is a flat object; nesting is refused before json sees it
 NONCE_BYTES = 16
 
@@ -515,22 +517,34 @@ NONCE_BYTES = 16
 @dataclass(frozen=True)
 class Hello:
     """Control fields of a HELLO/WELCOME payload. ``nonce``: the sender's fresh
-    NONCE_BYTES, mixed into the connection's keys (empty in a WELCOME)."""
+    NONCE_BYTES, mixed into the connection's keys (empty in a WELCOME). ``node``: the
+    sender's node name, where an index does not name it (the control socket); else empty."""
 
     role: str
     worker: int
     version: int = VERSION
     nonce: bytes = b""
+    node: str = ""
 
 
-def hello_payload(role: str, worker: int, nonce: bytes = b"") -> bytes:
+def _node_ok(node: object) -> bool:
+    return (isinstance(node, str) and len(node) <= MAX_NODE_CHARS
+            and all(c.isascii() and (c.isalnum() or c in "_-") for c in node))
+
+
+def hello_payload(role: str, worker: int, nonce: bytes = b"", node: str = "") -> bytes:
     """JSON body of a HELLO (or WELCOME) frame; send it with :func:`frame_for_bytes`."""
     if role not in _ROLES:
         raise ValueError(f"role: {role!r} not one of {sorted(_ROLES)}")
     _check_range("worker", worker, _U32)
+    if not _node_ok(node):
+        raise ValueError(f"node: {node!r} is not up to {MAX_NODE_CHARS} ASCII letters, "
+                         "digits, '_' or '-'")
     obj: dict[str, Any] = {"role": role, "worker": worker, "version": VERSION}
     if nonce:
         obj["nonce"] = nonce.hex()
+    if node:
+        obj["node"] = node
     return json.dumps(obj, separators=(",", ":")).encode("utf-8")
 
 
@@ -584,4 +598,8 @@ def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
         nonce = bytes.fromhex(nonce_hex)
     except ValueError as e:
         raise FrameError(f"hello.nonce: not hex: {e}") from e
-    return Hello(role=role, worker=worker, version=version, nonce=nonce)
+    node = obj.get("node", "")
+    if not _node_ok(node):
+        raise FrameError(f"hello.node: {node!r} is not up to {MAX_NODE_CHARS} ASCII "
+                         "letters, digits, '_' or '-'")
+    return Hello(role=role, worker=worker, version=version, nonce=nonce, node=node)

@@ -63,7 +63,7 @@ from agents.core.lr_schedule import lr_at
 from agents.core.nodes import PS_NODE, stage_links, stage_node
 from agents.core.schedules import Action, Kind, Schedule, validate
 from agents.core.schedules import make as make_schedule
-from agents.net import auth, codec, link, wire
+from agents.net import auth, codec, handshake, link, protocol, wire
 from agents.net.pacing import set_max_pacing_rate
 from agents.pipeline.partition import balance_by_params, boundary_shapes, split
 from agents.workloads.base import Batch, FlatModel, sgd_step_
@@ -289,19 +289,22 @@ class Stage:
         return self.keys.link_key("stage", self.node,
                                   stage_node(replica, stage, self.pc.replicas))
 
-    def _dial_link(self, addr: tuple[str, int], replica: int, stage: int, what: str
+    def _dial_link(self, addr: tuple[str, int], peer: int, key: bytes, what: str
                    ) -> link.Link:
+        """Dial ``addr`` and authenticate as this stage to handshake index ``peer`` (a
+        stage, or the pipeline's PS) under ``key``."""
         sock = _dial(addr)
+        name = f"stage {self.node} -> {what} ({wire.peer_name(sock)})"
         try:
-            return link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
-                             me=self._rank(self.replica, self.s),
-                             peer=self._rank(replica, stage),
-                             key=self._link_key(replica, stage),
-                             timeout_s=CONNECT_TIMEOUT_S,
-                             name=f"stage {self.node} -> {what} ({wire.peer_name(sock)})")
+            dialer = protocol.Dialer(self.run_id, "stage", self._rank(self.replica, self.s),
+                                     key, welcome_from=("stage", peer))
+            session, _ = handshake.dial(sock, dialer, run_tag=self.tag, name=name,
+                                        timeout_s=self.cfg.guard.handshake_timeout_s,
+                                        log=self.log)
         except BaseException:
             sock.close()
             raise
+        return link.Link.dialed(sock, session, peer=peer, name=name, run_tag=self.tag)
 
     def connect(self) -> None:
         dn, up = self._needs()
@@ -317,12 +320,17 @@ class Stage:
                 while "up" not in accepted and keys:
                     self.srv.settimeout(max(0.1, deadline - time.monotonic()))
                     sock, addr = self.srv.accept()
+                    name = f"stage {self.node} <- {addr[0]}:{addr[1]}"
+                    answerer = protocol.Answerer(self.run_id, "stage",
+                                                 protocol.keys_by_index(keys),
+                                                 accepts=f"stages {sorted(keys)}")
                     try:
-                        lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag,
-                                         role="stage", me=self._rank(self.replica, self.s),
-                                         keys=keys, timeout_s=CONNECT_TIMEOUT_S,
-                                         name=f"stage {self.node} <- {addr[0]}:{addr[1]}")
-                    except link.LinkError as e:
+                        session = handshake.answer(
+                            sock, answerer, run_tag=self.tag, name=name,
+                            welcome=("stage", self._rank(self.replica, self.s)),
+                            timeout_s=self.cfg.guard.handshake_timeout_s,
+                            log=self.log)
+                    except handshake.HandshakeError as e:
                         # A stranger, or a stage claiming to be another: refuse it and
                         # keep waiting for the real neighbour.
                         self.log.emit("frame_error", peer=f"{addr[0]}:{addr[1]}",
@@ -330,14 +338,16 @@ class Stage:
                         print(f"{self.node}: {e}", file=sys.stderr, flush=True)
                         sock.close()
                         continue
-                    accepted["up"] = lk
+                    accepted["up"] = link.Link.answered(sock, session, name=name,
+                                                        run_tag=self.tag)
             except OSError as e:
                 accepted["error"] = e
 
         t = threading.Thread(target=accept_all, daemon=True)
         t.start()
         if dn is not None:
-            lk = self._dial_link(self.peers_addr[dn], self.replica, dn, f"stage {dn}")
+            lk = self._dial_link(self.peers_addr[dn], self._rank(self.replica, dn),
+                                 self._link_key(self.replica, dn), f"stage {dn}")
             wire.set_socket_options(lk.sock, nodelay=True, congestion=self.cfg.net.congestion)
             self.down = _Peer(dn, lk.sock, lk.name, conn=lk)
         t.join(CONNECT_TIMEOUT_S + 5)
@@ -370,18 +380,11 @@ class Stage:
         ``replica * p + s``, under the key only this stage and the PS hold."""
         if self.ps_addr is None:
             return
-        sock = _dial(self.ps_addr)
+        lk = self._dial_link(self.ps_addr, ps_index(self.p, self.pc.replicas),
+                             self.keys.link_key("stage", self.node, PS_NODE), "ps")
+        sock = lk.sock
         wire.set_socket_options(sock, nodelay=True, congestion=self.cfg.net.congestion)
-        me = ps_node_id(self.s, self.replica, self.p)
         peer = f"ps ({wire.peer_name(sock)})"
-        try:
-            lk = link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage", me=me,
-                           peer=ps_index(self.p, self.pc.replicas),
-                           key=self.keys.link_key("stage", self.node, PS_NODE),
-                           timeout_s=CONNECT_TIMEOUT_S, name=f"stage {self.node} -> {peer}")
-        except BaseException:
-            sock.close()
-            raise
         ps_link = _PSLink(sock, lk.reader(), lk)
         ps_link.thread = threading.Thread(target=self._ps_send_loop, args=(ps_link, peer),
                                           daemon=True, name="send-ps")

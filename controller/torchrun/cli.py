@@ -57,6 +57,8 @@ def torchrun_main(argv: Sequence[str]) -> int:
                     help="the interpreter the ranks run under (default: gradbed's)")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--no-progress", action="store_true", help="do not show rank 0's output")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report RUN writes it later)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the network's commands and each host's torchrun; change nothing")
     args = ap.parse_args(own)
@@ -98,7 +100,8 @@ def torchrun_main(argv: Sequence[str]) -> int:
     try:
         exp = TorchrunExperiment(cfg, out_root=args.out,
                                  argv=["gradbed", "torchrun", *argv],
-                                 progress=not args.no_progress, gpus=gpus)
+                                 progress=not args.no_progress, gpus=gpus,
+                                 report=not args.no_report)
     except (TorchrunError, SpecError, RoleError, CapabilityError) as e:
         print(f"gradbed torchrun: {e}", file=sys.stderr)
         return EXIT_USAGE

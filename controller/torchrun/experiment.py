@@ -68,14 +68,14 @@ class TorchrunExperiment(Experiment):
 
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True, quiet: bool = False,
-                 spec: NetSpec | None = None, gpus: int = 0) -> None:
+                 spec: NetSpec | None = None, gpus: int = 0, report: bool = True) -> None:
         script = check_script(cfg.torchrun.script)
         python = cfg.torchrun.python or sys.executable
         cfg = cfgmod.from_dict({**cfg.to_dict(), "torchrun": {
             **cfg.torchrun.__dict__, "script": str(script), "python": python}})
         spec = torchrun_spec(spec if spec is not None else shape_spec(cfg))
         check_gpus(cfg, len(training_hosts(spec)), gpus)
-        super().__init__(cfg, out_root, argv, progress, quiet, spec)
+        super().__init__(cfg, out_root, argv, progress, quiet, spec, report=report)
         self.cwd = Path.cwd()
         self.plans: dict[str, RankPlan] = {}
         self.sampler: ConnSampler | None = None

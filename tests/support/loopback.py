@@ -87,13 +87,14 @@ def public_tag(run_dir: Path) -> int:
 
 
 def prove(sock: socket.socket, run_dir: Path, worker: int, key: bytes | None = None,
-          join_at: int = 0) -> tuple[wire.FrameReader, protocol.WorkerHandshake]:
+          join_at: int = 0) -> tuple[wire.FrameReader, protocol.Dialer]:
     """A worker's HELLO and PROOF on ``sock`` (with worker ``worker``'s real key unless
-    ``key`` is given); :func:`welcome` then waits for the PS to admit it."""
+    ``key`` is given); :func:`welcome` then waits for the PS to admit it. Driven step by
+    step, not through ``agents.net.handshake``, so a test can stop between the two."""
     tag = public_tag(run_dir)
-    hs = protocol.WorkerHandshake(run_dir.name, worker,
-                                  key if key is not None else worker_key(run_dir, worker),
-                                  bytes(range(16)))
+    hs = protocol.Dialer(run_dir.name, "worker", worker,
+                         key if key is not None else worker_key(run_dir, worker),
+                         bytes(range(16)))
     wire.send_bytes(sock, hs.hello(join_at), msg_type=codec.MsgType.HELLO, run_tag=tag,
                     worker=worker, iteration=join_at)
     reader = wire.FrameReader(sock, expect_tag=tag, max_payload_bytes=codec.MAX_HELLO_BYTES)
@@ -103,7 +104,7 @@ def prove(sock: socket.socket, run_dir: Path, worker: int, key: bytes | None = N
     return reader, hs
 
 
-def welcome(reader: wire.FrameReader, hs: protocol.WorkerHandshake) -> protocol.Session:
+def welcome(reader: wire.FrameReader, hs: protocol.Dialer) -> protocol.Session:
     """Wait for WELCOME (raises :class:`protocol.Rejected` on an ERROR); afterwards the
     reader checks the PS's MAC, and ``session.up`` seals what we send."""
     reader.expect_tag = None

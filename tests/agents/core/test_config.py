@@ -83,8 +83,8 @@ def test_rates_up_to_10_gbit_are_accepted_and_reach_the_topology() -> None:
 def test_dry_run_prints_every_qdisc_without_root() -> None:
     cfg = cfgmod.load(DEMO, ["net.workers=2"])
     lines = plan_commands(cfg, {"netem": False, "tcp_congestion_control": ["cubic"]})
-    assert any("tc class replace dev gbsw0-eth1" in ln and "rate 100000000bit" in ln
-               for ln in lines)
+    rate = f"rate {round(cfg.net.bottleneck_mbps * 1e6)}bit"  # the up bottleneck's HTB class
+    assert any("tc class replace dev gbsw0-eth1" in ln and rate in ln for ln in lines)
     assert sum("-m agents.dp.worker" in ln for ln in lines) == 2
 
 

@@ -237,7 +237,7 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
         worker_end.close()
         ps_end.setblocking(False)
         ps._serve_conn(conn)
-        ps._receive(conn)
+        ps.loop._read_ready(conn)
     finally:
         _close(ps, ps_end)
     errors = [e for e in read_jsonl(run_dir / "events" / "ps.jsonl")
@@ -272,7 +272,7 @@ def test_a_silent_worker_and_a_stalled_downlink_are_lost_after_the_timeout(tmp_p
             conns.append(conn)
         # w0 says nothing. w1 and w2 keep talking (a frame header, a byte at a time), but
         # w1 reads nothing: 32 MB queued to it stays mostly unsent.
-        ps._send(conns[1], wire.message_buffers(
+        ps.loop.write(conns[1], wire.message_buffers(
             [torch.ones(8_000_000)], msg_type=codec.MsgType.WEIGHTS, run_tag=ps.tag, worker=1,
             iteration=0, chunk=0, mac=conns[1].session.down))
         assert conns[1].unsent

@@ -24,13 +24,13 @@ LR, MOMENTUM = 0.1, 0.9
 
 
 def _hello(port: int, run_dir, worker: int
-           ) -> tuple[socket.socket, wire.FrameReader, protocol.WorkerHandshake]:
+           ) -> tuple[socket.socket, wire.FrameReader, protocol.Dialer]:
     s = connect(port)
     reader, hs = prove(s, run_dir, worker)
     return s, reader, hs
 
 
-def _welcome(conn: tuple[socket.socket, wire.FrameReader, protocol.WorkerHandshake],
+def _welcome(conn: tuple[socket.socket, wire.FrameReader, protocol.Dialer],
              nchunks: int) -> tuple[torch.Tensor, codec.FrameMac]:
     """WELCOME, then the dense weights (returned flat), and the MAC to send with. The PS
     admits the workers once every one of them has proved its key."""

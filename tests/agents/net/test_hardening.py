@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from agents.core.events import read_jsonl
-from agents.net import auth, codec, wire
-from agents.net.control import ControlClient
+from agents.net import auth, codec, handshake, wire
+from agents.net.control import CONTROL_TAG, ControlClient, control_dialer
 from controller.control import ControlServer
 from tests.support import hostile
 from tests.support.loopback import (
@@ -211,6 +211,18 @@ def test_an_agent_ends_when_its_controller_is_gone(tmp_path: Path) -> None:
     assert "controller gone" in (run_dir / "ps.log").read_text()
 
 
+def _read_to_eof(s: socket.socket) -> bytes:
+    """Everything after what was read so far, until the peer closes (or resets: it
+    closed with our bytes unread)."""
+    out = b""
+    try:
+        while chunk := s.recv(4096):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
 def test_control_socket_refuses_peers_without_the_key(tmp_path: Path) -> None:
     master = auth.new_master()
     got: list[dict[str, Any]] = []
@@ -218,18 +230,29 @@ def test_control_socket_refuses_peers_without_the_key(tmp_path: Path) -> None:
     srv = ControlServer(path, got.append,
                         lambda node: auth.node_key(master, node) if node == "w0" else None)
     try:
-        # A background host: no key. It says hello as w0 and injects a command.
+        # A background host: no key. It dials as w0 with a key of its own, then tries to
+        # inject a command.
+        raw = socket.socket(socket.AF_UNIX)
+        raw.connect(str(path))
+        with pytest.raises(handshake.HandshakeError, match="w0 failed the challenge"):
+            handshake.dial(raw, control_dialer("w0", b"no key".ljust(32)),
+                           run_tag=CONTROL_TAG, name="background host")
+        try:
+            raw.sendall(b'{"type": "membership", "node": "ps", "active": []}\n')
+        except OSError:
+            pass  # already closed
+        raw.settimeout(5)
+        assert _read_to_eof(raw) == b""  # closed after its ERROR frame
+        raw.close()
+        # A JSON hello gets nowhere: the first thing on the socket must be a HELLO frame.
         raw = socket.socket(socket.AF_UNIX)
         raw.connect(str(path))
         raw.sendall(json.dumps({"type": "hello", "node": "w0", "nonce": "ab"}).encode()
-                    + b"\n")
-        challenge = raw.makefile().readline()
-        raw.sendall(b'{"type": "auth", "proof": "00"}\n'
-                    b'{"type": "membership", "node": "ps", "active": []}\n')
-        time.sleep(0.3)
-        assert raw.recv(10) == b""  # closed
+                    + b'\n{"type": "membership", "node": "ps", "active": []}\n')
+        raw.settimeout(5)
+        _read_to_eof(raw)
         raw.close()
-        with pytest.raises(ConnectionError, match="not our controller"):
+        with pytest.raises(ConnectionError, match="failed the challenge"):
             ControlClient(path, "w0", b"wrong key".ljust(32))
         ok = ControlClient(path, "w0", auth.node_key(master, "w0"))
         ok.send("iter_done", iter=3)
@@ -246,17 +269,16 @@ def test_control_socket_refuses_peers_without_the_key(tmp_path: Path) -> None:
         ok.close()
     finally:
         srv.close()
-    assert "challenge" in challenge
     assert not any(m.get("type") == "membership" for m in got), got
     refused = [m for m in got if m.get("type") == "control_refused"]
-    assert len(refused) == 2, got  # the keyless host and the client with the wrong key
+    assert len(refused) == 3, got  # the keyless host, the JSON hello and the wrong key
     hellos = [m for m in got if m.get("type") == "hello"]
     assert len(hellos) == 1 and hellos[0]["node"] == "w0" and hellos[0]["pid"] > 0
 
 
 def test_check_gradient_names_each_problem() -> None:
     from agents.compress.base import PayloadError
-    from agents.dp.aggregate import check_gradient
+    from agents.compress.checks import check_gradient
 
     idx = torch.tensor([4, 1, 7], dtype=torch.int32)
     ok = torch.tensor([1.0, -2.0, 3.0])

@@ -16,7 +16,7 @@ from agents.core import config as cfgmod
 from agents.core.nodes import stage_links
 from agents.core.schedules import Kind
 from agents.moe.mesh import Mesh, file_keys
-from agents.net import auth, codec, link
+from agents.net import auth, codec, handshake, protocol
 from agents.net.codec import FrameError, MsgType
 from agents.pipeline.stage import Stage, StageError
 from controller.roles import RoleContext, plan_commands
@@ -50,10 +50,10 @@ def _impostor(addr: tuple[str, int], *, me: int, key: bytes, out: dict[str, Any]
     """Dial ``addr`` as expert host ``me`` with ``key``; record how it was refused."""
     s = connect(addr[1])
     try:
-        link.dial(s, run_id=RUN, run_tag=TAG, role="expert", me=me, peer=0, key=key,
-                  timeout_s=10, name="impostor")
+        handshake.dial(s, protocol.Dialer(RUN, "expert", me, key, welcome_from=("expert", 0)),
+                       run_tag=TAG, name="impostor", timeout_s=10)
         out["result"] = "accepted"
-    except link.LinkError as e:
+    except handshake.HandshakeError as e:
         out["result"] = str(e)
     finally:
         s.close()
@@ -99,7 +99,7 @@ def test_expert_mesh_refuses_an_impostor(attack: str,
     assert "impostor" in seen["result"]  # the dialer's error names its connection
     printed = capsys.readouterr().out
     assert "expert host 0: refused a connection: expert host 0 <- 127.0.0.1:" in printed
-    assert "expert 1 -> expert 0: refused" in printed
+    assert "expert 1: refused: proof: expert 1 failed the challenge" in printed
     for h in range(3):  # the real hosts connected and exchanged after the refusal
         assert not isinstance(out[h], BaseException), out[h]
         (got,) = out[h]
@@ -116,9 +116,11 @@ def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     def fake_host0() -> None:
         conn, _ = srv.accept()
         try:
-            link.answer(conn, run_id=RUN, run_tag=TAG, role="expert", me=0, keys=wrong,
-                        timeout_s=10, name="fake host 0")
-        except link.LinkError:
+            handshake.answer(conn, protocol.Answerer(RUN, "expert",
+                                                     protocol.keys_by_index(wrong)),
+                             run_tag=TAG, name="fake host 0", welcome=("expert", 0),
+                             timeout_s=10)
+        except handshake.HandshakeError:
             pass
         finally:
             conn.close()
@@ -126,12 +128,13 @@ def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     t = threading.Thread(target=fake_host0)
     t.start()
     s = connect(port)
-    with pytest.raises(link.LinkError, match="real host 1: expert 1 -> 0: refused: .*"
-                                             "proof: expert 1 failed the challenge"):
+    with pytest.raises(handshake.HandshakeError, match="real host 1: expert 1: refused: .*"
+                                                       "proof: expert 1 failed the challenge"):
         # The fake host refuses our proof (it holds another key) before it could
         # forge a WELCOME; either way we never accept it.
-        link.dial(s, run_id=RUN, run_tag=TAG, role="expert", me=1, peer=0,
-                  key=file_keys(SECRET, 1, 2)[0], timeout_s=10, name="real host 1")
+        handshake.dial(s, protocol.Dialer(RUN, "expert", 1, file_keys(SECRET, 1, 2)[0],
+                                          welcome_from=("expert", 0)),
+                       run_tag=TAG, name="real host 1", timeout_s=10)
     s.close()
     t.join()
     srv.close()
@@ -237,10 +240,11 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
     def impostor() -> None:
         s = connect(s1.peers_addr[1][1])
         try:
-            link.dial(s, run_id=run_dir.name, run_tag=s1.tag, role="stage", me=me, peer=1,
-                      key=key, timeout_s=10, name="impostor")
+            handshake.dial(s, protocol.Dialer(run_dir.name, "stage", me, key,
+                                              welcome_from=("stage", 1)),
+                           run_tag=s1.tag, name="impostor", timeout_s=10)
             seen["result"] = "accepted"
-        except link.LinkError as e:
+        except handshake.HandshakeError as e:
             seen["result"] = str(e)
         finally:
             s.close()
@@ -254,7 +258,7 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
     try:
         assert out == {0: "ok", 1: "ok"}, out
         why = ("proof: stage 0 failed the challenge" if attack == "wrong key" else
-               "hello.worker: stage 5 is not a stage this end accepts ([0])")
+               "hello.worker: stage 5 is not a stage this end accepts (stages [0])")
         assert why in seen["result"], seen
         err = capsys.readouterr().err
         assert "s1: stage s1 <- 127.0.0.1:" in err and why in err  # names the connection
