@@ -231,7 +231,10 @@ class ConnSampler(threading.Thread):
         with self.lock:
             for c in conns:
                 self.last[(host, c.cookie)] = c
-                if self.store_port and c.dport == self.store_port:
+                # A refused connect (torchrun retries until the store listens) moves
+                # nothing: only a connection that carried a byte beyond its SYN counts.
+                if (self.store_port and c.dport == self.store_port
+                        and c.bytes_acked + c.bytes_received > 1):
                     self.store_clients[host].add(c.cookie)
                 self.rows.append({"ts_ns": ts, "host": host, "local": is_local(c, self.ips[host]),
                                   **c.__dict__})
