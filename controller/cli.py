@@ -1,6 +1,7 @@
 """The ``gradbed`` command line.
 
     gradbed run CONFIG.toml [--set dotted.key=value ...] [--out DIR] [--dry-run | --cli]
+    gradbed torchrun CONFIG.toml [--set ...] [--python PY] -- SCRIPT.py [ARGS]
     gradbed sweep CONFIG.toml --grid key=v1,v2 [--grid ...] [--out DIR]
     gradbed probe            kernel capabilities as JSON
     gradbed cleanup          remove what a crashed or killed run left behind (idempotent)
@@ -198,6 +199,8 @@ def config_errors(command: str, e: Exception) -> None:
 #: name -> (module, function, one-line help); each command parses its own options.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("controller.cli", "run_main", "run one experiment (root)"),
+    "torchrun": ("controller.torchrun.cli", "torchrun_main",
+                 "run an unmodified torch.distributed script on the emulated hosts (root)"),
     "sweep": ("controller.sweep", "sweep_main", "run every combination of a grid (root)"),
     "probe": ("topo.cli", "probe_main", "this kernel's emulation capabilities as JSON"),
     "cleanup": ("controller.cleanup", "cleanup_main",

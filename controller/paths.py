@@ -37,7 +37,7 @@ from controller.rundir import hand_over, make_dirs
 PATH_FIELDS: tuple[tuple[str, str], ...] = (
     ("trace", "up"), ("trace", "down"), ("background", "flow_cdf"), ("background", "pcap"),
     ("topo", "traces"), ("cluster", "key_path"),
-    ("cluster", "ssh_config"),
+    ("cluster", "ssh_config"), ("torchrun", "script"),
 )
 
 #: The shipped data: package, folder inside it, and the prefix a config writes for it.

@@ -218,9 +218,7 @@ class Experiment:
         rundir.write_json(run_dir / "meta.json", meta)
         # The network as built: hosts, roles, every shaping point and where it sits.
         rundir.write_json(run_dir / "network.json", self.spec.describe())
-        self.say(f"run {run_dir.name}: {self.spec.shape}, {cfg.net.workers} workers, "
-                 f"{cfg.net.bottleneck_mbps} Mbit/s bottleneck, {cfg.workload.name}, "
-                 f"compress={cfg.compress.name}")
+        self.say(f"run {run_dir.name}: {self.headline()}")
         for note in self.notes:
             self.say(note)
         interrupted = False
@@ -289,6 +287,12 @@ class Experiment:
                 if self._logf is not None:
                     self._logf.close()
         return run_dir
+
+    def headline(self) -> str:
+        """What the run's first status line says about it."""
+        cfg = self.cfg
+        return (f"{self.spec.shape}, {cfg.net.workers} workers, {cfg.net.bottleneck_mbps} "
+                f"Mbit/s bottleneck, {cfg.workload.name}, compress={cfg.compress.name}")
 
     def _control_key(self, node: str) -> bytes | None:
         """The key a control-socket peer must prove: the agents of this run's roles only."""

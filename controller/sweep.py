@@ -381,10 +381,12 @@ def comparison(spec: SweepSpec, results: Sequence[RunResult]) -> str:
 def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Path,
              cfg: cfgmod.ExperimentConfig, res: RunResult) -> None:
     """Run one combination as ``gradbed run`` in its own session (so a terminal's Ctrl-C
-    reaches only the sweep, which forwards exactly one SIGINT: the run then stops cleanly)."""
+    reaches only the sweep, which forwards exactly one SIGINT: the run then stops cleanly).
+    A config whose ``[torchrun]`` section names a script runs as ``gradbed torchrun``."""
     # No report per run: the sweep writes one for all its runs at the end, and on 2 cores
     # each report is seconds that the next run waits for.
-    argv = [sys.executable, "-m", "controller.cli", "run", str(base_toml), "--out",
+    command = "torchrun" if cfg.torchrun.script else "run"
+    argv = [sys.executable, "-m", "controller.cli", command, str(base_toml), "--out",
             str(sweep_dir), "--no-report", "--no-progress"]
     for o in [*spec.sets, *combo.overrides(base_seed(spec))]:
         argv += ["--set", o]

@@ -54,7 +54,7 @@ __all__ = [
     "NetSpec", "Network", "Role", "RoleCommand", "RoleContext", "RoleError", "ShapingPoint",
     "SpecError", "StarSpec", "SwitchSpec", "cli", "dry_run", "load_config", "place", "role",
     "role_names", "register_role", "register_shape", "run", "shape_spec", "shape_names",
-    "summary",
+    "summary", "torchrun",
 ]
 
 
@@ -94,6 +94,26 @@ def run(cfg: ExperimentConfig, spec: NetSpec | None = None, *, out: str | Path =
     every host's role, and return the run directory, loadable even when interrupted."""
     exp = Experiment(cfg, out_root=Path(out), progress=progress, quiet=quiet, spec=spec,
                      argv=["gradbed.run"])
+    return exp.run()
+
+
+def torchrun(cfg: ExperimentConfig, script: str | Path, args: Sequence[str] = (),
+             spec: NetSpec | None = None, *, out: str | Path = "runs", python: str = "",
+             progress: bool = True, quiet: bool = False) -> Path:
+    """Run an unmodified ``torch.distributed`` script under real torchrun on every
+    training host of ``spec`` (the config's shape when None), as ``gradbed torchrun``
+    does (root); returns the run directory. ``summary(run_dir)["torchrun"]`` holds the
+    per-rank exit codes and the bytes proof (docs/torchrun.md)."""
+    from dataclasses import asdict
+
+    from agents.core.config import from_dict
+    from controller.torchrun.experiment import TorchrunExperiment
+
+    tr = replace(cfg.torchrun, script=str(script), args=tuple(str(a) for a in args),
+                 python=python or cfg.torchrun.python)
+    cfg = from_dict({**cfg.to_dict(), "torchrun": asdict(tr)})
+    exp = TorchrunExperiment(cfg, out_root=Path(out), progress=progress, quiet=quiet,
+                             spec=spec, argv=["gradbed.torchrun"])
     return exp.run()
 
 

@@ -47,7 +47,7 @@ def is_gradbed_process(argv: list[str]) -> str | None:
     """Why ``argv`` is a gradbed leftover (a short description), or None."""
     for i, arg in enumerate(argv[:-1]):
         if arg == "-m" and (argv[i + 1].startswith("agents.")
-                            or argv[i + 1] == "topo.delayline"):
+                            or argv[i + 1] in ("topo.delayline", "torch.distributed.run")):
             return f"agent {argv[i + 1]}"
     if argv and os.path.basename(argv[0]) == "iperf3" and "-p" in argv[:-1]:
         # Background traffic (controller/background.py) uses ports from BASE_PORT; like an

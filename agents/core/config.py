@@ -37,6 +37,7 @@ from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
 from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD
 from agents.core.topo_config import TopoConfig
+from agents.core.torchrun_config import TorchrunConfig
 from agents.core.vision_config import VisionConfig
 
 __all__ = ["ConfigError"]
@@ -430,6 +431,7 @@ class ExperimentConfig:
     vision: VisionConfig = field(default_factory=VisionConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    torchrun: TorchrunConfig = field(default_factory=TorchrunConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

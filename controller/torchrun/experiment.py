@@ -1,0 +1,404 @@
+"""A ``gradbed torchrun`` run: :class:`controller.run.Experiment` (the network, its driver,
+trace replay, link and class samplers, the run directory) with the torchrun role on every
+training host, and what only such a run needs around it:
+
+- each host's torchrun starts with the variables of :mod:`controller.roles.torchrun`, as the user who ran sudo
+  (``setpriv``; never as root), in the directory gradbed was started from;
+- the ranks' connections are sampled with sock_diag from the start (:mod:`.sockdiag`);
+- rank 0's output is shown live; a host whose torchrun fails ends the run naming the rank;
+  a host whose connections move no bytes for ``torchrun.stall_s`` ends it too (one that
+  never connected is named as never reaching rendezvous / ``init_process_group``);
+- at the end: ``tcp.parquet`` (every sample of every connection), per-rank exit codes,
+  the bytes proof (:mod:`.proof`), all in ``summary.json``'s ``torchrun`` section, and
+  the variables and interpreter in ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pandas as pd
+
+from agents.core import config as cfgmod
+from agents.core.events import now_ns
+from controller import rundir
+from controller.roles import RoleCommand
+from controller.roles.torchrun import (
+    RankPlan,
+    check_gpus,
+    check_script,
+    failure_time,
+    rank_exit_codes,
+    rank_plans,
+    torchrun_spec,
+    training_hosts,
+)
+from controller.run import Experiment
+from controller.runner import RoleRunner
+from controller.torchrun import proof
+from controller.torchrun.sockdiag import ConnSampler, interface_bytes
+from topo.build import Network
+from topo.shapes import shape_spec
+from topo.spec import NetSpec
+
+#: gradbed torchrun's exit statuses, defined once (the shared table of controller/ can
+#: take them over): 128 + n for a signal.
+EXIT_COMPLETED = 0
+EXIT_USAGE = 2
+EXIT_FAILED_START = 3
+EXIT_RANK_LOST = 4
+EXIT_TIMED_OUT = 5
+EXIT_BYPASSED = 6
+STOP_GRACE_S = 5.0
+FAILURE_SETTLE_S = 1.0
+POLL_S = 0.1
+
+
+class TorchrunExperiment(Experiment):
+    """``TorchrunExperiment(cfg).run()``: the config's shape with ranks on its training
+    hosts; ``cfg.torchrun.script`` must name the script (absolute or from the cwd)."""
+
+    def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
+                 argv: list[str] | None = None, progress: bool = True, quiet: bool = False,
+                 spec: NetSpec | None = None, gpus: int = 0, report: bool = True) -> None:
+        script = check_script(cfg.torchrun.script)
+        python = cfg.torchrun.python or sys.executable
+        cfg = cfgmod.from_dict({**cfg.to_dict(), "torchrun": {
+            **cfg.torchrun.__dict__, "script": str(script), "python": python}})
+        spec = torchrun_spec(spec if spec is not None else shape_spec(cfg))
+        check_gpus(cfg, len(training_hosts(spec)), gpus)
+        super().__init__(cfg, out_root, argv, progress, quiet, spec, report=report)
+        self.cwd = Path.cwd()
+        self.plans: dict[str, RankPlan] = {}
+        self.sampler: ConnSampler | None = None
+        self.result: dict[str, Any] = {}
+        self.exit_status = EXIT_COMPLETED
+
+    def headline(self) -> str:
+        tr = self.cfg.torchrun
+        hosts = training_hosts(self.spec)
+        return (f"torchrun {Path(tr.script).name} on {len(hosts)} hosts of the "
+                f"{self.spec.shape} ({hosts[0].name}..{hosts[-1].name}), "
+                f"{tr.nproc_per_node} per host, {tr.backend}")
+
+    # -- starting a host's torchrun ---------------------------------------------------
+
+    def _start(self, net: Network, cmd: RoleCommand, run_dir: Path
+               ) -> subprocess.Popen[Any]:
+        if not self.plans:
+            plans = rank_plans(self.cfg, net.spec, self.cfg.torchrun.python,
+                               Path(self.cfg.torchrun.script), run_dir / "logs" / "ranks")
+            self.plans = {p.host: p for p in plans}
+        plan = self.plans[cmd.host]
+        log_dir = run_dir / "logs" / "ranks" / cmd.host
+        log_dir.mkdir(parents=True, exist_ok=True)
+        rundir.hand_over(log_dir.parent)
+        env = {**os.environ, **plan.env}
+        argv = list(cmd.argv)
+        owner = rundir.invoking_user()
+        if owner is not None:  # under sudo: the ranks run as the user, never as root
+            import pwd
+
+            uid, gid = owner
+            user = pwd.getpwuid(uid)
+            env |= {"HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name}
+            argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--init-groups", "--",
+                    *argv]
+        path = cmd.log_path(run_dir)
+        # The terminal gets one short line; run.log the whole command with its variables.
+        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}")
+        if self._logf is not None:
+            self._logf.write(f"{time.strftime('%H:%M:%S')} $ "
+                             f"{' '.join(f'{k}={v}' for k, v in plan.env.items())} "
+                             f"{' '.join(argv)}  # in {cmd.host}\n")
+        with open(path, "ab") as log:
+            return net.popen(cmd.host, argv, stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, cwd=str(self.cwd), env=env,
+                             start_new_session=True)
+
+    # -- the wait -----------------------------------------------------------------------
+
+    def _run_agents(self, net: Network, runner: RoleRunner) -> str:
+        assert self.run_dir is not None
+        hosts = [h.name for h in training_hosts(net.spec)]
+        # Open before any rank starts: the destroy broadcast of every connection is seen.
+        self.sampler = ConnSampler({h: (net.pid(h), net.ip(h)) for h in hosts},
+                                   store_port=self.cfg.torchrun.port)
+        self.sampler.start()
+        tail: _Tail | None = None
+        reason = "completed"
+        try:
+            runner.start_agents()
+            if self.progress:
+                tail = _Tail(runner.procs[0][1].log_path(self.run_dir), sys.stdout)
+                tail.start()
+            assert self.driver is not None
+            self.driver.start()
+            runner.start_sessions(net)
+            reason = self._wait(runner)
+            return reason
+        finally:
+            # Trace replay ends with the ranks, before the network goes (the base class
+            # stops the driver only after the teardown).
+            if self.driver is not None:
+                self.driver.stop()
+            self._stop_ranks(runner)
+            if tail is not None:
+                tail.stop()
+            self._collect(net, runner, hosts, reason)
+
+    def _wait(self, runner: RoleRunner) -> str:
+        """Until every host's torchrun has exited, one fails, one stalls, or the timeout."""
+        assert self.sampler is not None
+        tr = self.cfg.torchrun
+        procs = [(c, p) for _, c, p in runner.procs]
+        deadline = time.monotonic() + self.cfg.run.timeout_s
+        while True:
+            if any(p.poll() not in (None, 0) for _, p in procs):
+                self.exit_status = EXIT_RANK_LOST
+                return self._first_failure(procs)
+            if all(p.poll() is not None for _, p in procs):
+                return "completed"
+            if time.monotonic() > deadline:
+                self.exit_status = EXIT_TIMED_OUT
+                return f"timeout after {self.cfg.run.timeout_s:g} s"
+            now = now_ns()
+            # A sampler that failed reads no bytes: that is no stall (its error is in the
+            # summary's torchrun.sampler_error).
+            stalled = [c.host for c, p in procs if self.sampler.error is None
+                       and p.poll() is None
+                       and (now - self.sampler.progress[c.host][1]) / 1e9 > tr.stall_s]
+            if stalled:
+                self.exit_status = EXIT_RANK_LOST
+                # Peers of a rank that never calls init_process_group wait in theirs and
+                # stall with it: name the one that never got there first.
+                stalled.sort(key=lambda h: self._reached_init(h))
+                return self._stalled(stalled[0], tr.stall_s)
+            time.sleep(POLL_S)
+
+    def _reached_init(self, host: str) -> bool:
+        """Whether every rank of ``host`` opened its store connection (init_process_group):
+        one client connection per rank besides torchrun's own."""
+        assert self.sampler is not None
+        return len(self.sampler.store_clients[host]) > self.cfg.torchrun.nproc_per_node
+
+    def _first_failure(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]]) -> str:
+        """The stop reason naming the rank that failed first. Its peers fail right after
+        it (gloo: connection closed by peer), often within one poll: after a short wait,
+        the failure that torchrun's report dates first wins, and among those, a rank
+        whose own exit code is not the peers' 1."""
+        assert self.run_dir is not None
+        time.sleep(FAILURE_SETTLE_S)
+        found = []
+        for c, p in procs:
+            if p.poll() in (None, 0):
+                continue
+            text = _read(self.run_dir / "logs" / f"{c.host}.log")
+            codes = rank_exit_codes(self.plans[c.host], p.returncode, text)
+            for r, code in codes.items():
+                if code not in (0, None):
+                    found.append((failure_time(text, r), code == 1, r, code, c.host))
+            if not any(code not in (0, None) for code in codes.values()):
+                found.append(("~", True, self.plans[c.host].ranks[0], p.returncode, c.host))
+        _, _, rank, code, host = min(found)
+        return f"rank {rank} (host {host}) exited with status {code}; see logs/{host}.log"
+
+    def _ranks(self, host: str) -> str:
+        ranks = list(self.plans[host].ranks)
+        return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+    def _stalled(self, host: str, stall_s: float) -> str:
+        assert self.sampler is not None
+        plan = self.plans[host]
+        env = " ".join(f"{k}={v}" for k, v in sorted(plan.env.items())
+                       if k.endswith("IFNAME") or k.startswith("NCCL"))
+        master = f"{self.plans[next(iter(self.plans))].ip}:{self.cfg.torchrun.port}"
+        if self.sampler.progress[host][0] == 0:
+            return (f"{self._ranks(host)} (host {host}) never reached rendezvous: no "
+                    f"connection to another host in {stall_s:g} s (master {master}, {env}); "
+                    f"see logs/{host}.log")
+        if not self._reached_init(host):
+            return (f"{self._ranks(host)} (host {host}) never reached init_process_group in "
+                    f"{stall_s:g} s (torchrun.stall_s; master {master}, {env}); see "
+                    f"logs/{host}.log")
+        return (f"{self._ranks(host)} (host {host}) stalled: its connections moved no bytes "
+                f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
+
+    def _stop_ranks(self, runner: RoleRunner) -> None:
+        """SIGTERM every torchrun still running and every process under it (torchrun
+        starts each rank in a session of its own, so its process group is not enough),
+        then SIGKILL what is left after STOP_GRACE_S: a torchrun blocked in a store call
+        handles SIGTERM only when the call returns."""
+        pids = [p.pid for _, _, p in runner.procs if p.poll() is None]
+        tree = [q for pid in pids for q in [pid, *descendants(pid)]]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in tree:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            end = time.monotonic() + STOP_GRACE_S
+            while time.monotonic() < end and any(_alive(q) for q in tree):
+                for _, _, p in runner.procs:
+                    p.poll()  # reap our own children
+                time.sleep(0.05)
+            tree = [q for q in tree if _alive(q)]
+            if not tree:
+                break
+
+    # -- the record ---------------------------------------------------------------------
+
+    def _collect(self, net: Network, runner: RoleRunner, hosts: list[str],
+                 reason: str) -> None:
+        """Before the network goes: interface counters, the last sock_diag messages,
+        tcp.parquet, exit codes and the bytes proof (into ``self.result``)."""
+        assert self.run_dir is not None and self.sampler is not None
+        time.sleep(0.2)  # the kernel's last destroy messages
+        iface: dict[str, tuple[int, int]] = {}
+        for h in hosts:
+            try:
+                iface[h] = interface_bytes(net.pid(h), str(_intf(net.spec, h)))
+            except OSError as e:
+                self.say(f"warning: {h}: interface counters not read: {e}")
+        self.sampler.stop()
+        rows = pd.DataFrame(self.sampler.rows)
+        rows.to_parquet(self.run_dir / "tcp.parquet", index=False)
+        per_host = proof.host_bytes(self.sampler.final_connections(),
+                                    {h: net.ip(h) for h in hosts})
+        codes: dict[str, int | None] = {}
+        for _, c, p in runner.procs:
+            log = _read(self.run_dir / "logs" / f"{c.host}.log")
+            for r, code in rank_exit_codes(self.plans[c.host], p.returncode, log).items():
+                codes[str(r)] = code
+        bypass = proof.bypass_cause(per_host, {h: tx for h, (_, tx) in iface.items()}) \
+            if reason == "completed" else None
+        if bypass:
+            self.exit_status = EXIT_BYPASSED
+            self.say(f"failed: {bypass}")
+        self.result = {
+            "script": self.cfg.torchrun.script, "python": self.cfg.torchrun.python,
+            "hosts": {p.host: {"ip": p.ip, "node_rank": p.node_rank, "ranks": list(p.ranks)}
+                      for p in self.plans.values()},
+            "exit_codes": codes, "bypass": bypass, "exit_status": self.exit_status,
+            "sampler_error": self.sampler.error,
+            "bytes": proof.bytes_summary(per_host, iface, self.cfg.torchrun.nproc_per_node),
+        }
+
+    def _finalize(self, run_dir: Path, sampler: Any, meta: dict[str, Any], wall_s: float,
+                  interrupted: bool, stop_reason: str) -> None:
+        if self.result.get("bypass"):
+            stop_reason = f"failed: {self.result['bypass']}"
+        super()._finalize(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
+        if interrupted:
+            self.exit_status = 128 + signal.SIGINT
+        self.result["exit_status"] = self.exit_status
+        self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        summary["torchrun"] = self.result
+        rundir.write_json(run_dir / "summary.json", summary)
+        meta_now = json.loads((run_dir / "meta.json").read_text())
+        meta_now["torchrun"] = {
+            "python": self.cfg.torchrun.python, "script": self.cfg.torchrun.script,
+            "cwd": str(self.cwd),
+            "run_as": list(rundir.invoking_user() or (os.geteuid(), os.getegid())),
+            "hosts": {p.host: {"argv": list(p.argv), "env": dict(p.env)}
+                      for p in self.plans.values()}}
+        rundir.write_json(run_dir / "meta.json", meta_now)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        q = todo.pop(0)
+        out.append(q)
+        todo += children.get(q, [])
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is done: it only waits for its parent to read its status)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def points_busy(links_path: Path) -> dict[str, float | None]:
+    """Each sampled shaping point's busy-span utilisation (analysis.metrics defines it)."""
+    import math
+
+    from analysis.metrics import busy_utilization
+
+    try:
+        links = pd.read_parquet(links_path)
+    except (OSError, ValueError):
+        return {}
+    links["t_s"] = (links["ts_ns"] - links["ts_ns"].min()) / 1e9 if len(links) else 0.0
+    out: dict[str, float | None] = {}
+    for point in sorted(links["direction"].unique()) if len(links) else []:
+        u = busy_utilization(links, str(point))
+        out[str(point)] = None if math.isnan(u) else round(u, 4)
+    return out
+
+
+def _intf(spec: NetSpec, host: str) -> str:
+    from controller.roles.torchrun import interface
+
+    return interface(spec, host)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+class _Tail(threading.Thread):
+    """Shows a growing log file live (rank 0's host) on ``out``."""
+
+    def __init__(self, path: Path, out: IO[str]) -> None:
+        super().__init__(name="rank0-tail", daemon=True)
+        self.path, self.out = path, out
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        pos = 0
+        while True:
+            stopping = self._done.wait(0.2)
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+            except OSError:
+                chunk = b""
+            if chunk:
+                pos += len(chunk)
+                self.out.write(chunk.decode(errors="replace"))
+                self.out.flush()
+            if stopping:
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=2)
