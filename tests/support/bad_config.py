@@ -21,6 +21,8 @@ BAD_IN_EVERY_SECTION: dict[str, tuple[str, object]] = {
     "pipeline": ("schedule", "zigzag"),
     "vision": ("vit_patch", 3),
     "feedback": ("warmup_iterations", -1),
+    "torchrun": ("nproc_per_node", 0),
+    "cluster": ("placement", "nowhere"),
 }
 
 
