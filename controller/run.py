@@ -4,15 +4,15 @@
 sets the congestion control, starts the PS and the workers inside their hosts,
 samples the bottleneck's ``tc -s`` counters every 100 ms, replays bandwidth
 traces and applies rate shaping (``controller.driver``), shows progress, and
-tears everything down in ``finally``. Ctrl-C (or SIGTERM) at any point still
-leaves a loadable run directory (events converted to Parquet, ``links.parquet``,
-``summary.json`` with ``interrupted: true``) and no Mininet state.
+tears everything down in ``finally``. Ctrl-C, SIGTERM or SIGHUP at any point (and
+again during the teardown) still leaves a loadable run directory (events converted to
+Parquet, ``links.parquet``, ``summary.json`` with ``interrupted: true`` and the signal in
+``stop_reason``) and no Mininet state (``controller.signals``).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,11 +32,13 @@ from controller.agent_env import agent_environment
 from controller.class_sampler import ClassSampler
 from controller.control import ControlServer
 from controller.driver import check_driver
+from controller.exit_status import failed_start_reason, signal_reason, status_for
 from controller.paths import resolve_paths
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
+from controller.signals import Interrupted, StopSignals
 from controller.summary import summarize
 from topo.build import Network
 from topo.plan import build_plan, describe_impairments, describe_plan
@@ -136,6 +138,9 @@ class Experiment:
         self._ps_state: dict[str, Any] = {"iter": -1}
         self.driver: Any = None
         self.runner: RoleRunner | None = None
+        self._stops = StopSignals()
+        self._started = False  # every agent came up: a failure from here on is no failed start
+        self.stop_reason = ""
         # A bad shape or trace placement is refused here, before any directory exists.
         # ``spec``: a network of the caller's own (gradbed's Python API) instead of the
         # config's shape; the config still gives everything else.
@@ -149,7 +154,8 @@ class Experiment:
 
     def say(self, line: str) -> None:
         # Status lines (not the echoed tc commands) are shown live to the user too.
-        if self.progress and not line.startswith("$ "):
+        # After SIGHUP the terminal is gone (writes fail with EIO): the run log only.
+        if self.progress and not line.startswith("$ ") and not self._stops.hung_up:
             if self._bar is not None:
                 self._bar.write(line, file=sys.stderr)
             else:
@@ -168,7 +174,7 @@ class Experiment:
         progress = self.runner.progress_nodes if self.runner is not None else set()
         if node in progress and kind == "iter_done":
             self._ps_state["iter"] = int(msg["iter"])
-            if self._bar is not None:
+            if self._bar is not None and not self._stops.hung_up:
                 post = {"workers": msg.get("workers")}
                 if msg.get("accuracy") is not None:
                     self._ps_state["accuracy"] = msg["accuracy"]
@@ -183,19 +189,39 @@ class Experiment:
 
     def run(self) -> Path:
         """Run the experiment; returns its directory. Whatever stops it (an error before or
-        after the start, Ctrl-C, SIGTERM), the directory loads and its summary says why."""
-        run_dir = rundir.create(self.out_root, self.cfg.run.name)
-        self.run_dir = run_dir
-        rundir.mark_active(run_dir)
-        try:
-            return self._run(run_dir)
-        except BaseException as e:
-            rundir.finish(run_dir, _stop_reason(e), error=f"{type(e).__name__}: {e}",
-                          cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
-            raise
-        finally:
-            rundir.mark_done(run_dir)
-            rundir.hand_over(run_dir)
+        after the start, Ctrl-C, SIGTERM, SIGHUP), the directory loads and its summary says
+        why; :attr:`exit_status` is then the command's status (``controller.exit_status``).
+        """
+        with self._stops:
+            run_dir = rundir.create(self.out_root, self.cfg.run.name)
+            self.run_dir = run_dir
+            rundir.mark_active(run_dir)
+            try:
+                return self._run(run_dir)
+            except BaseException as e:
+                self._stops.disarm()
+                self.stop_reason = self.stop_reason or self._stop_reason(e)
+                rundir.finish(run_dir, self.stop_reason, error=f"{type(e).__name__}: {e}",
+                              cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
+                raise
+            finally:
+                self._stops.disarm()
+                rundir.mark_done(run_dir)
+                rundir.hand_over(run_dir)
+
+    @property
+    def exit_status(self) -> int:
+        """The exit status ``gradbed run`` gives this run (``controller.exit_status``)."""
+        return status_for(self.stop_reason)
+
+    def _stop_reason(self, e: BaseException) -> str:
+        """The summary's ``stop_reason`` for a run that an exception ended."""
+        if isinstance(e, Interrupted):
+            return signal_reason(e.signum)
+        if isinstance(e, KeyboardInterrupt):
+            return "interrupted"
+        error = str(e) or type(e).__name__
+        return f"failed: {error}" if self._started else failed_start_reason(error)
 
     def _run(self, run_dir: Path) -> Path:
         cfg = self.cfg
@@ -216,11 +242,11 @@ class Experiment:
         stop_reason = ""
         sampler: LinkSampler | None = None
         class_sampler: ClassSampler | None = None
-        ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        ctl: ControlServer | None = None
         assert self.events is not None
         self.say("building the network")
         try:
+            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
             with Network(self.spec, log=self.say, caps=caps) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
@@ -244,18 +270,20 @@ class Experiment:
                 try:
                     stop_reason = self._run_agents(net, self.runner)
                 finally:
+                    # Teardown from here: a signal now is noted, never raised, so the
+                    # network's teardown and the summary run to the end.
+                    self._stops.disarm()
                     self.runner.stop_sessions()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             interrupted = True
-            stop_reason = "interrupted"
+            stop_reason = self._stop_reason(e)
         except Exception as e:
-            stop_reason = _stop_reason(e)
+            stop_reason = self._stop_reason(e)
             self.say(f"{stop_reason}: {type(e).__name__}: {e}")
             raise
         finally:
-            # Finish writing whatever happens: a second Ctrl-C must not cut this short.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, old_term)
+            self._stops.disarm()  # a second Ctrl-C, or SIGTERM after it, must not cut this short
+            self.stop_reason = stop_reason
             try:
                 if self.driver is not None:
                     self.driver.stop()
@@ -266,7 +294,8 @@ class Experiment:
                     class_sampler.stop_event.set()
                     class_sampler.join(timeout=2)
                     class_sampler.write(run_dir / "classes.parquet")
-                ctl.close()
+                if ctl is not None:
+                    ctl.close()
                 if self._bar is not None:
                     self._bar.close()
                 self.events.emit("run_end", reason=stop_reason)
@@ -274,7 +303,6 @@ class Experiment:
                 self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
                                interrupted, stop_reason)
             finally:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
                 if self._logf is not None:
                     self._logf.close()
         return run_dir
@@ -308,6 +336,7 @@ class Experiment:
         for the roles that end the run."""
         cfg = self.cfg
         runner.start_agents()
+        self._started = True
         if self.progress:
             from tqdm import tqdm
 
@@ -351,13 +380,3 @@ class Experiment:
             if not self.quiet:
                 print(f"warning: report not written: {e}", file=sys.stderr)
 
-
-def _stop_reason(e: BaseException) -> str:
-    """The summary's ``stop_reason`` for a run that an exception ended."""
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted"
-    return f"failed: {e}" if str(e) else f"failed: {type(e).__name__}"
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
