@@ -126,9 +126,12 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
         return 0
     # Checked (and made) only now: a config or trace error leaves no folder behind.
+    from controller.rundir import check_owner
+
     try:
         args.out = check_out_dir(args.out)
-    except OutDirError as e:
+        check_owner(args.out)
+    except (OutDirError, PermissionError) as e:
         print(f"gradbed run: {e}", file=sys.stderr)
         return 2
     _need_root("run")

@@ -23,6 +23,7 @@ import pandas as pd
 
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.files import write_atomic_with
 from agents.core.links import LINK_COLUMNS
 from agents.net import auth
 from agents.net.control import control_path
@@ -206,7 +207,10 @@ class Experiment:
                 raise
             finally:
                 self._stops.disarm()
-                rundir.mark_done(run_dir)
+                # The registry entry stays until the directory is complete, so that
+                # ``gradbed cleanup`` can finish a run whose summary could not be written.
+                if (run_dir / "summary.json").exists():
+                    rundir.mark_done(run_dir)
                 rundir.hand_over(run_dir)
 
     @property
@@ -351,9 +355,7 @@ class Experiment:
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
         rundir.convert_events(run_dir)
         links = sampler.frame() if sampler is not None else links_frame([])
-        tmp = run_dir / ".links.parquet.tmp"
-        links.to_parquet(tmp, index=False)
-        os.replace(tmp, run_dir / "links.parquet")
+        write_atomic_with(run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False))
         events = load_events(run_dir, allow_empty=True)
         summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
         rundir.write_json(run_dir / "summary.json", summary)

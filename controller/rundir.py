@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import secrets
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -36,14 +37,53 @@ def create(out_root: Path, name: str) -> Path:
     parents included, belong to the user who ran sudo (:func:`hand_over`)."""
     out_root = Path(out_root).absolute()
     made = make_dirs(out_root)
+    check_owner(out_root)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_root / f"{name}-{stamp}-{secrets.token_hex(2)}"
-    (path / "events").mkdir(parents=True)
+    # mkdir, not makedirs: it fails on anything already there, a planted link included.
+    path.mkdir(mode=0o755)
+    (path / "events").mkdir()
     (path / "logs").mkdir()
     for d in made:
         hand_over(d, recursive=False)
     # No key is written here: every host can read this directory (agents.net.auth).
     return path
+
+
+def check_owner(folder: Path) -> None:
+    """Refuse, under sudo, an ``--out`` folder (or a link on its way) that belongs to a
+    user other than root and the one who ran sudo: that user could swap what is in it for
+    links, and root would then write where they point."""
+    owner = invoking_user()
+    if owner is None:
+        return
+    p = folder
+    while True:
+        st = os.lstat(p)
+        if st.st_uid not in (0, owner[0]):
+            raise PermissionError(f"{p} belongs to uid {st.st_uid}, neither root nor the "
+                                  f"user who ran sudo (uid {owner[0]}); choose another --out")
+        if p.parent == p:
+            return
+        p = p.parent
+
+
+def not_a_run_dir(path: Path) -> str:
+    """Why ``path`` is not a run directory root may finish ("" when it is one): a link, not
+    a folder, without the ``events`` folder every run has, or in a folder that belongs to a
+    user other than root and the one who ran sudo (:func:`check_owner`)."""
+    try:
+        st = os.lstat(path)
+        ev = os.lstat(path / "events")
+    except FileNotFoundError:
+        return "not a gradbed run directory (no events folder)"
+    if not stat.S_ISDIR(st.st_mode) or not stat.S_ISDIR(ev.st_mode):
+        return "not a gradbed run directory (a link or not a folder)"
+    try:
+        check_owner(path)
+    except PermissionError as e:
+        return str(e)
+    return ""
 
 
 def make_dirs(path: Path) -> list[Path]:
@@ -169,6 +209,9 @@ def convert_events(run_dir: Path) -> list[Path]:
 #: ``gradbed cleanup`` finds the runs whose controller was killed (SIGKILL leaves no chance
 #: to write anything) even when no agent is left to point at them.
 ACTIVE_DIR = Path("/run/gradbed/runs")
+#: Where a run's control socket goes when ``RUN/control.sock`` is too long a path
+#: (agents.net.control.FALLBACK_DIR), named after the run.
+SOCKET_DIR = Path("/run/gradbed")
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -221,9 +264,13 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
     finalisation explain itself: ``config.toml`` (from ``cfg_toml``) and ``meta.json`` where
     missing, events converted to Parquet, a ``summary.json`` computed from whatever events
     the agents wrote (where none exists; an existing one only gains the ``stop_reason`` it
-    lacks and the ``error``), and no secret or control socket left. Returns what it did."""
-    from agents.net.control import control_path
+    lacks and the ``error``), and no secret or control socket left. Returns what it did.
 
+    Root acts here on a folder a user may have written in: only paths derived from the run's
+    name are removed (``RUN/control.sock``, ``/run/gradbed/NAME.sock``, ``RUN/secret``,
+    ``RUN/control.path``), never one a file in the folder names, and only what is what it
+    should be (a socket is removed only if it is a socket; a link is removed, not followed).
+    """
     done: list[str] = []
     if cfg_toml is not None and not (run_dir / "config.toml").exists():
         write_atomic(run_dir / "config.toml", cfg_toml)
@@ -243,11 +290,17 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
     if error:
         summary["error"] = error
     write_json(summary_path, summary)
-    sock = control_path(run_dir)
-    for leftover in (run_dir / "secret", sock, run_dir / "control.path"):
-        if leftover.exists() or leftover.is_symlink():
-            leftover.unlink()
-            done.append(f"removed {leftover}")
+    for leftover, kind in ((run_dir / "secret", None), (run_dir / "control.path", None),
+                           (run_dir / "control.sock", stat.S_ISSOCK),
+                           (SOCKET_DIR / f"{run_dir.name}.sock", stat.S_ISSOCK)):
+        try:
+            st = os.lstat(leftover)
+        except FileNotFoundError:
+            continue
+        if kind is not None and not kind(st.st_mode):
+            continue  # not the socket gradbed made under that name: not ours to remove
+        leftover.unlink()
+        done.append(f"removed {leftover}")
     hand_over(run_dir)
     return done
 

@@ -9,20 +9,31 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, flushed to
     disk, then renamed over ``path``. The file gets the mode a plain ``open`` would give
     (0666 less the umask); the temporary file is removed when anything fails."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    write_atomic_with(path, lambda fh: fh.write(raw))
+
+
+def write_atomic_with(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]
+                      ) -> None:
+    """:func:`write_atomic` for a writer that takes a binary file (``df.to_parquet``). The
+    temporary file is made by this process (``O_EXCL``) and written through its own
+    descriptor, so a link another user planted under a temporary name is never followed,
+    and it is removed when anything fails (a full disk leaves no ``*.tmp`` behind)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        raw = data.encode("utf-8") if isinstance(data, str) else data
         with os.fdopen(fd, "wb") as fh:
-            fh.write(raw)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         # mkstemp creates 0600; run files and shipped traces must be readable like any other.
