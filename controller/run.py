@@ -161,11 +161,14 @@ class Experiment:
                 self._bar.write(line, file=sys.stderr)
             else:
                 print(line, file=sys.stderr, flush=True)
-        if self._logf is not None:
-            self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-            self._logf.flush()
-            if line.startswith("$ ") and self.events is not None:
-                self.events.emit("tc", cmd=line[2:])
+        try:
+            if self._logf is not None:
+                self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+                self._logf.flush()
+                if line.startswith("$ ") and self.events is not None:
+                    self.events.emit("tc", cmd=line[2:])
+        except OSError:
+            pass  # a full disk: the line is lost, the run goes on and its summary has room
 
     def _on_report(self, msg: dict[str, Any]) -> None:
         """Reports from agents over the control socket (runs on its thread)."""
@@ -209,7 +212,7 @@ class Experiment:
                 self._stops.disarm()
                 # The registry entry stays until the directory is complete, so that
                 # ``gradbed cleanup`` can finish a run whose summary could not be written.
-                if (run_dir / "summary.json").exists():
+                if rundir.complete(run_dir):
                     rundir.mark_done(run_dir)
                 rundir.hand_over(run_dir)
 
@@ -231,6 +234,10 @@ class Experiment:
         cfg = self.cfg
         started_ns = now_ns()
         t_start = time.monotonic()
+        # Room for the summary is kept from the start, and a provisional one says, until the
+        # real one replaces it, that the run never finished.
+        rundir.reserve_room(run_dir)
+        rundir.write_summary(run_dir, rundir.provisional_summary())
         self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
         self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
         caps = probe()
@@ -297,18 +304,21 @@ class Experiment:
                 if class_sampler is not None:
                     class_sampler.stop_event.set()
                     class_sampler.join(timeout=2)
-                    class_sampler.write(run_dir / "classes.parquet")
+                    rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
+                                       "classes.parquet", self.say)
                 if ctl is not None:
                     ctl.close()
                 if self._bar is not None:
                     self._bar.close()
-                self.events.emit("run_end", reason=stop_reason)
-                self.events.close()
+                events = self.events
+                rundir.best_effort(lambda: events.emit("run_end", reason=stop_reason),
+                                   "run_end event", self.say)
+                rundir.best_effort(events.close, "controller events", self.say)
                 self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
                                interrupted, stop_reason)
             finally:
                 if self._logf is not None:
-                    self._logf.close()
+                    rundir.best_effort(self._logf.close, "run.log", lambda _: None)
         return run_dir
 
     def _control_key(self, node: str) -> bytes | None:
@@ -353,12 +363,15 @@ class Experiment:
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        # A full disk may fail any of these but the summary, for which room was kept.
         rundir.convert_events(run_dir)
         links = sampler.frame() if sampler is not None else links_frame([])
-        write_atomic_with(run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False))
+        rundir.best_effort(lambda: write_atomic_with(
+            run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
+            "links.parquet", self.say)
         events = load_events(run_dir, allow_empty=True)
         summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
-        rundir.write_json(run_dir / "summary.json", summary)
+        rundir.write_summary(run_dir, summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}
         if self._net is not None:
@@ -369,7 +382,8 @@ class Experiment:
                 if host.get("delay_line_died"):
                     self.say(f"warning: the delay line in {host['host']} died "
                              f"({host['delay_line_died']}); its link dropped every packet")
-        rundir.write_json(run_dir / "meta.json", meta)
+        rundir.best_effort(lambda: rundir.write_json(run_dir / "meta.json", meta), "meta.json",
+                           self.say)
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it

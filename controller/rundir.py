@@ -11,6 +11,7 @@ interrupted run never leaves a half-written file.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import os
 import platform
@@ -29,6 +30,68 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+# -- a summary whatever happens ---------------------------------------------------------------
+# A run directory's file system may fill up mid-run (its agents' events, someone else's
+# files). The summary is what must survive: a provisional one is written first, room for the
+# final one is kept in a reserve file from the start and given back just before it is
+# written, and every other file of the finalisation is best effort.
+
+#: Bytes kept for the summary (and the meta that follows it): far above either's size.
+RESERVE_BYTES = 1 << 20
+RESERVE_NAME = ".summary.reserve"
+#: The ``stop_reason`` of a provisional summary: the run has not ended (or its controller
+#: died before it could say how; ``gradbed cleanup`` then finishes it).
+RUNNING = "running"
+
+
+def provisional_summary() -> dict[str, Any]:
+    return {"provisional": True, "stop_reason": RUNNING, "interrupted": True,
+            "iterations": 0}
+
+
+def reserve_room(run_dir: Path) -> None:
+    """Keep :data:`RESERVE_BYTES` of the run directory's file system for its summary."""
+    fd = os.open(run_dir / RESERVE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.write(fd, b"\0" * RESERVE_BYTES)  # a file system without fallocate
+    finally:
+        os.close(fd)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` atomically, first giving back the room kept for it when this is
+    the final one."""
+    if not summary.get("provisional"):
+        try:
+            os.unlink(run_dir / RESERVE_NAME)
+        except FileNotFoundError:
+            pass
+    write_json(run_dir / "summary.json", summary)
+
+
+def complete(run_dir: Path) -> bool:
+    """Whether the run directory has its final summary."""
+    try:
+        return not json.loads((run_dir / "summary.json").read_text()).get("provisional")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def best_effort(action: Any, what: str, say: Any) -> None:
+    """Run ``action()``; a failure to write (a full disk) is said, not raised: the summary
+    after it matters more than ``what``."""
+    try:
+        action()
+    except OSError as e:
+        say(f"warning: {what} not written: {e}")
 
 
 def create(out_root: Path, name: str) -> Path:
@@ -281,7 +344,7 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
         done.append("wrote meta.json")
     convert_events(run_dir)
     summary_path = run_dir / "summary.json"
-    if summary_path.exists():
+    if complete(run_dir):
         summary = json.loads(summary_path.read_text())
         summary["stop_reason"] = summary.get("stop_reason") or stop_reason
     else:
@@ -289,7 +352,11 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
         done.append(f"wrote summary.json (stop_reason: {stop_reason})")
     if error:
         summary["error"] = error
-    write_json(summary_path, summary)
+    write_summary(run_dir, summary)
+    for tmp in [*run_dir.glob(".*.tmp"), *(run_dir / "events").glob(".*.tmp")]:
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink()  # a writer killed mid-write left it
+            done.append(f"removed {tmp}")
     for leftover, kind in ((run_dir / "secret", None), (run_dir / "control.path", None),
                            (run_dir / "control.sock", stat.S_ISSOCK),
                            (SOCKET_DIR / f"{run_dir.name}.sock", stat.S_ISSOCK)):
