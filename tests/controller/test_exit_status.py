@@ -39,3 +39,12 @@ def test_run_help_shows_the_table() -> None:
     assert p.returncode == 0
     for code, meaning in es.TABLE:
         assert code in p.stdout and meaning.split("(")[0].strip() in p.stdout
+
+
+def test_the_python_api_reads_the_same_table(tmp_path: Path) -> None:
+    import json
+
+    import gradbed
+
+    (tmp_path / "summary.json").write_text(json.dumps({"stop_reason": "timeout after 8 s"}))
+    assert gradbed.exit_status(tmp_path) == es.TIMED_OUT
