@@ -114,3 +114,10 @@ def test_the_old_name_of_on_agent_death_is_read_with_a_deprecation_line() -> Non
     assert p.returncode == 0, p.stderr[-2000:]
     assert "run.on_worker_death is deprecated: use run.on_agent_death" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_flow_size_cdf_with_a_line_past_64_kib(tmp_path: Path) -> None:
+    cdf = tmp_path / "big.cdf"
+    cdf.write_text("1 " * 40000 + "\n")
+    refused(dry_run("background.kind='flows'", f"background.flow_cdf='{cdf}'",
+                    "net.background_hosts=1"), "background.flow_cdf", f"{cdf}:1", "65536")
