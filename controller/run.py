@@ -308,6 +308,8 @@ class Experiment:
                                        "classes.parquet", self.say)
                 if ctl is not None:
                     ctl.close()
+                # Also when a signal cut the control server's start short (ctl unset).
+                rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:
                     self._bar.close()
                 events = self.events

@@ -357,6 +357,15 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
         if tmp.is_file() and not tmp.is_symlink():
             tmp.unlink()  # a writer killed mid-write left it
             done.append(f"removed {tmp}")
+    done += remove_leftovers(run_dir)
+    hand_over(run_dir)
+    return done
+
+
+def remove_leftovers(run_dir: Path) -> list[str]:
+    """Remove the run's secret and control socket, by the names gradbed gives them (see
+    :func:`finish`); one line per thing removed."""
+    done = []
     for leftover, kind in ((run_dir / "secret", None), (run_dir / "control.path", None),
                            (run_dir / "control.sock", stat.S_ISSOCK),
                            (SOCKET_DIR / f"{run_dir.name}.sock", stat.S_ISSOCK)):
@@ -368,7 +377,6 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
             continue  # not the socket gradbed made under that name: not ours to remove
         leftover.unlink()
         done.append(f"removed {leftover}")
-    hand_over(run_dir)
     return done
 
 
