@@ -78,12 +78,13 @@ _TIME_UNITS_S = {"_s": 1.0, "_ms": 1e-3, "_us": 1e-6, "_ns": 1e-9}
 
 
 def check_number(path: str, value: float) -> None:
-    """Every number in a config is finite; an integer is at most :data:`MAX_COUNT` in size;
-    a time field (``*_s``, ``*_ms``, ``*_us``, ``*_ns``) spans at most a week."""
+    """Every number in a config is finite; an integer is at most :data:`MAX_COUNT` in size
+    (a float may be larger: ``guard.max_abs_grad = 1e30`` is a bound, not a count); a time
+    field (``*_s``, ``*_ms``, ``*_us``, ``*_ns``) spans at most a week."""
     if not math.isfinite(value):
         fail(f"{path} = {value!r}: must be a finite number")
         return
-    if abs(value) > MAX_COUNT:
+    if isinstance(value, int) and abs(value) > MAX_COUNT:
         fail(f"{path} = {value!r}: must be at most {MAX_COUNT} in size")
         return
     name = path.rsplit(".", 1)[-1].split("[", 1)[0]
