@@ -184,6 +184,7 @@ def controller_death(tmp: Path) -> tuple[bool, str]:
 def control_injection(tmp: Path) -> tuple[bool, str]:
     master = auth.new_master()
     got: list[dict[str, Any]] = []
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "control.sock"
     srv = ControlServer(path, got.append,
                         lambda n: auth.node_key(master, n) if n in ("ps", "w0") else None)
@@ -208,6 +209,13 @@ def control_injection(tmp: Path) -> tuple[bool, str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:
+    try:
+        return case(tmp)  # type: ignore[no-any-return]
+    except Exception as e:  # noqa: BLE001  (the verdict records what happened)
+        return False, f"{type(e).__name__}: {e}"
 
 
 def _refused_at_once(sets: list[str]) -> tuple[bool, str]:
@@ -306,14 +314,12 @@ def main() -> None:
     # An attack on the live run is survived only if the run also ended clean and exact.
     results = {k: {"survived": ok and run_end[0] and identical, "what_happened": why}
                for k, (ok, why) in verdicts.items()}
-    log("poisoned gradients")
-    ok, why = poison_run(tmp / "poison")
-    results["poisoned_gradients"] = {"survived": ok, "what_happened": why}
-    log("controller death")
-    ok, why = controller_death(tmp / "orphan")
-    results["controller_death"] = {"survived": ok, "what_happened": why}
-    ok, why = control_injection(tmp)
-    results["control_socket_injection"] = {"survived": ok, "what_happened": why}
+    # A case that breaks is a case not survived, with what broke it; the others still run.
+    for name, case in (("poisoned_gradients", poison_run), ("controller_death", controller_death),
+                       ("control_socket_injection", control_injection)):
+        log(name)
+        ok, why = _verdict(case, tmp / name)
+        results[name] = {"survived": ok, "what_happened": why}
     log("bounded inputs, the lock, root and a user's files")
     for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root")}.items():
         results[k] = {"survived": ok, "what_happened": why}
