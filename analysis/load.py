@@ -23,13 +23,14 @@ import json
 import math
 import os
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from agents.core.config import flatten
 from agents.core.events import COMMON_COLUMNS, SCHEMA_VERSION, read_jsonl
 from agents.core.links import REQUIRED_LINK_COLUMNS
 from agents.core.nodes import PS_NODE, is_worker_node, worker_index
@@ -245,20 +246,6 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     return Run(path=run_dir, config=config, meta=meta, summary=summary, events=events,
                links=links, tcp_info=_event_rows(events, "tcp_info"),
                decisions=_event_rows(events, "decision"), start_ns=start_ns)
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"net": {"workers": 4}}`` -> ``{"net.workers": 4}``. Lists become tuples (hashable)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(flatten(v, key + "."))
-        elif isinstance(v, list):
-            out[key] = tuple(v)
-        else:
-            out[key] = v
-    return out
 
 
 def expand_runs(paths_or_glob: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]

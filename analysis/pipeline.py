@@ -1,4 +1,4 @@
-"""Pipeline measurements from a run's stage events (issue 18), each defined once here.
+"""Pipeline measurements from a run's stage events, each defined once here.
 
 Over the measured steps (``skip`` warm-up steps left out; a step's actions are those of
 its micro-batches, and its optimizer steps):

@@ -9,7 +9,7 @@
 - the Pantheon summary scatter (Yan et al. 2018): one point per run;
 - each flow's cwnd, RTT, pacing rate and retransmissions over time beside the bottleneck's
   queue (from the workers' TCP_INFO samples; with real RTTs these decide what a congestion
-  control does, issue 21).
+  control does).
 
 Every function takes the tables of :mod:`analysis.load` / :mod:`analysis.metrics` and returns
 a :class:`matplotlib.figure.Figure` built without pyplot, so nothing touches global state or

@@ -1,6 +1,6 @@
 """Time to accuracy under a keep-ratio schedule on a bandwidth trace: what the best schedule
 any policy could follow would gain over the best fixed ratio, to read the measured
-``cellular_tta`` result against (issue 4, DESIGN.md 1.1).
+``cellular_tta`` result against (DESIGN.md 1.1).
 
 The model has three measured inputs and no free parameter:
 

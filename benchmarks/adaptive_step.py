@@ -1,4 +1,4 @@
-"""Adaptive keep ratio after a bandwidth step, 100 -> 20 -> 100 Mbit/s (issue 4, DESIGN.md 1.1,
+"""Adaptive keep ratio after a bandwidth step, 100 -> 20 -> 100 Mbit/s (DESIGN.md 1.1,
 seeds/004; target from DESIGN.md section 5: the keep ratio settles within 3 iterations).
 
 One ``gradbed run configs/step_trace.toml`` per policy, side by side in one benchmark run:

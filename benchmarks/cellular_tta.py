@@ -1,5 +1,5 @@
 """Time to accuracy on a cellular uplink: adaptive keep ratio against fixed ratios and the
-oracle, plus the high-bandwidth check against dense (issue 4, DESIGN.md 1.1 and section 5,
+oracle, plus the high-bandwidth check against dense (DESIGN.md 1.1 and section 5,
 seeds/004).
 
 Part 1, cellular: ``configs/cellular.toml`` (2 workers, digits MLP hidden 256: 340 KB of

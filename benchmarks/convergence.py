@@ -1,4 +1,4 @@
-"""Published compression results at small scale, over the emulated network (issue 20).
+"""Published compression results at small scale, over the emulated network.
 
 DGC (Lin et al., ICLR 2018, Table 2: ResNet-110 on CIFAR-10, 93.75 % dense vs 93.87 % at
 99.9 % sparsity) says top-k at 0.1 % with error feedback and momentum correction keeps dense

@@ -1,4 +1,4 @@
-"""Delay-line fidelity: RTT error and goodput with delay, without netem (issue 21).
+"""Delay-line fidelity: RTT error and goodput with delay, without netem.
 
 DESIGN.md section 5 ("Delay line"): the RTT through a delayed link is within 5 % (or
 0.2 ms) of the configured RTT for 1-200 ms, and one cubic flow at 100 Mbit/s with 40 ms

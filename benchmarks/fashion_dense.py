@@ -1,6 +1,6 @@
 """Dense training of the Fashion-MNIST workloads to a target accuracy, in one process.
 
-What issue 20 asks of each workload: the iterations and the wall time dense SGD needs to reach
+What each workload is measured by: the iterations and the wall time dense SGD needs to reach
 a known test accuracy (>= 90 % for ``fashion_resnet``) on this machine. One process trains on
 the global batch (workers x batch size; with the ``none`` compressor the testbed's workers
 compute exactly its mean gradient, ``tests/agents/dp/test_transparency.py``) with the PS's step

@@ -1,4 +1,4 @@
-"""The adaptive keep ratio where a worker's *own* rate drops (issue 21 item 4, DESIGN.md 1.1
+"""The adaptive keep ratio where a worker's *own* rate drops (DESIGN.md 1.1
 and section 5's adaptive-ratio target).
 
 ``configs/heterogeneous.toml``: four workers on 100 Mbit/s access links, w0's uplink

@@ -1,4 +1,4 @@
-"""Incast with and without link/N shaping (issue 4, DESIGN.md 1.1, seeds/004).
+"""Incast with and without link/N shaping (DESIGN.md 1.1, seeds/004).
 
 N=16 replay-mode workers push one flat gradient each into one bottleneck; the sweep covers
 100 Mbit/s and 1 Gbit/s, deep (10 MB) and shallow (100 KB) bfifo, cubic and bbr, and

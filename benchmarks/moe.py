@@ -61,6 +61,8 @@ MODEL = ["moe.layers=2", "moe.experts=16", "moe.d_model=128", "moe.d_hidden=128"
 CLASS_SAMPLE_MS = 2.0  # every access point's HTB class read this often (classes.parquet)
 EXPERT_BYTES = 4 * (128 * 128 * 2 + 128 + 128)  # one expert: fc1 and fc2, weights and biases
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+# The capacity part's one-process training: configs/moe.toml's [workload] batch, lr, momentum.
+MOE_BATCH_SIZE, MOE_LR, MOE_MOMENTUM = 32, 0.05, 0.9
 
 
 def access_burst_ms() -> float | None:
@@ -227,12 +229,12 @@ def part_capacity() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cf in CAPACITY_FACTORS:
         cfg = MoEConfig(hosts=4, experts=16, layers=2, top_k=2, capacity_factor=cf,
-                        d_model=64, d_hidden=128, dataset="fashion_mnist", batch_size=32)
+                        d_model=64, d_hidden=128, dataset="fashion_mnist")
         model = build_model(cfg, data, groups=4, seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        opt = torch.optim.SGD(model.parameters(), lr=MOE_LR, momentum=MOE_MOMENTUM)
         drops, imb, demand, ces = [], [], [], []
         for step in range(40):
-            x, y = global_batch(data, step, 4, cfg.batch_size)
+            x, y = global_batch(data, step, 4, MOE_BATCH_SIZE)
             opt.zero_grad()
             loss, ce = loss_fn(model, model(x), y, cfg.aux_loss_coef)
             loss.backward()

@@ -1,4 +1,4 @@
-"""Pipeline benchmark (issue 18): measured bubble against the closed forms, and the three
+"""Pipeline benchmark: measured bubble against the closed forms, and the three
 schedules' throughput at three link rates.
 
 Part 1, compute dominating: GPipe and 1F1B for p in {2, 4} and m in {4, 8, 16}, stages as
@@ -25,7 +25,7 @@ fabric, ``digits_deep`` hidden 128): each schedule for ``TTA_STEPS`` steps at 10
 Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
 ``TTA_TARGET`` and ``final_accuracy`` from ``summary.json``, for each of ``TTA_SETTINGS``
 (the config as it is, momentum 0.9; and momentum 0). Each run's accuracy curve is compared
-with its one-process reference's (``tests.support.pipeline_loopback.reference_evals``); then, in
+with its one-process reference's (``controller.loopback.pipeline.reference_evals``); then, in
 one process, the synchronous and the 2BW references over ``SWEEP_LR_MOMENTUM``.
 
 Run as root: ``.venv/bin/python benchmarks/pipeline.py
@@ -52,7 +52,7 @@ from agents.core.schedules import Costs, make, simulate  # noqa: E402
 from analysis.load import load_events  # noqa: E402
 from analysis.pipeline import pipeline_metrics  # noqa: E402
 from analysis.timeline import host_timeline, plot_gantt  # noqa: E402
-from tests.support.pipeline_loopback import logs, reference_evals, run_pipeline  # noqa: E402
+from controller.loopback.pipeline import logs, reference_evals, run_pipeline  # noqa: E402
 
 PAD_MS = 40.0
 THR_PAD_MS = 20.0

@@ -18,12 +18,12 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 - ``end_to_end_new_tensor``: the same with the mean in a new 100 MB tensor (the page
   faults of a fresh allocation cost more than the division).
 - ``one_shot``: the same without a persistent accumulator (a fresh 100 MB buffer).
-- ``checked_add``: what the PS runs per sparse payload since issue 22:
+- ``checked_add``: what the PS runs per sparse payload:
   :meth:`SparseAccumulator.add_checked` (range, finite and bounded values, no duplicate
   index), the duplicate test fused into the add (the sort that finds duplicates orders
   the add). ``checked_vs_unchecked`` = its time over ``validated_add``'s, same run.
   These three run interleaved, round by round (best of 7 each).
-- ``stamp_checked_add``: the check it replaced (issue 22's first version, kept here for
+- ``stamp_checked_add``: the check it replaced (the first version of the checks, kept here for
   the side-by-side): stamp every index's position into an n-long int64 scratch and read
   the stamps back (two more random passes over n), then the validated add.
 - ``validate``: :func:`validate_sparse` alone, to show the cost of the checks.
@@ -46,8 +46,9 @@ from _common import emit, log
 
 from agents.compress import k_for, make
 from agents.compress.base import Payload
+from agents.compress.checks import check_gradient, validate_sparse
 from agents.compress.randomk import random_subset
-from agents.dp.aggregate import SparseAccumulator, aggregate, check_gradient, validate_sparse
+from agents.dp.aggregate import SparseAccumulator, aggregate
 
 N = 25_000_000
 RATIO = 0.01
@@ -105,7 +106,7 @@ def bench(workers: int) -> dict[str, Any]:
             acc.add_sparse(sp[0], sp[1], who=who)
 
     def checked_add() -> None:
-        # What the PS does per sparse payload since issue 22.
+        # What the PS does per sparse payload.
         for who, p in zip(names, payloads, strict=True):
             sp = topk.decompress_sparse(p)
             acc.add_checked(sp[0], sp[1], who=who, max_abs=1e6, unique_indices=True)

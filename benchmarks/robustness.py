@@ -1,6 +1,6 @@
-"""Attacks and faults against live runs (issue 22), each with its verdict.
+"""Attacks and faults against live runs, each with its verdict.
 
-Real agent processes over loopback TCP (``tests/support/loopback.py``; no Mininet needed): a PS
+Real agent processes over loopback TCP (``controller/loopback/dp.py``; no Mininet needed): a PS
 and two workers train the digits MLP (dense SGD, 1,000 iterations). One run is clean; the
 second is attacked while it trains, and *survives* only if every attack is refused and
 the final weights equal the clean run's bit for bit (with two workers the streamed sum is
@@ -60,8 +60,8 @@ from agents.core.events import read_jsonl
 from agents.net import auth, codec
 from agents.net.control import ControlClient
 from controller.control import ControlServer
-from tests.support import hostile
-from tests.support.loopback import (
+from controller.loopback import hostile
+from controller.loopback.dp import (
     connect,
     make_run_dir,
     public_tag,
@@ -82,7 +82,7 @@ def ps_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
     run_dir, cfg = make_run_dir(tmp, CLEAN, name="attacked")
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     proxy = hostile.CapturingProxy(port)
     proxy.start()
@@ -111,7 +111,7 @@ def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
                                f"{len(tries)} tries, none admitted" if tries else "no files")
         s = connect(port)
         try:
-            from tests.support.loopback import handshake
+            from controller.loopback.dp import handshake
 
             handshake(s, run_dir, 1, key=b"guessed".ljust(32, b"!"))
             v["wrong_key"] = (False, "admitted")
@@ -169,7 +169,7 @@ def controller_death(tmp: Path) -> tuple[bool, str]:
     run_dir, cfg = make_run_dir(tmp, ["net.workers=2", "run.timeout_s=60"], name="orphan")
     ps = start_ps(run_dir)
     try:
-        connect(cfg.net.ps_port, timeout_s=120).close()
+        connect(cfg.net.port, timeout_s=120).close()
         assert ps.stdin is not None
         t0 = time.monotonic()
         ps.stdin.close()
@@ -204,7 +204,7 @@ def control_injection(tmp: Path) -> tuple[bool, str]:
     finally:
         srv.close()
     injected = any(m.get("type") == "membership" for m in got)
-    return (not injected and "not our controller" in impostor,
+    return (not injected and "failed the challenge" in impostor,
             f"membership injected: {injected}; keyless client: {impostor}")
 
 

@@ -1,7 +1,7 @@
 """Trace-replay fidelity: does the bottleneck deliver, second by second, what the trace allows?
 
 The Mahimahi invariant (Netravali et al., "Mahimahi", USENIX ATC 2015) checked on gradbed's
-HTB replay (DESIGN.md section 1.1, issue 4): a 1-worker star replays a step trace on the up
+HTB replay (DESIGN.md section 1.1): a 1-worker star replays a step trace on the up
 bottleneck with ``TraceReplayer`` + ``StarNetwork.set_bottleneck_rate`` (``tc class change``,
 exactly what ``controller.driver`` does), iperf3 (four parallel flows) from w0 to ps keeps it saturated,
 and the bottleneck veth's tx byte counter (what left the HTB/bfifo; checked against the

@@ -1,5 +1,5 @@
 """How much any keep-ratio schedule could gain over the best fixed keep ratio on a
-bandwidth trace, over a sweep of workloads (issue 4's cellular target, DESIGN.md 1.1).
+bandwidth trace, over a sweep of workloads (the cellular target of DESIGN.md 1.1).
 
 ``benchmarks/cellular_tta.py`` measures one workload on the network. This benchmark asks
 whether the 20 % target is reachable at all, for more workloads than a network run can
@@ -161,7 +161,7 @@ def main() -> int:
     gains = {n: max((r["best_gain"] for r in rows), default=None) for n, rows in results.items()}
     emit("tta_headroom", gains.get(head) if gains.get(head) is not None else -1.0,
          f"largest best-schedule gain over the best fixed keep ({head})",
-         ">= 0.20 would make issue 4's cellular target reachable",
+         ">= 0.20 would make the cellular target reachable",
          {"target_accuracy": TARGET, "workers": WORKERS, "keeps": KEEPS,
           "start_points": START_POINTS,
           "overheads_s": OVERHEADS_S, "traces": {n: str(p) for n, p in traces().items()},

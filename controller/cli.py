@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
@@ -47,18 +48,26 @@ def run_main(argv: Sequence[str]) -> int:
                     metavar="KEY=VALUE", help="override a config field, e.g. net.workers=8")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report RUN writes it later)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the tc commands and agent command lines; change nothing")
     ap.add_argument("--cli", action="store_true",
                     help="build the network, start no role, and open Mininet's CLI on it")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", cfgmod.ConfigDeprecation)
+            cfg = load_config(args.config, args.overrides)
     except cfgmod.ConfigError as e:
         config_errors("gradbed run", e)
         return 2
+    notes = [f"warning: {args.config}: {w.message}" for w in caught
+             if issubclass(w.category, cfgmod.ConfigDeprecation)]
+    for note in notes:
+        print(f"gradbed run: {note}", file=sys.stderr)
     from agents.core.bandwidth import TraceError, load_trace
-    from agents.core.flowsize import load_flow_cdf
+    from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
     from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
@@ -68,12 +77,21 @@ def run_main(argv: Sequence[str]) -> int:
                           max_rate_mbps=RATE_MAX_MBPS)
 
     def flow_cdf(path: str) -> object:
-        # Says what it loaded and the distribution's mean, before anything is built.
+        # Says what it loaded and the distribution's mean (and whether that is the mean the
+        # file states), before anything is built.
+        import warnings
+
         bg = cfg.background
-        return load_flow_cdf(path, format=bg.flow_cdf_format,
-                             interpolation=bg.flow_cdf_interpolation,
-                             packet_bytes=bg.flow_cdf_packet_bytes,
-                             log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FlowSizeMeanWarning)
+            cdf = load_flow_cdf(path, format=bg.flow_cdf_format,
+                                interpolation=bg.flow_cdf_interpolation,
+                                packet_bytes=bg.flow_cdf_packet_bytes,
+                                log=lambda m: print(f"background.flow_cdf: {m}",
+                                                    file=sys.stderr))
+        for w in caught:
+            print(f"background.flow_cdf: warning: {w.message}", file=sys.stderr)
+        return cdf
 
     files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
              ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
@@ -140,7 +158,8 @@ def run_main(argv: Sequence[str]) -> int:
     from controller.signals import Interrupted
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress, spec=spec)
+                     progress=not args.no_progress, spec=spec, report=not args.no_report,
+                     notes=notes)
     try:
         run_dir = exp.run()
     except Interrupted as e:  # before _run took over: the directory is finished all the same

@@ -5,19 +5,18 @@ JSON-line report to a callback. ``send(node, msg)`` pushes a command to one
 agent. The callback runs on the connection's thread; it must be quick.
 
 A connection counts only once its peer has proved it knows its node's key
-(``key_for(node)``; challenge-response, see ``agents.net.control``); its reports then
-always carry that node's name, whatever they claim. The peer's pid and uid
-(``SO_PEERCRED``) go into the hello the callback sees. A peer that fails, or says
-nothing for ``AUTH_TIMEOUT_S``, is closed and reported as ``control_refused``.
+(``key_for(node)``), through the run's one handshake driver (``agents.net.handshake``, the
+controller answering); its reports then always carry that node's name, whatever they
+claim. The peer's pid and uid (``SO_PEERCRED``) go into the hello the callback sees. A
+peer that fails, or has not finished the handshake within its deadline
+(``handshake_timeout_s``), is closed and reported as ``control_refused``.
 """
 
 from __future__ import annotations
 
 import errno
-import hmac
 import json
 import os
-import secrets
 import socket
 import struct
 import threading
@@ -26,17 +25,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.net.control import AUTH_TIMEOUT_S, control_proof, read_line
+from agents.net import handshake, protocol
+from agents.net.codec import FrameError
+from agents.net.control import CONTROL_RUN_ID, CONTROL_TAG, CONTROLLER_END, read_line
 
 Handler = Callable[[dict[str, Any]], None]
 KeyFor = Callable[[str], bytes | None]
 
 
 class ControlServer:
-    def __init__(self, path: str | os.PathLike[str], handler: Handler, key_for: KeyFor) -> None:
+    def __init__(self, path: str | os.PathLike[str], handler: Handler, key_for: KeyFor, *,
+                 handshake_timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
+                 log: handshake.EventSink | None = None) -> None:
+        """``log``: where each handshake is reported (an event log; it is written
+        from the connection's thread)."""
         self.path = Path(path)
         self.handler = handler
         self.key_for = key_for
+        self.handshake_timeout_s = handshake_timeout_s
+        self.log = log
         self._conns: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
         if self.path.exists():
@@ -68,32 +75,29 @@ class ControlServer:
         except Exception:  # noqa: BLE001  (the control plane outlives a bad handler)
             pass
 
-    def _authenticate(self, conn: socket.socket, rest: bytearray) -> dict[str, Any]:
+    def _authenticate(self, conn: socket.socket) -> dict[str, Any]:
         """The peer's hello, once it has proved its node's key; raises otherwise."""
-        conn.settimeout(AUTH_TIMEOUT_S)
         pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
             socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        hello = json.loads(read_line(conn, rest))
-        node, cn = str(hello.get("node", "")), str(hello.get("nonce", ""))
-        key = self.key_for(node) if node else None
-        if hello.get("type") != "hello" or key is None or not cn:
-            raise ConnectionError(f"pid {pid} uid {uid}: hello for unknown node {node!r}")
-        sn = secrets.token_hex(16)
-        conn.sendall((json.dumps({"type": "challenge", "nonce": sn,
-                                  "proof": control_proof(key, "server", node, cn, sn)})
-                      + "\n").encode())
-        answer = json.loads(read_line(conn, rest))
-        if not hmac.compare_digest(str(answer.get("proof", "")),
-                                   control_proof(key, "client", node, cn, sn)):
-            raise ConnectionError(f"pid {pid} uid {uid}: {node}: wrong key")
+        answerer = protocol.Answerer(
+            CONTROL_RUN_ID, "agent", lambda h: self.key_for(h.node) if h.node else None,
+            accepts="this run's agents")
+        try:
+            handshake.answer(conn, answerer, run_tag=CONTROL_TAG,
+                             name=f"controller <- pid {pid} uid {uid}",
+                             welcome=CONTROLLER_END, timeout_s=self.handshake_timeout_s,
+                             log=self.log)
+        except FrameError as e:
+            raise ConnectionError(str(e)) from None
+        assert answerer.hello is not None
         conn.settimeout(None)
-        return {"type": "hello", "node": node, "pid": pid, "uid": uid}
+        return {"type": "hello", "node": answerer.hello.node, "pid": pid, "uid": uid}
 
     def _serve(self, conn: socket.socket) -> None:
         rest = bytearray()
         with conn:
             try:
-                hello = self._authenticate(conn, rest)
+                hello = self._authenticate(conn)
             except (ConnectionError, OSError, ValueError, AttributeError,
                     RecursionError) as e:
                 self._report({"type": "control_refused", "error": str(e)})

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -125,14 +126,18 @@ def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
-                 quiet: bool = False, spec: NetSpec | None = None) -> None:
+                 quiet: bool = False, spec: NetSpec | None = None,
+                 report: bool = True, notes: Sequence[str] = ()) -> None:
         # Relative file names in a config built in Python are the caller's; the agents run
         # elsewhere (controller.paths).
         self.cfg = resolve_paths(cfg, Path.cwd())
         self.out_root = out_root
         self.argv = argv
+        self.notes = tuple(notes)  # warnings from loading the config, repeated in run.log
         self.progress = progress and not quiet
         self.quiet = quiet
+        # False: no report/index.html (a sweep writes one report for all its runs).
+        self.report = report
         self.run_dir: Path | None = None
         self._logf: IO[str] | None = None
         self._bar: Any = None
@@ -249,6 +254,8 @@ class Experiment:
         self.say(f"run {run_dir.name}: {self.spec.shape}, {cfg.net.workers} workers, "
                  f"{cfg.net.bottleneck_mbps} Mbit/s bottleneck, {cfg.workload.name}, "
                  f"compress={cfg.compress.name}")
+        for note in self.notes:
+            self.say(note)
         interrupted = False
         stop_reason = ""
         sampler: LinkSampler | None = None
@@ -389,6 +396,8 @@ class Experiment:
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
+        if not self.report:
+            return
         try:
             from analysis.report import write_report
 

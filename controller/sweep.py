@@ -1,6 +1,6 @@
 """``gradbed sweep``: run every combination of a parameter grid and tabulate the results.
 
-Issue 3 item 5 (the GRACE-style comparison, Xu et al., "GRACE: A Compressed Communication
+For the GRACE-style comparison (Xu et al., "GRACE: A Compressed Communication
 Framework for Distributed Machine Learning", ICDCS 2021: which compressor wins depends on
 the bandwidth and the model). One sweep is::
 
@@ -26,14 +26,17 @@ the order the keys were given (the last key varies fastest).
 **What it does.** The pure part (:func:`parse_sweep`, :func:`expand`, :func:`validate`)
 expands the grid and validates *every* combination before anything runs, so a config error
 names the field and the combination up front. Then each combination runs sequentially as
-its own ``gradbed run`` subprocess (a crash in one run cannot take the sweep down), all
+its own ``gradbed run --no-report`` subprocess (a crash in one run cannot take the sweep down), all
 under ``OUT/sweep-NAME-STAMP/``: the stripped base config (``base.toml``), one run
 directory per combination, each run's console output in ``logs/``, and after every run,
 atomically, ``sweep.csv`` and ``sweep.md`` (one row per run: the varied keys, bytes per
 iteration, mean iteration time, accuracy at the fixed iteration count, time to the target
 accuracy). A failed run is a row with its error; the sweep goes on. Ctrl-C (or SIGTERM)
 stops the run in progress cleanly, keeps the table of what finished, and ends the sweep. At
-the end ``report/index.html`` covers all the runs (:func:`analysis.report.write_report`).
+the end ``report/index.html`` covers all the runs (:func:`analysis.report.write_report`),
+and the sweep prints (and writes to ``comparison.txt``) its runs side by side, with one
+verdict line per compressed run when the grid compares compressors with ``none``
+(:func:`comparison`, :mod:`controller.verdict`).
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +70,7 @@ from controller.paths import (
     resolve_path,
 )
 from controller.rundir import REPO_ROOT, hand_over, write_atomic
+from controller.verdict import human_bytes, side_by_side, verdict
 
 #: Seconds a run may take beyond its own ``run.timeout_s`` (Mininet build and teardown,
 #: report) before the sweep kills it and records a timeout.
@@ -166,8 +169,9 @@ def parse_sweep(data: dict[str, Any], grid_args: Sequence[str] = (), sets: Seque
     if not isinstance(file_grid, dict):
         raise cfgmod.ConfigError(f"{source}: sweep.grid = {file_grid!r}: must be a table of "
                                  f'"section.field" = [values]')
-    for key, values in _flat_grid(file_grid).items():
-        if not isinstance(values, list) or not values:
+    # Both ``"net.bottleneck_mbps" = [...]`` and ``[sweep.grid.net]`` sub-tables.
+    for key, values in cfgmod.flatten(file_grid).items():
+        if not isinstance(values, tuple) or not values:
             raise cfgmod.ConfigError(f"{source}: sweep.grid.\"{key}\" = {values!r}: must be a "
                                      f"non-empty list of values")
         if len(key.split(".")) < 2:
@@ -192,17 +196,6 @@ def parse_sweep(data: dict[str, Any], grid_args: Sequence[str] = (), sets: Seque
         raise cfgmod.ConfigError(f"{source}: sweep.name = {name!r}: must be a name without '/'")
     return SweepSpec(name=name, base=base, grid=tuple(grid.items()), repeat=rep,
                      sets=tuple(sets), source=source)
-
-
-def _flat_grid(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Accept both ``"net.bottleneck_mbps" = [...]`` and ``[sweep.grid.net]`` sub-tables."""
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        if isinstance(v, dict):
-            out.update(_flat_grid(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def expand(spec: SweepSpec) -> list[Combination]:
@@ -244,16 +237,7 @@ def load_sweep(path: str | Path, grid_args: Sequence[str] = (), sets: Sequence[s
                repeat: int | None = None) -> SweepSpec:
     """Read a sweep file (an experiment config with an optional ``[sweep]`` table)."""
     path = resolve_config_file(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise cfgmod.ConfigError(f"{path}: config file not found") from e
-    except IsADirectoryError as e:
-        raise cfgmod.ConfigError(f"{path}: is a directory, not a config file") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise cfgmod.ConfigError(f"{path}: cannot read: {e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise cfgmod.ConfigError(f"{path}: not valid TOML: {e}") from e
+    data = cfgmod.read_toml(path)
     # base.toml is re-read from the sweep's own folder: its file names must not be relative.
     base_dir = path.parent.absolute()
     for section, name in PATH_FIELDS:
@@ -273,6 +257,7 @@ TABLE_METRICS = (
     ("iterations", "iterations"),
     ("bytes_up_per_iter", "bytes_up_per_iter"),
     ("iter_time_s_mean", "iter_time_s_mean"),
+    ("iter_time_s_p50", "iter_time_s_p50"),
     ("final_accuracy", "final_accuracy"),
     ("time_to_target_s", "time_to_target_s"),
     ("iterations_to_target", "iterations_to_target"),
@@ -308,17 +293,10 @@ def _cell(v: Any, col: str) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
     if col.startswith("bytes"):
-        return _human_bytes(float(v))
+        return human_bytes(float(v))
     if isinstance(v, float):
         return f"{v:.3f}" if col in ("final_accuracy", "bottleneck_utilization") else f"{v:.3g}"
     return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def _human_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def markdown(spec: SweepSpec, results: Sequence[RunResult], target: float) -> str:
@@ -331,6 +309,7 @@ def markdown(spec: SweepSpec, results: Sequence[RunResult], target: float) -> st
     head = {"bytes_up_per_iter": "bytes up/iter (all workers)",
             "bytes_up_per_worker_iter": "bytes up/iter/worker",
             "iter_time_s_mean": "mean iter time (s)",
+            "iter_time_s_p50": "median iter time (s)",
             "final_accuracy": "accuracy at end",
             "time_to_target_s": f"time to {target:g} acc (s)" if target else "time to target (s)",
             "iterations_to_target": "iters to target",
@@ -362,6 +341,43 @@ def write_tables(sweep_dir: Path, spec: SweepSpec, results: Sequence[RunResult],
     write_atomic(sweep_dir / "sweep.md", markdown(spec, results, target))
 
 
+#: Runs a sweep prints side by side (more go to sweep.md only: a terminal is not that wide).
+SIDE_BY_SIDE_MAX = 4
+
+
+def comparison(spec: SweepSpec, results: Sequence[RunResult]) -> str:
+    """What a finished sweep prints: its runs side by side (up to SIDE_BY_SIDE_MAX), then,
+    when the grid varies ``compress.name`` and includes ``none``, one verdict line per
+    compressed run against the dense run with the same other values and repeat
+    (:func:`controller.verdict.verdict`). Empty when fewer than two runs finished."""
+    ok = [r for r in results if r.status == "ok"]
+    if len(ok) < 2:
+        return ""
+    many_keys = len(spec.grid) > 1
+
+    def label(r: RunResult) -> str:
+        s = ", ".join(_fmt_value(v) if not many_keys else f"{k}={_fmt_value(v)}"
+                      for k, v in r.combo.values)
+        return f"{s} (repeat {r.combo.repeat})" if r.combo.repeat else s
+
+    parts = [side_by_side([(label(r), r.summary) for r in ok])] \
+        if len(ok) <= SIDE_BY_SIDE_MAX else []
+
+    def others(r: RunResult) -> tuple[Any, ...]:
+        return (*((k, repr(v)) for k, v in r.combo.values if k != "compress.name"),
+                r.combo.repeat)
+
+    dense = {others(r): r for r in ok if dict(r.combo.values).get("compress.name") == "none"}
+    for r in ok:
+        base = dense.get(others(r))
+        if base is not None and r is not base:
+            try:
+                parts.append(verdict(base.summary, r.summary, label(r)))
+            except ValueError as e:
+                parts.append(f"verdict: {label(r)}: none ({e})")
+    return "\n".join(parts) + "\n" if parts else ""
+
+
 # -- the side effects: run each combination ---------------------------------------------------
 
 
@@ -369,8 +385,10 @@ def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Pa
              cfg: cfgmod.ExperimentConfig, res: RunResult) -> None:
     """Run one combination as ``gradbed run`` in its own session (so a terminal's Ctrl-C
     reaches only the sweep, which forwards exactly one SIGINT: the run then stops cleanly)."""
+    # No report per run: the sweep writes one for all its runs at the end, and on 2 cores
+    # each report is seconds that the next run waits for.
     argv = [sys.executable, "-m", "controller.cli", "run", str(base_toml), "--out",
-            str(sweep_dir), "--no-progress"]
+            str(sweep_dir), "--no-report", "--no-progress"]
     for o in [*spec.sets, *combo.overrides(base_seed(spec))]:
         argv += ["--set", o]
     log_path = sweep_dir / "logs" / f"{combo.index + 1:03d}.log"
@@ -508,8 +526,16 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
         signal.signal(signal.SIGTERM, old_term)
     done = [r for r in results if r.status != "pending"]
     write_tables(sweep_dir, spec, done, target)
+    say(f"{sum(r.status == 'ok' for r in done)}/{len(combos)} runs ok in "
+        f"{time.monotonic() - t_sweep:.0f} s; {sweep_dir / 'sweep.md'}")
+    compared = comparison(spec, done)
+    if compared:
+        write_atomic(sweep_dir / "comparison.txt", compared)
+        # The answer, before the report that takes a while: printed with --no-progress too.
+        print(compared, end="", file=sys.stderr, flush=True)
     dirs = [r.run_dir for r in done if r.run_dir is not None and (r.run_dir / "meta.json").exists()]
     if dirs:
+        say(f"writing {sweep_dir / 'report' / 'index.html'} ...")
         try:
             from analysis.report import write_report
 
@@ -517,8 +543,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
         except Exception as e:  # the table is what must survive; the report is a convenience
             say(f"warning: sweep report not written: {e}")
     hand_over(sweep_dir)
-    say(f"sweep done in {time.monotonic() - t_sweep:.0f} s: "
-        f"{sum(r.status == 'ok' for r in done)}/{len(combos)} ok; {sweep_dir / 'sweep.md'}")
+    say(f"sweep done in {time.monotonic() - t_sweep:.0f} s")
     return sweep_dir, done
 
 
@@ -531,7 +556,7 @@ def _brief(res: RunResult) -> str:
     bpi = s.get("bytes_up_per_iter")
     parts = [f"{res.wall_s:.0f} s",
              f"acc {acc:.3f}" if acc is not None else "acc –",
-             f"{_human_bytes(bpi)}/iter up" if bpi is not None else "",
+             f"{human_bytes(bpi)}/iter up" if bpi is not None else "",
              f"target at {tt:.1f} s" if tt is not None else "target not reached"]
     return ", ".join(p for p in parts if p)
 

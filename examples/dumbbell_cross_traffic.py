@@ -21,6 +21,8 @@ def main() -> None:
     args = parse_args(__doc__ or "", iterations=40)
     cfg = gradbed.load_config(ROOT / "configs" / "demo.toml", [
         f"run.iterations={args.iterations}",
+        "net.bottleneck_mbps=100",        # a 100 Mbit/s trunk both ways
+        "net.bottleneck_down_mbps=0",
         'topo.shape="dumbbell"',          # workers | trunk | PS
         "net.background_hosts=1",         # bg0 beside the workers, sink0 beside the PS
         "background.flows=2",             # two iperf3 flows, bg0 -> sink0, over the trunk

@@ -1,5 +1,6 @@
-"""The demo as a topology script: 4 workers train an MLP on the digits through a star
-whose switch->PS link is a 100 Mbit/s bottleneck (configs/demo.toml; seeds/004's setting).
+"""The demo's dense run as a topology script: 4 workers train an MLP on the digits through
+a star whose switch->PS link is a bottleneck, here 100 Mbit/s (configs/demo.toml with
+seeds/004's rate; the demo itself uses 30).
 
     sudo python examples/star_demo.py [--iterations N] [--out DIR]
 
@@ -17,7 +18,8 @@ import gradbed
 def main() -> None:
     args = parse_args(__doc__ or "", iterations=80)
     cfg = gradbed.load_config(ROOT / "configs" / "demo.toml",
-                              [f"run.iterations={args.iterations}"])
+                              [f"run.iterations={args.iterations}",
+                               "net.bottleneck_mbps=100", "net.bottleneck_down_mbps=0"])
     spec = gradbed.shape_spec(cfg)  # the star, as data: hosts, roles, shaping points
     for place in spec.places():
         print(f"{place.point.name:>8}: {place.dev} ({place.host or 'switch'}), "

@@ -1,6 +1,6 @@
 """A constant-delay line in user space over NFQUEUE, for kernels without netem.
 
-DESIGN.md section 3 and issue 21: this kernel (and the lent GPU machine's) has no netem, so
+DESIGN.md section 3: this kernel (and the lent GPU machine's) has no netem, so
 a link's one-way ``delay_ms`` is emulated the way Mahimahi's delay shell does it, in user
 space, but without copying a single payload. An iptables rule on the *receiving* host's
 ingress (``topo.netfilter``) hands each packet to an NFQUEUE; the kernel keeps the packet

@@ -1,6 +1,6 @@
 """Seeded random loss: which packets of a link are dropped, as a pure function of the seed.
 
-Issue 21, item 2. The kernel's ``statistic --mode random`` match draws from
+Why a seeded loss: the kernel's ``statistic --mode random`` match draws from
 ``get_random_u32()``, which cannot be seeded: two runs with the same config lose different
 packets. Here the decision is a counter-based PRNG (as in Salmon et al., "Parallel random
 numbers: as easy as 1, 2, 3", SC 2011, with BLAKE2b as the keyed function): the n-th packet

@@ -1,6 +1,6 @@
 """Delay and loss on a receiving host's ingress with netfilter, for kernels without netem.
 
-Issue 21, DESIGN.md section 3. A shaping point's one-way ``delay_ms`` and ``loss_pct`` are
+DESIGN.md section 3. A shaping point's one-way ``delay_ms`` and ``loss_pct`` are
 applied where the packets *arrive*, in the receiving host's namespace, so the sender's
 stack is untouched and it sees a real RTT and a real loss on the wire (not a local
 error, not a socket stalled by TCP small queues):

@@ -155,7 +155,7 @@ def write_rate_log(trace: BandwidthTrace, path: str | os.PathLike[str]) -> None:
 def shipped_traces() -> dict[str, BandwidthTrace]:
     """The generated traces the project's configs replay, by file name."""
     return {
-        # Issue 4's step experiment: 100, then 20, then 100 Mbit/s, 20 s each.
+        # The step experiment of benchmarks/adaptive_step.py: 100, then 20, then 100 Mbit/s, 20 s each.
         "step_100_20_100.trace": steps([(0.0, 100.0), (20.0, 20.0), (40.0, 100.0)], 60.0),
         # A square wave between 10 and 50 Mbit/s, 5 s per level.
         "square_10_50.trace": square(10.0, 50.0, 5.0, 60.0),

@@ -11,7 +11,7 @@ segmentation offload hold such "packets").
 
 :func:`rewrite_pcap_file` is what runs: a struct-level pass copies the replayable records
 (no packet objects), then ``tcprewrite`` readdresses them and recomputes the checksums.
-On a 50k-packet capture this took 0.31 s against scapy's 67 s (issue 21); see
+On a 50k-packet capture this took 0.31 s against scapy's 67 s; see
 ``docs/fidelity.md`` for the figure measured here. :func:`rewrite_pcap` (scapy) stays as
 the slow, obvious reference the tests compare it with: byte-identical, except that
 tcprewrite sets the IPv4 total length of a frame with Ethernet padding (a short frame

@@ -12,8 +12,8 @@ A :class:`Payload` is what goes on the wire: a tuple of contiguous 1-D tensors p
 metadata needed to rebuild the original (numel, shape, dtype). Its :meth:`Payload.wire_bytes`
 is exact: the raw buffer bytes plus one frame header per part.
 
-Device: ``compress`` keeps the payload on the device of the tensor it was given (issue 20:
-compression stays on the GPU, nothing in it calls ``.cpu()``); only the payload is copied to
+Device: ``compress`` keeps the payload on the device of the tensor it was given
+(compression stays on the GPU, nothing in it calls ``.cpu()``); only the payload is copied to
 host memory, by :mod:`agents.compress.staging`, when the worker sends it. Payloads read off
 the wire are CPU tensors, and ``decompress`` returns a tensor on the payload's device.
 Randomness on another device comes from :func:`device_generator`.

@@ -4,7 +4,7 @@ selected (index, value) pairs go on the wire, and how they come back.
 Two index encodings, chosen per compressor instance with ``index_encoding``:
 
 - ``"int32"`` (default): indices as int32 in selection order, values in the original dtype.
-  Wire bytes are exactly ``k * (value_bytes + 4) + 2 * header_bytes`` (DESIGN 1.2, issue 3).
+  Wire bytes are exactly ``k * (value_bytes + 4) + 2 * header_bytes`` (DESIGN 1.2).
   Tensors up to 2**31 - 1 elements.
 
 Dense fallback: when the sparse encoding would be no smaller than the tensor itself (with

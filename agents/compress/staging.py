@@ -1,6 +1,6 @@
 """Moving a payload from the GPU to the socket: pinned host buffers, a copy stream, overlap.
 
-Issue 20: compression runs on the device the gradient lives on, and only the payload crosses
+Compression runs on the device the gradient lives on, and only the payload crosses
 the bus. On CUDA, :meth:`PayloadStager.stage` enqueues each payload tensor's copy into a
 page-locked (pinned) host buffer on a dedicated copy stream, after the compute stream's work
 that produced it, and returns at once; the worker then compresses the next chunk on the

@@ -14,7 +14,7 @@ NSDI 2013; Netravali et al., "Mahimahi", USENIX ATC 2015). Three file formats lo
 - CSV with the header ``time_s,rate_mbps``.
 
 Every loader error is a :class:`TraceError` naming ``file:line``. Loaders stream their
-file (issue 21: a 200 MB trace read whole took 4.4 GB and 37 s): memory is the output's
+file (a 200 MB trace read whole took 4.4 GB and 37 s): memory is the output's
 steps, kept in ``array('d')`` while loading, plus one line. ``max_rate_mbps`` (the
 shaper's maximum, ``topo.spec.RATE_MAX_MBPS``, passed by the controller) makes a rate
 above it an error naming the line.

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from agents.core.registry import RegistryKind
+
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or out of range. ``errors`` lists every
@@ -34,6 +36,14 @@ def check(cond: bool, path: str, value: Any, allowed: str) -> None:
     collected while :func:`collect` is active."""
     if not cond:
         fail(f"{path} = {value!r}: {allowed}")
+
+
+def check_registered(kind: RegistryKind, path: str, value: str) -> None:
+    """``value`` must be a name some module of ``kind``'s package registers (read from their
+    source, agents/core/registry.py: nothing is imported and no list of names is kept)."""
+    known = kind.declared()
+    check(value in known, path, value, f"must be a registered {kind.label}: one of "
+          f"{', '.join(known)}")
 
 
 def fail(message: str) -> None:

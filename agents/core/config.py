@@ -14,11 +14,13 @@ names (``rate_mbps``, ``queue_bytes``, ``delay_ms``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import tomllib
 import types
 import typing
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,24 +38,17 @@ from agents.core.checks import (
     nesting_depth,
 )
 from agents.core.checks import check as _check
+from agents.core.checks import check_registered as _check_name
 from agents.core.feedback_config import LAYERWISE_COMPRESSORS, FeedbackConfig
 from agents.core.guard_config import GuardConfig
 from agents.core.lr_schedule import check_lr_schedule
 from agents.core.moe_config import MoEConfig
 from agents.core.pipeline_config import PipelineConfig
-from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD, Kind
+from agents.core.registry import COMPRESSOR, RATE_POLICY, RATIO_POLICY, WORKLOAD
 from agents.core.topo_config import TopoConfig
 from agents.core.vision_config import VisionConfig
 
 __all__ = ["ConfigError"]
-
-
-def _check_name(kind: Kind, path: str, value: str) -> None:
-    """``value`` must be a name some module of ``kind``'s package registers (read from their
-    source, agents/core/registry.py: nothing is imported and no list is kept here)."""
-    known = kind.declared()
-    _check(value in known, path, value, f"must be a registered {kind.label}: one of "
-           f"{', '.join(known)}")
 
 
 # The agents' allocator settings (controller.agent_env).
@@ -109,11 +104,10 @@ class RunConfig:
 #: system, a shell or a terminal reads differently.
 RUN_NAME_MAX = 64
 RUN_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{RUN_NAME_MAX}}}")
-#: Old field name -> new one; the old one is read with a deprecation message.
-RENAMED = {"run.on_worker_death": "run.on_agent_death"}
 
 
 LOSS_MODELS = ("statistic", "seeded")
+PORT_MAX = 65535 - 512
 
 
 @dataclass(frozen=True)
@@ -137,7 +131,10 @@ class NetConfig:
     # Mbit/s with bbr: 0.1-0.25 s), and the ACKs of its download would wait behind it.
     ack_first: bool = True
     background_hosts: int = 0         # extra hosts on the worker side for cross traffic
-    ps_port: int = 5000
+    # The first port the run's agents listen on: the PS's; a pipeline's stage s of replica r
+    # listens on port + r * stages + s and its PS on port; MoE expert hosts on port (on
+    # loopback, port + host index).
+    port: int = 5000
 
     @property
     def down_mbps(self) -> float:
@@ -163,8 +160,8 @@ class NetConfig:
                self.congestion, "must be one of reno, cubic, bbr")
         _check(0 <= self.background_hosts <= 32, f"{p}.background_hosts",
                self.background_hosts, "must be in [0, 32]")
-        _check(1024 <= self.ps_port <= 65535, f"{p}.ps_port", self.ps_port,
-               "must be in [1024, 65535]")
+        _check(1024 <= self.port <= PORT_MAX, f"{p}.port", self.port,
+               f"must be in [1024, {PORT_MAX}] (up to 512 listeners count up from it)")
 
 
 @dataclass(frozen=True)
@@ -172,14 +169,16 @@ class WorkloadConfig:
     # a registered workload (agents/workloads/): digits_mlp, digits_cnn, fashion_resnet
     # and fashion_vit (sized by [vision]), replay, ...
     name: str = "digits_mlp"
-    batch_size: int = 32              # per-worker batch; the global batch is N times this
-    lr: float = 0.1                   # SGD learning rate at the PS (at iteration 0)
+    # Per-worker batch (the global batch is N times this); an MoE expert host's images per
+    # step (tokens = images x tokens per image).
+    batch_size: int = 32
+    lr: float = 0.1                   # SGD learning rate (at iteration 0): the PS's, a stage's, an expert host's
     # the lr over the run (agents/core/lr_schedule.py): constant, step (x lr_decay_factor at
     # each lr_decay_at fraction of run.iterations; DGC's recipe) or cosine
     lr_schedule: str = "constant"
     lr_decay_at: tuple[float, ...] = (0.5, 0.75)
     lr_decay_factor: float = 0.1
-    momentum: float = 0.0             # SGD momentum at the PS
+    momentum: float = 0.0             # SGD momentum (MoE: sharded with ZeRO for shared parameters)
     hidden: int = 512                 # digits_mlp: width of the two hidden layers
     channels: int = 16                # digits_cnn: first conv's channels (the second's x2)
     depth: int = 8                    # digits_deep: hidden Linear+ReLU blocks (pipeline stages)
@@ -212,7 +211,9 @@ class WorkloadConfig:
 @dataclass(frozen=True)
 class CompressConfig:
     name: str = "none"                # compressor registered under this name
-    ratio: float = 1.0                # fraction of elements kept; lower = fewer bytes, more residual
+    # Fraction of elements kept, by the workers' compressor and by a pipeline's top-k (either
+    # direction); lower = fewer bytes, more residual.
+    ratio: float = 1.0
     # One fixed keep ratio per worker (worker i keeps worker_ratios[i]) instead of the one
     # `ratio`; empty = every worker keeps `ratio`. Only adaptive.policy = "fixed" reads it.
     worker_ratios: tuple[float, ...] = ()
@@ -456,6 +457,10 @@ class ExperimentConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        self.validate_across()
+
+    def validate_across(self) -> None:
+        """The checks that read more than one section."""
         for i, entry in enumerate(self.membership.schedule):
             _check(0 <= entry[0] < self.net.workers, f"membership.schedule[{i}][0]", entry[0],
                    f"must name a worker in [0, {self.net.workers - 1}]")
@@ -545,25 +550,53 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+# Old field names still read, each with the one name that replaced it (docs/configuration.md
+# says why each concept has this name). Reading one warns (ConfigDeprecation), naming the new.
+RENAMED: dict[str, str] = {
+    "net.ps_port": "net.port",
+    "moe.port": "net.port",
+    "pipeline.base_port": "net.port",
+    "pipeline.ratio": "compress.ratio",
+    "moe.lr": "workload.lr",
+    "moe.momentum": "workload.momentum",
+    "moe.batch_size": "workload.batch_size",
+    "run.on_worker_death": "run.on_agent_death",
+}
+
+
+class ConfigDeprecation(FutureWarning):
+    """A config uses an old field name (:data:`RENAMED`); the value is read under the new
+    one. A FutureWarning, so Python shows it to the user on stderr by default."""
+
+
 def _renamed(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with every field of :data:`RENAMED` under its new name, saying so."""
-    out = _deepcopy(data)
+    """``data`` with every old field name moved to its new one, each warned about once. An
+    old and a new name given different values is an error: which one was meant is unknown."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
     for old, new in RENAMED.items():
-        (sec, old_key), new_key = old.split("."), new.split(".")[1]
-        table = out.get(sec)
-        if not isinstance(table, dict) or old_key not in table:
+        old_section, old_field = old.split(".")
+        new_section, new_field = new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or old_field not in section:
             continue
-        if new_key in table:
-            fail(f"{old} and {new} both given: {old} is the old name of {new}; keep {new}")
-            del table[old_key]
+        value = section.pop(old_field)
+        target = out.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # reported as a section that is not a table
+        if new_field in target and target[new_field] != value:
+            fail(f"{old} = {value!r}: is the old name of {new}, which is set to "
+                 f"{target[new_field]!r}; keep {new} only")
             continue
-        warnings.warn(f"{old} is deprecated: use {new}", FutureWarning, stacklevel=3)
-        table[new_key] = table.pop(old_key)
+        target[new_field] = value
+        warnings.warn(f"{old} is deprecated: it is now {new} (read as {new} = {value!r})",
+                      ConfigDeprecation, stacklevel=3)
     return out
 
 
 def from_dict(data: dict[str, Any]) -> ExperimentConfig:
-    """Build and validate a config; raises one ConfigError listing every error found."""
+    """Build and validate a config; raises one ConfigError listing every error found. Old
+    field names (:data:`RENAMED`) are read under their new names with a
+    :class:`ConfigDeprecation` warning."""
     if nesting_depth(data) > MAX_NESTING:
         raise ConfigError(f"tables and arrays nested deeper than {MAX_NESTING} levels")
     with collect() as errors:
@@ -579,14 +612,27 @@ def from_dict(data: dict[str, Any]) -> ExperimentConfig:
             else:
                 kwargs[key] = _build(hints[key], value, key)
         cfg = ExperimentConfig(**kwargs)
-        try:
-            cfg.validate()
-        except (TypeError, KeyError, ValueError):
-            if not errors:  # a check that trips over an earlier bad value is not news
-                raise
+        for name in sections:
+            _run_check(functools.partial(getattr(cfg, name).validate, name), errors)
+        _run_check(cfg.validate_across, errors)
     if errors:
-        raise ConfigError(errors)
+        # A section built with a bad value checks itself twice (constructing it and again
+        # here); the author needs each error once, in the order found.
+        raise ConfigError(list(dict.fromkeys(errors)))
     return cfg
+
+
+def _run_check(validate: Callable[[], None], errors: list[str]) -> None:
+    """Run one section's checks so that one section failing never hides the next: a
+    ConfigError raised outright (not through ``checks.check``) joins the collection, and a
+    check that trips over a value already reported as wrong is not news."""
+    try:
+        validate()
+    except ConfigError as e:
+        errors.extend(e.errors)
+    except (TypeError, KeyError, ValueError):
+        if not errors:
+            raise
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -637,16 +683,16 @@ def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
     return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Load and validate a TOML config; errors are prefixed with the file name."""
-    path = Path(path)
+def read_toml(path: Path) -> dict[str, Any]:
+    """The tables of the TOML file ``path``; every way reading it fails is one ConfigError
+    naming the file (the config's and the sweep's loaders both read through here)."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
         if len(raw) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; a config file "
                               "is at most that")
-        data = loads_bounded(raw.decode("utf-8"), str(path))
+        return loads_bounded(raw.decode("utf-8"), str(path))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
     except IsADirectoryError as e:
@@ -657,6 +703,12 @@ def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConf
         raise ConfigError(f"{path}: cannot read: {(e.strerror or str(e)).lower()}") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load and validate a TOML config; errors are prefixed with the file name."""
+    path = Path(path)
+    data = read_toml(path)
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ConfigError as e:
@@ -667,13 +719,17 @@ def dumps(cfg: ExperimentConfig) -> str:
     return tomli_w.dumps(cfg.to_dict())
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"net": {"workers": 4}} -> {"net.workers": 4}."""
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"net": {"workers": 4}}`` -> ``{"net.workers": 4}``: every table becomes its dotted
+    keys (an empty table none), and a list a tuple, so the values can key a group or a set
+    (the sweep's grid, the analysis's config columns)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, Mapping):
             out.update(flatten(v, key + "."))
+        elif isinstance(v, list):
+            out[key] = tuple(v)
         else:
             out[key] = v
     return out

@@ -83,6 +83,17 @@ def _declare(name: str, by: str, meaning: str, **fields: str) -> None:
     EVENTS[name] = EventType(name, by, meaning, dict(fields))
 
 
+# -- every agent with an authenticated connection (agents/net/handshake.py) ---------------
+_declare("handshake", "any agent", "one handshake through the driver (agents.net.handshake), "
+         "passed or refused",
+         end="dial (this end opened the connection) or answer (it accepted it)",
+         link="the connection's name (who, from where)",
+         peer_role="answer: the role the peer's HELLO claimed; dial: the role expected",
+         peer_index="the peer's index in that role",
+         ok="whether the peer proved its key (and, dialing, welcomed us)",
+         elapsed_ms="from the first byte to the end of the handshake (ms)",
+         error="why it failed, when it did")
+
 # -- worker (agents/dp/worker.py) --------------------------------------------------------------
 _declare("joined", "worker", "the PS admitted this worker (HELLO answered by WELCOME and "
          "the weights); iter is the iteration it joins at")
@@ -213,9 +224,13 @@ _declare("pp_ps_send", "stage", "a message to the pipeline's PS written to the k
 _declare("ps_slice_mean", "ps", "the PS averaged one stage chunk's gradient over the d "
          "replicas and queued the mean to each", stage="stage index", chunk="model chunk",
          replicas="gradients averaged (d)", bytes="wire bytes of the mean to one replica")
-_declare("ps_slice_sent", "ps", "the PS's sender thread wrote one mean to a stage",
+_declare("ps_slice_sent", "ps", "the pipeline's PS queued one mean to a stage (its event "
+         "loop writes it as the socket takes it)",
          to="the stage's node (rRsS)", chunk="model chunk",
          bytes="bytes on the wire (frame included)")
+_declare("ps_connected", "ps", "every stage has connected to the pipeline's PS, which serves "
+         "them all on one event loop", stages="stage connections",
+         threads="Python threads the PS process runs (threading.active_count())")
 
 # -- MoE expert host (agents/moe/expert.py; nodes e0..eH-1) ---------------------------------------
 _declare("moe_start", "expert", "the expert host joined the mesh and built its shards",

@@ -4,11 +4,17 @@ flow-size CDFs and background-flow generators).
 A :class:`FlowSizeCDF` is pure data: points ``(size_bytes, cumulative fraction)``, read
 linearly between points (as the data-centre workload files of the DCTCP paper (web search)
 and of Facebook's Hadoop cluster are published and used by HPCC's ``traffic_gen``) or as
-steps (ns-2's empirical CDFs). :func:`load_flow_cdf` reads the published layouts (issue 21):
+steps (ns-2's empirical CDFs). :func:`load_flow_cdf` reads the published layouts:
 ``size cdf`` pairs in percent or as fractions, a first line holding the mean (Homa's
 workload files), Tcl-style ``size _ cdf`` lines in packets (pFabric's ns-2 files), and
 HPCC's flow lists; it detects them, says what it loaded and its mean, and every error
 names ``file:line`` and why.
+
+A file that states its mean also says how it is meant to be read: the same points give
+means 1 to 5 % apart read linearly or as steps, and the offered background load (flows per
+second = load / mean) is off by as much. Unless told otherwise the loader takes the
+interpolation whose mean reproduces the stated one within :data:`MEAN_TOLERANCE`, and
+warns (:class:`FlowSizeMeanWarning`, naming both means) when none does.
 
 :func:`flow_arrivals` turns a CDF and an offered load into a seeded list of flows: Poisson
 arrivals (exponential gaps) at ``load / mean size`` flows per second, each size drawn by
@@ -22,18 +28,27 @@ import bisect
 import math
 import os
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from agents.core.bandwidth import TraceError, read_lines
 from agents.core.files import quote_line, write_atomic
 
-__all__ = ["FlowSizeCDF", "flow_arrivals", "load_flow_cdf", "write_flow_cdf"]
+__all__ = ["FlowSizeCDF", "FlowSizeMeanWarning", "flow_arrivals", "load_flow_cdf",
+           "write_flow_cdf"]
 
 
 INTERPOLATIONS = ("linear", "step")
+#: How far (relative) the loaded mean may be from a file's stated mean; within it the
+#: interpolation is taken as the one the file was written for.
+MEAN_TOLERANCE = 0.005
 FORMATS = ("auto", "pairs", "mean_pairs", "tcl", "flows")
 CDF_SCALES = ("auto", "percent", "fraction")
+
+
+class FlowSizeMeanWarning(UserWarning):
+    """A flow-size file states a mean that the loaded distribution does not reproduce."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +158,12 @@ def load_flow_cdf(path: str | os.PathLike[str], *, format: str = "auto",
         (ns-2's ``size _ cdf``, the middle column ignored, sizes usually in packets),
         ``flows`` (HPCC's flow list: a count line, then ``src dst pg dport size_bytes
         start_s``; the CDF of its sizes), or ``auto`` (detected from the lines).
-    interpolation: ``linear`` or ``step``; None (or "" or "auto") takes the layout's habit
-        (step for tcl and flows, linear otherwise).
+    interpolation: ``linear`` or ``step``; None (or "" or "auto") takes, for a file whose
+        first line states its mean, the interpolation that reproduces that mean within
+        :data:`MEAN_TOLERANCE` (else the closest, with a :class:`FlowSizeMeanWarning`
+        naming both means), and otherwise the layout's habit (step for tcl and flows,
+        linear otherwise). An interpolation given explicitly is used as given, with the
+        same warning when it misses the stated mean.
     cdf_scale: ``percent``, ``fraction``, or ``auto`` (fraction when no value exceeds 1).
     packet_bytes: sizes are in packets of this many bytes (None or 0: bytes). Required for
         tcl.
@@ -165,29 +184,32 @@ def load_flow_cdf(path: str | os.PathLike[str], *, format: str = "auto",
     name, lines = read_lines(path)
     rows = [(n, f) for n, f in ((n, _fields(raw)) for n, raw in enumerate(lines, 1)) if f]
     layout = detect_format(name, rows) if format == "auto" else format
-    if interpolation in (None, "", "auto"):
-        interpolation = "step" if layout in ("tcl", "flows") else "linear"
-    if interpolation not in INTERPOLATIONS:
+    requested = None if interpolation in (None, "", "auto") else interpolation
+    if requested is not None and requested not in INTERPOLATIONS:
         raise TraceError(f"{name}: interpolation={interpolation!r}; allowed "
                          f"{list(INTERPOLATIONS)}")
+    habit = "step" if layout in ("tcl", "flows") else "linear"
     if layout == "flows":
-        cdf = _from_flow_list(name, rows, interpolation, packet_bytes, log)
+        cdf = _from_flow_list(name, rows, requested or habit, packet_bytes, log)
     else:
-        cdf = _from_points(name, rows, layout, interpolation, cdf_scale, packet_bytes, log)
+        cdf = _from_points(name, rows, layout, requested, habit, cdf_scale, packet_bytes,
+                           log)
     if log is not None:
         log(f"{cdf.describe()} ({layout})")
     return cdf
 
 
 def _from_points(name: str, rows: list[tuple[int, list[str]]], layout: str,
-                 interpolation: str, cdf_scale: str, packet_bytes: int | None,
-                 log: Callable[[str], None] | None) -> FlowSizeCDF:
+                 requested: str | None, habit: str, cdf_scale: str,
+                 packet_bytes: int | None, log: Callable[[str], None] | None) -> FlowSizeCDF:
     declared_mean: float | None = None
+    mean_line = 0
     if rows and len(rows[0][1]) == 1:
         if layout != "mean_pairs":
             raise TraceError(f"{name}:{rows[0][0]}: the first line looks like a mean, not a "
                              f"CDF point (use format 'mean_pairs' or 'auto')")
         declared_mean = _number(name, rows[0][0], "mean", rows[0][1][0])
+        mean_line = rows[0][0]
         rows = rows[1:]
     elif layout == "mean_pairs":
         raise TraceError(f"{name}:{rows[0][0] if rows else 1}: format 'mean_pairs' needs a "
@@ -231,12 +253,43 @@ def _from_points(name: str, rows: list[tuple[int, list[str]]], layout: str,
                          f"must be {top:g} ({scale})")
     mult = packet_bytes or 1
     cdf = FlowSizeCDF(tuple(x * mult for x in sizes), tuple(c / top for c in raw_cdf),
-                      source=name, interpolation=interpolation)
-    if declared_mean is not None and log is not None:
-        log(f"{name}: the first line gives the mean as {declared_mean:g} "
-            f"{'packets' if packet_bytes else 'bytes'}; the CDF's own mean is "
-            f"{cdf.mean_bytes() / mult:,.0f} ({interpolation})")
-    return cdf
+                      source=name, interpolation=requested or habit)
+    if declared_mean is None:
+        return cdf
+    return _reading_that_states(cdf, declared_mean * mult, requested, mean_line,
+                                "packets" if packet_bytes else "bytes", log)
+
+
+def _reading_that_states(cdf: FlowSizeCDF, stated_bytes: float, requested: str | None,
+                         lineno: int, unit: str, log: Callable[[str], None] | None,
+                         ) -> FlowSizeCDF:
+    """``cdf`` read with the interpolation whose mean is the file's stated mean: the one
+    requested, else the one closest to the stated mean (linear first on a tie). Warns
+    (FlowSizeMeanWarning, naming both means) when the reading used misses it by more than
+    MEAN_TOLERANCE; ``unit`` is what the mean line was written in (packets are scaled)."""
+    readings = [FlowSizeCDF(cdf.sizes_bytes, cdf.cdf, cdf.source, i)
+                for i in ((requested,) if requested else INTERPOLATIONS)]
+
+    def miss(c: FlowSizeCDF) -> float:
+        return abs(c.mean_bytes() - stated_bytes) / stated_bytes if stated_bytes else math.inf
+
+    chosen = min(readings, key=miss)
+    where = f"{cdf.source}:{lineno}"
+    stated = f"{stated_bytes:,.0f} bytes" + (" (in packets on the line)" if unit == "packets"
+                                             else "")
+    if miss(chosen) <= MEAN_TOLERANCE:
+        if log is not None:
+            how = "as asked" if requested else "the reading that reproduces it"
+            log(f"{where}: the file states a mean of {stated}; read {chosen.interpolation} "
+                f"({how}), mean {chosen.mean_bytes():,.0f} bytes")
+        return chosen
+    means = ", ".join(f"{c.interpolation} {c.mean_bytes():,.0f} bytes" for c in readings)
+    warnings.warn(FlowSizeMeanWarning(
+        f"{where}: the file states a mean of {stated}, but no reading reproduces it within "
+        f"{MEAN_TOLERANCE:.1%} ({means}); using {chosen.interpolation}, mean "
+        f"{chosen.mean_bytes():,.0f} bytes ({miss(chosen):.1%} off): the background load "
+        f"is off by as much"), stacklevel=4)
+    return chosen
 
 
 def _from_flow_list(name: str, rows: list[tuple[int, list[str]]], interpolation: str,

@@ -1,4 +1,4 @@
-"""The learning rate at each iteration: constant, step decay or cosine (issue 20).
+"""The learning rate at each iteration: constant, step decay or cosine.
 
 DGC (Lin et al., ICLR 2018, Sec. 5 and its Table 2 CIFAR-10 runs) trains with the usual step
 decay, the lr divided by 10 at 50 % and 75 % of training (He et al., CVPR 2016's ResNet

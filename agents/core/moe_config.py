@@ -1,6 +1,8 @@
 """The ``[moe]`` config section: mixture of experts on expert hosts (DESIGN.md 1.4).
 
-Every knob says which way it pushes. Validated when loaded; errors name the field.
+Every knob says which way it pushes. Validated when loaded; errors name the field. The
+training knobs an expert host shares with every other role (``lr``, ``momentum``,
+``batch_size``) are ``[workload]``'s, and its port is ``net.port``.
 """
 
 from __future__ import annotations
@@ -30,11 +32,7 @@ class MoEConfig:
     d_model: int = 64                 # token width: all-to-all bytes per token = 4 x d_model
     d_hidden: int = 128               # expert MLP width (compute per token, not bytes)
     dataset: str = "digits"           # digits (8 tokens of 8 pixels) or fashion_mnist (28 of 28)
-    batch_size: int = 32              # images per host per step; tokens = images x tokens/image
-    lr: float = 0.05                  # SGD learning rate (every parameter class)
-    momentum: float = 0.9             # SGD momentum (sharded with ZeRO for shared parameters)
     zero3_min_numel: int = 4096       # shared tensors this large are split (ZeRO-3), smaller ZeRO-2
-    port: int = 6000                  # expert hosts listen here (loopback: port + host index)
     crc: bool = True                  # CRC-32 on every payload
     eval_every: int = 10              # host 0 evaluates held-out accuracy every N steps
     # The combine waits until every host holds its dispatch (each host tells every peer,
@@ -68,13 +66,8 @@ class MoEConfig:
                "must be in [1, 65536]")
         _check(self.dataset in MOE_DATASETS, f"{p}.dataset", self.dataset,
                f"must be one of {', '.join(MOE_DATASETS)}")
-        _check(1 <= self.batch_size <= 4096, f"{p}.batch_size", self.batch_size,
-               "must be in [1, 4096]")
-        _check(0 < self.lr <= 10, f"{p}.lr", self.lr, "must be in (0, 10]")
-        _check(0 <= self.momentum < 1, f"{p}.momentum", self.momentum, "must be in [0, 1)")
         _check(self.zero3_min_numel >= 1, f"{p}.zero3_min_numel", self.zero3_min_numel,
                "must be >= 1")
-        _check(1024 <= self.port <= 65000, f"{p}.port", self.port, "must be in [1024, 65000]")
         _check(self.eval_every >= 1, f"{p}.eval_every", self.eval_every, "must be >= 1")
         _check(0 <= self.offload_budget_bytes <= 1 << 50, f"{p}.offload_budget_bytes",
                self.offload_budget_bytes, "must be in [0, 2^50] (0 = no offload)")

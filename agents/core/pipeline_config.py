@@ -1,27 +1,22 @@
-"""The ``[pipeline]`` config section: pipeline-parallel training (DESIGN.md 1.3, issue 18).
+"""The ``[pipeline]`` config section: pipeline-parallel training (DESIGN.md 1.3).
 
-``stages = 0`` (the default) means no pipeline: the run is data-parallel as before.
+``stages = 0`` (the default) means no pipeline: the run is data-parallel as before. The top-k
+keep ratio is ``compress.ratio`` and the stages' ports count up from ``net.port``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "two_group")  # agents.core.schedules registers these
-PIPELINE_COMPRESSORS = ("none", "fp16", "topk")
-
-
-def _check(cond: bool, path: str, value: object, allowed: str) -> None:
-    from agents.core.checks import ConfigError
-
-    if not cond:
-        raise ConfigError(f"{path} = {value!r}: {allowed}")
+from agents.core.checks import check as _check
+from agents.core.checks import check_registered as _check_name
+from agents.core.registry import COMPRESSOR, SCHEDULE
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     stages: int = 0                   # p stages (one process each); 0 = no pipeline
-    schedule: str = "1f1b"            # gpipe, 1f1b or two_group
+    schedule: str = "1f1b"            # a registered schedule: gpipe, 1f1b, two_group, ...
     micro_batches: int = 4            # m micro-batches per step and pipeline
     micro_batch_size: int = 16        # samples per micro-batch
     # Layers of the workload's nn.Sequential per piece (torchgpipe's balance), stages *
@@ -29,9 +24,8 @@ class PipelineConfig:
     balance: tuple[int, ...] = ()
     replicas: int = 1                 # d pipelines whose stage gradients are averaged each step
     recompute: bool = False           # free forward activations, recompute before backward
-    act_compress: str = "none"        # activations downstream: none, fp16 or topk
-    grad_compress: str = "none"       # gradients upstream: none, fp16 or topk
-    ratio: float = 0.1                # topk keep ratio (either direction)
+    act_compress: str = "none"        # activations downstream: a registered compressor (none, fp16, topk, ...)
+    grad_compress: str = "none"       # gradients upstream: a registered compressor
     error_feedback: bool = True       # gradients: keep what top-k/fp16 did not send
     # Each forward/backward takes at least this long (the rest is slept): makes compute
     # dominate on a shared CPU without burning it, for the bubble benchmark.
@@ -39,7 +33,6 @@ class PipelineConfig:
     # Pace every stage-to-stage socket at this rate (SO_MAX_PACING_RATE, the pacing shaping
     # method), e.g. on loopback where no tc link exists; 0 = off (the fabric's tc shapes).
     pace_mbps: float = 0.0
-    base_port: int = 6000             # stage s of replica r listens on base_port + r*p + s
 
     @property
     def chunks(self) -> int:
@@ -52,8 +45,7 @@ class PipelineConfig:
     def validate(self, p: str) -> None:
         _check(self.stages == 0 or 2 <= self.stages <= 32, f"{p}.stages", self.stages,
                "must be 0 (no pipeline) or in [2, 32]")
-        _check(self.schedule in PIPELINE_SCHEDULES, f"{p}.schedule", self.schedule,
-               f"must be one of {', '.join(PIPELINE_SCHEDULES)}")
+        _check_name(SCHEDULE, f"{p}.schedule", self.schedule)
         _check(1 <= self.micro_batches <= 1024, f"{p}.micro_batches", self.micro_batches,
                "must be in [1, 1024]")
         _check(1 <= self.micro_batch_size <= 4096, f"{p}.micro_batch_size",
@@ -66,13 +58,8 @@ class PipelineConfig:
                f"({self.schedule} has {self.chunks} chunk(s) per stage)")
         _check(1 <= self.replicas <= 16, f"{p}.replicas", self.replicas, "must be in [1, 16]")
         for name in ("act_compress", "grad_compress"):
-            v = getattr(self, name)
-            _check(v in PIPELINE_COMPRESSORS, f"{p}.{name}", v,
-                   f"must be one of {', '.join(PIPELINE_COMPRESSORS)}")
-        _check(0 < self.ratio <= 1, f"{p}.ratio", self.ratio, "must be in (0, 1]")
+            _check_name(COMPRESSOR, f"{p}.{name}", getattr(self, name))
         _check(0 <= self.compute_pad_ms <= 60_000, f"{p}.compute_pad_ms",
                self.compute_pad_ms, "must be in [0, 60000] ms")
         _check(0 <= self.pace_mbps <= 100_000, f"{p}.pace_mbps", self.pace_mbps,
                "must be in [0, 100000] Mbit/s (0 = off)")
-        _check(1024 <= self.base_port <= 65535 - 512, f"{p}.base_port", self.base_port,
-               "must be in [1024, 65023]")

@@ -2,7 +2,7 @@
 
 Every algorithm lives in its own module and registers itself with a decorator; nothing
 keeps a second list of names. Adding one is one new file (plus its test) in the package
-its :class:`Kind` names, decorated with that kind's decorator::
+its :class:`RegistryKind` names, decorated with that kind's decorator::
 
     # agents/workloads/my_net.py
     from agents.workloads.base import Workload, register_workload
@@ -15,7 +15,7 @@ Two ways to learn the names, for two layers:
 - :meth:`Registry.names` (and :meth:`Registry.get`, :meth:`Registry.build`) import every
   module of the kind's package, so each registers itself; that is where the classes are
   needed (the agents, the controller).
-- :meth:`Kind.declared` reads the same modules' source without importing them (no torch)
+- :meth:`RegistryKind.declared` reads the same modules' source without importing them (no torch)
   and collects the names their decorators give. The config validation in the core uses it
   to reject an unknown name with the list of known ones before anything starts, without
   importing upward. ``tests/agents/core/test_registry.py`` checks that both agree for every kind.
@@ -44,7 +44,7 @@ class UnknownName(ValueError):
 
 
 @dataclass(frozen=True)
-class Kind:
+class RegistryKind:
     """Where one kind of registered thing lives: its ``package`` and the ``decorator``
     (function name) its modules register with. ``label`` names it in error messages."""
 
@@ -79,7 +79,7 @@ class Kind:
 
 
 @functools.cache
-def _declared(kind: Kind) -> tuple[str, ...]:
+def _declared(kind: RegistryKind) -> tuple[str, ...]:
     found: set[str] = set()
     for _, path in kind.modules():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -119,14 +119,14 @@ def _decorated_name(deco: ast.expr, decorator: str,
 
 
 class Registry(Generic[T]):
-    """Name -> entry (a class or a factory) for one :class:`Kind`.
+    """Name -> entry (a class or a factory) for one :class:`RegistryKind`.
 
     Entries are added by the decorator :meth:`register` when their module is imported;
     every lookup first imports all modules of the kind's package, so a name never depends
     on which modules someone happened to import before.
     """
 
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: RegistryKind) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
         self._loaded = False
@@ -179,9 +179,14 @@ class Registry(Generic[T]):
 
 # The kinds of the project, defined once: the packages their modules live in and the
 # decorator they register with. The registries themselves live next to their entries
-# (agents.workloads.base.WORKLOADS, agents.compress.base, agents.core.policies.base).
-WORKLOAD = Kind("workload", "agents.workloads", "register_workload")
-COMPRESSOR = Kind("compressor", "agents.compress", "register")
-RATIO_POLICY = Kind("ratio policy", "agents.core.policies", "register_ratio_policy")
-RATE_POLICY = Kind("rate policy", "agents.core.policies", "register_rate_policy")
-KINDS = (WORKLOAD, COMPRESSOR, RATIO_POLICY, RATE_POLICY)
+# (agents.workloads.base.WORKLOADS, agents.compress.base, agents.core.policies.base,
+# agents.core.schedules.registry).
+WORKLOAD = RegistryKind("workload", "agents.workloads", "register_workload")
+COMPRESSOR = RegistryKind("compressor", "agents.compress", "register")
+RATIO_POLICY = RegistryKind("ratio policy", "agents.core.policies", "register_ratio_policy")
+RATE_POLICY = RegistryKind("rate policy", "agents.core.policies", "register_rate_policy")
+SCHEDULE = RegistryKind("pipeline schedule", "agents.core.schedules", "register")
+# The kinds the core's config checks read by name. Shapes and roles use the same Registry
+# type from their own packages (topo.shapes.SHAPES, controller.roles.ROLES), which the core
+# cannot import.
+KINDS = (WORKLOAD, COMPRESSOR, RATIO_POLICY, RATE_POLICY, SCHEDULE)

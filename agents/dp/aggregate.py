@@ -15,39 +15,22 @@ keeps serving the others; nothing is added to the accumulator before validation 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from agents.compress.base import Compressor, Payload, PayloadError
+from agents.compress.checks import checked_sparse, validate_sparse
+from agents.net.codec import FrameHeader, MsgType
+from agents.net.protocol import ProtocolError
 
-__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "check_gradient",
-           "checked_sparse", "max_message_bytes", "validate_sparse"]
+__all__ = ["PayloadError", "SparseAccumulator", "aggregate", "max_message_bytes",
+           "uplink_bound", "weights_delta"]
 
 # Sparse accumulation wins while the total number of received elements is below this
 # fraction of the tensor; above it, decompressing and adding dense tensors streams better.
 SPARSE_FRACTION = 0.25
-
-
-def validate_sparse(idx: Tensor, values: Tensor, numel: int, *, who: str) -> None:
-    """Raise :class:`PayloadError` naming ``who`` unless ``idx``/``values`` are 1-D, equally
-    long, ``idx`` is an integer tensor and every index lies in ``[0, numel)``."""
-    if idx.dim() != 1 or values.dim() != 1:
-        raise PayloadError(f"{who}: indices and values must be 1-D, got shapes "
-                           f"{tuple(idx.shape)} and {tuple(values.shape)}")
-    if idx.numel() != values.numel():
-        raise PayloadError(f"{who}: {idx.numel()} indices but {values.numel()} values")
-    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-        raise PayloadError(f"{who}: indices must be integers, got {idx.dtype}")
-    if idx.numel() == 0:
-        return
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0:
-        raise PayloadError(f"{who}: negative index {lo} (tensor has {numel} elements)")
-    if hi >= numel:
-        raise PayloadError(f"{who}: index {hi} out of range for a tensor of {numel} elements")
 
 
 # The most one chunk's message may weigh, as a multiple of the dense chunk, plus slack
@@ -65,57 +48,42 @@ def max_message_bytes(compressor: str, numel: int) -> int:
     return MESSAGE_DENSE_FACTOR * 4 * numel + MESSAGE_SLACK_BYTES
 
 
-def _check_values(values: Tensor, *, who: str, max_abs: float) -> None:
-    if values.numel():
-        lo, hi = (float(x) for x in torch.aminmax(values))
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise PayloadError(f"{who}: non-finite gradient value (min {lo}, max {hi})")
-        if max_abs > 0 and max(-lo, hi) > max_abs:
-            raise PayloadError(f"{who}: gradient value {max(-lo, hi):.3g} in magnitude "
-                               f"exceeds guard.max_abs_grad = {max_abs:g}")
+def uplink_bound(compressor: str, chunks: Sequence[tuple[int, int]]
+                 ) -> Callable[[FrameHeader], None]:
+    """What one frame from a worker may weigh, checked before its payload is read (the
+    PS's receivers call it on every header): a BYE at most 64 bytes, a GRAD of a chunk in
+    range at most :func:`max_message_bytes` of that chunk in at most 16 parts."""
+
+    def bound(h: FrameHeader) -> None:
+        if h.msg_type == MsgType.BYE:
+            if h.payload_len > 64:
+                raise ProtocolError(f"BYE of {h.payload_len} bytes")
+            return
+        if not 0 <= h.chunk < len(chunks):
+            raise ProtocolError(f"chunk {h.chunk} out of range 0..{len(chunks) - 1}")
+        s, e = chunks[h.chunk]
+        limit = max_message_bytes(compressor, e - s)
+        if h.payload_len > limit or h.nparts > 16:
+            raise ProtocolError(
+                f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
+                f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
+
+    return bound
 
 
-def checked_sparse(idx: Tensor, values: Tensor, numel: int, *, who: str, max_abs: float,
-                   unique_indices: bool) -> tuple[Tensor, Tensor]:
-    """Every check of one sparse contribution (:func:`validate_sparse`, then the values
-    as in :func:`check_gradient`, then, where the encoding sends each index once, no
-    duplicate), returning the ``(indices, values)`` to add: with ``unique_indices``,
-    sorted by index. Raises :class:`PayloadError` naming ``who``.
-
-    The duplicate test is the sort the add can use: sorting k indices (1.6 ms for 250 k
-    here) makes duplicates neighbours (one sequential compare), and the sorted add walks
-    the accumulator in address order, which pays back about what the sort cost
-    (``benchmarks/ps_aggregate.py``). Each index is unique, so the add's result is
-    bit-identical to the unsorted one."""
-    validate_sparse(idx, values, numel, who=who)
-    _check_values(values, who=who, max_abs=max_abs)
-    if not unique_indices or idx.numel() < 2:
-        return idx, values
-    sorted_idx, order = torch.sort(idx)
-    same = sorted_idx[1:] == sorted_idx[:-1]
-    if bool(same.any()):
-        first = int(sorted_idx[int(same.nonzero()[0])])
-        raise PayloadError(f"{who}: duplicate indices (index {first} more than once); this "
-                           "encoding sends each index once")
-    return sorted_idx, values.index_select(0, order)
-
-
-def check_gradient(sparse: tuple[Tensor, Tensor] | None, dense: Tensor | None, numel: int,
-                   *, who: str, max_abs: float, unique_indices: bool) -> None:
-    """Gradient sanity at the PS (issue 22): raise :class:`PayloadError` naming ``who``
-    for a non-finite value, a value with ``|v| > max_abs`` (``max_abs`` = 0: no bound),
-    or, where the encoding sends each index once (``unique_indices``), a duplicate.
-
-    Cost: one ``aminmax`` pass over the values (NaN propagates through it) and, for
-    unique indices, a sort of the k indices. The PS does not call this for a sparse
-    contribution: :meth:`SparseAccumulator.add_checked` runs the same checks and adds
-    in the order the duplicate test sorted."""
-    if sparse is not None:
-        checked_sparse(sparse[0], sparse[1], numel, who=who, max_abs=max_abs,
-                       unique_indices=unique_indices)
-        return
-    assert dense is not None
-    _check_values(dense, who=who, max_abs=max_abs)
+def weights_delta(params: Tensor, shadow: Tensor) -> list[Tensor]:
+    """The change of ``params`` since ``shadow`` (what the workers hold): sparse (int32
+    indices, values) when under a third of the entries changed, else dense. ``shadow`` is
+    updated in place with exactly the operation the workers apply, so both stay
+    identical."""
+    delta = params - shadow
+    nz = delta.nonzero().reshape(-1)
+    if nz.numel() * 3 < params.numel():
+        vals = delta[nz]
+        shadow.index_add_(0, nz, vals)
+        return [nz.to(torch.int32), vals]
+    shadow.add_(delta)
+    return [delta]
 
 
 class SparseAccumulator:

@@ -1,6 +1,6 @@
 """How many iterations a workload needs to reach a target accuracy at a fixed keep ratio,
 measured in one process: the input ``analysis.tta_model`` needs, for any workload, without
-running a network (issue 4, DESIGN.md 1.1-1.2).
+running a network (DESIGN.md 1.1-1.2).
 
 It runs the same mathematics as a synchronous data-parallel run, with the project's parts:
 - the workload's model, its per-worker batches and its held-out evaluation;
@@ -27,14 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from agents.compress import ErrorFeedback, make
-from agents.compress.sparse import SparseCompressor
+from agents.compress.builder import CompressionSpec, Sender
 from agents.core.feedback_config import warmup_keep
 from agents.workloads.base import (
     FlatModel,
     Workload,
-    chunk_layer_dims,
-    chunk_layers,
+    chunk_layer_specs,
     chunk_ranges,
     sgd_step_,
 )
@@ -84,18 +82,12 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
     workers = [FlatModel(workload.build_model(spec.seed)) for _ in range(spec.workers)]
     chunks = chunk_ranges(ps.numel, spec.chunk_bytes)
     worker_momentum = spec.momentum if spec.momentum_correction else 0.0
-    feedback = [ErrorFeedback(make(spec.compressor), momentum=worker_momentum,
-                              masking=spec.masking) for _ in range(spec.workers)]
-    for fb in feedback:  # as the worker does: per-layer compressors see each chunk's layers
-        if spec.per_layer or spec.dense_1d:
-            if not isinstance(fb.inner, SparseCompressor):
-                raise ValueError(f"TrainingSpec.per_layer / dense_1d need a sparse "
-                                 f"compressor, not {spec.compressor!r}")
-            fb.inner.select_by_layer(per_layer=spec.per_layer, dense_1d=spec.dense_1d)
-        for c, (s, e) in enumerate(chunks):
-            fb.inner.set_layers(f"c{c}", chunk_layers(ps.shapes, s, e),
-                                chunk_layer_dims(ps.shapes, s, e))
-    rngs = [torch.Generator().manual_seed(spec.seed * 7919 + w) for w in range(spec.workers)]
+    # The workers' own builder: compressor, layer-wise selection, feedback and generator.
+    compression = CompressionSpec(spec.compressor, error_feedback=spec.error_feedback,
+                                  momentum=worker_momentum, masking=spec.masking,
+                                  per_layer=spec.per_layer, dense_1d=spec.dense_1d)
+    senders = [Sender(compression, spec.seed, w, chunk_layer_specs(ps.shapes, chunks))
+               for w in range(spec.workers)]
     momentum_buf = torch.zeros_like(ps.flat_params)
     evals: list[tuple[int, float]] = []
     for i in range(iterations):
@@ -107,13 +99,8 @@ def train(workload: Workload, spec: TrainingSpec, keep: float, iterations: int,
             workload.loss(model.module, workload.batch(i, w, spec.workers,
                                                       spec.batch_size)).backward()
             for c, (s, e) in enumerate(chunks):
-                if spec.error_feedback:
-                    payload, _ = feedback[w].step(model.flat_grad[s:e], f"c{c}", keep_i,
-                                                  rngs[w])
-                else:
-                    payload = feedback[w].inner.compress(model.flat_grad[s:e], f"c{c}",
-                                                         keep_i, rngs[w])
-                total[s:e] += feedback[w].inner.decompress(payload).view(-1)
+                payload, _ = senders[w].compress(model.flat_grad[s:e], f"c{c}", keep_i)
+                total[s:e] += senders[w].compressor.decompress(payload).view(-1)
         grad = total / spec.workers
         sgd_step_(ps.flat_params, grad, momentum_buf, lr=spec.lr,
                   momentum=spec.momentum - worker_momentum, first=i == 0)

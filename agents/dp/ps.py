@@ -50,48 +50,38 @@ says so.
 from __future__ import annotations
 
 import argparse
-import errno
-import fcntl
 import queue
-import secrets
-import select
-import selectors
 import socket
-import struct
-import sys
-import termios
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, PayloadError, make
+from agents.compress.base import Compressor, PayloadError
+from agents.compress.builder import CompressionSpec, build_compressor
+from agents.compress.checks import check_gradient
 from agents.compress.sparse import SparseCompressor
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
-from agents.core.policies.backlog import backlog_shares
-from agents.dp.aggregate import SparseAccumulator, check_gradient, max_message_bytes
-from agents.net import auth, codec, protocol, wire
+from agents.dp.aggregate import (
+    SparseAccumulator,
+    max_message_bytes,
+    uplink_bound,
+    weights_delta,
+)
+from agents.dp.downlink import REBALANCE_S, DownlinkPacer
+from agents.net import auth, codec, handshake, loop, protocol, wire
 from agents.net.control import ControlClient, control_path
-from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
 from agents.workloads.factory import make_workload
 
-# How often the downlink pacing is re-split by backlog (shaping.downlink = "backlog").
-REBALANCE_S = 0.02
 # The event loop looks for stalled connections at least this often.
 POLL_S = 0.5
-# accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
-ACCEPT_BACKOFF_S = (0.01, 1.0)
-# Handshakes under way at once; beyond, a new connection is closed at once (logged).
-MAX_HANDSHAKES = 1024
 
 
 def _wire_bytes(tensors: list[torch.Tensor]) -> int:
@@ -99,66 +89,14 @@ def _wire_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
 
 
-@dataclass
-class _Conn:
-    """One worker's connection: a non-blocking socket served by the PS's event loop.
-    Downlink frames are sealed when queued (so in order, under this connection's MAC) and
-    wait in ``unsent`` until the kernel takes them."""
+class _Conn(loop.Transport):
+    """One worker's connection on the PS's event loop: the transport, and who it is."""
 
-    worker: int
-    sock: socket.socket
-    peer: str
-    session: protocol.Session
-    receiver: wire.MessageReceiver | None = None  # set when the PS starts serving it
-    unsent: list[memoryview] = field(default_factory=list)
-    closed: bool = False  # the PS dropped it
-    failed: bool = False  # reading or writing failed: its Lost event is on the way
-    writable_wanted: bool = False  # registered for EVENT_WRITE (something is unsent)
-    # Downlink bytes queued and taken by the kernel (a message half written counts half).
-    queued_bytes: int = 0
-    written_bytes: int = 0
-    heard_s: float = field(default_factory=time.monotonic)  # bytes last received
-    moved_s: float = field(default_factory=time.monotonic)  # the kernel last took bytes
-
-    def queue(self, bufs: list[memoryview]) -> None:
-        """Queue sealed frames behind what is already waiting."""
-        if not self.unsent:
-            self.moved_s = time.monotonic()  # a stall is counted from here
-        self.unsent += bufs
-        self.queued_bytes += sum(len(b) for b in bufs)
-
-    def flush(self) -> bool:
-        """Hand the kernel what it takes now, without waiting; True when nothing is left.
-        OSErrors propagate."""
-        n = wire.write_some(self.sock, self.unsent)
-        while n:
-            self.written_bytes += n
-            self.moved_s = time.monotonic()
-            n = wire.write_some(self.sock, self.unsent)
-        return not self.unsent
-
-    def dead(self) -> bool:
-        """True when the peer provably went away: the socket reports a hang-up or an
-        error, or the PS already dropped it."""
-        if self.closed:
-            return True
-        p = select.poll()
-        p.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-        try:
-            return bool(p.poll(0))
-        except (OSError, ValueError):
-            return True
-
-    def backlog_bytes(self) -> int:
-        """Downlink bytes not yet delivered: still in user space (queued, or the unsent
-        rest of a message), plus what the kernel holds (unsent or unacknowledged,
-        ``SIOCOUTQ``). Every byte counts in exactly one of the two."""
-        try:
-            buf = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-            in_kernel = int(struct.unpack("i", buf)[0])
-        except (OSError, ValueError):
-            in_kernel = 0  # closed under us: the event loop reports it
-        return max(0, self.queued_bytes - self.written_bytes) + in_kernel
+    def __init__(self, worker: int, sock: socket.socket, peer: str,
+                 session: protocol.Session) -> None:
+        super().__init__(sock, peer)
+        self.worker = worker
+        self.session = session
 
 
 class ParameterServer:
@@ -172,12 +110,13 @@ class ParameterServer:
         self.workers_root = keys.workers_root
         self.tag = codec.run_tag(run_id, codec.PUBLIC_SECRET)
         self.log = EventLog.for_node(run_dir, run_id, "ps")
-        self.ctl = ControlClient(control_path(run_dir), "ps", keys.key)
+        self.ctl = ControlClient(control_path(run_dir), "ps", keys.key,
+                                 timeout_s=cfg.guard.handshake_timeout_s, log=self.log)
         self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
-        self.compressor: Compressor = make(cfg.compress.name, **self._compressor_params())
+        self.compressor: Compressor = build_compressor(CompressionSpec.from_config(cfg))
         self.momentum_buf: torch.Tensor | None = None
         # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
         self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
@@ -185,20 +124,13 @@ class ParameterServer:
         # loop (``_poll``) on this thread; handshake threads hand over ``joins``.
         self.events: deque[PSEvent] = deque()
         self.joins: queue.SimpleQueue[Joined] = queue.SimpleQueue()
-        self.selector = selectors.DefaultSelector()
-        self.wake_r, self.wake_w = socket.socketpair()  # a handshake thread wakes the loop
-        self.wake_r.setblocking(False)
-        self.wake_w.setblocking(False)
-        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        self.loop = loop.EventLoop(self)
         self.next_rebalance_s = 0.0
         self.conns: dict[int, _Conn] = {}
         self.barrier = protocol.ChunkBarrier(len(self.chunks))
         self.active = self.barrier.active  # the same set: the barrier's is the truth
-        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
-        self.pacing_bps: dict[int, float] = {}  # link/N on the downlink, per worker
-        self.applied_bps: dict[int, float] = {}  # what each socket is paced at now
-        self.rebalanced = 0  # pacing changes the backlog split made this iteration
+        self.pacer = DownlinkPacer(self.log)
         self.done = threading.Event()
         self.iteration = 0
         self.bytes_in = 0
@@ -211,147 +143,46 @@ class ParameterServer:
         self.srv.listen(256)
         self.stop_reason = ""
 
-    def _compressor_params(self) -> dict[str, Any]:
-        params = dict(self.cfg.compress.params)
-        if self.cfg.compress.index_encoding != "int32":
-            params.setdefault("index_encoding", self.cfg.compress.index_encoding)
-        return params
-
     # -- connections: accepted and authenticated on threads, then served by the loop -----
 
-    def _accept_loop(self) -> None:
-        """Accept forever. An error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a peer
-        that reset before accept) is logged and retried after a growing pause; only the
-        PS closing its own socket ends the loop."""
-        pause = ACCEPT_BACKOFF_S[0]
-        while not self.done.is_set():
-            try:
-                sock, addr = self.srv.accept()
-            except OSError as e:
-                if self.done.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
-                    return  # our own socket was closed: the run is over
-                self.log.emit("frame_error", iter=self.iteration, peer="accept",
-                              error=f"accept failed ({e}); retrying in {pause:.2f} s")
-                time.sleep(pause)
-                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
-                continue
-            pause = ACCEPT_BACKOFF_S[0]
-            if not self.handshakes.acquire(blocking=False):
-                self.log.emit("frame_error", iter=self.iteration, peer=f"{addr[0]}:{addr[1]}",
-                              error=f"{MAX_HANDSHAKES} handshakes under way: closed")
-                sock.close()
-                continue
-            try:
-                threading.Thread(target=self._handshake, args=(sock, addr),
-                                 daemon=True).start()
-            except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
-                self.handshakes.release()
-                sock.close()
-                self.log.emit("frame_error", iter=self.iteration, peer="accept",
-                              error=f"cannot start a handshake thread: {e}")
+    def _report_accept(self, peer: str, error: str) -> None:
+        self.log.emit("frame_error", iter=self.iteration, peer=peer, error=error)
 
-    def _handshake(self, sock: socket.socket, addr: tuple[str, int]) -> None:
-        """Challenge-response (``agents.net.protocol.PSHandshake``) under a deadline of
-        ``guard.handshake_timeout_s``; nothing is allocated for the peer beyond one
-        preallocated hello-sized buffer until it has proved its key."""
-        peer = f"{addr[0]}:{addr[1]}"
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        """Challenge-response through the handshake driver, under the absolute deadline
+        ``guard.handshake_timeout_s``; WELCOME waits for admission (:meth:`_admit`)."""
+        workers = self.cfg.net.workers
+        answerer = protocol.Answerer(
+            self.run_id, "worker",
+            lambda h: auth.worker_key(self.workers_root, h.worker) if h.worker < workers
+            else None, accepts=f"0..{workers - 1}")
         try:
-            session = self._authenticate(sock, peer)
-        finally:
-            self.handshakes.release()
-        if session is None:
+            session = handshake.answer(sock, answerer, run_tag=self.tag, name=peer,
+                                       welcome=None,
+                                       timeout_s=self.cfg.guard.handshake_timeout_s,
+                                       log=self.log)
+        except handshake.HandshakeError as e:
+            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=e.why)
+            sock.close()
             return
         # Authenticated: from here the main thread's event loop serves the socket.
         sock.setblocking(False)
         self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
-        try:
-            self.wake_w.send(b"\0")
-        except OSError:
-            pass  # a wake-up already pending (a full pipe), or the run is over
-
-    def _authenticate(self, sock: socket.socket, peer: str) -> protocol.Session | None:
-        hs = protocol.PSHandshake(self.run_id, self.cfg.net.workers,
-                                  lambda w: auth.worker_key(self.workers_root, w),
-                                  secrets.token_bytes(codec.NONCE_BYTES))
-        buf = bytearray(codec.MAX_HELLO_BYTES)
-        try:
-            sock.settimeout(self.cfg.guard.handshake_timeout_s)
-            deadline = time.monotonic() + self.cfg.guard.handshake_timeout_s
-            reader = wire.FrameReader(sock, expect_tag=self.tag, peer=peer,
-                                      max_payload_bytes=codec.MAX_HELLO_BYTES)
-            h, body = reader.read_frame_into(buf)
-            challenge = hs.receive_hello(h, body)
-            wire.send_bytes(sock, challenge, msg_type=codec.MsgType.CHALLENGE,
-                            run_tag=self.tag, worker=h.worker, peer=peer)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            reader.max_payload_bytes = protocol.PROOF_BYTES
-            h, body = reader.read_frame_into(buf)
-            return hs.receive_proof(h, body)
-        except (codec.FrameError, wire.ConnectionClosed, OSError) as e:
-            why = "handshake timed out" if isinstance(e, TimeoutError) else str(e)
-            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=why)
-            self._reject(sock, why)
-            return None
+        self.loop.wake()
 
     @property
     def max_message_bytes(self) -> int:
         """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
         return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
 
-    def _reject(self, sock: socket.socket, why: str) -> None:
-        """Tell a peer that failed the handshake why, and close."""
-        try:
-            sock.settimeout(1.0)  # a peer that does not read must not hold us
-            wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
-                            msg_type=codec.MsgType.ERROR, run_tag=self.tag, worker=0)
-        except OSError:
-            pass
-        sock.close()
-
-    def _bound(self, h: codec.FrameHeader) -> None:
-        """What one frame from a worker may weigh, checked before its payload is read."""
-        if h.msg_type == codec.MsgType.BYE:
-            if h.payload_len > 64:
-                raise protocol.ProtocolError(f"BYE of {h.payload_len} bytes")
-            return
-        if not 0 <= h.chunk < len(self.chunks):
-            raise protocol.ProtocolError(f"chunk {h.chunk} out of range "
-                                         f"0..{len(self.chunks) - 1}")
-        s, e = self.chunks[h.chunk]
-        limit = max_message_bytes(self.cfg.compress.name, e - s)
-        if h.payload_len > limit or h.nparts > 16:
-            raise protocol.ProtocolError(
-                f"{h.describe()}: {h.payload_len} bytes in {h.nparts} parts exceeds "
-                f"what chunk {h.chunk} ({e - s} elements) may weigh ({limit} bytes)")
-
-    # -- the event loop: every worker socket on this one thread -------------------------
-    #
-    # One thread reads, adds and writes: a reader and a sender thread per connection
-    # handed every message over through a queue, and on a busy 2-core host those
-    # hand-overs, not the network, set the iteration's pace (docs/fidelity.md).
+    # -- the event loop (agents.net.loop): every worker socket on this one thread -----
 
     def _serve_conn(self, conn: _Conn) -> None:
         """Start reading an authenticated connection's messages."""
-        conn.receiver = wire.MessageReceiver(conn.sock, peer=conn.peer, mac=conn.session.up,
-                                             max_payload_bytes=self.max_message_bytes,
-                                             bound=self._bound)
-        conn.heard_s = time.monotonic()
-        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
-
-    def _unwatch(self, conn: _Conn) -> None:
-        try:
-            self.selector.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass  # never served, or already let go
-
-    def _lose(self, conn: _Conn, reason: str) -> None:
-        """Stop serving a connection whose read or write failed; the main loop drops it
-        when it meets the Lost event (after the messages received before the failure)."""
-        if conn.failed or conn.closed:
-            return
-        conn.failed = True
-        self._unwatch(conn)
-        self.events.append(Lost(conn, reason))
+        self.loop.serve(conn, wire.MessageReceiver(
+            conn.sock, peer=conn.peer, mac=conn.session.up,
+            max_payload_bytes=self.max_message_bytes,
+            bound=uplink_bound(self.cfg.compress.name, self.chunks)))
 
     def _poll(self, deadline: float, what: str) -> None:
         """Wait until something happens (at most until ``deadline``) and turn it into
@@ -362,15 +193,7 @@ class ParameterServer:
         wait = min(deadline - now, POLL_S)
         if self.cfg.shaping.downlink == "backlog":
             wait = min(wait, max(0.0, self.next_rebalance_s - now))
-        for key, mask in self.selector.select(wait):
-            conn = key.data
-            if conn is None:
-                self.wake_r.recv(4096)
-                continue
-            if mask & selectors.EVENT_WRITE:
-                self._flush(conn)
-            if mask & selectors.EVENT_READ:
-                self._receive(conn)
+        self.loop.run_once(wait)
         while True:
             try:
                 self.events.append(self.joins.get_nowait())
@@ -378,36 +201,19 @@ class ParameterServer:
                 break
         now = time.monotonic()
         if self.cfg.shaping.downlink == "backlog" and now >= self.next_rebalance_s:
-            self.rebalance()
+            self.pacer.rebalance(self.conns, self.active)
             self.next_rebalance_s = now + REBALANCE_S
-        self._check_stalls(now)
+        self.loop.check_stalls(self.conns.values(), self.cfg.run.timeout_s)
 
-    def _receive(self, conn: _Conn) -> None:
-        if conn.failed or conn.closed or conn.receiver is None:
-            return
-        try:
-            messages = conn.receiver.receive()
-        except wire.ConnectionClosed:
-            self._lose(conn, "connection closed")
-            return
-        except (codec.FrameError, OSError) as e:
-            if self.done.is_set() and isinstance(e, OSError):
-                conn.failed = True  # the run is over: a worker tearing down after BYE
-                self._unwatch(conn)  # may reset, and that is no news
-                return
-            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
-                          worker=conn.worker, error=str(e))
-            self._lose(conn, f"frame error: {e}")
-            return
-        conn.heard_s = time.monotonic()
+    def data_received(self, conn: _Conn, messages: list[wire.Message]) -> None:
+        """A worker's complete messages (the loop's handler): GRADs become events, a BYE
+        ends what is read from it."""
         for parts in messages:
             h = parts[0][0]
             try:
                 kind = protocol.check_uplink(h, conn.worker)
             except codec.FrameError as e:
-                self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
-                              worker=conn.worker, error=str(e))
-                self._lose(conn, f"frame error: {e}")
+                self.loop.lose(conn, e, "read")
                 return
             if kind == codec.MsgType.BYE:
                 conn.receiver = None  # nothing after a BYE is read
@@ -415,63 +221,21 @@ class ParameterServer:
                 return
             self.events.append(GradReceived(conn, h, [t for _, t in parts]))
 
-    def _send(self, conn: _Conn, bufs: list[memoryview]) -> None:
-        """Queue sealed frames to one worker and write what the kernel takes now."""
-        conn.queue(bufs)
-        self._flush(conn)
-
-    def _flush(self, conn: _Conn) -> None:
-        if conn.failed or conn.closed:
-            return
-        try:
-            done = conn.flush()
-        except OSError as e:
-            self._lose(conn, f"send failed: {e}")
-            return
-        if done == conn.writable_wanted:  # watch for room exactly while bytes wait
-            conn.writable_wanted = not done
-            self.selector.modify(conn.sock, selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if conn.writable_wanted else 0), conn)
-
-    def _check_stalls(self, now: float) -> None:
-        """A worker silent for ``run.timeout_s``, or one whose downlink has not moved for
-        as long, is lost (logged as a frame error, as a timed-out read always was)."""
-        limit = self.cfg.run.timeout_s
-        for conn in list(self.conns.values()):
-            if conn.failed or conn.closed:
-                continue
-            if conn.receiver is not None and now - conn.heard_s > limit:
-                why = f"nothing received for {now - conn.heard_s:.1f} s (run.timeout_s)"
-            elif conn.unsent and now - conn.moved_s > limit:
-                why = (f"downlink stalled for {now - conn.moved_s:.1f} s with "
-                       f"{sum(len(b) for b in conn.unsent)} bytes unsent (run.timeout_s)")
-            else:
-                continue
+    def connection_lost(self, conn: _Conn, error: Exception, during: str) -> None:
+        """A worker's connection failed (the loop's handler); the main loop drops it when
+        it meets the Lost event, after the messages received before the failure."""
+        if isinstance(error, wire.ConnectionClosed):
+            reason = "connection closed"
+        elif during == "write":
+            reason = f"send failed: {error}"
+        elif self.done.is_set() and isinstance(error, OSError) and during == "read":
+            return  # the run is over: a worker tearing down after BYE may reset: no news
+        else:
+            why = f"{error} (run.timeout_s)" if during == "stall" else str(error)
             self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
                           worker=conn.worker, error=why)
-            self._lose(conn, f"timed out: {why}")
-
-    def _flush_all(self, conns: list[_Conn], seconds: float) -> None:
-        """Write every queued frame of ``conns`` out, waiting up to ``seconds`` for room
-        (the end of the run, a refusal); failures only stop that connection."""
-        end = time.monotonic() + seconds
-        waiting = conns
-        while True:
-            left = []
-            for conn in waiting:
-                try:
-                    if not conn.failed and not conn.flush():
-                        left.append(conn)
-                except OSError:
-                    conn.failed = True
-            waiting = left
-            remaining = end - time.monotonic()
-            if not waiting or remaining <= 0:
-                return
-            room = select.poll()
-            for conn in waiting:
-                room.register(conn.sock, select.POLLOUT)
-            room.poll(remaining * 1000)
+            reason = f"timed out: {why}" if during == "stall" else f"frame error: {error}"
+        self.events.append(Lost(conn, reason))
 
     def _refuse(self, conn: _Conn, why: str) -> None:
         """Tell an authenticated worker why it is being dropped, after what is queued
@@ -479,12 +243,14 @@ class ParameterServer:
         conn.queue(wire.bytes_buffers(why.encode()[:protocol.MAX_ERROR_BYTES],
                                       msg_type=codec.MsgType.ERROR, run_tag=self.tag,
                                       worker=0, mac=conn.session.down))
-        self._flush_all([conn], 1.0)
+        self.loop.flush_all([conn], 1.0)
 
     # -- the iteration loop ------------------------------------------------------------
 
     def serve(self) -> int:
-        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
+                         args=(self.srv, self._handshake),
+                         kwargs=dict(stopped=self.done, report=self._report_accept)).start()
         self.ctl.send("ready", port=self.srv.getsockname()[1])
         self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
                       compressor=self.cfg.compress.name)
@@ -536,7 +302,7 @@ class ParameterServer:
             old = self.conns.get(conn.worker)
             if old is not None and not old.dead():
                 # A second HELLO for a live worker: whoever it is, it does not take the
-                # slot over (issue 22). The live connection keeps it.
+                # slot over. The live connection keeps it.
                 why = (f"worker {conn.worker}: refused a second connection from {conn.peer}"
                        f" while {old.peer} is alive")
                 self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
@@ -559,7 +325,7 @@ class ParameterServer:
         self.barrier.drop(conn.worker)
         self.pending.pop(conn.worker, None)
         del self.conns[conn.worker]
-        self._unwatch(conn)
+        self.loop.unwatch(conn)
         conn.closed = True
         conn.sock.close()
         reason = ev.reason if isinstance(ev, Lost) else "left (BYE)"
@@ -615,7 +381,7 @@ class ParameterServer:
         """Mean, SGD step and downlink of one chunk (SGD is elementwise, so chunk-wise
         steps are exactly one whole-model step)."""
         if c == 0:
-            self._apply_commands()  # downlink pacing changes land at iteration boundaries
+            self.pacer.apply_commands(self.ctl.poll(), self.conns, self.iteration)  # downlink pacing changes land at iteration boundaries
         if c == len(self.chunks) - 1:
             # The last byte of this iteration's gradients is in: the end of the upload window.
             self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
@@ -636,11 +402,11 @@ class ParameterServer:
         if self.shadow is None:
             msg_type, tensors = codec.MsgType.WEIGHTS, [params]
         else:
-            msg_type, tensors = codec.MsgType.UPDATE, self._delta(s, e)
+            msg_type, tensors = codec.MsgType.UPDATE, weights_delta(params, self.shadow[s:e])
         self.agg_s += time.perf_counter() - t0
         for w in sorted(self.active):
             conn = self.conns[w]
-            self._send(conn, wire.message_buffers(
+            self.loop.write(conn, wire.message_buffers(
                 tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
                 iteration=self.iteration, chunk=c, mac=conn.session.down))
         self.bytes_out += len(self.active) * _wire_bytes(tensors)
@@ -654,7 +420,7 @@ class ParameterServer:
             if metrics is not None:
                 self.log.emit("eval", iter=i, **metrics)
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
-                      bytes_out=self.bytes_out, rebalanced=self.rebalanced,
+                      bytes_out=self.bytes_out, rebalanced=self.pacer.rebalanced,
                       workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
         self.barrier.end_iteration()
         self.iteration += 1
@@ -669,7 +435,7 @@ class ParameterServer:
                          if metrics else {}))
         self.bytes_in = self.bytes_out = 0
         self.agg_s = 0.0
-        self.rebalanced = 0
+        self.pacer.rebalanced = 0
 
     def _admit(self) -> None:
         """Workers waiting to (re)join come in at an iteration boundary, with the weights.
@@ -679,98 +445,26 @@ class ParameterServer:
         joined = [w for w, at in self.pending.items() if at <= self.iteration]
         if not joined:
             return
-        self._apply_commands()
+        self.pacer.apply_commands(self.ctl.poll(), self.conns, self.iteration)
         weights = self.model.flat_params.clone()  # what they get, whatever steps next
         for w in joined:
             del self.pending[w]
-            if w in self.pacing_bps:
-                self._pace(w)
+            if w in self.pacer.pacing_bps:
+                self.pacer.pace(w, self.conns.get(w), self.iteration)
             conn = self.conns[w]
-            self._send(conn, wire.bytes_buffers(
+            self.loop.write(conn, wire.bytes_buffers(
                 codec.hello_payload("ps", w), msg_type=codec.MsgType.WELCOME, run_tag=self.tag,
                 worker=w, iteration=self.iteration, mac=conn.session.down))
             for c, (s, e) in enumerate(self.chunks):
-                self._send(conn, wire.message_buffers(
+                self.loop.write(conn, wire.message_buffers(
                     [weights[s:e]], msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
                     worker=w, iteration=self.iteration, chunk=c, mac=conn.session.down))
             self.barrier.admit(w)
             self.log.emit("worker_joined", iter=self.iteration, worker=w)
         self._report_membership()
 
-    def _apply_commands(self) -> None:
-        """Controller commands: ``pace`` caps the PS's socket to one worker (downlink
-        link/N shaping with ``shaping.method = "pacing"``)."""
-        for cmd in self.ctl.poll():
-            if cmd.get("type") != "pace":
-                continue
-            w, rate = int(cmd["worker"]), float(cmd.get("rate_bps") or 0)
-            if rate > 0:
-                self.pacing_bps[w] = rate
-            else:
-                self.pacing_bps.pop(w, None)
-            self._pace(w)
-
-    def _pace(self, w: int) -> None:
-        conn = self.conns.get(w)
-        if conn is None:
-            return
-        rate = self.pacing_bps.get(w)
-        try:
-            if rate:
-                set_max_pacing_rate(conn.sock, rate)
-                self.applied_bps[w] = rate
-            else:
-                clear_max_pacing_rate(conn.sock)
-                self.applied_bps.pop(w, None)
-        except OSError as e:
-            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer,
-                          error=f"pacing failed: {e}")
-            return
-        self.log.emit("paced", iter=self.iteration, worker=w, rate_bps=rate or 0)
-
-    def rebalance(self) -> dict[int, float]:
-        """Downlink link/N with catch-up: re-split the controller's B_down (the sum of
-        the paced workers' B_down/N) among the active paced connections in proportion
-        to their undelivered bytes (``agents.core.policies.backlog``), so one that fell
-        behind catches up instead of holding the iteration back. Sockets are only
-        touched when their rate moves by more than 2 %. Returns the split (empty with
-        fewer than two paced connections). The event loop calls it every
-        ``REBALANCE_S``."""
-        paced = dict(self.pacing_bps)
-        conns = {w: c for w, c in dict(self.conns).items()
-                 if w in paced and w in self.active and not c.closed}
-        if len(conns) < 2:
-            return {}
-        rates = backlog_shares(sum(paced[w] for w in conns),
-                               {w: c.backlog_bytes() for w, c in conns.items()})
-        for w, rate in rates.items():
-            old = self.applied_bps.get(w)
-            if old is not None and abs(rate - old) <= 0.02 * old:
-                continue
-            try:
-                set_max_pacing_rate(conns[w].sock, rate)
-            except OSError:
-                continue  # closed under us: the event loop reports it
-            self.applied_bps[w] = rate
-            self.rebalanced += 1
-        return rates
-
     def _report_membership(self) -> None:
         self.ctl.send("membership", iter=self.iteration, active=sorted(self.active))
-
-    def _delta(self, s: int, e: int) -> list[torch.Tensor]:
-        """The change of params[s:e] since what workers hold: sparse (int32 indices,
-        values) when under a third of the entries changed, else dense. The shadow copy
-        is updated with exactly the operation the workers apply, so both stay identical."""
-        assert self.shadow is not None
-        delta = self.model.flat_params[s:e] - self.shadow[s:e]
-        nz = delta.nonzero().reshape(-1)
-        if nz.numel() * 3 < (e - s):
-            vals = delta[nz]
-            self.shadow[s:e].index_add_(0, nz, vals)
-            return [nz.to(torch.int32), vals]
-        self.shadow[s:e].add_(delta)
-        return [delta]
 
     def _finish(self) -> None:
         if self.shadow is not None:
@@ -786,7 +480,7 @@ class ParameterServer:
             conn.queue(wire.bytes_buffers(b"done", msg_type=codec.MsgType.BYE, run_tag=self.tag,
                                           worker=conn.worker, iteration=self.iteration,
                                           mac=conn.session.down))
-        self._flush_all(conns, self.cfg.run.timeout_s)
+        self.loop.flush_all(list(conns), self.cfg.run.timeout_s)
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
         self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
         self.srv.close()
@@ -804,15 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_dir.name
     torch.set_num_threads(1)
     ps = ParameterServer(cfg, args.run_dir, run_id, keys, host=args.host,
-                         port=args.port or cfg.net.ps_port)
-    try:
-        return ps.serve()
-    except TimeoutError as e:
-        ps.log.emit("ps_done", iter=ps.iteration, reason=str(e))
-        print(f"ps: {e}", file=sys.stderr)
-        return 3
-    finally:
-        ps.log.close()
+                         port=args.port or cfg.net.port)
+    return wire.run_agent(ps.serve, name=lambda: "ps", errors=(TimeoutError,), code=3,
+                          on_error=lambda e: ps.log.emit("ps_done", iter=ps.iteration, reason=e),
+                          close=ps.log.close)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import secrets
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +37,8 @@ from typing import Any
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, Payload, make
-from agents.compress.feedback import ErrorFeedback
-from agents.compress.sparse import SparseCompressor
+from agents.compress.base import Compressor, Payload
+from agents.compress.builder import CompressionSpec, Sender
 from agents.compress.staging import PayloadStager, Staged
 from agents.core import config as cfgmod
 from agents.core.drain import WAIT_MIN_NS, queued_departure_rate_bps
@@ -51,12 +48,12 @@ from agents.core.feedback_config import warmup_keep
 from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.core.policies.adaptive import ack_clock_rate_bps
-from agents.net import auth, codec, protocol, wire
+from agents.net import auth, codec, handshake, protocol, wire
 from agents.net.control import ControlClient, control_path
 from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.net.tcpinfo import read_tcp_info
 from agents.net.txstamps import TxStampReader
-from agents.workloads.base import FlatModel, chunk_layer_dims, chunk_layers, chunk_ranges
+from agents.workloads.base import FlatModel, chunk_layer_specs, chunk_ranges
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 
@@ -133,7 +130,8 @@ class Worker:
         self.session: protocol.Session | None = None
         self.node = worker_node(worker)
         self.log = EventLog.for_node(run_dir, run_id, self.node)
-        self.ctl = ControlClient(control_path(run_dir), self.node, key)
+        self.ctl = ControlClient(control_path(run_dir), self.node, key,
+                                 timeout_s=cfg.guard.handshake_timeout_s, log=self.log)
         self.device = device
         self.workload = make_workload(cfg.workload, cfg.vision)
         self.model = FlatModel(self.workload.build_model(cfg.run.seed), device)
@@ -146,28 +144,9 @@ class Worker:
         # Payloads go to the socket through pinned host buffers on CUDA (a no-op on the CPU).
         self.stager = PayloadStager(device)
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
-        params = dict(cfg.compress.params)
-        if cfg.compress.index_encoding != "int32":
-            params.setdefault("index_encoding", cfg.compress.index_encoding)
-        self.compressor: Compressor = make(cfg.compress.name, **params)
-        if cfg.feedback.per_layer or cfg.feedback.dense_1d:
-            # DGC's layer-wise selection (the config check allows k-keeping sparse ones only).
-            if not isinstance(self.compressor, SparseCompressor):
-                raise ValueError(f"feedback.per_layer / dense_1d: compress.name = "
-                                 f"{cfg.compress.name!r} is not a sparse compressor")
-            self.compressor.select_by_layer(per_layer=cfg.feedback.per_layer,
-                                            dense_1d=cfg.feedback.dense_1d)
-        # Per-layer compressors (PowerSGD, layer-wise sparse) see each chunk's layers; the
-        # others ignore them.
-        for c, (s, e) in enumerate(self.chunks):
-            self.compressor.set_layers(f"c{c}", chunk_layers(self.model.shapes, s, e),
-                                       chunk_layer_dims(self.model.shapes, s, e))
-        # DGC's momentum correction: the momentum is applied here, before compression, and
-        # the PS steps without it (agents.compress.feedback).
-        mc = cfg.workload.momentum if cfg.feedback.momentum_correction else 0.0
-        self.ef = (ErrorFeedback(self.compressor, momentum=mc, masking=cfg.feedback.masking)
-                   if cfg.compress.error_feedback else None)
-        self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + worker)
+        self.sender = Sender(CompressionSpec.from_config(cfg), cfg.run.seed, worker,
+                             chunk_layer_specs(self.model.shapes, self.chunks))
+        self.compressor: Compressor = self.sender.compressor
         self.planned_bps = (cfg.net.bottleneck_mbps * 1e6 / cfg.net.workers
                             * TCP_GOODPUT_FRACTION)
         self.policy: Any = self._make_policy()
@@ -217,34 +196,23 @@ class Worker:
         self._drop_stamps()
         if self.pacing_bps:
             set_max_pacing_rate(s, self.pacing_bps)
-        # Challenge-response (agents.net.protocol): nothing the PS sends before WELCOME may
-        # weigh more than a hello, and WELCOME's MAC proves the PS knows our key.
-        hs = protocol.WorkerHandshake(self.run_id, self.rank, self.key,
-                                      secrets.token_bytes(codec.NONCE_BYTES))
-        reader = wire.FrameReader(s, expect_tag=self.tag,
-                                  max_payload_bytes=codec.MAX_HELLO_BYTES)
-        buf = bytearray(codec.MAX_HELLO_BYTES)
-        s.settimeout(self.cfg.guard.handshake_timeout_s)
-        wire.send_bytes(s, hs.hello(join_at), msg_type=codec.MsgType.HELLO, run_tag=self.tag,
-                        worker=self.rank, iteration=join_at)
-        h, payload = reader.read_frame_into(buf)
-        wire.send_bytes(s, hs.receive_challenge(h, payload), msg_type=codec.MsgType.PROOF,
-                        run_tag=self.tag, worker=self.rank, iteration=join_at)
-        # The wait for WELCOME lasts until the PS admits us at an iteration boundary.
+        # Challenge-response (agents.net.handshake): WELCOME's MAC proves the PS knows our
+        # key, and the wait for it lasts until the PS admits us at an iteration boundary.
+        dialer = protocol.Dialer(self.run_id, "worker", self.rank, self.key,
+                                 welcome_from=("ps", self.rank))
+        self.session, joined_at = handshake.dial(
+            s, dialer, run_tag=self.tag, name=f"{self.node} -> ps ({wire.peer_name(s)})",
+            timeout_s=self.cfg.guard.handshake_timeout_s, join_at=join_at,
+            welcome_timeout_s=self.cfg.run.timeout_s, log=self.log)
         # From here on the kernel times the socket out (no poll before each recv/send).
         wire.set_kernel_timeouts(s, self.cfg.run.timeout_s)
-        reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
-        h, payload = reader.read_frame_into(buf)
-        hs.receive_welcome(reader.last_header, h, payload)
-        assert hs.session is not None
-        self.session = hs.session
-        self.reader = wire.FrameReader(s, mac=hs.session.down,
+        self.reader = wire.FrameReader(s, mac=self.session.down,
                                        max_payload_bytes=self.max_down_bytes)
         if self.device.type != "cpu":
             self.host_params.copy_(self.model.flat_params)
         self.recv_weights()
-        self.log.emit("joined", iter=h.iteration)
-        return h.iteration
+        self.log.emit("joined", iter=joined_at)
+        return joined_at
 
     @property
     def max_down_bytes(self) -> int:
@@ -305,12 +273,7 @@ class Worker:
         return loss
 
     def _compress(self, c: int, grad: torch.Tensor, ratio: float) -> tuple[Payload, dict[str, Any]]:
-        key = f"c{c}"
-        if self.ef is not None:
-            return self.ef.step(grad, key, ratio, self.rng, clip_norm=self.clip)
-        payload = self.compressor.compress(grad, key, ratio, self.rng)
-        return payload, {"raw_bytes": grad.numel() * grad.element_size(),
-                         "wire_bytes": payload.wire_bytes(), "residual_norm": 0.0}
+        return self.sender.compress(grad, f"c{c}", ratio, clip_norm=self.clip)
 
     def element_ratio(self, keep: float) -> float:
         """The compressor ratio that spends ``keep`` of the chunk's dense bytes.
@@ -549,16 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     auth.exit_with_controller()
     torch.set_num_threads(1)
     w = Worker(cfg, args.run_dir, args.run_dir.name, keys.key,
-               args.worker, args.ps, args.port or cfg.net.ps_port,
+               args.worker, args.ps, args.port or cfg.net.port,
                pick_device(args.device or cfg.run.device), args.gso_segs)
-    try:
-        return w.run()
-    except (ConnectionError, codec.FrameError, wire.ConnectionClosed) as e:
-        w.log.emit("worker_error", iter=w.iteration, error=str(e))
-        print(f"{w.node}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        w.close()
+    return wire.run_agent(w.run, name=lambda: w.node,
+                          errors=(ConnectionError, codec.FrameError, wire.ConnectionClosed),
+                          code=2, on_error=lambda e: w.log.emit("worker_error",
+                                                                iter=w.iteration, error=e),
+                          close=w.close)
 
 
 if __name__ == "__main__":

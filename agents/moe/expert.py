@@ -2,7 +2,7 @@
 
 Run inside a host as ``python -m agents.moe.expert --run-dir RUN --host H --addrs A0,A1,...``
 (``Ai`` = ``ip:port`` of expert host i; without ``--addrs``, every host is on
-127.0.0.1 at ``moe.port + i``). It reads ``RUN/config.toml`` (section ``[moe]``, steps
+127.0.0.1 at ``net.port + i``). It reads ``RUN/config.toml`` (section ``[moe]``, steps
 from ``run.iterations``, seed from ``run.seed``) and its key (``--auth``), joins the full mesh
 of expert hosts (:mod:`agents.moe.mesh`), and trains (:mod:`agents.moe.hosts`): its
 experts, its data-parallel replica of the shared layers and its ZeRO shards. Host 0
@@ -58,7 +58,7 @@ def max_frame_bytes(cfg: cfgmod.ExperimentConfig, tokens_per_image: int,
     host's experts at full capacity, a ZeRO shard, or the evaluation's rows."""
     m = cfg.moe
     per_host = m.experts // m.hosts
-    cap_tokens = max(m.batch_size, 360 // m.hosts) * tokens_per_image
+    cap_tokens = max(cfg.workload.batch_size, 360 // m.hosts) * tokens_per_image
     from agents.moe.capacity import expert_capacity
 
     cap = expert_capacity(cap_tokens, m.top_k, m.experts, m.capacity_factor, m.min_capacity)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.host < m.hosts:
         raise SystemExit(f"--host: {args.host} not in [0, moe.hosts={m.hosts})")
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
-             [("127.0.0.1", m.port + i) for i in range(m.hosts)])
+             [("127.0.0.1", cfg.net.port + i) for i in range(m.hosts)])
     run_id = args.run_dir.name
     # With --auth stdin the bundle holds this host's control key and the key of its link to
     # every other expert host, which only the two ends hold (agents.net.link).
@@ -97,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
     # Build once to size the frame limit (the shared classes' sizes).
-    probe = ExpertHost(m, data, args.host, None, seed=cfg.run.seed)
+    probe = ExpertHost(m, data, args.host, None, seed=cfg.run.seed, train=cfg.workload)
     numels = [c.numel for c in probe.opt.classes.values()]
     limit = max_frame_bytes(cfg, data.tokens, numels)
     del probe
     with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
-              max_payload_bytes=limit) as mesh:
-        host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed)
+              max_payload_bytes=limit, handshake_timeout_s=cfg.guard.handshake_timeout_s,
+              log=log) as mesh:
+        host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed, train=cfg.workload)
         formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}
         log.emit("moe_start", hosts=m.hosts, experts=m.experts, owned=host.mine,

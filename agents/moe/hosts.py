@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from agents.core.config import WorkloadConfig
 from agents.core.moe_config import MoEConfig
 from agents.moe.exchange import check_counts, check_done
 from agents.moe.expert_offload import ExpertOffload
@@ -255,8 +256,10 @@ class ExpertHost:
     """One expert host's model, optimizer and training step (the role wraps it)."""
 
     def __init__(self, cfg: MoEConfig, data: TokenData, me: int, mesh: Mesh | None, *,
-                 seed: int) -> None:
+                 seed: int, train: WorkloadConfig) -> None:
+        # ``train``: the batch, learning rate and momentum every role reads from [workload].
         self.cfg = cfg
+        self.train = train
         self.data = data
         self.me = me
         self.mesh = mesh
@@ -273,8 +276,8 @@ class ExpertHost:
                 layer.runner = r
                 self.runners.append(r)
         self.opt = ShardedOptimizer(self.model, hosts=cfg.hosts, me=me,
-                                    zero3_min_numel=cfg.zero3_min_numel, lr=cfg.lr,
-                                    momentum=cfg.momentum)
+                                    zero3_min_numel=cfg.zero3_min_numel, lr=train.lr,
+                                    momentum=train.momentum)
         self.log = StepLog()
         for r in self.runners:
             r.log = self.log
@@ -313,7 +316,7 @@ class ExpertHost:
         t = now_ns()
         self.log.phases.append(PhaseRecord("all_gather_zero3", -1, t_start, t))
         self.opt.zero_grad()
-        x, y = host_batch(self.data, step, self.hosts, self.cfg.batch_size, self.me)
+        x, y = host_batch(self.data, step, self.hosts, self.train.batch_size, self.me)
         with self.opt.saving_gathered():  # autograd keeps no hold on the gathered buffer
             logits = self.model(x)
             loss, ce = loss_fn(self.model, logits, y, self.cfg.aux_loss_coef)

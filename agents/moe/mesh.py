@@ -5,7 +5,7 @@ hosts shares exactly one TCP connection, used in both directions. Each connectio
 authenticated :class:`agents.net.link.Link`: challenge-response under the pair key only
 hosts i and j hold (``keys[j]``, from the controller through stdin), then a MAC with a
 sequence number on every frame, so no host can pass for another and a replayed frame is
-refused (issue 22).
+refused.
 
 :meth:`Mesh.exchange` is one all-to-all: this host sends one frame to every peer and
 receives one frame from every peer, all at once (a thread per send and per receive:
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from agents.moe.exchange import Expect, check_header
-from agents.net import auth, link, wire
+from agents.net import auth, handshake, link, protocol, wire
 from agents.net.codec import DType, FrameError, MsgType
 
 
@@ -67,9 +67,13 @@ class Mesh:
 
     def __init__(self, me: int, addrs: list[tuple[str, int]], run_tag: int, *,
                  run_id: str, keys: Mapping[int, bytes], crc: bool = True,
-                 max_payload_bytes: int = 1 << 30, timeout_s: float = 60.0) -> None:
+                 max_payload_bytes: int = 1 << 30, timeout_s: float = 60.0,
+                 handshake_timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
+                 log: handshake.EventSink | None = None) -> None:
         """``keys[j]``: the key of the link to host j (:func:`agents.net.auth.pair_key`), for
-        every other host."""
+        every other host. ``timeout_s``: for every host to be reached;
+        ``handshake_timeout_s``: for each connection's handshake; ``log``: where the
+        handshakes are reported (the host's event log)."""
         if not 0 <= me < len(addrs):
             raise ValueError(f"host index {me} not in [0, {len(addrs)})")
         missing = sorted(set(range(len(addrs))) - {me} - set(keys))
@@ -84,6 +88,8 @@ class Mesh:
         self.crc = crc
         self.max_payload_bytes = max_payload_bytes
         self.timeout_s = timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.log = log
         self.socks: dict[int, socket.socket] = {}
         self.links: dict[int, link.Link] = {}
         self.readers: dict[int, wire.FrameReader] = {}
@@ -150,19 +156,26 @@ class Mesh:
                 time.sleep(0.05)
         name = f"expert host {self.me} -> {j} ({wire.peer_name(s)})"
         try:
-            self._register(link.dial(s, run_id=self.run_id, run_tag=self.run_tag,
-                                     role="expert", me=self.me, peer=j, key=self.keys[j],
-                                     timeout_s=self.timeout_s, name=name))
+            dialer = protocol.Dialer(self.run_id, "expert", self.me, self.keys[j],
+                                     welcome_from=("expert", j))
+            session, _ = handshake.dial(s, dialer, run_tag=self.run_tag, name=name,
+                                        timeout_s=self.handshake_timeout_s, log=self.log)
+            self._register(link.Link.dialed(s, session, peer=j, name=name,
+                                            run_tag=self.run_tag))
         except BaseException:
             s.close()
             raise
 
     def _accept(self, conn: socket.socket) -> None:
         name = f"expert host {self.me} <- {wire.peer_name(conn)}"
-        self._register(link.answer(
-            conn, run_id=self.run_id, run_tag=self.run_tag, role="expert", me=self.me,
-            keys={j: k for j, k in self.keys.items() if j > self.me},
-            accepts=lambda j: j not in self.socks, timeout_s=self.timeout_s, name=name))
+        # Only hosts above us dial us, each once.
+        waiting = {j: k for j, k in self.keys.items() if j > self.me and j not in self.socks}
+        answerer = protocol.Answerer(self.run_id, "expert", protocol.keys_by_index(waiting),
+                                     accepts=f"expert hosts {sorted(waiting)}")
+        session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
+                                   welcome=("expert", self.me),
+                                   timeout_s=self.handshake_timeout_s, log=self.log)
+        self._register(link.Link.answered(conn, session, name=name, run_tag=self.run_tag))
 
     def close(self) -> None:
         if self._pool is not None:

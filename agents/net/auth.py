@@ -1,4 +1,4 @@
-"""Per-agent keys, and how an agent gets its own (issue 22).
+"""Per-agent keys, and how an agent gets its own.
 
 Mininet hosts share the file system and the PID namespace, so a key in a file of the run
 directory, or in an agent's environment (``/proc/PID/environ``), is readable from every

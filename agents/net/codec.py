@@ -18,8 +18,8 @@ Header layout (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
       6   2  msg_type     MsgType
       8   2  flags        bit 0 = payload CRC present (FLAG_CRC); other bits must be 0
      10   8  run_tag      run_tag(run_id, secret): rejects frames of other runs
-     18   4  worker       sender's worker index
-     22   4  iteration    training iteration
+     18   4  worker       sender's index (see below)
+     22   4  iteration    training iteration (see below)
      26   4  chunk        chunk id in the fixed send order
      30   2  part         index of this tensor within the chunk's message
      32   2  nparts       tensors in the message (values, indices, scales, ...)
@@ -29,6 +29,11 @@ Header layout (little-endian, :data:`HEADER_SIZE` = 64 bytes)::
      51   4  payload_crc  CRC-32 (zlib polynomial) of the payload; 0 when FLAG_CRC unset
      55   5  (reserved)   zero; rounds the header to 64 bytes and leaves room
      60   4  header_crc   CRC-32 of bytes 0..59
+
+``worker`` and ``iteration`` name the sender and the step in every protocol's own terms: a
+data-parallel worker and its iteration; on a link between pipeline stages the sending stage
+and the micro-batch (:attr:`FrameHeader.stage`, :attr:`FrameHeader.micro_batch`); towards the
+pipeline's PS ``replica * stages + stage`` and the step; an MoE expert host and its step.
 
 Payloads are flat: a frame carries ``numel`` elements, not a shape. Shapes are
 known to both ends (the model, or the compressor's own metadata part).
@@ -200,6 +205,16 @@ class FrameHeader:
     @property
     def has_crc(self) -> bool:
         return bool(self.flags & FLAG_CRC)
+
+    @property
+    def stage(self) -> int:
+        """On a link between pipeline stages: the sending stage (the ``worker`` field)."""
+        return self.worker
+
+    @property
+    def micro_batch(self) -> int:
+        """On a link between pipeline stages: the micro-batch (the ``iteration`` field)."""
+        return self.iteration
 
     def describe(self) -> str:
         """Short label for error messages and logs."""
@@ -506,8 +521,10 @@ def buffer_address(mv: memoryview) -> int:
 
 # --- HELLO handshake (control fields only: small JSON, never tensors) -------------------
 
-_ROLES = frozenset({"worker", "ps", "stage", "expert", "controller"})
+# "agent": any agent proving its node's key on the control socket (its ``node`` names it).
+_ROLES = frozenset({"worker", "ps", "stage", "expert", "controller", "agent"})
 MAX_HELLO_BYTES = 4096
+MAX_NODE_CHARS = 64
 MAX_HELLO_DEPTH = 4  # a hello is a flat object; nesting is refused before json sees it
 NONCE_BYTES = 16
 
@@ -515,22 +532,34 @@ NONCE_BYTES = 16
 @dataclass(frozen=True)
 class Hello:
     """Control fields of a HELLO/WELCOME payload. ``nonce``: the sender's fresh
-    NONCE_BYTES, mixed into the connection's keys (empty in a WELCOME)."""
+    NONCE_BYTES, mixed into the connection's keys (empty in a WELCOME). ``node``: the
+    sender's node name, where an index does not name it (the control socket); else empty."""
 
     role: str
     worker: int
     version: int = VERSION
     nonce: bytes = b""
+    node: str = ""
 
 
-def hello_payload(role: str, worker: int, nonce: bytes = b"") -> bytes:
+def _node_ok(node: object) -> bool:
+    return (isinstance(node, str) and len(node) <= MAX_NODE_CHARS
+            and all(c.isascii() and (c.isalnum() or c in "_-") for c in node))
+
+
+def hello_payload(role: str, worker: int, nonce: bytes = b"", node: str = "") -> bytes:
     """JSON body of a HELLO (or WELCOME) frame; send it with :func:`frame_for_bytes`."""
     if role not in _ROLES:
         raise ValueError(f"role: {role!r} not one of {sorted(_ROLES)}")
     _check_range("worker", worker, _U32)
+    if not _node_ok(node):
+        raise ValueError(f"node: {node!r} is not up to {MAX_NODE_CHARS} ASCII letters, "
+                         "digits, '_' or '-'")
     obj: dict[str, Any] = {"role": role, "worker": worker, "version": VERSION}
     if nonce:
         obj["nonce"] = nonce.hex()
+    if node:
+        obj["node"] = node
     return json.dumps(obj, separators=(",", ":")).encode("utf-8")
 
 
@@ -584,4 +613,8 @@ def parse_hello(payload: bytes | bytearray | memoryview) -> Hello:
         nonce = bytes.fromhex(nonce_hex)
     except ValueError as e:
         raise FrameError(f"hello.nonce: not hex: {e}") from e
-    return Hello(role=role, worker=worker, version=version, nonce=nonce)
+    node = obj.get("node", "")
+    if not _node_ok(node):
+        raise FrameError(f"hello.node: {node!r} is not up to {MAX_NODE_CHARS} ASCII "
+                         "letters, digits, '_' or '-'")
+    return Hello(role=role, worker=worker, version=version, nonce=nonce, node=node)

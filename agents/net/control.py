@@ -10,40 +10,42 @@ A controller that is absent (an agent started by hand, or in a test) is not an
 error: the client then drops reports and receives no commands.
 
 Every emulated host can reach the socket (it is a file), so each side proves it knows
-the agent's own key before a line counts (issue 22): the client opens with
-``{"type": "hello", "node", "nonce"}``, the server answers with its nonce and an HMAC
-over both nonces, and the client replies with its own HMAC (:func:`control_proof`,
-compared in constant time). The server also reads the peer's pid and uid
-(``SO_PEERCRED``) for its log. A host without a key (a background host) gets no
-further than the hello.
+the agent's own key before a line counts: the connection opens with the run's one
+handshake (:mod:`agents.net.handshake`), the agent dialing as role ``agent`` with its
+node name and proving that node's key, the controller answering and sealing its WELCOME
+under the same key. The server also reads the peer's pid and uid (``SO_PEERCRED``) for
+its log. A host without a key (a background host) gets no further than its HELLO.
+After the handshake the connection carries JSON lines only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import queue
-import secrets
 import socket
 import threading
 from pathlib import Path
 from typing import Any
 
+from agents.net import codec, handshake, protocol
+
 # sun_path holds 108 bytes; keep a margin for the NUL and relative-path surprises.
 MAX_SOCKET_PATH = 100
 FALLBACK_DIR = Path("/run/gradbed")
-AUTH_TIMEOUT_S = 10.0
 MAX_LINE_BYTES = 65536
+# The handshake's context: the socket is the run's own file and the keys are the run's,
+# so the run id would add nothing; a fixed one keeps the agents' control client free of it.
+CONTROL_RUN_ID = "gradbed control"
+CONTROL_TAG = codec.run_tag(CONTROL_RUN_ID, codec.PUBLIC_SECRET)
+#: What the controller's end says it is in its WELCOME.
+CONTROLLER_END = ("controller", 0)
 
 
-def control_proof(key: bytes, side: str, node: str, client_nonce: str, server_nonce: str
-                  ) -> str:
-    """HMAC-SHA256 (hex) that ``side`` ("server" or "client") knows ``node``'s key, bound
-    to both nonces of this connection."""
-    msg = "\0".join(("gradbed control", side, node, client_nonce, server_nonce)).encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+def control_dialer(node: str, key: bytes) -> protocol.Dialer:
+    """The agent ``node``'s end of a control-socket handshake, under its own key."""
+    return protocol.Dialer(CONTROL_RUN_ID, "agent", 0, key, node=node,
+                           welcome_from=CONTROLLER_END)
 
 
 def read_line(sock: socket.socket, buf: bytearray) -> bytes:
@@ -54,7 +56,7 @@ def read_line(sock: socket.socket, buf: bytearray) -> bytes:
             raise ConnectionError(f"control: line longer than {MAX_LINE_BYTES} bytes")
         data = sock.recv(4096)
         if not data:
-            raise ConnectionError("control: connection closed during authentication")
+            raise ConnectionError("control: connection closed")
         buf += data
     line, _, rest = bytes(buf).partition(b"\n")
     buf[:] = rest
@@ -81,41 +83,31 @@ def control_path(run_dir: str | os.PathLike[str]) -> Path:
 
 
 class ControlClient:
-    def __init__(self, path: str | os.PathLike[str] | None, node: str, key: bytes) -> None:
+    """An agent's end of the control socket. ``log``: where its handshake is reported
+    (the agent's event log). Raises ConnectionError when the socket is there
+    but the handshake fails (not our controller, or it does not know us)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, node: str, key: bytes, *,
+                 timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
+                 log: handshake.EventSink | None = None) -> None:
         self.node = node
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._rest = bytearray()
         if path and os.path.exists(path):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(AUTH_TIMEOUT_S)
-            s.connect(os.fspath(path))
-            self._rest = bytearray()
-            self._authenticate(s, key)
+            try:
+                s.settimeout(timeout_s)
+                s.connect(os.fspath(path))
+                handshake.dial(s, control_dialer(node, key), run_tag=CONTROL_TAG,
+                               name=f"{node} -> controller", timeout_s=timeout_s, log=log)
+            except (OSError, codec.FrameError) as e:
+                s.close()
+                raise ConnectionError(f"{node}: control socket: {e}") from None
             s.settimeout(None)
             self._sock = s
             threading.Thread(target=self._reader, name="control-reader", daemon=True).start()
-
-    def _authenticate(self, s: socket.socket, key: bytes) -> None:
-        cn = secrets.token_hex(16)
-        s.sendall((json.dumps({"type": "hello", "node": self.node, "nonce": cn}) + "\n")
-                  .encode())
-        try:
-            msg = json.loads(read_line(s, self._rest))
-            sn = str(msg["nonce"])
-            ok = hmac.compare_digest(str(msg["proof"]),
-                                     control_proof(key, "server", self.node, cn, sn))
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            s.close()
-            raise ConnectionError(f"{self.node}: control socket: no valid challenge ({e})"
-                                  ) from None
-        if not ok:
-            s.close()
-            raise ConnectionError(f"{self.node}: control socket: the server does not know "
-                                  "our key (not our controller)")
-        s.sendall((json.dumps({"type": "auth",
-                               "proof": control_proof(key, "client", self.node, cn, sn)})
-                   + "\n").encode())
 
     @property
     def connected(self) -> bool:

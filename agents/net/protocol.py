@@ -1,13 +1,16 @@
-"""The PS <-> data-parallel worker conversation as sans-I/O state machines (h11's style).
+"""The handshake's two ends and the PS <-> data-parallel worker conversation as sans-I/O
+state machines (h11's style).
 
 Nothing here touches a socket: the objects take decoded frames (``FrameHeader`` and
 payload bytes from :mod:`agents.net.codec`) and return what to send or what happened, and
 raise :class:`ProtocolError` for anything the other side may not do in the current
 state. The agents' threads only move bytes (``agents.dp.ps``, ``agents.dp.worker``).
 
-Handshake (challenge-response, issue 22)::
+Handshake (challenge-response), drawn for a worker and the PS; every authenticated
+connection (stage, expert, control socket) runs the same one, :class:`Dialer` at the end
+that opened it and :class:`Answerer` at the end that accepted it::
 
-    worker                                   PS
+    worker (dials)                           PS (answers)
     HELLO {role, worker, nonce_w}   ->                       (public run tag)
                                     <-   CHALLENGE nonce_ps  (fresh, 16 bytes)
     PROOF HMAC(k_w, ctx)            ->                       (constant-time compare)
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -73,93 +77,106 @@ def session(key: bytes, worker: int, join_at: int, nonce_ps: bytes, nonce_w: byt
                    down=FrameMac(_mac(key, b"gradbed down", nonce_ps, nonce_w)))
 
 
-# -- the PS's side of the handshake -----------------------------------------------------
+# -- the two ends of a handshake -------------------------------------------------------
+#
+# Named for the ends, not the roles: the end that opened the connection dials, the end
+# that accepted it answers. A worker dials the PS; a stage dials the next stage and the
+# pipeline's PS; an expert host dials the lower-numbered ones; an agent dials the
+# controller's control socket. ``agents.net.handshake`` drives both over a socket.
 
-class HandshakeState(Enum):
+def new_nonce() -> bytes:
+    """A fresh nonce for one end of one handshake (tests pass their own)."""
+    return secrets.token_bytes(codec.NONCE_BYTES)
+
+
+class AnswererState(Enum):
     AWAIT_HELLO = "await hello"
     AWAIT_PROOF = "await proof"
     AUTHENTICATED = "authenticated"
     FAILED = "failed"
 
 
+# A peer's key by what its HELLO claims; None: not a peer this end accepts.
+KeyFor = Callable[[codec.Hello], bytes | None]
+
+
+def keys_by_index(keys: Mapping[int, bytes]) -> KeyFor:
+    """A mesh end's :data:`KeyFor`: the key of the peer whose index the HELLO claims, among
+    ``keys`` (the peers that may dial it now)."""
+    return lambda hello: keys.get(hello.worker)
+
+
 @dataclass
-class PSHandshake:
-    """One incoming connection until the worker has proved its key.
+class Answerer:
+    """The accepting end of one connection, until the peer has proved its key.
 
-    ``key_for(w)`` gives worker w's key; ``nonce`` is this connection's fresh challenge
-    (the PS draws it from ``secrets``; tests pass their own). Any error moves to FAILED,
-    and a failed handshake accepts nothing more.
-
-    The acceptor of a mesh link (:mod:`agents.net.link`) is the same machine with its own
-    ``role`` and the ``peers`` it has a link key for: a HELLO from anyone else is refused
-    before any challenge."""
+    ``role``: what a HELLO must claim to be; ``key_for(hello)``: the claimed peer's key,
+    or None when this end accepts no such peer (refused before any challenge, and
+    ``accepts`` says whom it does accept, for the error); ``nonce``: this connection's
+    fresh challenge (drawn from ``secrets``; tests pass their own). Any error moves to
+    FAILED, and a failed handshake accepts nothing more."""
 
     run_id: str
-    workers: int
-    key_for: Callable[[int], bytes]
-    nonce: bytes
-    state: HandshakeState = HandshakeState.AWAIT_HELLO
+    role: str
+    key_for: KeyFor
+    nonce: bytes = field(default_factory=new_nonce)
+    accepts: str = ""
+    state: AnswererState = AnswererState.AWAIT_HELLO
     hello: codec.Hello | None = None
     join_at: int = 0
-    role: str = "worker"
-    peers: frozenset[int] | None = None  # None: every index below ``workers``
+    _key: bytes = b""
 
-    def _expect(self, state: HandshakeState, h: FrameHeader, msg: MsgType) -> None:
+    def _expect(self, state: AnswererState, h: FrameHeader, msg: MsgType) -> None:
         if self.state is not state:
-            self.state = HandshakeState.FAILED
+            self.state = AnswererState.FAILED
             raise ProtocolError(f"handshake: {h.msg_type.name} in state {state.value!r}")
         if h.msg_type != msg:
-            self.state = HandshakeState.FAILED
+            self.state = AnswererState.FAILED
             raise ProtocolError(f"handshake: expected {msg.name}, got {h.msg_type.name}")
 
     def receive_hello(self, h: FrameHeader, body: bytes | memoryview) -> bytes:
         """A HELLO: returns the CHALLENGE body (the nonce) to send back."""
-        self._expect(HandshakeState.AWAIT_HELLO, h, MsgType.HELLO)
+        self._expect(AnswererState.AWAIT_HELLO, h, MsgType.HELLO)
         try:
             hello = codec.parse_hello(body)
-            allowed = (hello.worker in self.peers if self.peers is not None
-                       else hello.worker < self.workers)
-            if hello.role != self.role or not allowed:
-                want = (sorted(self.peers) if self.peers is not None
-                        else f"0..{self.workers - 1}")
-                raise ProtocolError(f"hello.worker: {hello.role} {hello.worker} is not a "
-                                    f"{self.role} this end accepts ({want})")
+            key = self.key_for(hello) if hello.role == self.role else None
+            if key is None:
+                who = f"{hello.role} {hello.node or hello.worker}"
+                raise ProtocolError(f"hello.worker: {who} is not a {self.role} this end "
+                                    f"accepts ({self.accepts or 'none'})")
             if hello.worker != h.worker:
                 raise ProtocolError(f"hello.worker: {hello.worker}, but its frame says "
                                     f"{h.worker}")
             if len(hello.nonce) != codec.NONCE_BYTES:
                 raise ProtocolError(f"hello.nonce: missing (need {codec.NONCE_BYTES} bytes)")
         except FrameError:
-            self.state = HandshakeState.FAILED
+            self.state = AnswererState.FAILED
             raise
-        self.hello, self.join_at = hello, h.iteration
-        self.state = HandshakeState.AWAIT_PROOF
+        self.hello, self.join_at, self._key = hello, h.iteration, key
+        self.state = AnswererState.AWAIT_PROOF
         return self.nonce
 
     def receive_proof(self, h: FrameHeader, body: bytes | memoryview) -> Session:
         """A PROOF: the authenticated :class:`Session`, or ProtocolError."""
-        self._expect(HandshakeState.AWAIT_PROOF, h, MsgType.PROOF)
+        self._expect(AnswererState.AWAIT_PROOF, h, MsgType.PROOF)
         assert self.hello is not None
         w = self.hello.worker
-        key = self.key_for(w)
-        want = proof(key, self.run_id, w, self.nonce, self.hello.nonce)
+        want = proof(self._key, self.run_id, w, self.nonce, self.hello.nonce)
         if len(body) != PROOF_BYTES or not hmac.compare_digest(bytes(body), want):
-            self.state = HandshakeState.FAILED
-            raise ProtocolError(f"proof: {self.role} {w} failed the challenge (wrong key, or a "
-                                "replayed handshake)")
-        self.state = HandshakeState.AUTHENTICATED
-        return session(key, w, self.join_at, self.nonce, self.hello.nonce)
+            self.state = AnswererState.FAILED
+            raise ProtocolError(f"proof: {self.role} {self.hello.node or w} failed the "
+                                "challenge (wrong key, or a replayed handshake)")
+        self.state = AnswererState.AUTHENTICATED
+        return session(self._key, w, self.join_at, self.nonce, self.hello.nonce)
 
 
-def expected_payload_bytes(state: HandshakeState) -> int:
+def expected_payload_bytes(state: AnswererState) -> int:
     """The most a handshake frame may carry in ``state``: read before any allocation."""
-    return {HandshakeState.AWAIT_HELLO: codec.MAX_HELLO_BYTES,
-            HandshakeState.AWAIT_PROOF: PROOF_BYTES}.get(state, 0)
+    return {AnswererState.AWAIT_HELLO: codec.MAX_HELLO_BYTES,
+            AnswererState.AWAIT_PROOF: PROOF_BYTES}.get(state, 0)
 
 
-# -- the worker's side of the handshake -------------------------------------------------
-
-class WorkerState(Enum):
+class DialerState(Enum):
     START = "start"
     AWAIT_CHALLENGE = "await challenge"
     AWAIT_WELCOME = "await welcome"
@@ -168,64 +185,79 @@ class WorkerState(Enum):
 
 
 class Rejected(ConnectionError):
-    """The PS refused us (an ERROR frame) during the handshake."""
+    """The answering end refused us (an ERROR frame) during the handshake."""
 
 
 @dataclass
-class WorkerHandshake:
+class Dialer:
+    """The end that opened the connection: says who it is (``role``, index ``me``, and
+    ``node`` where an index does not name it), answers the challenge with its ``key``,
+    and checks that WELCOME is sealed under that key, so the answerer holds it too.
+    ``welcome_from``: the ``(role, index)`` the WELCOME must name (None: any)."""
+
     run_id: str
-    worker: int
+    role: str
+    me: int
     key: bytes
-    nonce: bytes
-    state: WorkerState = WorkerState.START
+    nonce: bytes = field(default_factory=new_nonce)
+    welcome_from: tuple[str, int] | None = None
+    node: str = ""
+    state: DialerState = DialerState.START
     join_at: int = 0
     session: Session | None = None
-    role: str = "worker"  # the dialer of a mesh link says its own (agents.net.link)
 
     def hello(self, join_at: int) -> bytes:
-        if self.state is not WorkerState.START:
+        if self.state is not DialerState.START:
             raise ProtocolError(f"hello: already sent (state {self.state.value!r})")
         self.join_at = join_at
-        self.state = WorkerState.AWAIT_CHALLENGE
-        return codec.hello_payload(self.role, self.worker, self.nonce)
+        self.state = DialerState.AWAIT_CHALLENGE
+        return codec.hello_payload(self.role, self.me, self.nonce, self.node)
 
     def _refused(self, h: FrameHeader, body: bytes | memoryview) -> None:
         if h.msg_type == MsgType.ERROR:
-            self.state = WorkerState.FAILED
+            self.state = DialerState.FAILED
             text = bytes(body[:MAX_ERROR_BYTES]).decode("utf-8", "replace")
-            raise Rejected(f"w{self.worker}: PS rejected us: {text}")
+            raise Rejected(f"refused: {text}")
+
+    def _fail(self, h: FrameHeader, expected: str) -> ProtocolError:
+        state = self.state
+        self.state = DialerState.FAILED
+        return ProtocolError(f"{self.role} {self.node or self.me}: {h.msg_type.name} in "
+                             f"state {state.value!r}, expected {expected}")
 
     def receive_challenge(self, h: FrameHeader, body: bytes | memoryview) -> bytes:
-        """The PS's CHALLENGE: returns the PROOF body."""
+        """The answerer's CHALLENGE: returns the PROOF body."""
         self._refused(h, body)
-        if self.state is not WorkerState.AWAIT_CHALLENGE or h.msg_type != MsgType.CHALLENGE:
-            self.state = WorkerState.FAILED
-            raise ProtocolError(f"w{self.worker}: {h.msg_type.name} in state "
-                                f"{self.state.value!r}, expected CHALLENGE")
+        if self.state is not DialerState.AWAIT_CHALLENGE or h.msg_type != MsgType.CHALLENGE:
+            raise self._fail(h, "CHALLENGE")
         if len(body) != codec.NONCE_BYTES:
-            self.state = WorkerState.FAILED
-            raise ProtocolError(f"w{self.worker}: challenge of {len(body)} bytes, expected "
-                                f"{codec.NONCE_BYTES}")
-        nonce_ps = bytes(body)
-        self.session = session(self.key, self.worker, self.join_at, nonce_ps, self.nonce)
-        self.state = WorkerState.AWAIT_WELCOME
-        return proof(self.key, self.run_id, self.worker, nonce_ps, self.nonce)
+            self.state = DialerState.FAILED
+            raise ProtocolError(f"{self.role} {self.node or self.me}: challenge of "
+                                f"{len(body)} bytes, expected {codec.NONCE_BYTES}")
+        nonce_a = bytes(body)
+        self.session = session(self.key, self.me, self.join_at, nonce_a, self.nonce)
+        self.state = DialerState.AWAIT_WELCOME
+        return proof(self.key, self.run_id, self.me, nonce_a, self.nonce)
 
     def receive_welcome(self, raw_header: bytes | memoryview, h: FrameHeader,
                         body: bytes | memoryview) -> int:
-        """WELCOME (its MAC proves the PS knows our key): the iteration we join at."""
+        """WELCOME (its MAC proves the answerer knows our key): the iteration we join at."""
         self._refused(h, body)
-        if self.state is not WorkerState.AWAIT_WELCOME or h.msg_type != MsgType.WELCOME:
-            self.state = WorkerState.FAILED
-            raise ProtocolError(f"w{self.worker}: {h.msg_type.name} in state "
-                                f"{self.state.value!r}, expected WELCOME")
+        if self.state is not DialerState.AWAIT_WELCOME or h.msg_type != MsgType.WELCOME:
+            raise self._fail(h, "WELCOME")
         assert self.session is not None
         try:
             self.session.down.verify(raw_header, body)
+            if self.welcome_from is not None:
+                hello = codec.parse_hello(body)
+                if (hello.role, hello.worker) != self.welcome_from:
+                    want = f"{self.welcome_from[0]} {self.welcome_from[1]}"
+                    raise ProtocolError(f"WELCOME from {hello.role} {hello.worker}, "
+                                        f"expected {want}")
         except FrameError:
-            self.state = WorkerState.FAILED
+            self.state = DialerState.FAILED
             raise
-        self.state = WorkerState.JOINED
+        self.state = DialerState.JOINED
         return h.iteration
 
 

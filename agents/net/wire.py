@@ -23,6 +23,7 @@ import select
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable, Generator, Sequence
 
 import torch
@@ -269,6 +270,11 @@ class FrameReader:
     ``max_payload_bytes`` caps every payload before anything is allocated for it; a
     receiver that knows what the next message may weigh passes a tighter ``bound``
     to :meth:`read_message` (the chunk's size, the compressor's bound).
+
+    ``deadline_s`` (a ``time.monotonic()`` instant, or None): every receive waits only
+    for what is left of it, so a peer trickling one byte at a time cannot stretch a
+    read past it (a per-read timeout would restart with every byte). The handshake
+    driver (:mod:`agents.net.handshake`) sets it; it changes the socket's timeout.
     """
 
     def __init__(self, sock: socket.socket, *, expect_tag: int | None = None,
@@ -282,6 +288,7 @@ class FrameReader:
         self.mac = mac
         self.frames_read = 0
         self.bytes_read = 0
+        self.deadline_s: float | None = None
         self._hdr = bytearray(HEADER_SIZE)
         self._hdr_mv = memoryview(self._hdr)
         self._buf = bytearray(0)
@@ -295,6 +302,11 @@ class FrameReader:
         got = 0
         try:
             while got < want:
+                if self.deadline_s is not None:
+                    left_s = self.deadline_s - time.monotonic()
+                    if left_s <= 0:
+                        raise TimeoutError(f"{self.peer}: deadline passed")
+                    self.sock.settimeout(left_s)
                 try:
                     n = self.sock.recv_into(mv[got:], want - got)
                 except BlockingIOError as e:
@@ -615,6 +627,23 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def run_agent(body: Callable[[], int], *, name: Callable[[], str],
+              errors: tuple[type[BaseException], ...], code: int,
+              on_error: Callable[[str], None], close: Callable[[], None]) -> int:
+    """The end of every agent's ``main``: run ``body``; an error of ``errors`` (the ones the
+    agent expects from its peers and the network) is recorded with ``on_error`` (its event),
+    said in one line on stderr naming the agent (``name()``), and ends the agent with
+    ``code`` instead of a traceback; ``close`` runs however it ends."""
+    try:
+        return body()
+    except errors as e:
+        on_error(str(e))
+        print(f"{name()}: {e}", file=sys.stderr)
+        return code
+    finally:
+        close()
 
 
 def exit_process(code: int) -> None:

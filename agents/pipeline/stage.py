@@ -55,15 +55,15 @@ import torch
 from torch import nn
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, PayloadError, make
-from agents.compress.feedback import ErrorFeedback
+from agents.compress.base import Compressor, PayloadError
+from agents.compress.builder import CompressionSpec, Sender
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
 from agents.core.nodes import PS_NODE, stage_links, stage_node
 from agents.core.schedules import Action, Kind, Schedule, validate
 from agents.core.schedules import make as make_schedule
-from agents.net import auth, codec, link, wire
+from agents.net import auth, codec, handshake, link, protocol, wire
 from agents.net.pacing import set_max_pacing_rate
 from agents.pipeline.partition import balance_by_params, boundary_shapes, split
 from agents.workloads.base import Batch, FlatModel, sgd_step_
@@ -108,8 +108,16 @@ def micro_batch(workload: Any, pc: Any, mb: int, replica: int) -> Batch:
     return Batch(full.x[i * b:(i + 1) * b], full.y[i * b:(i + 1) * b])
 
 
-def make_pipeline_compressor(name: str, ratio: float) -> Compressor | None:
-    return None if name == "none" else make(name)
+def pipeline_sender(name: str, error_feedback: bool, seed: int, stage: int) -> Sender | None:
+    """The sender of one direction of a stage's links; None for ``none``, whose tensors go
+    out as they are, without a compressor's framing."""
+    if name == "none":
+        return None
+    return Sender(CompressionSpec(name, error_feedback=error_feedback), seed, stage)
+
+
+def _compressor(sender: Sender | None) -> Compressor | None:
+    return None if sender is None else sender.compressor
 
 
 class _LockedLog:
@@ -243,12 +251,10 @@ class Stage:
                                  for vs in self.versions.values() for fm in vs}
         self.momentum: dict[int, torch.Tensor] = {}
         self.opt_count: dict[int, int] = {}
-        self.act_comp = make_pipeline_compressor(pc.act_compress, pc.ratio)
-        grad_comp = make_pipeline_compressor(pc.grad_compress, pc.ratio)
-        self.grad_comp = grad_comp
-        self.grad_ef = (ErrorFeedback(grad_comp) if grad_comp is not None and pc.error_feedback
-                        else None)
-        self.rng = torch.Generator().manual_seed(cfg.run.seed * 7919 + stage)
+        # Activations downstream never keep a residual (each micro-batch's is new data).
+        self.act_send = pipeline_sender(pc.act_compress, False, cfg.run.seed, stage)
+        self.grad_send = pipeline_sender(pc.grad_compress, pc.error_feedback, cfg.run.seed,
+                                         stage)
         self.held: dict[tuple[int, int], _Held] = {}
         self.held_bytes = 0
         self.peak_held_bytes = 0
@@ -289,19 +295,22 @@ class Stage:
         return self.keys.link_key("stage", self.node,
                                   stage_node(replica, stage, self.pc.replicas))
 
-    def _dial_link(self, addr: tuple[str, int], replica: int, stage: int, what: str
+    def _dial_link(self, addr: tuple[str, int], peer: int, key: bytes, what: str
                    ) -> link.Link:
+        """Dial ``addr`` and authenticate as this stage to handshake index ``peer`` (a
+        stage, or the pipeline's PS) under ``key``."""
         sock = _dial(addr)
+        name = f"stage {self.node} -> {what} ({wire.peer_name(sock)})"
         try:
-            return link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
-                             me=self._rank(self.replica, self.s),
-                             peer=self._rank(replica, stage),
-                             key=self._link_key(replica, stage),
-                             timeout_s=CONNECT_TIMEOUT_S,
-                             name=f"stage {self.node} -> {what} ({wire.peer_name(sock)})")
+            dialer = protocol.Dialer(self.run_id, "stage", self._rank(self.replica, self.s),
+                                     key, welcome_from=("stage", peer))
+            session, _ = handshake.dial(sock, dialer, run_tag=self.tag, name=name,
+                                        timeout_s=self.cfg.guard.handshake_timeout_s,
+                                        log=self.log)
         except BaseException:
             sock.close()
             raise
+        return link.Link.dialed(sock, session, peer=peer, name=name, run_tag=self.tag)
 
     def connect(self) -> None:
         dn, up = self._needs()
@@ -317,12 +326,17 @@ class Stage:
                 while "up" not in accepted and keys:
                     self.srv.settimeout(max(0.1, deadline - time.monotonic()))
                     sock, addr = self.srv.accept()
+                    name = f"stage {self.node} <- {addr[0]}:{addr[1]}"
+                    answerer = protocol.Answerer(self.run_id, "stage",
+                                                 protocol.keys_by_index(keys),
+                                                 accepts=f"stages {sorted(keys)}")
                     try:
-                        lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag,
-                                         role="stage", me=self._rank(self.replica, self.s),
-                                         keys=keys, timeout_s=CONNECT_TIMEOUT_S,
-                                         name=f"stage {self.node} <- {addr[0]}:{addr[1]}")
-                    except link.LinkError as e:
+                        session = handshake.answer(
+                            sock, answerer, run_tag=self.tag, name=name,
+                            welcome=("stage", self._rank(self.replica, self.s)),
+                            timeout_s=self.cfg.guard.handshake_timeout_s,
+                            log=self.log)
+                    except handshake.HandshakeError as e:
                         # A stranger, or a stage claiming to be another: refuse it and
                         # keep waiting for the real neighbour.
                         self.log.emit("frame_error", peer=f"{addr[0]}:{addr[1]}",
@@ -330,14 +344,16 @@ class Stage:
                         print(f"{self.node}: {e}", file=sys.stderr, flush=True)
                         sock.close()
                         continue
-                    accepted["up"] = lk
+                    accepted["up"] = link.Link.answered(sock, session, name=name,
+                                                        run_tag=self.tag)
             except OSError as e:
                 accepted["error"] = e
 
         t = threading.Thread(target=accept_all, daemon=True)
         t.start()
         if dn is not None:
-            lk = self._dial_link(self.peers_addr[dn], self.replica, dn, f"stage {dn}")
+            lk = self._dial_link(self.peers_addr[dn], self._rank(self.replica, dn),
+                                 self._link_key(self.replica, dn), f"stage {dn}")
             wire.set_socket_options(lk.sock, nodelay=True, congestion=self.cfg.net.congestion)
             self.down = _Peer(dn, lk.sock, lk.name, conn=lk)
         t.join(CONNECT_TIMEOUT_S + 5)
@@ -370,18 +386,11 @@ class Stage:
         ``replica * p + s``, under the key only this stage and the PS hold."""
         if self.ps_addr is None:
             return
-        sock = _dial(self.ps_addr)
+        lk = self._dial_link(self.ps_addr, ps_index(self.p, self.pc.replicas),
+                             self.keys.link_key("stage", self.node, PS_NODE), "ps")
+        sock = lk.sock
         wire.set_socket_options(sock, nodelay=True, congestion=self.cfg.net.congestion)
-        me = ps_node_id(self.s, self.replica, self.p)
         peer = f"ps ({wire.peer_name(sock)})"
-        try:
-            lk = link.dial(sock, run_id=self.run_id, run_tag=self.tag, role="stage", me=me,
-                           peer=ps_index(self.p, self.pc.replicas),
-                           key=self.keys.link_key("stage", self.node, PS_NODE),
-                           timeout_s=CONNECT_TIMEOUT_S, name=f"stage {self.node} -> {peer}")
-        except BaseException:
-            sock.close()
-            raise
         ps_link = _PSLink(sock, lk.reader(), lk)
         ps_link.thread = threading.Thread(target=self._ps_send_loop, args=(ps_link, peer),
                                           daemon=True, name="send-ps")
@@ -425,19 +434,19 @@ class Stage:
     def _accept_message(self, peer: _Peer, h: codec.FrameHeader,
                         tensors: list[torch.Tensor]) -> None:
         if h.msg_type == ACT:
-            kind, comp = Kind.RECV_ACT, self.act_comp
+            kind, comp = Kind.RECV_ACT, _compressor(self.act_send)
         elif h.msg_type == GRAD:
-            kind, comp = Kind.RECV_GRAD, self.grad_comp
+            kind, comp = Kind.RECV_GRAD, _compressor(self.grad_send)
         else:
             raise StageError(f"unexpected {h.msg_type.name}")
-        key = (kind, h.iteration, h.chunk)
+        key = (kind, h.micro_batch, h.chunk)
         if key not in self.expected:
             raise StageError(f"{h.describe()}: not a message stage {self.s}'s schedule "
                              f"receives (or received already)")
         src = self.schedule.upstream(self.s, h.chunk) if kind is Kind.RECV_ACT \
             else self.schedule.downstream(self.s, h.chunk)
-        if src is None or src[0] != peer.stage or h.worker != peer.stage:
-            raise StageError(f"{h.describe()}: came from stage {h.worker} on the connection "
+        if src is None or src[0] != peer.stage or h.stage != peer.stage:
+            raise StageError(f"{h.describe()}: came from stage {h.stage} on the connection "
                              f"of stage {peer.stage}, expected stage {src}")
         shape = (self.in_shape[h.chunk] if kind is Kind.RECV_ACT
                  else self.shapes[self.schedule.position(self.s, h.chunk)])
@@ -504,21 +513,16 @@ class Stage:
         sch = self.schedule
         if kind is Kind.SEND_ACT:
             dst = sch.downstream(self.s, chunk)
-            peer, msg, comp = self.down, ACT, self.act_comp
-            ef = None
+            peer, msg, sender = self.down, ACT, self.act_send
         else:
             dst = sch.upstream(self.s, chunk)
-            peer, msg, comp = self.up, GRAD, self.grad_comp
-            ef = self.grad_ef
+            peer, msg, sender = self.up, GRAD, self.grad_send
         assert dst is not None and peer is not None and peer.stage == dst[0]
         t = t.detach().contiguous()
-        if comp is None:
+        if sender is None:
             tensors = [t.reshape(-1)]
-        elif ef is not None:
-            payload, _ = ef.step(t, f"c{chunk}", self.pc.ratio, self.rng)
-            tensors = list(payload.tensors)
         else:
-            tensors = list(comp.compress(t, f"c{chunk}", self.pc.ratio, self.rng).tensors)
+            tensors = list(sender.compress(t, f"c{chunk}", self.cfg.compress.ratio)[0].tensors)
         peer.outbox.put((msg, mb, dst[1], tensors))
         return sum(x.numel() * x.element_size() + codec.HEADER_SIZE for x in tensors)
 
@@ -813,14 +817,10 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
                parse_peers(args.peers), args.replica, ps, keys)
-    try:
-        return st.run()
-    except (StageError, ConnectionError, codec.FrameError, OSError) as e:
-        st.log.emit("stage_error", error=str(e))
-        print(f"{st.node}: {e}", file=sys.stderr)
-        return 2
-    finally:
-        st.log.close()
+    return wire.run_agent(st.run, name=lambda: st.node,
+                          errors=(StageError, ConnectionError, codec.FrameError, OSError),
+                          code=2, on_error=lambda e: st.log.emit("stage_error", error=e),
+                          close=st.log.close)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The pipeline's PS: averages the stage gradients of d pipeline replicas once per step and
 evaluates the model the stages hold (DESIGN.md 1.3, data parallel across pipelines: the
-planner's layout (t = 1, p, d), seeds/003; issue 18).
+planner's layout (t = 1, p, d), seeds/003).
 
 Run on its own host as ``python -m agents.pipeline.stage_ps --run-dir RUN --port P`` (the stage
 role places it on the fabric's host ``p * d``). Every stage ``s`` of every replica ``r``
@@ -12,13 +12,17 @@ stage ``s``'s schedule, with ``d > 1``, a ``GRAD`` holding that chunk's slice gr
 after step ``k``'s last optimizer action, from replica 0 and at an evaluated step
 (:func:`agents.pipeline.stage.is_eval_step`), one ``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
 out of that order, of the wrong size, or a gradient failing the PS's checks
-(:func:`agents.dp.aggregate.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
+(:func:`agents.compress.checks.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
 run with a ``frame_error`` naming the peer, and the PS closes every connection, so no stage
 waits for a mean that will not come.
 
+Every stage connection is served by one event loop on the main thread
+(:mod:`agents.net.loop`, the data-parallel PS's loop): it reads what has arrived, checks
+each complete message and writes each connection's queued means as its socket takes
+them, so the PS runs the same threads whatever the number of stages.
+
 Averaging: once the d gradients of ``(k, s, c)`` are in, ``mean = (g_0 + ... + g_{d-1}) /
-d``, summed in replica order, goes back as ``UPDATE`` to every replica through that
-connection's sender thread; each replica applies the same SGD step to the same mean, so
+d``, summed in replica order, is queued as ``UPDATE`` to every replica's connection; each replica applies the same SGD step to the same mean, so
 the replicas stay identical (``tests/agents/pipeline/test_pipeline_transparency.py``). Per step the link of
 stage ``s`` of each replica carries its slice gradient up and the mean down
 (:func:`analysis.planner.pipeline_dp_link_bytes`).
@@ -36,21 +40,19 @@ from __future__ import annotations
 import argparse
 import queue
 import socket
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from agents.compress.base import PayloadError
+from agents.compress.checks import check_gradient
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
 from agents.core.schedules import Kind, Schedule
-from agents.dp.aggregate import check_gradient
-from agents.net import auth, codec, link, wire
+from agents.net import auth, codec, handshake, link, loop, protocol, wire
 from agents.pipeline.partition import balance_by_params, split
 from agents.pipeline.stage import (
     CONNECT_TIMEOUT_S,
@@ -63,6 +65,8 @@ from agents.workloads.base import FlatModel
 from agents.workloads.factory import make_workload
 
 GRAD, UPDATE = codec.MsgType.GRAD, codec.MsgType.UPDATE
+# The event loop looks for a silent run at least this often.
+POLL_S = 0.5
 WEIGHTS, BYE = codec.MsgType.SLICE_WEIGHTS, codec.MsgType.BYE
 
 
@@ -70,20 +74,18 @@ class StagePSError(RuntimeError):
     """A stage sent what its schedule does not allow, or vanished."""
 
 
-@dataclass
-class _Conn:
-    """Stage ``stage`` of replica ``replica``: its socket, the messages it still owes
-    (in order), and the sender thread's queue of means."""
+class _StageConn(loop.Transport):
+    """Stage ``stage`` of replica ``replica`` on the PS's event loop: the transport, its
+    link's MACs, and the messages it still owes (in order)."""
 
-    replica: int
-    stage: int
-    sock: socket.socket
-    peer: str
-    expect: list[tuple[codec.MsgType, int, int]]
-    conn: link.Link | None = None  # authenticated under the key this stage and the PS hold
-    outbox: queue.Queue[tuple[int, int, torch.Tensor] | None] = field(
-        default_factory=queue.Queue)
-    threads: list[threading.Thread] = field(default_factory=list)
+    def __init__(self, replica: int, stage: int, lk: link.Link,
+                 expect: list[tuple[codec.MsgType, int, int]]) -> None:
+        super().__init__(lk.sock, lk.name)
+        self.replica = replica
+        self.stage = stage
+        self.link = lk
+        self.expect = expect
+        self.said_bye = False
 
     @property
     def node(self) -> str:
@@ -133,9 +135,9 @@ class StagePS:
         self.pieces = [FlatModel(piece) for piece in split(self.model, balance)]
         self.workload.prepare(self.model, -1, cfg.run.seed)
         self.max_payload_bytes = max(f.numel for f in self.pieces) * 4
-        self.conns: dict[tuple[int, int], _Conn] = {}
-        self.events: queue.Queue[tuple[_Conn, codec.FrameHeader | None,
-                                       list[torch.Tensor], str]] = queue.Queue()
+        self.conns: dict[tuple[int, int], _StageConn] = {}
+        self.loop = loop.EventLoop(self)
+        self.open_conns = 0  # connections that have not said BYE
         self.grads: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
         self.weights: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
         self.evals: queue.Queue[tuple[int, list[torch.Tensor]] | None] = queue.Queue()
@@ -165,57 +167,49 @@ class StagePS:
                 raise StagePSError(f"ps: stages {', '.join(missing)} never connected "
                                    f"within {CONNECT_TIMEOUT_S:g} s") from None
             peer = f"{addr[0]}:{addr[1]}"
+            # Challenge-response under the key this PS shares with that stage only: a
+            # stage cannot pass for another, nor can anyone else, and each comes once.
+            waiting = {i: k for i, k in self.link_keys.items()
+                       if divmod(i, self.p) not in self.conns}
+            answerer = protocol.Answerer(self.run_id, "stage", protocol.keys_by_index(waiting),
+                                         accepts=f"stages {sorted(waiting)}")
+            name = f"ps <- {peer}"
             try:
-                # Challenge-response under the key this PS shares with that stage only
-                # (agents.net.link): a stage cannot pass for another, nor can anyone else.
-                lk = link.answer(sock, run_id=self.run_id, run_tag=self.tag, role="stage",
-                                 me=ps_index(self.p, self.d),
-                                 keys={i: k for i, k in self.link_keys.items()
-                                       if divmod(i, self.p) not in self.conns},
-                                 timeout_s=CONNECT_TIMEOUT_S, name=f"ps <- {peer}")
+                session = handshake.answer(sock, answerer, run_tag=self.tag, name=name,
+                                           welcome=("stage", ps_index(self.p, self.d)),
+                                           timeout_s=self.cfg.guard.handshake_timeout_s,
+                                           log=self.log)
             except (OSError, codec.FrameError) as e:
                 self.log.emit("frame_error", peer=peer, error=str(e))
                 sock.close()
                 continue  # a stranger: the stages may still come
             sock.settimeout(None)
+            lk = link.Link.answered(sock, session, name=name, run_tag=self.tag)
             r, s = divmod(lk.peer, self.p)
-            conn = _Conn(r, s, sock, f"{conn_name(r, s)} ({peer})",
-                         expected_messages(self.schedule, s, r, self.d, self.cfg.run), lk)
+            lk.name = f"{conn_name(r, s)} ({peer})"
+            conn = _StageConn(r, s, lk, expected_messages(self.schedule, s, r, self.d, self.cfg.run))
             self.conns[(r, s)] = conn
-            reader = lk.reader(self.max_payload_bytes)
-            for target, args in ((self._read_loop, (conn, reader)), (self._send_loop, (conn,))):
-                th = threading.Thread(target=target, args=args, daemon=True,
-                                      name=f"{target.__name__}-{conn.node}")
-                th.start()
-                conn.threads.append(th)
+            self.loop.serve(conn, wire.MessageReceiver(sock, peer=lk.name, mac=lk.recv_mac,
+                                                       max_payload_bytes=self.max_payload_bytes))
 
-    def _read_loop(self, conn: _Conn, reader: wire.FrameReader) -> None:
-        try:
-            while True:
-                parts = reader.read_message()
-                h = parts[0][0]
-                self.events.put((conn, h, [t for _, t in parts], ""))
-                if h.msg_type == BYE:
-                    return
-        except wire.ConnectionClosed as e:
-            self.events.put((conn, None, [], f"{conn.peer}: closed before BYE ({e})"))
-        except (codec.FrameError, OSError, ValueError) as e:
-            self.events.put((conn, None, [], f"{conn.peer}: {e}"))
+    def data_received(self, conn: _StageConn, messages: list[wire.Message]) -> None:
+        """A stage's complete messages (the loop's handler); nothing is read after BYE."""
+        for parts in messages:
+            if self._handle(conn, parts[0][0], [t for _, t in parts]):
+                conn.said_bye = True
+                conn.receiver = None
+                self.open_conns -= 1
+                return
 
-    def _send_loop(self, conn: _Conn) -> None:
-        while True:
-            item = conn.outbox.get()
-            if item is None:
-                return
-            step, chunk, mean = item
-            try:
-                assert conn.conn is not None
-                n = conn.conn.send_message([mean], msg_type=UPDATE, worker=0,
-                                           iteration=step, chunk=chunk)
-            except OSError as e:
-                self.events.put((conn, None, [], f"{conn.peer}: send failed: {e}"))
-                return
-            self.log.emit("ps_slice_sent", iter=step, to=conn.node, chunk=chunk, bytes=n)
+    def connection_lost(self, conn: _StageConn, error: Exception, during: str) -> None:
+        """A stage's connection failed (the loop's handler): the run cannot go on, unless
+        the stage had said BYE and only a last write to it failed."""
+        if conn.said_bye and during == "write":
+            return
+        if isinstance(error, wire.ConnectionClosed):
+            raise StagePSError(f"{conn.peer}: closed before BYE ({error})")
+        what = "send failed: " if during == "write" else ""
+        raise StagePSError(f"{conn.peer}: {what}{error}")
 
     # -- the conversation ------------------------------------------------------------------
 
@@ -224,17 +218,15 @@ class StagePS:
         evaluator.start()
         try:
             self.accept()
-            open_conns = len(self.conns)
-            while open_conns:
-                try:
-                    conn, h, tensors, err = self.events.get(timeout=self.cfg.run.timeout_s)
-                except queue.Empty:
-                    raise StagePSError(f"ps: nothing from any stage for "
-                                       f"{self.cfg.run.timeout_s:g} s") from None
-                if h is None:
-                    raise StagePSError(err)
-                if self._handle(conn, h, tensors):
-                    open_conns -= 1
+            self.log.emit("ps_connected", stages=len(self.conns),
+                          threads=threading.active_count())
+            self.open_conns = len(self.conns)
+            limit_s = self.cfg.run.timeout_s
+            while self.open_conns:
+                self.loop.run_once(POLL_S)
+                heard_s = max(c.heard_s for c in self.conns.values())
+                if time.monotonic() - heard_s > limit_s:
+                    raise StagePSError(f"ps: nothing from any stage for {limit_s:g} s")
         finally:
             self.evals.put(None)
         evaluator.join()
@@ -242,7 +234,7 @@ class StagePS:
         self.log.emit("ps_done", iter=self.cfg.run.iterations, reason="completed")
         return 0
 
-    def _handle(self, conn: _Conn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
+    def _handle(self, conn: _StageConn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
         """One message from ``conn``; True when it was its BYE."""
         want = conn.expect[0] if conn.expect else None
         if want is None or h.msg_type != want[0] or (
@@ -278,7 +270,7 @@ class StagePS:
             self._add_weights(conn, h.iteration, h.chunk, t)
         return False
 
-    def _add_grad(self, conn: _Conn, step: int, chunk: int, g: torch.Tensor) -> None:
+    def _add_grad(self, conn: _StageConn, step: int, chunk: int, g: torch.Tensor) -> None:
         key = (step, conn.stage, chunk)
         got = self.grads.setdefault(key, {})
         got[conn.replica] = g
@@ -291,11 +283,16 @@ class StagePS:
         mean /= self.d
         n = mean.numel() * mean.element_size() + codec.HEADER_SIZE
         for r in range(self.d):
-            self.conns[(r, conn.stage)].outbox.put((step, chunk, mean))
+            to = self.conns[(r, conn.stage)]
+            bufs = wire.message_buffers([mean], msg_type=UPDATE, run_tag=self.tag, worker=0,
+                                        iteration=step, chunk=chunk, mac=to.link.send_mac)
+            self.loop.write(to, bufs)
+            self.log.emit("ps_slice_sent", iter=step, to=to.node, chunk=chunk,
+                          bytes=sum(len(b) for b in bufs))
         self.log.emit("ps_slice_mean", iter=step, stage=conn.stage, chunk=chunk,
                       replicas=self.d, bytes=n)
 
-    def _add_weights(self, conn: _Conn, step: int, chunk: int, w: torch.Tensor) -> None:
+    def _add_weights(self, conn: _StageConn, step: int, chunk: int, w: torch.Tensor) -> None:
         got = self.weights.setdefault(step, {})
         got[(conn.stage, chunk)] = w
         if len(got) < len(self.pieces):
@@ -324,12 +321,13 @@ class StagePS:
                 self.log.emit("final_eval", iter=step, **metrics)
 
     def _close(self) -> None:
+        """Write out the means still queued (a stage reads them before its BYE's answer
+        could matter), then close every connection."""
+        self.loop.flush_all(list(self.conns.values()), self.cfg.run.timeout_s)
         for conn in self.conns.values():
-            conn.outbox.put(None)
-        for conn in self.conns.values():
-            conn.threads[1].join(self.cfg.run.timeout_s)
             conn.sock.close()
         self.srv.close()
+        self.loop.close()
 
     def abort(self, why: str) -> None:
         """Close every connection at once: each stage's next read fails, none hangs."""
@@ -363,14 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
                  keys=keys)
-    try:
-        return ps.serve()
-    except (StagePSError, OSError, codec.FrameError) as e:
-        ps.abort(str(e))
-        print(f"ps: {e}", file=sys.stderr)
-        return 2
-    finally:
-        ps.log.close()
+    return wire.run_agent(ps.serve, name=lambda: "ps",
+                          errors=(StagePSError, OSError, codec.FrameError), code=2,
+                          on_error=ps.abort, close=ps.log.close)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,14 @@ def chunk_layer_dims(shapes: Sequence[tuple[int, ...]], start: int, end: int) ->
     return dims
 
 
+def chunk_layer_specs(shapes: Sequence[tuple[int, ...]], chunks: Sequence[tuple[int, int]]
+                      ) -> list[tuple[str, list[tuple[int, ...]], list[int]]]:
+    """``(key "c<i>", layer pieces, their parameters' dims)`` of every chunk ``(start, end)``:
+    what a sender's compressor is told (``agents.compress.builder.Sender``)."""
+    return [(f"c{c}", chunk_layers(shapes, s, e), chunk_layer_dims(shapes, s, e))
+            for c, (s, e) in enumerate(chunks)]
+
+
 @dataclass(frozen=True)
 class Batch:
     x: torch.Tensor

@@ -14,14 +14,13 @@ every module in it, so adding a role is one new file plus its test
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from agents.core.config import ExperimentConfig
+from agents.core.registry import Registry, RegistryKind, UnknownName
 from topo.spec import HostSpec, NetSpec
 
 
@@ -96,32 +95,27 @@ class Role:
         field(default=None)
 
 
-_ROLES: dict[str, Role] = {}
+ROLE = RegistryKind("role", "controller.roles", "register")
+ROLES: Registry[Role] = Registry(ROLE)
 
 
 def register(role: Role) -> Role:
-    if role.name in _ROLES and _ROLES[role.name] is not role:
-        raise ValueError(f"role {role.name!r} is registered twice")
-    _ROLES[role.name] = role
+    """Register ``role`` under ``role.name`` (a role is a value, not a class: called, not
+    used as a decorator)."""
+    ROLES.add(role.name, role)
     return role
 
 
-def _discover() -> None:
-    for mod in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{mod.name}")
-
-
 def names() -> list[str]:
-    _discover()
-    return sorted(_ROLES)
+    return list(ROLES.names())
 
 
 def get(name: str) -> Role:
-    _discover()
-    if name not in _ROLES:
+    try:
+        return ROLES.get(name)
+    except UnknownName:
         raise RoleError(f"role {name!r} is not registered; known roles: "
-                        f"{', '.join(sorted(_ROLES))}")
-    return _ROLES[name]
+                        f"{', '.join(ROLES.names())}") from None
 
 
 def placement(spec: NetSpec) -> list[tuple[Role, tuple[HostSpec, ...]]]:

@@ -17,7 +17,7 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
         raise RoleError(f"role 'expert': moe.hosts = {m.hosts}, but the network has expert "
                         f"hosts of ranks {[h.rank for h in experts]} (set topo.hosts = "
                         f"{m.hosts})")
-    addrs = ",".join(f"{h.ip}:{m.port}" for h in experts)
+    addrs = ",".join(f"{h.ip}:{ctx.cfg.net.port}" for h in experts)
     return [RoleCommand(h.name, (ctx.python, "-m", "agents.moe.expert", "--run-dir",
                                  str(ctx.run_dir), "--host", str(h.rank), "--addrs", addrs,
                                  "--auth", "stdin"),

@@ -4,8 +4,8 @@ fabric's shaped access links (DESIGN.md 1.3; GPipe, 1F1B, the seed's two-group s
 and the pipeline's PS (``agents/pipeline/stage_ps.py``) on a host of its own.
 
 Placement: the fabric's hosts of kind ``stage``, by rank: host ``r * p + s`` runs stage
-``s`` of replica ``r``, listening on ``pipeline.base_port + s``; host ``p * d`` runs the PS
-(on ``pipeline.base_port``), which averages each stage's gradients over the d replicas once
+``s`` of replica ``r``, listening on ``net.port + s``; host ``p * d`` runs the PS
+(on ``net.port``), which averages each stage's gradients over the d replicas once
 per step and evaluates the model (``topo.hosts = p * d + 1``). The run ends when every
 stage and the PS have exited.
 """
@@ -29,16 +29,16 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
                         f"{max(p, 2) * d + 1})")
     ps = ranked[p * d]
     out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.pipeline.stage_ps", "--run-dir",
-                                 str(ctx.run_dir), "--port", str(pc.base_port),
+                                 str(ctx.run_dir), "--port", str(ctx.cfg.net.port),
                                  "--auth", "stdin"),
                        links=tuple(stage_ps_links(p, d)))]
     for h in ranked[:p * d]:
         r, s = divmod(h.rank, p)
-        peers = ",".join(f"{ranked[r * p + i].ip}:{pc.base_port + i}" for i in range(p))
+        peers = ",".join(f"{ranked[r * p + i].ip}:{ctx.cfg.net.port + i}" for i in range(p))
         out.append(RoleCommand(h.name, (
             ctx.python, "-m", "agents.pipeline.stage", "--run-dir", str(ctx.run_dir), "--stage", str(s),
             "--replica", str(r), "--peers", peers, "--auth", "stdin",
-            "--ps", f"{ps.ip}:{pc.base_port}"),
+            "--ps", f"{ps.ip}:{ctx.cfg.net.port}"),
             # The keys of the links this stage is an end of, on its stdin (agents.net.link).
             links=tuple(stage_links(r, s, p, d))))
     return out

@@ -14,7 +14,7 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     ps = the_host(ctx.spec, "ps", "worker")
     return [RoleCommand(h.name, (ctx.python, "-m", "agents.dp.worker", "--run-dir",
                                  str(ctx.run_dir), "--worker", str(h.rank), "--ps", ps.ip,
-                                 "--port", str(ctx.cfg.net.ps_port),
+                                 "--port", str(ctx.cfg.net.port),
                                  "--gso-segs", str(h.gso_segs)))
             for h in hosts]
 

@@ -1,4 +1,4 @@
-"""The adaptive compression ratio in a real run (issue 4, DESIGN.md 1.1, seeds/004).
+"""The adaptive compression ratio in a real run (DESIGN.md 1.1, seeds/004).
 
 The up bottleneck steps 100 -> 20 -> 100 Mbit/s (6 s each). With ``adaptive.policy =
 "adaptive"`` (r0 = the planned B/N share), every chunk's keep ratio is logged as a

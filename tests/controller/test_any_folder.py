@@ -1,4 +1,4 @@
-"""gradbed works from any folder and as an installed package (issue 17 item 5).
+"""gradbed works from any folder and as an installed package.
 
 Config file names resolve relative to the config (shipped data through importlib.resources),
 run directories are absolute and belong to the user who ran sudo, the agents keep the user's

@@ -112,7 +112,7 @@ def test_under_sudo_a_trace_error_quotes_nothing_the_user_may_not_read(tmp_path:
 def test_the_old_name_of_on_agent_death_is_read_with_a_deprecation_line() -> None:
     p = dry_run("run.on_worker_death='stop'")
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "run.on_worker_death is deprecated: use run.on_agent_death" in p.stderr
+    assert "run.on_worker_death is deprecated: it is now run.on_agent_death" in p.stderr
     assert "Traceback" not in p.stderr
 
 

@@ -1,4 +1,4 @@
-"""Clear errors at the edges (issue 22 item 6): bad config and ``--out`` paths are one line
+"""Clear errors at the edges: bad config and ``--out`` paths are one line
 and exit status 2, a config's errors come all at once, every way a run ends has a
 ``stop_reason``, and the summary says which workers were lost and when."""
 
@@ -15,6 +15,7 @@ import pytest
 
 from agents.core import config as cfgmod
 from controller.summary import summarize
+from tests.support.bad_config import BAD_IN_EVERY_SECTION, bad_config_toml
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.toml"
@@ -102,6 +103,25 @@ def test_every_error_of_a_config_at_once(tmp_path: Path) -> None:
         cfgmod.load(DEMO, ["net.workers=0"])
     with pytest.raises(cfgmod.ConfigError, match="run.iterations"):
         cfgmod.RunConfig(iterations=0).validate("run")
+
+
+def test_one_bad_value_in_every_section_through_the_cli(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(bad_config_toml())
+    p = gradbed("run", str(bad), "--dry-run")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    for section, (name, _) in BAD_IN_EVERY_SECTION.items():
+        assert f"{bad}: {section}.{name}" in p.stderr, (section, p.stderr)
+    for name in ("guard.handshake_timeout_s", "pipeline.ratio"):
+        assert f"{bad}: {name} = " in p.stderr, (name, p.stderr)
+
+
+def test_an_old_field_name_runs_with_a_warning_naming_the_new_one() -> None:
+    p = gradbed("run", str(DEMO), "--set", "net.ps_port=5200", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert (f"gradbed run: warning: {DEMO}: net.ps_port is deprecated: it is now net.port "
+            "(read as net.port = 5200)") in p.stderr, p.stderr
+    assert "--port 5200" in p.stdout
 
 
 def _events(rows: list[dict[str, object]]) -> pd.DataFrame:

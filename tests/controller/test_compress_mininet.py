@@ -1,4 +1,4 @@
-"""Top-k at 1 % with error feedback, on the emulated network, against dense (issue 3).
+"""Top-k at 1 % with error feedback, on the emulated network, against dense.
 
 Two real ``gradbed run`` runs of the demo workload (configs/digits.toml: digits MLP, hidden
 512, 301 k parameters, lr 0.1, momentum 0.9 at the PS) with 2 workers through the 100 Mbit/s

@@ -1,6 +1,6 @@
 """The examples and ``gradbed run --cli`` in real Mininet (root): a star run, a dumbbell
 run with two background iperf3 flows on the trunk, and a star where one worker's uplink
-replays the cellular trace while the others run at 100 Mbit/s (issue 17's acceptance)."""
+replays the cellular trace while the others run at 100 Mbit/s."""
 
 from __future__ import annotations
 

@@ -45,11 +45,11 @@ def test_a_run_past_its_timeout_exits_5(tmp_path: Path) -> None:
 
 
 def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:
-    # A broken torch on the user's PYTHONPATH: the controller does not import torch, every
-    # agent does, and dies before it is ready.
-    broken = tmp_path / "pylib" / "torch"
+    # A broken scikit-learn on the user's PYTHONPATH: the controller does not import it,
+    # the digits workload's agents do (its data set), and die before they are ready.
+    broken = tmp_path / "pylib" / "sklearn"
     broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text("raise ImportError('this torch is broken')\n")
+    (broken / "__init__.py").write_text("raise ImportError('this sklearn is broken')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "pylib")}
     proc = start_run("configs/test_tiny.toml", [], tmp_path / "runs", env=env)
     out, err = proc.communicate(timeout=600)

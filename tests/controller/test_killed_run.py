@@ -1,4 +1,4 @@
-"""SIGKILL of the controller mid-run, then ``gradbed cleanup`` (issue 22 item 5), in real
+"""SIGKILL of the controller mid-run, then ``gradbed cleanup``, in real
 Mininet: no process, interface, qdisc, secret or control socket is left, and the run
 directory loads with a summary that says the controller was killed."""
 

@@ -1,4 +1,4 @@
-"""Link/N shaping in a real run (issue 4, seeds/004): caps follow membership.
+"""Link/N shaping in a real run (seeds/004): caps follow membership.
 
 Four replay workers share a 100 Mbit/s bottleneck under link/N; worker 3 leaves after
 iteration 3 for good. The controller must then re-cap the remaining three at B/3 (``shape``

@@ -20,7 +20,7 @@ def test_expert_hosts_on_the_fabric() -> None:
     assert [c.host for _, c in cmds] == ["gbh0", "gbh1", "gbh2", "gbh3"]
     role, first = cmds[0]
     assert role.name == "expert" and role.ends_run
-    addrs = "10.0.0.10:6000,10.0.0.11:6000,10.0.0.12:6000,10.0.0.13:6000"
+    addrs = "10.0.0.10:5000,10.0.0.11:5000,10.0.0.12:5000,10.0.0.13:5000"
     assert first.argv[1:] == ("-m", "agents.moe.expert", "--run-dir", "/tmp/run", "--host", "0",
                               "--addrs", addrs, "--auth", "stdin")
     # Every access link is shaped both ways at net.worker_link_mbps.

@@ -24,10 +24,10 @@ def test_replica_r_stage_s_runs_on_host_r_times_p_plus_s_and_the_ps_on_the_last(
     by_host = dict(planned)
     assert by_host["gbh3"] == ("PY", "-m", "agents.pipeline.stage", "--run-dir", str(tmp_path),
                                "--stage", "1", "--replica", "1", "--peers",
-                               "10.0.0.12:6000,10.0.0.13:6001", "--auth", "stdin",
-                               "--ps", "10.0.0.14:6000")
+                               "10.0.0.12:5000,10.0.0.13:5001", "--auth", "stdin",
+                               "--ps", "10.0.0.14:5000")
     assert by_host["gbh4"] == ("PY", "-m", "agents.pipeline.stage_ps", "--run-dir", str(tmp_path),
-                               "--port", "6000", "--auth", "stdin")
+                               "--port", "5000", "--auth", "stdin")
 
 
 def test_host_count_must_be_stages_times_replicas_plus_the_ps(tmp_path):

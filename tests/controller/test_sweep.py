@@ -193,7 +193,7 @@ def test_tiny_real_sweep_writes_both_rows(short_tmp: Path) -> None:
 # -- orchestration without root: a fake ``gradbed run`` stands in for the interpreter --------
 
 FAKE_RUN = r'''#!{python}
-"""Fake of ``python -m controller.cli run BASE --out DIR --no-progress --set k=v ...``."""
+"""Fake of ``python -m controller.cli run BASE --out DIR --no-report --no-progress --set k=v ...``."""
 import json, os, signal, sys, time
 from pathlib import Path
 args = sys.argv[1:]
@@ -248,6 +248,9 @@ def test_failed_run_is_a_row_and_the_sweep_goes_on(short_tmp: Path, fake_python:
     assert rows[0]["run_dir"] == "run-none" and float(rows[0]["bytes_up_per_iter"]) == 8e5
     assert "sweep" not in tomllib.loads((sweep_dir / "base.toml").read_text())
     assert json.loads((sweep_dir / "sweep.json").read_text())["combinations"] == 3
+    # Each run skips its own report: the sweep writes one for all of them.
+    assert " run " in (sweep_dir / "logs" / "001.log").read_text().splitlines()[0]
+    assert "--no-report" in (sweep_dir / "logs" / "001.log").read_text().splitlines()[0]
 
 
 def test_ctrl_c_stops_the_sweep_and_keeps_the_table(short_tmp: Path, fake_python: Path) -> None:

@@ -211,7 +211,7 @@ def test_a_50k_packet_capture_is_rewritten_in_seconds(tmp_path):
     s = rewrite_pcap_file(src, tmp_path / "out.pcap", **ADDR)
     took_s = time.monotonic() - t0
     assert s.ipv4_packets == 50_000 and s.duration_s == pytest.approx(49.999)
-    assert took_s < 10, took_s  # scapy took 67 s for this size (issue 21)
+    assert took_s < 10, took_s  # scapy took 67 s for this size
     last = rdpcap(str(tmp_path / "out.pcap"), count=1)[0]
     assert (last[IP].src, last[IP].dst) == (ADDR["src_ip"], ADDR["dst_ip"])
 

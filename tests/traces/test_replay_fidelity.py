@@ -1,4 +1,4 @@
-"""Replay fidelity in Mininet (issue 4): a replayed step trace delivers the bytes it allows.
+"""Replay fidelity in Mininet: a replayed step trace delivers the bytes it allows.
 
 The Mahimahi-style physical invariant of STYLE.md: over a 1 to 100 Mbit/s step trace, the
 bytes leaving the up bottleneck in every 1 s window are within 3 % of

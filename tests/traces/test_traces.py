@@ -362,7 +362,7 @@ def test_gradbed_run_names_a_bad_trace_before_building_anything(
     assert not (tmp_path / "runs").exists()
 
 
-# -- big inputs (issue 21: a 200 MB trace read whole took 4.4 GB and 37 s) -------------------
+# -- big inputs (a 200 MB trace read whole took 4.4 GB and 37 s) -------------------
 
 
 def test_a_big_rate_log_streams_in_bounded_time_and_memory(tmp_path):

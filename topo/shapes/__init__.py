@@ -8,43 +8,33 @@ See ``docs/roles_and_shapes.md``.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import replace
 
 from agents.core.config import ExperimentConfig
+from agents.core.registry import Registry, RegistryKind, UnknownName
 from topo.spec import NetSpec, SpecError
 
 Shape = Callable[[ExperimentConfig], NetSpec]
-_SHAPES: dict[str, Shape] = {}
+SHAPE = RegistryKind("shape", "topo.shapes", "register")
+SHAPES: Registry[Shape] = Registry(SHAPE)
 
 
 def register(name: str) -> Callable[[Shape], Shape]:
     """Decorator: ``@register("star") def star(cfg) -> NetSpec``."""
-    def deco(fn: Shape) -> Shape:
-        if name in _SHAPES and _SHAPES[name] is not fn:
-            raise ValueError(f"shape {name!r} is registered twice")
-        _SHAPES[name] = fn
-        return fn
-    return deco
-
-
-def _discover() -> None:
-    for mod in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{mod.name}")
+    return SHAPES.register(name)
 
 
 def names() -> list[str]:
-    _discover()
-    return sorted(_SHAPES)
+    return list(SHAPES.names())
 
 
 def get(name: str) -> Shape:
-    _discover()
-    if name not in _SHAPES:
-        raise SpecError(f"topo.shape = {name!r}: must be one of {', '.join(sorted(_SHAPES))}")
-    return _SHAPES[name]
+    try:
+        return SHAPES.get(name)
+    except UnknownName:
+        raise SpecError(f"topo.shape = {name!r}: must be one of "
+                        f"{', '.join(SHAPES.names())}") from None
 
 
 def shape_spec(cfg: ExperimentConfig) -> NetSpec:

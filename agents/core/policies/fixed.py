@@ -1,8 +1,9 @@
-"""The fixed keep-ratio baseline (issue 4, item 5): GRACE/DGC-style constant top-k ratio.
+"""The fixed keep-ratio baseline: GRACE/DGC-style constant top-k ratio.
 
 Every chunk of every iteration is sent at the same ``keep`` whatever the network does;
 ``keep = 1`` is dense training. ``compress.worker_ratios`` gives each worker its own
-constant keep (the per-worker fixed ratios "chosen with hindsight" of issue 21). It answers through the same :class:`RatioPolicy` interface as
+constant keep (per-worker fixed ratios chosen with hindsight, the baseline a per-worker
+adaptive keep is compared with). It answers through the same :class:`RatioPolicy` interface as
 the adaptive and oracle policies so a config swaps them by name.
 """
 
@@ -29,7 +30,7 @@ class FixedRatio:
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, ctx: RatioContext) -> FixedRatio:
         """Keeps ``compress.ratio`` of every chunk, or this worker's own entry of
-        ``compress.worker_ratios`` when that is set (per-worker fixed ratios, issue 21)."""
+        ``compress.worker_ratios`` when that is set (per-worker fixed ratios)."""
         ratios = cfg.compress.worker_ratios
         if not ratios:
             return cls(keep=cfg.compress.ratio)

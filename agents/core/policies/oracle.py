@@ -1,4 +1,4 @@
-"""The oracle keep ratio (issue 4, item 5): an upper bound that knows the bandwidth trace.
+"""The oracle keep ratio: an upper bound that knows the bandwidth trace.
 
 It is not realisable on a real network: it reads the future of B(t) from the trace being
 replayed. Each worker gets its link/N share of what the bottleneck allows over the planned

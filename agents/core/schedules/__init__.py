@@ -1,10 +1,10 @@
 """Pipeline schedules as pure data (DESIGN.md 1.3): actions, registered schedules (GPipe,
 1F1B, the two-group schedule), a validator, a sans-I/O simulator and a grid printer.
 
-Adding a schedule is one file with ``@register("name")``, imported below.
+Adding a schedule is one file with ``@register("name")`` in this package; the registry
+imports every module of it before a name is looked up.
 """
 
-from agents.core.schedules import gpipe, one_f_one_b, two_group  # noqa: F401  (registration)
 from agents.core.schedules.actions import Action, Kind, Schedule
 from agents.core.schedules.grid import format_grid, grid
 from agents.core.schedules.registry import make, names

@@ -1,35 +1,31 @@
-"""Schedules registered by name (one file per schedule)."""
+"""Pipeline schedules registered by name, one file each (``@register("gpipe")``), in the one
+registry type every kind uses (:class:`agents.core.registry.Registry`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from agents.core.registry import SCHEDULE, Registry
 from agents.core.schedules.actions import Schedule
 
 ScheduleFactory = Callable[..., Schedule]
-_REGISTRY: dict[str, ScheduleFactory] = {}
+SCHEDULES: Registry[ScheduleFactory] = Registry(SCHEDULE)
 
 
 def register(name: str) -> Callable[[ScheduleFactory], ScheduleFactory]:
-    def deco(fn: ScheduleFactory) -> ScheduleFactory:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"schedule name {name!r} registered twice")
-        _REGISTRY[name] = fn
-        return fn
-    return deco
+    """Decorator: ``@register("1f1b") def one_f_one_b(stages, micro_batches, steps, ...)``."""
+    return SCHEDULES.register(name)
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    return list(SCHEDULES.names())
 
 
 def make(name: str, stages: int, micro_batches: int, steps: int = 1,
          recompute: bool = False, **params: Any) -> Schedule:
     """Build the schedule registered as ``name``. Raises ValueError naming the known ones."""
-    fn = _REGISTRY.get(name)
-    if fn is None:
-        raise ValueError(f"schedule {name!r}: unknown; known: {', '.join(names())}")
+    fn = SCHEDULES.get(name, "pipeline.schedule")
     if stages < 1 or micro_batches < 1 or steps < 1:
         raise ValueError(f"schedule {name}: stages={stages}, micro_batches={micro_batches}, "
                          f"steps={steps}: each must be >= 1")

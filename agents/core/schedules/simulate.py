@@ -12,7 +12,7 @@ Model (the same one the stage agent runs in, minus noise):
   modelled);
 - a receive waits until its message has arrived.
 
-Measured quantities, defined once (DESIGN.md 1.5; issue 18):
+Measured quantities, defined once (DESIGN.md 1.5):
 
 - ``step_s`` = wall seconds from the first action to the last, divided by the steps;
 - ``bubble`` (bubble/total) = ``1 - sum over stages of compute-busy seconds /

@@ -1,4 +1,4 @@
-"""Invariants of every registered compressor and of error feedback (DESIGN 1.2, issue 3)."""
+"""Invariants of every registered compressor and of error feedback (DESIGN 1.2)."""
 
 from __future__ import annotations
 

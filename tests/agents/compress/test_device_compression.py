@@ -1,4 +1,4 @@
-"""Compression stays on the gradient's device (issue 20): no ``.cpu()`` inside compress or
+"""Compression stays on the gradient's device: no ``.cpu()`` inside compress or
 error feedback, payloads on the input's device, and the staging to the socket a no-op on the
 CPU. The CUDA path (pinned buffers, copy stream) runs only where a GPU is present."""
 

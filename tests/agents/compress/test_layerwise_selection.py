@@ -15,7 +15,7 @@ from agents.core import config as cfgmod
 from agents.dp.keep_response import TrainingSpec, train
 from agents.workloads.base import chunk_layer_dims, chunk_layers
 from agents.workloads.digits_mlp import DigitsMLP
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
 
 # A weight (4 x 25 = 100 elements) with large gradients, its bias (4), and a weight
 # (2 x 50 = 100) with small ones, laid out flat as a worker packs them.
@@ -130,6 +130,7 @@ def test_config_needs_a_k_keeping_sparse_compressor() -> None:
                 cfgmod.from_dict({"compress": {"name": name}, "feedback": {opt: True}})
 
 
+@pytest.mark.loopback
 def test_workers_over_tcp_match_the_one_process_run(tmp_path) -> None:
     """The workers wire the options (and the warm-up) as ``agents.dp.keep_response`` does:
     two real worker processes over loopback end at its weights. 8 KB chunks cut the

@@ -11,6 +11,7 @@ import pytest
 from agents.core import config as cfgmod
 from agents.core.registry import WORKLOAD
 from controller.run import plan_commands, star_spec
+from tests.support.bad_config import BAD_IN_EVERY_SECTION, bad_config_toml
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "configs" / "demo.toml"
@@ -83,8 +84,8 @@ def test_rates_up_to_10_gbit_are_accepted_and_reach_the_topology() -> None:
 def test_dry_run_prints_every_qdisc_without_root() -> None:
     cfg = cfgmod.load(DEMO, ["net.workers=2"])
     lines = plan_commands(cfg, {"netem": False, "tcp_congestion_control": ["cubic"]})
-    assert any("tc class replace dev gbsw0-eth1" in ln and "rate 100000000bit" in ln
-               for ln in lines)
+    rate = f"rate {round(cfg.net.bottleneck_mbps * 1e6)}bit"  # the up bottleneck's HTB class
+    assert any("tc class replace dev gbsw0-eth1" in ln and rate in ln for ln in lines)
     assert sum("-m agents.dp.worker" in ln for ln in lines) == 2
 
 
@@ -117,3 +118,62 @@ def test_an_unknown_workload_name_lists_the_known_ones() -> None:
 
     with pytest.raises(ValueError, match="digits_cnn, digits_deep, digits_mlp, fashion_resnet, fashion_vit, replay"):
         make_workload(cfgmod.WorkloadConfig(name="gpt"))
+
+
+
+def test_one_bad_value_in_every_section_is_reported_at_once(tmp_path: Path) -> None:
+    import dataclasses
+
+    assert set(BAD_IN_EVERY_SECTION) == {f.name for f in
+                                         dataclasses.fields(cfgmod.ExperimentConfig)}
+    path = tmp_path / "bad.toml"
+    path.write_text(bad_config_toml())
+    with pytest.raises(cfgmod.ConfigError) as e:
+        cfgmod.load(path)
+    errors = e.value.errors
+    wanted = [f"{s}.{n}" for s, (n, _) in BAD_IN_EVERY_SECTION.items()]
+    wanted += ["guard.handshake_timeout_s = ", "pipeline.ratio = "]
+    for needle in wanted:
+        assert any(m.startswith(f"{path}: {needle}") for m in errors), (needle, errors)
+    assert len(errors) == len(set(errors)), errors  # each error once
+
+
+def test_a_bad_guard_or_pipeline_value_does_not_hide_later_checks() -> None:
+    for section, name in (("guard", "max_abs_grad"), ("pipeline", "stages")):
+        data = {section: {name: -1}, "feedback": {"warmup_iterations": -1}}
+        with pytest.raises(cfgmod.ConfigError) as e:
+            cfgmod.from_dict(data)
+        assert [m.split(" =")[0] for m in e.value.errors] == [f"{section}.{name}",
+                                                              "feedback.warmup_iterations"]
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("net.ps_port", "net.port", 5100),
+    ("moe.port", "net.port", 6100),
+    ("pipeline.base_port", "net.port", 6200),
+    ("pipeline.ratio", "compress.ratio", 0.25),
+    ("moe.lr", "workload.lr", 0.07),
+    ("moe.momentum", "workload.momentum", 0.5),
+    ("moe.batch_size", "workload.batch_size", 12),
+    ("run.on_worker_death", "run.on_agent_death", "stop"),
+])
+def test_an_old_name_is_read_under_its_new_one_with_a_warning(old: str, new: str,
+                                                              value: object) -> None:
+    assert cfgmod.RENAMED[old] == new
+    section, name = old.split(".")
+    with pytest.warns(cfgmod.ConfigDeprecation, match=rf"^{old} is deprecated: it is now {new}"):
+        cfg = cfgmod.from_dict({section: {name: value}})
+    new_section, new_name = new.split(".")
+    assert getattr(getattr(cfg, new_section), new_name) == value
+    assert old not in cfgmod.flatten(cfg.to_dict())  # the resolved config has the new name only
+    # Given with the new name too, and differently, it is an error naming both.
+    with pytest.raises(cfgmod.ConfigError, match=rf"{old} = .*old name of {new}"):
+        both: dict[str, dict[str, object]] = {section: {name: value}}
+        both.setdefault(new_section, {})[new_name] = 2
+        cfgmod.from_dict(both)
+
+
+def test_every_old_name_has_a_test() -> None:
+    tested = {"net.ps_port", "moe.port", "pipeline.base_port", "pipeline.ratio", "moe.lr",
+              "moe.momentum", "moe.batch_size", "run.on_worker_death"}
+    assert set(cfgmod.RENAMED) == tested

@@ -16,7 +16,7 @@ from agents.core.drain import TxStamp, conservative_rate_bps, queued_departure_r
 from agents.core.ethernet import TCP_MSS_BYTES
 from agents.core.policies import AdaptiveRatio
 from analysis.load import load_events
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
 
 MS = 1_000_000
 GSO_PKT_BYTES = 8 * TCP_MSS_BYTES  # gradbed caps the worker's GSO packets at 8 segments
@@ -273,6 +273,7 @@ def test_drain_window_is_validated() -> None:
         cfgmod.from_dict({"adaptive": {"drain_window": 0}})
 
 
+@pytest.mark.loopback
 def test_real_workers_read_their_kernel_stamps_every_upload(tmp_path: Path) -> None:
     """The worker's side over loopback TCP (real sockets and kernel stamps, no Mininet, no
     shaper): every upload ends with one ``drain`` event holding its writes' stamps, nothing

@@ -79,7 +79,8 @@ def test_published_layouts_are_detected(tmp_path, layout):
     assert got.interpolation == ("step" if layout == "tcl" else "linear")
     assert said and "mean" in said[-1]
     if layout == "mean line":
-        assert "gives the mean as 1250 bytes; the CDF's own mean is 1,250" in said[0]
+        assert ("states a mean of 1,250 bytes; read linear (the reading that reproduces "
+                "it), mean 1,250 bytes") in said[0]
 
 
 def test_step_and_linear_interpolation_differ_as_published():

@@ -15,8 +15,8 @@ from agents.core.lr_schedule import decay_iterations, lr_at
 from agents.net import codec, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import connect, make_run_dir, prove, start_ps, welcome
-from tests.support.pipeline_loopback import (
+from controller.loopback.dp import connect, make_run_dir, prove, start_ps, welcome
+from controller.loopback.pipeline import (
     logs,
     pipeline_pieces,
     reference_pieces,
@@ -85,6 +85,7 @@ def test_step_schedule_without_fractions_is_refused() -> None:
         cfgmod.from_dict({"workload": {"lr_schedule": "step", "lr_decay_at": []}})
 
 
+@pytest.mark.loopback
 def test_ps_steps_with_the_scheduled_lr(tmp_path) -> None:
     # One worker, no momentum, 4 iterations, lr 0.4 halved at 50 %: the weights after
     # iteration i are the previous ones minus lr_at(i) x the gradient sent.
@@ -98,7 +99,7 @@ def test_ps_steps_with_the_scheduled_lr(tmp_path) -> None:
     assert len(chunk_ranges(model.numel, cfg.workload.chunk_bytes)) == 1
     ps = start_ps(run_dir)
     try:
-        sock = connect(cfg.net.ps_port)
+        sock = connect(cfg.net.port)
         reader, hs = prove(sock, run_dir, 0)
         mac = welcome(reader, hs).up
         params = reader.read_message()[0][1]
@@ -121,6 +122,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("schedule,reference", [
     ("gpipe", reference_pieces), ("two_group", reference_two_group)])
 def test_pipeline_stages_step_with_the_scheduled_lr(tmp_path, schedule, reference) -> None:

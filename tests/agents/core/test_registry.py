@@ -19,23 +19,25 @@ from agents.core.registry import (
     KINDS,
     RATE_POLICY,
     RATIO_POLICY,
+    SCHEDULE,
     WORKLOAD,
-    Kind,
     Registry,
+    RegistryKind,
     UnknownName,
 )
 
 
-def registry_of(kind: Kind) -> Registry:  # type: ignore[type-arg]
+def registry_of(kind: RegistryKind) -> Registry:  # type: ignore[type-arg]
     from agents.compress.base import COMPRESSORS
+    from agents.core.schedules.registry import SCHEDULES
     from agents.workloads.base import WORKLOADS
 
     return {WORKLOAD: WORKLOADS, COMPRESSOR: COMPRESSORS, RATIO_POLICY: RATIO_POLICIES,
-            RATE_POLICY: RATE_POLICIES}[kind]
+            RATE_POLICY: RATE_POLICIES, SCHEDULE: SCHEDULES}[kind]
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.label)
-def test_the_source_scan_finds_exactly_what_the_modules_register(kind: Kind) -> None:
+def test_the_source_scan_finds_exactly_what_the_modules_register(kind: RegistryKind) -> None:
     assert kind.declared(), kind
     assert registry_of(kind).names() == kind.declared()
 
@@ -100,7 +102,7 @@ def test_every_rate_policy_builds(name: str) -> None:
     ("workload", "name", WORKLOAD), ("compress", "name", COMPRESSOR),
     ("adaptive", "policy", RATIO_POLICY), ("shaping", "policy", RATE_POLICY)])
 def test_the_config_rejects_an_unknown_name_listing_the_known(section: str, field: str,
-                                                               kind: Kind) -> None:
+                                                               kind: RegistryKind) -> None:
     with pytest.raises(cfgmod.ConfigError) as err:
         cfgmod.from_dict({section: {field: "bogus"}})
     msg = str(err.value)
@@ -109,13 +111,13 @@ def test_the_config_rejects_an_unknown_name_listing_the_known(section: str, fiel
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.label)
-def test_building_an_unknown_name_lists_the_known(kind: Kind) -> None:
+def test_building_an_unknown_name_lists_the_known(kind: RegistryKind) -> None:
     with pytest.raises(UnknownName, match=", ".join(kind.declared())):
         registry_of(kind).get("bogus")
 
 
 def test_a_name_registered_twice_is_an_error() -> None:
-    reg: Registry[object] = Registry(Kind("thing", "agents.core.policies", "nothing"))
+    reg: Registry[object] = Registry(RegistryKind("thing", "agents.core.policies", "nothing"))
     reg.register("a")(int)
     reg.register("a")(int)  # the same entry again (a module imported twice) is harmless
     with pytest.raises(ValueError, match="registered twice"):
@@ -130,4 +132,22 @@ def test_the_scan_reads_both_decorator_forms(tmp_path, monkeypatch) -> None:  # 
     (pkg / "two.py").write_text('@reg\nclass B:\n    name = "by_attribute"\n'
                                 '@other("not_this")\nclass C:\n    pass\n')
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert Kind("plug", "plugpkg", "reg").declared() == ("by_argument", "by_attribute")
+    assert RegistryKind("plug", "plugpkg", "reg").declared() == ("by_argument", "by_attribute")
+
+
+def test_shapes_roles_and_schedules_use_the_one_registry_type() -> None:
+    from agents.core.schedules.registry import SCHEDULES
+    from controller.roles import ROLES
+    from topo.shapes import SHAPES
+
+    for reg in (SCHEDULES, ROLES, SHAPES):
+        assert isinstance(reg, Registry), reg
+    assert {"star", "dumbbell", "fabric"} <= set(SHAPES.names())
+    assert {"ps", "worker", "stage", "expert"} <= set(ROLES.names())
+    # The shapes' and schedules' source scan finds what their modules register (a test may
+    # have registered a shape of its own at run time, as gradbed.register_shape allows).
+    from topo.shapes import SHAPE
+
+    assert set(SHAPE.declared()) <= set(SHAPES.names())
+    assert {"star", "dumbbell", "fabric"} <= set(SHAPE.declared())
+    assert SCHEDULES.names() == SCHEDULE.declared()

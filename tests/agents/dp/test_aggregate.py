@@ -8,12 +8,8 @@ import torch
 
 from agents.compress import make
 from agents.compress.base import Payload
-from agents.dp.aggregate import (
-    PayloadError,
-    SparseAccumulator,
-    aggregate,
-    validate_sparse,
-)
+from agents.compress.checks import validate_sparse
+from agents.dp.aggregate import PayloadError, SparseAccumulator, aggregate
 
 
 def gen(seed: int) -> torch.Generator:

@@ -17,7 +17,7 @@ from agents.core.policies.backlog import backlog_shares
 from agents.dp.ps import ParameterServer, _Conn
 from agents.net import codec, wire
 from agents.net.pacing import get_max_pacing_rate
-from tests.support.loopback import any_session, make_run_dir, ps_keys
+from controller.loopback.dp import any_session, make_run_dir, ps_keys
 
 CASES = [
     {0: 100, 1: 100, 2: 100},
@@ -88,6 +88,7 @@ def _close(ps: ParameterServer, *socks: socket.socket) -> None:
     for sock in socks:
         sock.close()
     ps.srv.close()
+    ps.loop.close()
     ps.log.close()
 
 
@@ -99,7 +100,7 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
         for w, (cli, _) in enumerate(pairs):
             ps.conns[w] = _Conn(w, cli, f"test:{w}", any_session(run_dir, w))
             ps.active.add(w)
-            ps.pacing_bps[w] = 50e6  # the controller's B_down / N, B_down = 100 Mbit/s
+            ps.pacer.pacing_bps[w] = 50e6  # the controller's B_down / N, B_down = 100 Mbit/s
         # w0: 400 KB its peer does not read (what the peer's kernel has not acknowledged
         # stays in SIOCOUTQ) plus 200 KB queued in user space; w1: 200 KB queued.
         pairs[0][0].sendall(b"x" * 400_000)
@@ -107,13 +108,13 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
         assert 300_000 < in_kernel <= 400_000  # the peer's receive buffer acked the rest
         ps.conns[0].queued_bytes = 200_000
         ps.conns[1].queued_bytes = 200_000
-        rates = ps.rebalance()
+        rates = ps.pacer.rebalance(ps.conns, ps.active)
         share0 = 100e6 * (in_kernel + 200_000) / (in_kernel + 400_000)
         assert rates[0] == pytest.approx(share0, rel=0.01)
         assert rates[1] == pytest.approx(100e6 - share0, rel=0.01)
         assert get_max_pacing_rate(pairs[0][0]) == round(rates[0] / 8)
         assert get_max_pacing_rate(pairs[1][0]) == round(rates[1] / 8)
-        assert ps.rebalanced == 2
+        assert ps.pacer.rebalanced == 2
         # The peer of w0 read everything (w0 has its 200 KB queued left) and w1's event
         # loop wrote its 200 KB into the kernel: about equal again.
         ps.conns[1].written_bytes = 200_000
@@ -123,14 +124,14 @@ def test_ps_repaces_its_sockets_by_backlog(tmp_path) -> None:
             got += len(pairs[0][1].recv(1 << 20))
         left = {w: ps.conns[w].backlog_bytes() for w in (0, 1)}
         assert left[0] == 200_000 and 100_000 < left[1] <= 200_000
-        rates = ps.rebalance()
+        rates = ps.pacer.rebalance(ps.conns, ps.active)
         assert rates[0] == pytest.approx(100e6 * left[0] / (left[0] + left[1]), rel=0.01)
         assert get_max_pacing_rate(pairs[1][0]) == round(rates[1] / 8)
         # A change within 2 % leaves the sockets alone.
-        before = ps.rebalanced
+        before = ps.pacer.rebalanced
         ps.conns[0].queued_bytes += 1_000
-        ps.rebalance()
-        assert ps.rebalanced == before
+        ps.pacer.rebalance(ps.conns, ps.active)
+        assert ps.pacer.rebalanced == before
     finally:
         _close(ps, *(s for pair in pairs for s in pair))
 
@@ -143,7 +144,7 @@ def test_no_rebalance_without_downlink_pacing(tmp_path) -> None:
         ps.conns[0] = _Conn(0, a, "test:0", any_session(run_dir, 0))
         ps.conns[1] = _Conn(1, b, "test:1", any_session(run_dir, 1))
         ps.active |= {0, 1}
-        assert ps.rebalance() == {}
+        assert ps.pacer.rebalance(ps.conns, ps.active) == {}
     finally:
         _close(ps, a, b)
 
@@ -162,9 +163,9 @@ def test_backlog_counts_a_half_written_message_once(tmp_path) -> None:
         ps._serve_conn(conn)
         payload = torch.ones(8_000_000)  # 32 MB, far more than both socket buffers hold
         total = payload.numel() * 4 + codec.HEADER_SIZE
-        ps._send(conn, wire.message_buffers([payload], msg_type=codec.MsgType.WEIGHTS,
-                                            run_tag=ps.tag, worker=0, iteration=0, chunk=0,
-                                            mac=conn.session.down))
+        ps.loop.write(conn, wire.message_buffers([payload], msg_type=codec.MsgType.WEIGHTS,
+                                                 run_tag=ps.tag, worker=0, iteration=0,
+                                                 chunk=0, mac=conn.session.down))
         assert conn.queued_bytes == total
         assert 0 < conn.written_bytes < total, "the message should be half written"
         assert conn.writable_wanted  # the loop waits for room to write the rest

@@ -1,4 +1,4 @@
-"""Hypothesis fuzzing of every decoder that sees bytes from the network (issue 22).
+"""Hypothesis fuzzing of every decoder that sees bytes from the network.
 
 Each decoder may only raise its own error (FrameError, ConnectionClosed, PayloadError, the
 key bundle's ValueError) on any input, and memory stays bounded: the FrameReader never
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import agents.compress  # noqa: F401  (registers every compressor)
 from agents.compress.base import PayloadError, make
-from agents.dp.aggregate import check_gradient
+from agents.compress.checks import check_gradient
 from agents.net import auth, codec, protocol, wire
 
 SETTINGS = settings(max_examples=150, deadline=None,
@@ -149,7 +149,8 @@ def test_frame_reader_with_a_mac_refuses_what_is_not_sealed(junk: bytes, hdr: by
 @given(st.sampled_from([m for m in codec.MsgType]), st.binary(max_size=200), u32, u32)
 def test_ps_handshake_any_first_frame(msg: codec.MsgType, body: bytes, worker: int,
                                       iteration: int) -> None:
-    hs = protocol.PSHandshake("r", 4, lambda w: b"k" * 32, b"n" * 16)
+    hs = protocol.Answerer("r", "worker", lambda h: b"k" * 32 if h.worker < 4 else None,
+                           b"n" * 16)
     hdr, payload = codec.frame_for_bytes(body, msg_type=msg, run_tag=0, worker=worker,
                                          iteration=iteration)
     h = codec.decode_header(hdr)
@@ -157,8 +158,8 @@ def test_ps_handshake_any_first_frame(msg: codec.MsgType, body: bytes, worker: i
         hs.receive_hello(h, payload)
         hs.receive_proof(h, payload)
     except codec.FrameError:
-        assert hs.state is protocol.HandshakeState.FAILED or \
-            hs.state is protocol.HandshakeState.AWAIT_PROOF
+        assert hs.state is protocol.AnswererState.FAILED or \
+            hs.state is protocol.AnswererState.AWAIT_PROOF
 
 
 @SETTINGS

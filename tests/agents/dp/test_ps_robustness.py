@@ -1,4 +1,4 @@
-"""The PS survives hostile and broken peers (issue 3: "the PS rejects a payload whose
+"""The PS survives hostile and broken peers ("the PS rejects a payload whose
 indices are out of range or whose lengths disagree, with a clear error, and keeps serving
 the other workers").
 
@@ -28,7 +28,7 @@ from agents.core.events import read_jsonl
 from agents.net import auth, codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import (
+from controller.loopback.dp import (
     MASTERS,
     connect,
     handshake,
@@ -112,7 +112,7 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "run.eval_every=10", "compress.name=topk", "compress.ratio=0.1", "run.seed=3"])
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     workers = [start_worker(run_dir, k, port) for k in (0, 1)]
     hold = threading.Event()
@@ -152,6 +152,7 @@ def _ps(run: dict[str, Any], event: str) -> list[dict[str, Any]]:
     return [e for e in run["ps_events"] if e["event"] == event]
 
 
+@pytest.mark.loopback
 def test_fake_workers_were_admitted_then_dropped(hostile_run: dict[str, Any]) -> None:
     for f in hostile_run["fakes"]:
         assert f.error is None, f"fake worker {f.worker}: {f.error!r}"
@@ -161,6 +162,7 @@ def test_fake_workers_were_admitted_then_dropped(hostile_run: dict[str, Any]) ->
     assert all(r.startswith("bad payload") for r in lost.values()), lost
 
 
+@pytest.mark.loopback
 def test_out_of_range_indices_are_a_frame_error_naming_the_worker(
         hostile_run: dict[str, Any]) -> None:
     errs = [e["error"] for e in _ps(hostile_run, "frame_error") if "worker 2" in e["error"]]
@@ -168,6 +170,7 @@ def test_out_of_range_indices_are_a_frame_error_naming_the_worker(
     assert "out of range" in errs[0] and "chunk 0" in errs[0]
 
 
+@pytest.mark.loopback
 def test_length_mismatch_is_a_frame_error_naming_the_worker(
         hostile_run: dict[str, Any]) -> None:
     errs = [e for e in _ps(hostile_run, "frame_error") if "16 values" in e["error"]]
@@ -179,6 +182,7 @@ def test_length_mismatch_is_a_frame_error_naming_the_worker(
     assert lost and "15 indices but 16 values" in lost[0]["reason"]
 
 
+@pytest.mark.loopback
 def test_wrong_key_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
     text = hostile_run["wrong_secret"]
     assert "failed the challenge" in text, text
@@ -186,6 +190,7 @@ def test_wrong_key_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
     assert len(logged) == 1 and logged[0]["peer"].startswith("127.0.0.1:")
 
 
+@pytest.mark.loopback
 def test_garbage_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
     h, text = hostile_run["garbage"]
     assert h.msg_type == codec.MsgType.ERROR
@@ -193,6 +198,7 @@ def test_garbage_client_gets_error_frame(hostile_run: dict[str, Any]) -> None:
     assert any(e["error"] == text for e in _ps(hostile_run, "frame_error"))
 
 
+@pytest.mark.loopback
 def test_run_completes_with_the_real_workers(hostile_run: dict[str, Any]) -> None:
     assert hostile_run["ps_alive_after_rejects"]
     # The hostile clients were rejected while the run was in progress (before its first
@@ -237,7 +243,7 @@ def test_a_worker_resetting_its_connection_is_an_error_only_during_the_run(
         worker_end.close()
         ps_end.setblocking(False)
         ps._serve_conn(conn)
-        ps._receive(conn)
+        ps.loop._read_ready(conn)
     finally:
         _close(ps, ps_end)
     errors = [e for e in read_jsonl(run_dir / "events" / "ps.jsonl")
@@ -272,7 +278,7 @@ def test_a_silent_worker_and_a_stalled_downlink_are_lost_after_the_timeout(tmp_p
             conns.append(conn)
         # w0 says nothing. w1 and w2 keep talking (a frame header, a byte at a time), but
         # w1 reads nothing: 32 MB queued to it stays mostly unsent.
-        ps._send(conns[1], wire.message_buffers(
+        ps.loop.write(conns[1], wire.message_buffers(
             [torch.ones(8_000_000)], msg_type=codec.MsgType.WEIGHTS, run_tag=ps.tag, worker=1,
             iteration=0, chunk=0, mac=conns[1].session.down))
         assert conns[1].unsent

@@ -13,24 +13,27 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 
 from agents.net import codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import connect, make_run_dir, prove, start_ps, welcome
+from controller.loopback.dp import connect, make_run_dir, prove, start_ps, welcome
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 LR, MOMENTUM = 0.1, 0.9
 
 
 def _hello(port: int, run_dir, worker: int
-           ) -> tuple[socket.socket, wire.FrameReader, protocol.WorkerHandshake]:
+           ) -> tuple[socket.socket, wire.FrameReader, protocol.Dialer]:
     s = connect(port)
     reader, hs = prove(s, run_dir, worker)
     return s, reader, hs
 
 
-def _welcome(conn: tuple[socket.socket, wire.FrameReader, protocol.WorkerHandshake],
+def _welcome(conn: tuple[socket.socket, wire.FrameReader, protocol.Dialer],
              nchunks: int) -> tuple[torch.Tensor, codec.FrameMac]:
     """WELCOME, then the dense weights (returned flat), and the MAC to send with. The PS
     admits the workers once every one of them has proved its key."""
@@ -60,7 +63,7 @@ def test_each_chunk_comes_down_once_every_worker_sent_it(tmp_path) -> None:
     assert len(chunks) >= 3, chunks
     ps = start_ps(run_dir)
     try:
-        hellos = [_hello(cfg.net.ps_port, run_dir, w) for w in (0, 1)]
+        hellos = [_hello(cfg.net.port, run_dir, w) for w in (0, 1)]
         (w0, mac0), (w1, mac1) = (_welcome(c, len(chunks)) for c in hellos)
         conns = [(c[0], c[1]) for c in hellos]
         assert torch.equal(w0, w1)
@@ -107,7 +110,7 @@ def test_single_chunk_models_still_step_once_per_iteration(tmp_path) -> None:
     assert len(chunk_ranges(model.numel, cfg.workload.chunk_bytes)) == 1
     ps = start_ps(run_dir)
     try:
-        conn = _hello(cfg.net.ps_port, run_dir, 0)
+        conn = _hello(cfg.net.port, run_dir, 0)
         sock, reader = conn[0], conn[1]
         w0, mac = _welcome(conn, 1)
         g = torch.full((model.numel,), 0.5)

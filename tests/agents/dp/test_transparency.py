@@ -7,13 +7,16 @@ reaches training on the concatenated batch -- over real TCP, real processes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from agents.workloads.base import FlatModel, Workload
 from agents.workloads.digits_cnn import DigitsCNN
 from agents.workloads.digits_mlp import DigitsMLP
 from analysis.load import load_events
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 
 def reference_weights(n_workers: int, iterations: int, lr: float, momentum: float,

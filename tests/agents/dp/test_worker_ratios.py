@@ -1,4 +1,4 @@
-"""Per-worker fixed keep ratios (``compress.worker_ratios``, issue 21 item 4): the config
+"""Per-worker fixed keep ratios (``compress.worker_ratios``): the config
 checks them, each worker's fixed policy keeps its own entry, and over loopback each
 worker's compressor really gets its own ratio."""
 
@@ -12,7 +12,7 @@ from agents.core import config as cfgmod
 from agents.core.policies import ratio_policy_from_config
 from agents.core.policies.base import RatioContext
 from analysis.load import load_events
-from tests.support.loopback import run_loopback
+from controller.loopback.dp import run_loopback
 
 REPO = Path(__file__).resolve().parents[3]
 HET = REPO / "configs" / "heterogeneous.toml"
@@ -60,6 +60,7 @@ def test_each_worker_keeps_its_own_ratio_and_the_toml_round_trips(tmp_path: Path
     assert _keeps(cfgmod.load(HET, [FIXED, "compress.ratio=0.3"])) == [0.3] * 4
 
 
+@pytest.mark.loopback
 def test_loopback_workers_compress_at_their_own_ratio(tmp_path: Path) -> None:
     """Two real worker processes and the PS over loopback TCP: every chunk worker 0
     compresses gets 0.05, every chunk of worker 1 gets 0.5, and worker 0 sends fewer bytes."""

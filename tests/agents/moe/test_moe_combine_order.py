@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from agents.core.config import WorkloadConfig
 from agents.core.moe_config import MoEConfig
 from agents.moe.exchange import Expect
 from agents.moe.hosts import ExpertHost
@@ -27,7 +28,7 @@ SLOW_S = 0.3  # the slow host reads each TOKENS frame this much later
 
 def run_step(combine_after_dispatch: bool) -> dict[int, list[Any]]:
     cfg = dataclasses.replace(MoEConfig(), hosts=3, experts=6, layers=2, top_k=2,
-                              d_model=16, d_hidden=16, batch_size=8,
+                              d_model=16, d_hidden=16,
                               combine_after_dispatch=combine_after_dispatch)
     data = load_data("digits")
     base = free_ports(cfg.hosts)
@@ -47,7 +48,8 @@ def run_step(combine_after_dispatch: bool) -> dict[int, list[Any]]:
                             time.sleep(SLOW_S)
                         return recv(j, want)
                     mesh._recv = slow_recv  # type: ignore[method-assign]
-                eh = ExpertHost(cfg, data, h, mesh, seed=0)
+                eh = ExpertHost(cfg, data, h, mesh, seed=0,
+                                train=WorkloadConfig(batch_size=8, lr=0.05, momentum=0.9))
                 eh.train_step(0)
                 phases[h] = eh.log.phases
         except BaseException as e:  # noqa: BLE001

@@ -16,7 +16,7 @@ from agents.moe.offload import simulate
 from tests.agents.moe.test_moe_transparency import events, run_hosts
 
 BASE = ["moe.hosts=2", "moe.experts=4", "moe.top_k=2", "moe.capacity_factor=1.0",
-        "moe.layers=2", "moe.batch_size=8", "moe.d_model=16", "moe.d_hidden=24",
+        "moe.layers=2", "workload.batch_size=8", "moe.d_model=16", "moe.d_hidden=24",
         "moe.zero3_min_numel=300", "moe.eval_every=1000", "run.iterations=4"]
 EXPERT_BYTES = 4 * (16 * 24 + 24 + 24 * 16 + 16)  # fc1 and fc2, weights and biases
 
@@ -26,6 +26,7 @@ def dumps(root: Path, hosts: int, steps: int) -> list[list[dict[str, np.ndarray]
             for h in range(hosts)]
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("policy", ["belady", "lru"])
 def test_offload_trains_equal_and_counts_the_policys_transfers(tmp_path: Path,
                                                                 policy: str) -> None:

@@ -21,7 +21,9 @@ from agents.moe.hosts import dispatch_bytes, owned_experts
 from agents.moe.layer import MoELayer
 from agents.moe.model import build_model, global_batch, load_data, loss_fn
 from agents.moe.zero import ParamClass, classify
-from tests.support import warm
+from controller.loopback import warm
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -57,7 +59,7 @@ def run_hosts(tmp: Path, overrides: list[str], dump: bool = True, threads: bool 
     (run_dir / "events").mkdir(parents=True)
     hosts = int(next(o for o in overrides if o.startswith("moe.hosts=")).split("=")[1])
     cfg = cfgmod.load(REPO / "configs" / "digits.toml",
-                      [*overrides, f"moe.port={free_ports(hosts)}"])
+                      [*overrides, f"net.port={free_ports(hosts)}"])
     (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
     (run_dir / "secret").write_bytes(b"s3cret-for-tests-only-0123456789")
     procs = []
@@ -101,11 +103,11 @@ def events(run_dir: Path, h: int, name: str) -> list[dict]:
 CASES = {
     "k2-probability-residual": ["moe.hosts=4", "moe.experts=8", "moe.top_k=2",
                                 "moe.capacity_factor=0.75", "moe.drop_policy=\"probability\"",
-                                "moe.residual=true", "moe.layers=2", "moe.batch_size=6",
+                                "moe.residual=true", "moe.layers=2", "workload.batch_size=6",
                                 "moe.zero3_min_numel=500", "run.iterations=3"],
     "k1-position": ["moe.hosts=2", "moe.experts=4", "moe.top_k=1",
                     "moe.capacity_factor=1.25", "moe.drop_policy=\"position\"",
-                    "moe.layers=1", "moe.batch_size=8", "moe.zero3_min_numel=500",
+                    "moe.layers=1", "workload.batch_size=8", "moe.zero3_min_numel=500",
                     "run.iterations=3"],
 }
 
@@ -118,12 +120,13 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
     H = m.hosts
     data = load_data(m.dataset)
     ref = build_model(m, data, groups=H, seed=cfg.run.seed)
-    opt = torch.optim.SGD(ref.parameters(), lr=m.lr, momentum=m.momentum)
+    opt = torch.optim.SGD(ref.parameters(), lr=cfg.workload.lr,
+                          momentum=cfg.workload.momentum)
     per = m.experts // H
     drops_total = 0
     for step in range(cfg.run.iterations):
         d = [dict(np.load(tmp_path / "dump" / f"h{h}_s{step}.npz")) for h in range(H)]
-        x, y = global_batch(data, step, H, m.batch_size)
+        x, y = global_batch(data, step, H, cfg.workload.batch_size)
         opt.zero_grad()
         logits = ref(x)
         loss, _ = loss_fn(ref, logits, y, m.aux_loss_coef)

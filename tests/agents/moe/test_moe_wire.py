@@ -10,7 +10,7 @@ import torch
 
 from agents.moe.exchange import Expect, check_counts, check_done, check_header, step_phases
 from agents.moe.mesh import Mesh, file_keys
-from agents.net import codec, link, wire
+from agents.net import codec, handshake, link, protocol, wire
 from agents.net.codec import DType, FrameError, MsgType
 from tests.agents.moe.test_moe_transparency import free_ports
 
@@ -82,8 +82,11 @@ def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int,
         after.join()
     s = dial(addr)
     try:
-        lk = link.dial(s, run_id=RUN, run_tag=tag, role="expert", me=1, peer=0,
-                       key=file_keys(SECRET, 1, 2)[0], timeout_s=10, name="hostile")
+        session, _ = handshake.dial(s, protocol.Dialer(RUN, "expert", 1,
+                                                       file_keys(SECRET, 1, 2)[0],
+                                                       welcome_from=("expert", 0)),
+                                    run_tag=tag, name="hostile", timeout_s=10)
+        lk = link.Link.dialed(s, session, peer=0, name="hostile", run_tag=tag)
         lk.send_message([torch.zeros(numel)], msg_type=MsgType.TOKENS, worker=1,
                         iteration=0, chunk=0)
         s.recv(1 << 20)  # until host 0 drops us

@@ -1,4 +1,4 @@
-"""Per-agent keys on the stage and expert meshes (issue 22, agents/net/link.py): a peer with a
+"""Per-agent keys on the stage and expert meshes (agents/net/link.py): a peer with a
 wrong key, a peer claiming another's index, and a frame replayed on a live link are each
 refused with an error naming the connection, and the real peers still connect."""
 
@@ -16,15 +16,15 @@ from agents.core import config as cfgmod
 from agents.core.nodes import stage_links
 from agents.core.schedules import Kind
 from agents.moe.mesh import Mesh, file_keys
-from agents.net import auth, codec, link
+from agents.net import auth, codec, handshake, protocol
 from agents.net.codec import FrameError, MsgType
 from agents.pipeline.stage import Stage, StageError
+from controller.loopback import warm
+from controller.loopback.dp import Agent, connect, free_port
+from controller.loopback.hostile import CapturingProxy
+from controller.loopback.pipeline import make_run_dir
 from controller.roles import RoleContext, plan_commands
 from tests.agents.moe.test_moe_transparency import free_ports
-from tests.support import warm
-from tests.support.hostile import CapturingProxy
-from tests.support.loopback import Agent, connect, free_port
-from tests.support.pipeline_loopback import make_run_dir
 from topo.shapes import shape_spec
 
 SECRET = b"mesh auth test secret"
@@ -50,10 +50,10 @@ def _impostor(addr: tuple[str, int], *, me: int, key: bytes, out: dict[str, Any]
     """Dial ``addr`` as expert host ``me`` with ``key``; record how it was refused."""
     s = connect(addr[1])
     try:
-        link.dial(s, run_id=RUN, run_tag=TAG, role="expert", me=me, peer=0, key=key,
-                  timeout_s=10, name="impostor")
+        handshake.dial(s, protocol.Dialer(RUN, "expert", me, key, welcome_from=("expert", 0)),
+                       run_tag=TAG, name="impostor", timeout_s=10)
         out["result"] = "accepted"
-    except link.LinkError as e:
+    except handshake.HandshakeError as e:
         out["result"] = str(e)
     finally:
         s.close()
@@ -75,6 +75,7 @@ def _host(h: int, addrs: list[tuple[str, int]], keys: dict[int, bytes],
         out[h] = e
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("attack", ["wrong key", "another host's index"])
 def test_expert_mesh_refuses_an_impostor(attack: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,7 +100,7 @@ def test_expert_mesh_refuses_an_impostor(attack: str,
     assert "impostor" in seen["result"]  # the dialer's error names its connection
     printed = capsys.readouterr().out
     assert "expert host 0: refused a connection: expert host 0 <- 127.0.0.1:" in printed
-    assert "expert 1 -> expert 0: refused" in printed
+    assert "expert 1: refused: proof: expert 1 failed the challenge" in printed
     for h in range(3):  # the real hosts connected and exchanged after the refusal
         assert not isinstance(out[h], BaseException), out[h]
         (got,) = out[h]
@@ -107,6 +108,7 @@ def test_expert_mesh_refuses_an_impostor(attack: str,
             assert torch.equal(t, torch.full((4,), float(10 * j + h)))
 
 
+@pytest.mark.loopback
 def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     """The dialer checks the acceptor too: WELCOME's MAC proves it holds the pair key."""
     srv = socket.create_server(("127.0.0.1", 0))
@@ -116,9 +118,11 @@ def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     def fake_host0() -> None:
         conn, _ = srv.accept()
         try:
-            link.answer(conn, run_id=RUN, run_tag=TAG, role="expert", me=0, keys=wrong,
-                        timeout_s=10, name="fake host 0")
-        except link.LinkError:
+            handshake.answer(conn, protocol.Answerer(RUN, "expert",
+                                                     protocol.keys_by_index(wrong)),
+                             run_tag=TAG, name="fake host 0", welcome=("expert", 0),
+                             timeout_s=10)
+        except handshake.HandshakeError:
             pass
         finally:
             conn.close()
@@ -126,17 +130,19 @@ def test_expert_dialer_refuses_a_host_without_the_key() -> None:
     t = threading.Thread(target=fake_host0)
     t.start()
     s = connect(port)
-    with pytest.raises(link.LinkError, match="real host 1: expert 1 -> 0: refused: .*"
-                                             "proof: expert 1 failed the challenge"):
+    with pytest.raises(handshake.HandshakeError, match="real host 1: expert 1: refused: .*"
+                                                       "proof: expert 1 failed the challenge"):
         # The fake host refuses our proof (it holds another key) before it could
         # forge a WELCOME; either way we never accept it.
-        link.dial(s, run_id=RUN, run_tag=TAG, role="expert", me=1, peer=0,
-                  key=file_keys(SECRET, 1, 2)[0], timeout_s=10, name="real host 1")
+        handshake.dial(s, protocol.Dialer(RUN, "expert", 1, file_keys(SECRET, 1, 2)[0],
+                                          welcome_from=("expert", 0)),
+                       run_tag=TAG, name="real host 1", timeout_s=10)
     s.close()
     t.join()
     srv.close()
 
 
+@pytest.mark.loopback
 def test_expert_mesh_refuses_a_replayed_frame() -> None:
     base = free_ports(2)
     addrs = [("127.0.0.1", base), ("127.0.0.1", base + 1)]
@@ -222,6 +228,7 @@ def _close(*stages: Stage) -> None:
         st.log.close()
 
 
+@pytest.mark.loopback
 @pytest.mark.parametrize("attack", ["wrong key", "another stage's index"])
 def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,10 +244,11 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
     def impostor() -> None:
         s = connect(s1.peers_addr[1][1])
         try:
-            link.dial(s, run_id=run_dir.name, run_tag=s1.tag, role="stage", me=me, peer=1,
-                      key=key, timeout_s=10, name="impostor")
+            handshake.dial(s, protocol.Dialer(run_dir.name, "stage", me, key,
+                                              welcome_from=("stage", 1)),
+                           run_tag=s1.tag, name="impostor", timeout_s=10)
             seen["result"] = "accepted"
-        except link.LinkError as e:
+        except handshake.HandshakeError as e:
             seen["result"] = str(e)
         finally:
             s.close()
@@ -254,7 +262,7 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
     try:
         assert out == {0: "ok", 1: "ok"}, out
         why = ("proof: stage 0 failed the challenge" if attack == "wrong key" else
-               "hello.worker: stage 5 is not a stage this end accepts ([0])")
+               "hello.worker: stage 5 is not a stage this end accepts (stages [0])")
         assert why in seen["result"], seen
         err = capsys.readouterr().err
         assert "s1: stage s1 <- 127.0.0.1:" in err and why in err  # names the connection
@@ -264,6 +272,7 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
         _close(s0, s1)
 
 
+@pytest.mark.loopback
 def test_stage_mesh_refuses_a_replayed_frame(tmp_path: Path) -> None:
     s0, s1, _ = _stages(tmp_path)
     tap = CapturingProxy(s1.peers_addr[1][1])
@@ -309,6 +318,7 @@ def test_roles_hand_each_agent_only_its_own_links(tmp_path: Path) -> None:
     assert names["gbh0"] & names["gbh1"] == {"stage/r0s0|r0s1"}
 
 
+@pytest.mark.loopback
 def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path) -> None:
     """``agents.moe.expert --auth stdin`` takes its mesh keys from the bundle on its stdin
     (``auth.agent_keys``, as the stage and the pipeline PS do), with no RUN/secret: two
@@ -328,7 +338,7 @@ def test_expert_hosts_read_their_keys_from_the_controllers_bundle(tmp_path: Path
         """Start hosts ``links`` (of 2) as the controller does, each bundle on stdin."""
         (run_dir / "events").mkdir(parents=True)
         cfg = cfgmod.load(repo / "configs" / "digits.toml",
-                          [*overrides, "run.iterations=1", f"moe.port={free_ports(2)}"])
+                          [*overrides, "run.iterations=1", f"net.port={free_ports(2)}"])
         (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
         procs = []
         for h in links:

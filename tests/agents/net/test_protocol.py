@@ -17,13 +17,13 @@ import pytest
 from agents.net import auth, codec, protocol, wire
 from agents.net.codec import FrameError, FrameMac, MsgType
 from agents.net.protocol import (
+    Answerer,
+    AnswererState,
     ChunkBarrier,
+    Dialer,
     Downlink,
-    HandshakeState,
     ProtocolError,
-    PSHandshake,
     Rejected,
-    WorkerHandshake,
 )
 
 RUN = "run-x"
@@ -42,30 +42,36 @@ def frame(body: bytes, msg: MsgType, worker: int = 0, iteration: int = 0,
     return hdr, codec.decode_header(hdr), bytes(payload)
 
 
-def pair(worker: int = 1, key: bytes | None = None) -> tuple[PSHandshake, WorkerHandshake]:
-    ps = PSHandshake(RUN, 4, lambda w: auth.worker_key(ROOT, w), b"P" * 16)
-    wk = WorkerHandshake(RUN, worker, key or auth.node_key(MASTER, f"w{worker}"), b"W" * 16)
-    return ps, wk
+def ps_end(nonce: bytes = b"P" * 16) -> Answerer:
+    """The PS's end: workers 0..3, each under its own key."""
+    return Answerer(RUN, "worker",
+                    lambda h: auth.worker_key(ROOT, h.worker) if h.worker < 4 else None,
+                    nonce, accepts="0..3")
 
 
-def run_handshake(ps: PSHandshake, wk: WorkerHandshake, join_at: int = 0
+def pair(worker: int = 1, key: bytes | None = None) -> tuple[Answerer, Dialer]:
+    wk = Dialer(RUN, "worker", worker, key or auth.node_key(MASTER, f"w{worker}"), b"W" * 16)
+    return ps_end(), wk
+
+
+def run_handshake(ps: Answerer, wk: Dialer, join_at: int = 0
                   ) -> protocol.Session:
-    _, h, body = frame(wk.hello(join_at), MsgType.HELLO, wk.worker, join_at)
+    _, h, body = frame(wk.hello(join_at), MsgType.HELLO, wk.me, join_at)
     challenge = ps.receive_hello(h, body)
     _, h, body = frame(challenge, MsgType.CHALLENGE)
     answer = wk.receive_challenge(h, body)
-    _, h, body = frame(answer, MsgType.PROOF, wk.worker)
+    _, h, body = frame(answer, MsgType.PROOF, wk.me)
     return ps.receive_proof(h, body)
 
 
 def test_handshake_authenticates_and_both_sides_agree_on_the_keys() -> None:
     ps, wk = pair(worker=2)
     s = run_handshake(ps, wk, join_at=5)
-    assert ps.state is HandshakeState.AUTHENTICATED
+    assert ps.state is AnswererState.AUTHENTICATED
     assert (s.worker, s.join_at) == (2, 5)
     raw, h, body = frame(codec.hello_payload("ps", 2), MsgType.WELCOME, 2, 5, mac=s.down)
     assert wk.receive_welcome(raw, h, body) == 5
-    assert wk.state is protocol.WorkerState.JOINED
+    assert wk.state is protocol.DialerState.JOINED
     assert wk.session is not None
     # Worker -> PS frames sealed by the worker verify at the PS, in order only.
     h1 = wk.session.up.seal(frame(b"x", MsgType.GRAD, 2)[0], b"x")
@@ -123,7 +129,7 @@ def test_wrong_key_fails_the_challenge_and_the_handshake_is_over() -> None:
     ps, wk = pair(worker=1, key=b"k" * 32)
     with pytest.raises(ProtocolError, match="failed the challenge"):
         run_handshake(ps, wk)
-    assert ps.state is HandshakeState.FAILED
+    assert ps.state is AnswererState.FAILED
     _, h, body = frame(b"\0" * 32, MsgType.PROOF, 1)
     with pytest.raises(ProtocolError):
         ps.receive_proof(h, body)
@@ -137,7 +143,7 @@ def test_a_replayed_handshake_fails_under_a_fresh_challenge() -> None:
     _, ch, cb = frame(ps.receive_hello(hello_h, hello_body), MsgType.CHALLENGE)
     _, proof_h, proof_body = frame(wk.receive_challenge(ch, cb), MsgType.PROOF, 1)
     ps.receive_proof(proof_h, proof_body)
-    ps2 = PSHandshake(RUN, 4, lambda w: auth.worker_key(ROOT, w), b"Q" * 16)
+    ps2 = ps_end(b"Q" * 16)
     ps2.receive_hello(hello_h, hello_body)
     with pytest.raises(ProtocolError, match="failed the challenge"):
         ps2.receive_proof(proof_h, proof_body)
@@ -149,7 +155,7 @@ def test_ps_refuses_anything_but_hello_first(first: MsgType) -> None:
     _, h, body = frame(b"\0" * 32, first)
     with pytest.raises(ProtocolError, match="expected HELLO"):
         ps.receive_hello(h, body)
-    assert ps.state is HandshakeState.FAILED
+    assert ps.state is AnswererState.FAILED
 
 
 def test_ps_refuses_a_second_hello_and_hello_without_nonce_or_out_of_range() -> None:
@@ -195,7 +201,7 @@ def test_welcome_without_the_ps_mac_is_refused() -> None:
                          mac=FrameMac(b"z" * 32))
     with pytest.raises(FrameError, match="mac"):
         wk.receive_welcome(raw, h, body)
-    assert wk.state is protocol.WorkerState.FAILED
+    assert wk.state is protocol.DialerState.FAILED
 
 
 def test_uplink_allows_grad_and_bye_as_itself_only() -> None:

@@ -1,4 +1,4 @@
-"""Time to accuracy for pipeline runs (issue 18): the pipeline's PS (agents.pipeline.stage_ps)
+"""Time to accuracy for pipeline runs: the pipeline's PS (agents.pipeline.stage_ps)
 evaluates the weights the stages send after every ``run.eval_every`` steps and after the
 last, with the data-parallel PS's ``eval``/``final_eval`` events, so the summary reports
 ``final_accuracy`` and ``time_to_target_s`` for pipeline runs too. Stages and PS as real
@@ -19,8 +19,10 @@ import pytest
 
 from agents.workloads.factory import make_workload
 from analysis.load import load_events
+from controller.loopback.pipeline import logs, reference_evals, reference_pieces, run_pipeline
 from controller.summary import summarize
-from tests.support.pipeline_loopback import logs, reference_evals, reference_pieces, run_pipeline
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 
 def _reference_eval(cfg, steps: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Pipeline stages in real Mininet (issue 18): 4 stages and the pipeline's PS on the fabric,
+"""Pipeline stages in real Mininet: 4 stages and the pipeline's PS on the fabric,
 every access link shaped both ways at 100 Mbit/s; each schedule runs to completion, its
 loss falls, the per-host timeline shows every action of every stage, and the PS's
 evaluation gives the summary its final accuracy. Two replicas of a 2-stage pipeline average

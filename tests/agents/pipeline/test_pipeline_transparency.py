@@ -1,4 +1,4 @@
-"""Pipeline transparency over real TCP (torchgpipe's test, issue 18): stages as real
+"""Pipeline transparency over real TCP (torchgpipe's test): stages as real
 processes on loopback, activations and gradients through the frame codec.
 
 GPipe and 1F1B must reach the unsplit model's weights (plain SGD on the whole batch); the
@@ -13,13 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.pipeline_loopback import (
+from controller.loopback.pipeline import (
     logs,
     pipeline_pieces,
     reference_pieces,
     reference_two_group,
     run_pipeline,
 )
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 STEPS = 3
 

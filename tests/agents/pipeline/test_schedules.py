@@ -1,5 +1,5 @@
 """Pipeline schedules as data: string round trip, the validator's rejections, the
-simulator's bubble against the closed forms (DESIGN.md 1.3, 1.5; issue 18)."""
+simulator's bubble against the closed forms (DESIGN.md 1.3, 1.5)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from agents.core.schedules.actions import RA, RG, SA, SG, B, F, R
 
 def test_registered_names():
     assert {"gpipe", "1f1b", "two_group"} <= set(names())
-    with pytest.raises(ValueError, match="unknown; known: 1f1b, gpipe, two_group"):
+    with pytest.raises(ValueError, match="not a registered pipeline schedule; must be one of 1f1b, gpipe, two_group"):
         make("zero_bubble", 2, 4)
 
 

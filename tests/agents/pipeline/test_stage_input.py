@@ -13,8 +13,8 @@ from agents.core.schedules import Kind
 from agents.net import codec
 from agents.pipeline.stage import Stage, StageError, _Peer
 from analysis.timeline import host_timeline
-from tests.support.loopback import free_port
-from tests.support.pipeline_loopback import make_run_dir
+from controller.loopback.dp import free_port
+from controller.loopback.pipeline import make_run_dir
 
 
 @pytest.fixture

@@ -9,12 +9,14 @@ import socket
 import pytest
 import torch
 
-from agents.net import codec
-from agents.pipeline.stage_ps import StagePS, StagePSError, _Conn, expected_messages
-from tests.support.loopback import free_port
-from tests.support.pipeline_loopback import make_run_dir
+from agents.net import codec, link, wire
+from agents.net.codec import FrameMac
+from agents.pipeline.stage_ps import StagePS, StagePSError, _StageConn, expected_messages
+from controller.loopback.dp import free_port
+from controller.loopback.pipeline import make_run_dir
 
 GRAD, W, BYE = codec.MsgType.GRAD, codec.MsgType.SLICE_WEIGHTS, codec.MsgType.BYE
+SEND_KEY = b"s" * 32  # what the PS seals the means with, on every test connection
 
 
 @pytest.fixture
@@ -26,14 +28,20 @@ def ps(tmp_path):
     server = StagePS(cfg, run_dir, run_dir.name, b"k" * 32, host="127.0.0.1",
                      port=free_port())
     pairs = []
+    server.peers = {}  # the stage's end of each connection
     for r in range(2):
         for s in range(2):
             a, b = socket.socketpair()
             pairs += [a, b]
-            server.conns[(r, s)] = _Conn(r, s, a, f"stage {s} of replica {r} (test)",
+            lk = link.Link(r * 2 + s, a, f"stage {s} of replica {r} (test)",
+                           send_mac=FrameMac(SEND_KEY), recv_mac=FrameMac(b"r" * 32),
+                           run_tag=0)
+            server.conns[(r, s)] = _StageConn(r, s, lk,
                                          expected_messages(server.schedule, s, r, 2, cfg.run))
+            server.peers[(r, s)] = b
     yield server
     server.srv.close()
+    server.loop.close()
     for x in pairs:
         x.close()
 
@@ -66,11 +74,13 @@ def test_the_mean_goes_back_once_every_replica_sent(ps):
     n = ps.numel(1, 0)
     g0, g1 = torch.randn(n), torch.randn(n)
     ps._handle(ps.conns[(0, 1)], _hdr(GRAD, 0, worker=1, numel=n), [g0])
-    assert ps.conns[(0, 1)].outbox.empty()  # replica 1 still owes its gradient
+    assert ps.conns[(0, 1)].queued_bytes == 0  # replica 1 still owes its gradient
     ps._handle(ps.conns[(1, 1)], _hdr(GRAD, 0, worker=3, numel=n), [g1])
     for r in range(2):
-        step, chunk, mean = ps.conns[(r, 1)].outbox.get_nowait()
-        assert (step, chunk) == (0, 0)
+        # The event loop wrote the mean to the stage's socket, sealed under its link.
+        reader = wire.FrameReader(ps.peers[(r, 1)], mac=FrameMac(SEND_KEY))
+        ((h, mean),) = reader.read_message()
+        assert (h.msg_type, h.iteration, h.chunk) == (codec.MsgType.UPDATE, 0, 0)
         torch.testing.assert_close(mean, (g0 + g1) / 2, rtol=0, atol=0)
 
 

@@ -1,11 +1,11 @@
-"""Agent processes forked from one warm interpreter, for the loopback tests.
+"""Agent processes forked from one warm interpreter, for loopback runs (tests, benchmarks).
 
 A loopback test starts its agents (``python -m agents.dp.ps``, ``agents.dp.worker``,
 ``agents.pipeline.stage``, ``agents.pipeline.stage_ps``, ``agents.moe.expert``) as real processes talking real TCP.
 Most of what such a process costs is the interpreter importing torch (1.3-3 s of CPU on
 the 2-core test machine, against tens of milliseconds of training in a transparency run),
 and the suite starts about 90 of them. :func:`spawn` starts each one instead as a fork of
-a *warm* process (``python -m tests.support.warm``, one per test session) that has imported
+a *warm* process (``python -m controller.loopback.warm``, one per test session) that has imported
 torch, numpy and cryptography and nothing of the project; the child then runs the
 agent's module as ``__main__`` with the test's argv, cwd, environment and stdio, exactly
 as ``python -m`` would (``runpy.run_module``), and exits through the normal interpreter
@@ -64,7 +64,8 @@ def _serve(sock: socket.socket) -> None:
     children: dict[int, int] = {}  # pidfd -> pid
     sock.send(json.dumps({"ready": os.getpid()}).encode())
     while True:
-        readable, _, _ = select.select([sock, *children], [], [])
+        waiting: list[Any] = [sock, *children]
+        readable, _, _ = select.select(waiting, [], [])
         for fd in readable:
             if fd is sock:
                 msg, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 3)
@@ -82,13 +83,14 @@ def _serve(sock: socket.socket) -> None:
                     children[os.pidfd_open(pid)] = pid
                     sock.send(json.dumps({"pid": pid}).encode())
                 else:  # signal: through the pidfd, so a reaped pid is never hit
-                    pidfd = next((p for p, c in children.items() if c == req["pid"]), None)
-                    ok = pidfd is not None and _try_signal(pidfd, req["sig"])
+                    found = next((p for p, c in children.items() if c == req["pid"]), None)
+                    ok = found is not None and _try_signal(found, req["sig"])
                     sock.send(json.dumps({"ok": ok}).encode())
             else:
-                pid = children.pop(fd)
+                pidfd = int(fd)
+                pid = children.pop(pidfd)
                 _, status = os.waitpid(pid, 0)
-                os.close(fd)
+                os.close(pidfd)
                 sock.send(json.dumps({"exited": pid, "status": status}).encode())
 
 
@@ -135,7 +137,7 @@ class _Warm:
         self.env = self._env(os.environ)
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.support.warm", str(theirs.fileno())], cwd=REPO,
+                [sys.executable, "-m", "controller.loopback.warm", str(theirs.fileno())], cwd=REPO,
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=err)
         theirs.close()

@@ -1,7 +1,8 @@
 """Runs a PS and workers as real processes over loopback TCP (no Mininet, no root).
 
-Used by the transparency and robustness tests: the agents are the same programs
-the controller starts inside Mininet hosts, talking real TCP through the kernel.
+Used by the transparency and robustness tests and by ``benchmarks/robustness.py``: the
+agents are the same programs the controller starts inside Mininet hosts, talking real TCP
+through the kernel.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 
 from agents.core import config as cfgmod
 from agents.net import auth, codec, protocol, wire
-from tests.support import warm
+from controller.loopback import warm
 
-# An agent process: a child of the warm interpreter, or a fresh one (tests.support.warm.spawn).
+# An agent process: a child of the warm interpreter, or a fresh one (controller.loopback.warm.spawn).
 Agent = subprocess.Popen[bytes] | warm.WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ def make_run_dir(tmp: Path, overrides: list[str], name: str = "run") -> tuple[Pa
     run_dir = tmp / name
     (run_dir / "events").mkdir(parents=True)
     cfg = cfgmod.load(REPO / "configs" / "digits.toml",
-                      [f"net.ps_port={free_port()}", *overrides])
+                      [f"net.port={free_port()}", *overrides])
     (run_dir / "config.toml").write_text(cfgmod.dumps(cfg))
     MASTERS[run_dir] = auth.new_master()
     return run_dir, cfg
@@ -60,7 +61,7 @@ def worker_key(run_dir: Path, k: int) -> bytes:
 
 def _start(run_dir: Path, node: str, argv: list[str]) -> Agent:
     """Start an agent as the controller does: its key bundle down its stdin, the pipe
-    kept open (closing it ends the agent). A fork of the warm interpreter (tests.support.warm)."""
+    kept open (closing it ends the agent). A fork of the warm interpreter (controller.loopback.warm)."""
     p = warm.spawn([sys.executable, *argv], cwd=REPO, stdin=subprocess.PIPE,
                    stdout=open(run_dir / f"{node}.log", "wb"), stderr=subprocess.STDOUT)
     assert p.stdin is not None
@@ -87,13 +88,14 @@ def public_tag(run_dir: Path) -> int:
 
 
 def prove(sock: socket.socket, run_dir: Path, worker: int, key: bytes | None = None,
-          join_at: int = 0) -> tuple[wire.FrameReader, protocol.WorkerHandshake]:
+          join_at: int = 0) -> tuple[wire.FrameReader, protocol.Dialer]:
     """A worker's HELLO and PROOF on ``sock`` (with worker ``worker``'s real key unless
-    ``key`` is given); :func:`welcome` then waits for the PS to admit it."""
+    ``key`` is given); :func:`welcome` then waits for the PS to admit it. Driven step by
+    step, not through ``agents.net.handshake``, so a test can stop between the two."""
     tag = public_tag(run_dir)
-    hs = protocol.WorkerHandshake(run_dir.name, worker,
-                                  key if key is not None else worker_key(run_dir, worker),
-                                  bytes(range(16)))
+    hs = protocol.Dialer(run_dir.name, "worker", worker,
+                         key if key is not None else worker_key(run_dir, worker),
+                         bytes(range(16)))
     wire.send_bytes(sock, hs.hello(join_at), msg_type=codec.MsgType.HELLO, run_tag=tag,
                     worker=worker, iteration=join_at)
     reader = wire.FrameReader(sock, expect_tag=tag, max_payload_bytes=codec.MAX_HELLO_BYTES)
@@ -103,7 +105,7 @@ def prove(sock: socket.socket, run_dir: Path, worker: int, key: bytes | None = N
     return reader, hs
 
 
-def welcome(reader: wire.FrameReader, hs: protocol.WorkerHandshake) -> protocol.Session:
+def welcome(reader: wire.FrameReader, hs: protocol.Dialer) -> protocol.Session:
     """Wait for WELCOME (raises :class:`protocol.Rejected` on an ERROR); afterwards the
     reader checks the PS's MAC, and ``session.up`` seals what we send."""
     reader.expect_tag = None
@@ -126,7 +128,7 @@ def run_loopback(tmp: Path, overrides: list[str], timeout_s: float = 120) -> tup
     """Run a whole experiment over loopback; returns (run_dir, PS exit status)."""
     run_dir, cfg = make_run_dir(tmp, overrides)
     ps = start_ps(run_dir)
-    workers = [start_worker(run_dir, k, cfg.net.ps_port) for k in range(cfg.net.workers)]
+    workers = [start_worker(run_dir, k, cfg.net.port) for k in range(cfg.net.workers)]
     try:
         rc = ps.wait(timeout=timeout_s)
         for w in workers:

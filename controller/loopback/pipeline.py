@@ -17,8 +17,8 @@ from agents.pipeline.partition import balance_by_params, split
 from agents.pipeline.stage import is_eval_step, micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
 from agents.workloads.factory import make_workload
-from tests.support import warm
-from tests.support.loopback import REPO, free_port
+from controller.loopback import warm
+from controller.loopback.dp import REPO, free_port
 
 BASE = ["workload.name='digits_deep'", "workload.hidden=32", "workload.depth=6",
         "workload.lr=0.2", "workload.momentum=0.9", "run.eval_every=1000"]

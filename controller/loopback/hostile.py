@@ -1,5 +1,5 @@
-"""Attackers and faults against a live loopback run, shared by tests/agents/net/test_hardening.py and
-benchmarks/robustness.py. Each attack returns what the attacker saw; the PS's events say
+"""Attackers and faults against a live loopback run, shared by the hardening tests and
+``benchmarks/robustness.py``. Each attack returns what the attacker saw; the PS's events say
 what it did about it.
 """
 
@@ -16,7 +16,7 @@ from agents.core.config import ExperimentConfig
 from agents.net import codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
-from tests.support.loopback import connect, handshake, public_tag, start_ps, start_worker
+from controller.loopback.dp import connect, handshake, public_tag, start_ps, start_worker
 
 
 def rss_peak_kb(pid: int) -> int:
@@ -297,7 +297,7 @@ def poisoned_run(run_dir: Path, cfg: ExperimentConfig, ps_wait_s: float
     and the fakes (each with its ``answer``). Every process is gone when it returns."""
     model = FlatModel(make_workload(cfg.workload).build_model(cfg.run.seed))
     chunks = chunk_ranges(model.numel, cfg.workload.chunk_bytes)
-    port = cfg.net.ps_port
+    port = cfg.net.port
     ps = start_ps(run_dir)
     workers = [start_worker(run_dir, k, port) for k in (0, 1)]
     fakes = [PoisonWorker(port, run_dir, 2 + i, len(chunks), chunks[0][1] - chunks[0][0], kind)

@@ -1,0 +1,235 @@
+"""The one handshake driver: :func:`dial` at the end that opened a connection, :func:`answer`
+at the end that accepted it. Every authenticated connection of a run goes through here:
+worker -> PS, stage -> stage, stage -> the pipeline's PS, expert host <-> expert host,
+and an agent -> the controller's control socket.
+
+The conversation itself (HELLO, CHALLENGE, PROOF, WELCOME, and what each end may send
+when) is the pair of sans-I/O state machines :class:`agents.net.protocol.Dialer` and
+:class:`agents.net.protocol.Answerer`; this module only moves their bytes, under two
+limits that hold whoever the peer is:
+
+- **an absolute deadline** for the whole handshake (``timeout_s``, 5 s unless the caller
+  passes ``guard.handshake_timeout_s``): every read and write waits only for what is
+  left of it, so a peer that trickles one byte a second is cut off when the deadline
+  passes, not after a per-read timeout that restarts with every byte;
+- **a cap on what an unauthenticated peer may make us buffer**
+  (:data:`MAX_UNAUTHENTICATED_BYTES`, over the whole handshake, headers included; each
+  frame is also held to what its state allows, a hello or a proof).
+
+A dialer that must wait for admission after proving itself (a data-parallel worker waits
+for an iteration boundary) passes ``welcome_timeout_s`` for that last wait.
+
+Each handshake, passed or refused, is reported once to ``log`` (the agent's event log) as
+a ``handshake`` event, so a run's logs show every connection it made and
+how long each took to authenticate.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from agents.net import codec, protocol, wire
+from agents.net.codec import FrameError, MsgType
+
+#: The whole handshake's deadline unless the caller passes another (guard.handshake_timeout_s).
+DEFAULT_TIMEOUT_S = 5.0
+#: What a peer that has not proved its key may make this end read, all frames together.
+MAX_UNAUTHENTICATED_BYTES = 64 * 1024
+#: Handshakes under way at once at one listening socket; beyond, a new connection is
+#: closed at once (reported).
+MAX_HANDSHAKES = 1024
+#: accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
+ACCEPT_BACKOFF_S = (0.01, 1.0)
+#: How long a refusal (an ERROR frame) may take to write: a peer that does not read
+#: must not hold the answering end.
+REFUSE_TIMEOUT_S = 1.0
+
+class EventSink(Protocol):
+    """Where handshakes are reported: an agent's event log (``agents.core.events.EventLog``)."""
+
+    def emit(self, event: str, iter: int = -1, **fields: Any) -> None: ...
+
+
+class HandshakeError(FrameError):
+    """A handshake failed or was refused; the message names the connection and why,
+    ``why`` is the reason alone (``handshake timed out`` when the deadline passed)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+def dial(sock: socket.socket, dialer: protocol.Dialer, *, run_tag: int, name: str,
+         timeout_s: float = DEFAULT_TIMEOUT_S, join_at: int = 0,
+         welcome_timeout_s: float | None = None,
+         log: EventSink | None = None) -> tuple[protocol.Session, int]:
+    """Authenticate a connection this end opened, as ``dialer`` says it is. Returns the
+    session (``up`` seals what we send, ``down`` checks what we receive) and the iteration
+    the WELCOME names. Raises HandshakeError naming ``name`` (refused, wrong key, a peer
+    that is not the one expected, the deadline). The socket's timeout is restored."""
+    start_s = time.monotonic()
+    deadline_s = start_s + timeout_s
+    reader = _reader(sock, run_tag, name)
+    buf = bytearray(codec.MAX_HELLO_BYTES)
+    old = sock.gettimeout()
+    try:
+        _send(sock, deadline_s, dialer.hello(join_at), MsgType.HELLO, run_tag, dialer.me,
+              join_at, name)
+        h, body = _read(reader, buf, deadline_s, codec.MAX_HELLO_BYTES)
+        _send(sock, deadline_s, dialer.receive_challenge(h, body), MsgType.PROOF, run_tag,
+              dialer.me, join_at, name)
+        if welcome_timeout_s is not None:
+            deadline_s = time.monotonic() + welcome_timeout_s
+        reader.expect_tag = None  # WELCOME carries a MAC in the tag's place
+        h, body = _read(reader, buf, deadline_s, codec.MAX_HELLO_BYTES)
+        iteration = dialer.receive_welcome(reader.last_header, h, body)
+    except (FrameError, protocol.Rejected, OSError) as e:
+        why = _why(e)
+        _report(log, "dial", name, dialer.welcome_from, start_s, why)
+        raise HandshakeError(f"{name}: {dialer.role} {dialer.node or dialer.me}: {why}",
+                             why) from e
+    finally:
+        sock.settimeout(old)
+    _report(log, "dial", name, dialer.welcome_from, start_s, "")
+    assert dialer.session is not None
+    return dialer.session, iteration
+
+
+def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, name: str,
+           welcome: tuple[str, int] | None, timeout_s: float = DEFAULT_TIMEOUT_S,
+           log: EventSink | None = None) -> protocol.Session:
+    """Authenticate a connection this end accepted. ``welcome``: this end's ``(role,
+    index)``, said in a WELCOME sealed under the session (which proves we hold the key
+    too); None when the caller welcomes later itself (the PS admits a worker at an
+    iteration boundary, with the weights). On any failure an ERROR frame tells the peer
+    why, and HandshakeError names the connection; the caller closes the socket. The
+    socket's timeout is restored."""
+    start_s = time.monotonic()
+    deadline_s = start_s + timeout_s
+    reader = _reader(sock, run_tag, name)
+    buf = bytearray(codec.MAX_HELLO_BYTES)
+    me = welcome[1] if welcome is not None else 0
+    old = sock.gettimeout()
+    try:
+        h, body = _read(reader, buf, deadline_s, codec.MAX_HELLO_BYTES)
+        challenge = answerer.receive_hello(h, body)
+        _send(sock, deadline_s, challenge, MsgType.CHALLENGE, run_tag, me, 0, name)
+        h, body = _read(reader, buf, deadline_s, protocol.PROOF_BYTES)
+        session = answerer.receive_proof(h, body)
+        if welcome is not None:
+            _send(sock, deadline_s, codec.hello_payload(*welcome), MsgType.WELCOME, run_tag,
+                  me, 0, name, mac=session.down)
+    except (FrameError, OSError) as e:
+        why = _why(e)
+        _report(log, "answer", name, _claimed(answerer.hello), start_s, why)
+        _refuse(sock, run_tag, why)
+        who = (f"{answerer.hello.role} {answerer.hello.node or answerer.hello.worker}"
+               if answerer.hello is not None else "an unknown peer")
+        raise HandshakeError(f"{name}: {who}: refused: {why}", why) from e
+    finally:
+        sock.settimeout(old)
+    _report(log, "answer", name, _claimed(answerer.hello), start_s, "")
+    return session
+
+
+def _reader(sock: socket.socket, run_tag: int, name: str) -> wire.FrameReader:
+    return wire.FrameReader(sock, expect_tag=run_tag, peer=name,
+                            max_payload_bytes=codec.MAX_HELLO_BYTES)
+
+
+def _read(reader: wire.FrameReader, buf: bytearray, deadline_s: float, most_bytes: int
+          ) -> tuple[codec.FrameHeader, memoryview]:
+    """One frame of at most ``most_bytes`` payload, and never past the handshake's total
+    cap, before ``deadline_s``."""
+    left = MAX_UNAUTHENTICATED_BYTES - reader.bytes_read - codec.HEADER_SIZE
+    if left < 0:
+        raise protocol.ProtocolError(f"handshake: more than {MAX_UNAUTHENTICATED_BYTES} "
+                                     "bytes before the peer proved its key")
+    reader.max_payload_bytes = min(most_bytes, left)
+    reader.deadline_s = deadline_s
+    return reader.read_frame_into(buf)
+
+
+def _send(sock: socket.socket, deadline_s: float, body: bytes, msg_type: MsgType,
+          run_tag: int, worker: int, iteration: int, name: str,
+          mac: codec.FrameMac | None = None) -> None:
+    left_s = deadline_s - time.monotonic()
+    if left_s <= 0:
+        raise TimeoutError(f"{name}: deadline passed")
+    sock.settimeout(left_s)
+    wire.send_bytes(sock, body, msg_type=msg_type, run_tag=run_tag, worker=worker,
+                    iteration=iteration, peer=name, mac=mac)
+
+
+def _why(e: BaseException) -> str:
+    return "handshake timed out" if isinstance(e, TimeoutError) else str(e)
+
+
+def _claimed(hello: codec.Hello | None) -> tuple[str, int] | None:
+    return None if hello is None else (hello.role, hello.worker)
+
+
+def _report(log: EventSink | None, end: str, name: str, peer: tuple[str, int] | None,
+            start_s: float, error: str) -> None:
+    if log is None:
+        return
+    role, index = peer if peer is not None else (None, None)
+    log.emit("handshake", end=end, link=name, peer_role=role, peer_index=index,
+             ok=not error, elapsed_ms=round((time.monotonic() - start_s) * 1e3, 3),
+             error=error)
+
+
+def _refuse(sock: socket.socket, run_tag: int, why: str) -> None:
+    try:
+        sock.settimeout(REFUSE_TIMEOUT_S)
+        wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
+                        msg_type=MsgType.ERROR, run_tag=run_tag, worker=0)
+    except OSError:
+        pass
+
+
+def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
+                   *, stopped: threading.Event, report: Callable[[str, str], None],
+                   max_at_once: int = MAX_HANDSHAKES) -> None:
+    """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
+    ``on_connection(sock, "addr:port")`` (the answering handshake, then handing the
+    connection over) on a thread of its own, at most ``max_at_once`` at a time; a
+    connection beyond that is closed at once. An accept error that passes (EMFILE,
+    ENFILE, ENOBUFS, ENOMEM, a peer that reset before accept) is reported through
+    ``report(peer, error)`` and retried after a growing pause."""
+    slots = threading.BoundedSemaphore(max_at_once)
+
+    def run(sock: socket.socket, peer: str) -> None:
+        try:
+            on_connection(sock, peer)
+        finally:
+            slots.release()
+
+    pause = ACCEPT_BACKOFF_S[0]
+    while not stopped.is_set():
+        try:
+            sock, addr = srv.accept()
+        except OSError as e:
+            if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                return  # our own socket was closed: the run is over
+            report("accept", f"accept failed ({e}); retrying in {pause:.2f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+            continue
+        pause = ACCEPT_BACKOFF_S[0]
+        peer = f"{addr[0]}:{addr[1]}"
+        if not slots.acquire(blocking=False):
+            report(peer, f"{max_at_once} handshakes under way: closed")
+            sock.close()
+            continue
+        try:
+            threading.Thread(target=run, args=(sock, peer), daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
+            slots.release()
+            sock.close()
+            report("accept", f"cannot start a handshake thread: {e}")

@@ -1,0 +1,10 @@
+"""Agents on 127.0.0.1, without a network: real agent processes (``python -m agents...``)
+talking real TCP, started the way the controller starts them but without Mininet or root.
+
+What the loopback tests and the benchmarks that need no network (``benchmarks/robustness.py``,
+``benchmarks/pipeline.py``) share: :mod:`controller.loopback.dp` (a PS and its workers, the
+handshake by hand), :mod:`controller.loopback.pipeline` (pipeline stages, their PS and
+one-process references), :mod:`controller.loopback.hostile` (peers that misbehave on
+purpose) and :mod:`controller.loopback.warm` (agent processes forked from one warm
+interpreter, so each starts in milliseconds).
+"""
