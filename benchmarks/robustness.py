@@ -24,6 +24,16 @@ Attacks on the live run (each a new TCP connection unless said otherwise):
 9. ``slow_connections``: 200 connections that send 10 bytes of a header and stall; all
    must be closed by the handshake timeout (2 s here) while the run goes on.
 
+Worker 0 is held (SIGSTOP) while the attacks run, so the run cannot end before the slow
+connections' timeouts fire, however fast the machine; held or not, the weights are the same.
+
+Inputs and files, through ``gradbed``'s command line (``--dry-run``: nothing is built): a
+trace spanning 10^12 ms, a trace that is one endless line (a FIFO whose writer never stops),
+TOML nested 5,000 deep in ``--set``, a 250-character ``run.name``, ``run.timeout_s = inf``:
+each must be refused with one line, exit status 2, within 30 s. As root: another user
+opening the network lock to flock it must be refused, and ``gradbed cleanup DIR`` under
+sudo must not delete the file ``DIR/control.path`` names.
+
 Headline: attacks and faults survived; ``details.tried``: how many were tried (target:
 equal). ``details.ps_peak_extra_mb``: growth of the attacked PS's peak RSS (VmHWM) from
 before the first attack to the end of the last.
@@ -33,8 +43,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +95,7 @@ def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
                 raise RuntimeError("worker 1 never sent a gradient")
             time.sleep(0.01)
         before_kb = hostile.rss_peak_kb(ps.pid)
+        workers[0].send_signal(signal.SIGSTOP)  # the run stays open through the attacks
         slow = hostile.slow_connections(port, SLOW)
         captured = proxy.frames()
         t = hostile.replay_handshake(port, captured)
@@ -115,6 +130,7 @@ def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
         closed = hostile.closed_count(slow, wait_s=15)
         after_kb = hostile.rss_peak_kb(ps.pid) if ps.poll() is None else before_kb
         alive = ps.poll() is None
+        workers[0].send_signal(signal.SIGCONT)
         rc = ps.wait(timeout=300)
         wrcs = [w.wait(timeout=60) for w in workers]
     finally:
@@ -168,6 +184,7 @@ def controller_death(tmp: Path) -> tuple[bool, str]:
 def control_injection(tmp: Path) -> tuple[bool, str]:
     master = auth.new_master()
     got: list[dict[str, Any]] = []
+    tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "control.sock"
     srv = ControlServer(path, got.append,
                         lambda n: auth.node_key(master, n) if n in ("ps", "w0") else None)
@@ -191,6 +208,96 @@ def control_injection(tmp: Path) -> tuple[bool, str]:
             f"membership injected: {injected}; keyless client: {impostor}")
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:
+    try:
+        return case(tmp)  # type: ignore[no-any-return]
+    except Exception as e:  # noqa: BLE001  (the verdict records what happened)
+        return False, f"{type(e).__name__}: {e}"
+
+
+def _refused_at_once(sets: list[str]) -> tuple[bool, str]:
+    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / "configs/test_tiny.toml"),
+            "--dry-run"]
+    for x in sets:
+        argv += ["--set", x]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return False, "still running after 30 s"
+    lines = p.stderr.strip().splitlines()
+    ok = p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr
+    return ok, f"exit {p.returncode} in {time.monotonic() - t0:.1f} s: {lines[-1][-120:] if lines else ''}"
+
+
+def bounded_inputs(tmp: Path) -> dict[str, tuple[bool, str]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    v: dict[str, tuple[bool, str]] = {}
+    long = tmp / "long.trace"
+    long.write_text("0\n5\n1000000000000\n")
+    v["trace_spanning_1e12_ms"] = _refused_at_once([f"trace.up='{long}'"])
+    fifo = tmp / "endless.trace"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def write_forever() -> None:
+        try:
+            with open(fifo, "wb") as f:
+                while not stop.is_set():
+                    f.write(b"1" * 65536)
+        except OSError:
+            pass
+
+    threading.Thread(target=write_forever, daemon=True).start()
+    v["endless_line"] = _refused_at_once([f"trace.up='{fifo}'"])
+    stop.set()
+    try:
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+    v["toml_nested_5000_deep"] = _refused_at_once(["run.x=" + "[" * 5000 + "]" * 5000])
+    v["run_name_250_chars"] = _refused_at_once(["run.name=" + "a" * 250])
+    v["timeout_inf"] = _refused_at_once(["run.timeout_s=inf"])
+    return v
+
+
+def root_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
+    """Another user and the network lock; root and a file a user's run directory names."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return {}
+    from topo.lock import DEFAULT_LOCK_PATH, NetLock
+
+    v: dict[str, tuple[bool, str]] = {}
+    with NetLock(timeout_s=600):
+        pass  # made (or narrowed) as gradbed keeps it
+    hold = ("import fcntl, sys\nf = open(sys.argv[1])\n"
+            "fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n")
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", hold, DEFAULT_LOCK_PATH], capture_output=True,
+                       text=True, timeout=30)
+    v["lock_by_another_user"] = (p.returncode != 0 and "PermissionError" in p.stderr,
+                                 f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    victim = tmp / "root-only" / "precious"
+    victim.parent.mkdir(parents=True)
+    victim.write_text("root's")
+    run = tmp / "user" / "tiny-20260101-000000-abcd"
+    (run / "events").mkdir(parents=True)
+    (run / "control.path").write_text(f"{victim}\n")
+    for x in (run.parent, run, run / "events", run / "control.path"):
+        os.chown(x, 65534, 65534)
+    env = {**os.environ, "SUDO_UID": "65534", "SUDO_GID": "65534"}
+    c = subprocess.run([sys.executable, "-m", "controller.cli", "cleanup", "--wait-s", "600",
+                        str(run)], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=700)
+    v["cleanup_follows_a_users_file"] = (c.returncode == 0 and victim.exists(),
+                                         f"exit {c.returncode}; the named file "
+                                         f"{'kept' if victim.exists() else 'DELETED'}")
+    return v
+
+
 def main() -> None:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="robustness-"))
@@ -207,14 +314,15 @@ def main() -> None:
     # An attack on the live run is survived only if the run also ended clean and exact.
     results = {k: {"survived": ok and run_end[0] and identical, "what_happened": why}
                for k, (ok, why) in verdicts.items()}
-    log("poisoned gradients")
-    ok, why = poison_run(tmp / "poison")
-    results["poisoned_gradients"] = {"survived": ok, "what_happened": why}
-    log("controller death")
-    ok, why = controller_death(tmp / "orphan")
-    results["controller_death"] = {"survived": ok, "what_happened": why}
-    ok, why = control_injection(tmp)
-    results["control_socket_injection"] = {"survived": ok, "what_happened": why}
+    # A case that breaks is a case not survived, with what broke it; the others still run.
+    for name, case in (("poisoned_gradients", poison_run), ("controller_death", controller_death),
+                       ("control_socket_injection", control_injection)):
+        log(name)
+        ok, why = _verdict(case, tmp / name)
+        results[name] = {"survived": ok, "what_happened": why}
+    log("bounded inputs, the lock, root and a user's files")
+    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root")}.items():
+        results[k] = {"survived": ok, "what_happened": why}
     for k, r in results.items():
         log(f"{k:28s} {'survived' if r['survived'] else 'FAILED':9s} {r['what_happened'][:110]}")
     survived = sum(r["survived"] for r in results.values())

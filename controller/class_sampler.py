@@ -17,6 +17,7 @@ import pandas as pd
 
 from agents.core.class_samples import CLASS_COLUMNS
 from agents.core.events import now_ns
+from agents.core.files import write_atomic_with
 from controller.sampler import PeriodicSampler
 from topo import qdisc
 from topo.build import Network
@@ -63,6 +64,5 @@ class ClassSampler(PeriodicSampler):
         return pd.DataFrame(data, columns=list(CLASS_COLUMNS))
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        self.frame().to_parquet(tmp, index=False)
-        tmp.replace(path)
+        frame = self.frame()
+        write_atomic_with(path, lambda fh: frame.to_parquet(fh, index=False))

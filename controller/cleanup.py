@@ -33,6 +33,11 @@ def finish_orphans(run_dirs: Sequence[Path] = ()) -> list[str]:
         if run_dir in seen:
             continue
         seen.add(run_dir)
+        if entry is None:  # named on the command line: maybe by a user steering root
+            why = rundir.not_a_run_dir(run_dir)
+            if why:
+                lines.append(f"{run_dir}: not finished: {why}")
+                continue
         if run_dir.is_dir():
             lines += [f"{run_dir}: {line}" for line in rundir.finish(run_dir, KILLED)]
         if entry is not None:

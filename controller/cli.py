@@ -12,7 +12,8 @@
 Human strings are parsed here and nowhere else. Bad input at this edge (a config that is a
 folder, an ``--out`` that is a file or cannot be written, a config with errors) is one clear
 message and exit status 2, never a traceback; a closed stdout (``gradbed probe | head -1``)
-ends the command quietly.
+ends the command quietly. Every exit status means one thing (``controller.exit_status``:
+0 completed, 3 failed start, 4 agent lost, 5 timed out, 128+n signal n...).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 
 def _need_root(what: str) -> None:
@@ -36,9 +38,12 @@ def _need_root(what: str) -> None:
 
 def run_main(argv: Sequence[str]) -> int:
     from agents.core import config as cfgmod
+    from controller.exit_status import help_text
     from controller.paths import OutDirError, check_out_dir, load_config
 
-    ap = argparse.ArgumentParser(prog="gradbed run", description="Run one experiment.")
+    ap = argparse.ArgumentParser(prog="gradbed run", description="Run one experiment.",
+                                 epilog=help_text(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", type=Path,
                     help="experiment TOML (a path, or the name of a shipped config: demo.toml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
@@ -146,43 +151,51 @@ def run_main(argv: Sequence[str]) -> int:
             return 2
         return 0
     # Checked (and made) only now: a config or trace error leaves no folder behind.
+    from controller.rundir import check_owner
+
     try:
         args.out = check_out_dir(args.out)
-    except OutDirError as e:
+        check_owner(args.out)
+    except (OutDirError, PermissionError) as e:
         print(f"gradbed run: {e}", file=sys.stderr)
         return 2
     _need_root("run")
+    from controller.exit_status import SIGNAL_BASE
     from controller.run import Experiment
+    from controller.signals import Interrupted
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
                      progress=not args.no_progress, spec=spec, report=not args.no_report,
                      notes=notes)
     try:
         run_dir = exp.run()
+    except Interrupted as e:  # before _run took over: the directory is finished all the same
+        if exp.run_dir is not None:
+            _tell(str(exp.run_dir), sys.stdout)
+        return SIGNAL_BASE + e.signum
     except Exception as e:
         if exp.run_dir is None:
             raise
         # The run directory holds the error (summary.json) and the traceback (run.log).
         with open(exp.run_dir / "run.log", "a", encoding="utf-8") as log:
             log.write(traceback.format_exc())
-        print(f"gradbed run: failed: {type(e).__name__}: {e}; see {exp.run_dir / 'run.log'}",
-              file=sys.stderr)
-        print(exp.run_dir)
-        return 1
+        _tell(f"gradbed run: failed: {type(e).__name__}: {e}; see {exp.run_dir / 'run.log'}",
+              sys.stderr)
+        _tell(str(exp.run_dir), sys.stdout)
+        return exp.exit_status
     summary = run_dir / "summary.json"
     if summary.exists():
-        print(summary.read_text().strip(), file=sys.stderr)
-    print(run_dir)
-    return 130 if _interrupted(run_dir) else 0
+        _tell(summary.read_text().strip(), sys.stderr)
+    _tell(str(run_dir), sys.stdout)
+    return exp.exit_status
 
 
-def _interrupted(run_dir: Path) -> bool:
-    import json
-
+def _tell(line: str, stream: TextIO) -> None:
+    """Print, unless the terminal is gone (SIGHUP: EIO): the run directory has it all."""
     try:
-        return bool(json.loads((run_dir / "summary.json").read_text()).get("interrupted"))
-    except (OSError, ValueError):
-        return False
+        print(line, file=stream, flush=True)
+    except OSError:
+        pass
 
 
 def config_errors(command: str, e: Exception) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import warnings
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
@@ -121,7 +123,11 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     name), the ``--set`` overrides, and every path field made absolute."""
     overrides = list(overrides or [])
     config_file = resolve_config_file(path)
-    cfg = cfgmod.load(config_file, overrides)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", FutureWarning)
+        cfg = cfgmod.load(config_file, overrides)
+    for w in said:  # a deprecated field: one line naming the file and the new name
+        print(f"{config_file}: warning: {w.message}", file=sys.stderr)
     return resolve_paths(cfg, config_file.parent.absolute(), override_fields(overrides))
 
 

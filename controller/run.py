@@ -4,15 +4,15 @@
 sets the congestion control, starts the PS and the workers inside their hosts,
 samples the bottleneck's ``tc -s`` counters every 100 ms, replays bandwidth
 traces and applies rate shaping (``controller.driver``), shows progress, and
-tears everything down in ``finally``. Ctrl-C (or SIGTERM) at any point still
-leaves a loadable run directory (events converted to Parquet, ``links.parquet``,
-``summary.json`` with ``interrupted: true``) and no Mininet state.
+tears everything down in ``finally``. Ctrl-C, SIGTERM or SIGHUP at any point (and
+again during the teardown) still leaves a loadable run directory (events converted to
+Parquet, ``links.parquet``, ``summary.json`` with ``interrupted: true`` and the signal in
+``stop_reason``) and no Mininet state (``controller.signals``).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +24,7 @@ import pandas as pd
 
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
+from agents.core.files import write_atomic_with
 from agents.core.links import LINK_COLUMNS
 from agents.net import auth
 from agents.net.control import control_path
@@ -33,11 +34,13 @@ from controller.agent_env import agent_environment
 from controller.class_sampler import ClassSampler
 from controller.control import ControlServer
 from controller.driver import check_driver
+from controller.exit_status import failed_start_reason, signal_reason, status_for
 from controller.paths import resolve_paths
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
+from controller.signals import Interrupted, StopSignals
 from controller.summary import summarize
 from topo.build import Network
 from topo.plan import build_plan, describe_impairments, describe_plan, require_local
@@ -144,6 +147,9 @@ class Experiment:
         self._ps_state: dict[str, Any] = {"iter": -1}
         self.driver: Any = None
         self.runner: RoleRunner | None = None
+        self._stops = StopSignals()
+        self._started = False  # every agent came up: a failure from here on is no failed start
+        self.stop_reason = ""
         # A bad shape or trace placement is refused here, before any directory exists.
         # ``spec``: a network of the caller's own (gradbed's Python API) instead of the
         # config's shape; the config still gives everything else.
@@ -158,16 +164,20 @@ class Experiment:
 
     def say(self, line: str) -> None:
         # Status lines (not the echoed tc commands) are shown live to the user too.
-        if self.progress and not line.startswith("$ "):
+        # After SIGHUP the terminal is gone (writes fail with EIO): the run log only.
+        if self.progress and not line.startswith("$ ") and not self._stops.hung_up:
             if self._bar is not None:
                 self._bar.write(line, file=sys.stderr)
             else:
                 print(line, file=sys.stderr, flush=True)
-        if self._logf is not None:
-            self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-            self._logf.flush()
-            if line.startswith("$ ") and self.events is not None:
-                self.events.emit("tc", cmd=line[2:])
+        try:
+            if self._logf is not None:
+                self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+                self._logf.flush()
+                if line.startswith("$ ") and self.events is not None:
+                    self.events.emit("tc", cmd=line[2:])
+        except OSError:
+            pass  # a full disk: the line is lost, the run goes on and its summary has room
 
     def _on_report(self, msg: dict[str, Any]) -> None:
         """Reports from agents over the control socket (runs on its thread)."""
@@ -177,7 +187,7 @@ class Experiment:
         progress = self.runner.progress_nodes if self.runner is not None else set()
         if node in progress and kind == "iter_done":
             self._ps_state["iter"] = int(msg["iter"])
-            if self._bar is not None:
+            if self._bar is not None and not self._stops.hung_up:
                 post = {"workers": msg.get("workers")}
                 if msg.get("accuracy") is not None:
                     self._ps_state["accuracy"] = msg["accuracy"]
@@ -192,24 +202,51 @@ class Experiment:
 
     def run(self) -> Path:
         """Run the experiment; returns its directory. Whatever stops it (an error before or
-        after the start, Ctrl-C, SIGTERM), the directory loads and its summary says why."""
-        run_dir = rundir.create(self.out_root, self.cfg.run.name)
-        self.run_dir = run_dir
-        rundir.mark_active(run_dir)
-        try:
-            return self._run(run_dir)
-        except BaseException as e:
-            rundir.finish(run_dir, _stop_reason(e), error=f"{type(e).__name__}: {e}",
-                          cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
-            raise
-        finally:
-            rundir.mark_done(run_dir)
-            rundir.hand_over(run_dir)
+        after the start, Ctrl-C, SIGTERM, SIGHUP), the directory loads and its summary says
+        why; :attr:`exit_status` is then the command's status (``controller.exit_status``).
+        """
+        with self._stops:
+            run_dir = rundir.create(self.out_root, self.cfg.run.name)
+            self.run_dir = run_dir
+            rundir.mark_active(run_dir)
+            try:
+                return self._run(run_dir)
+            except BaseException as e:
+                self._stops.disarm()
+                self.stop_reason = self.stop_reason or self._stop_reason(e)
+                rundir.finish(run_dir, self.stop_reason, error=f"{type(e).__name__}: {e}",
+                              cfg_toml=cfgmod.dumps(self.cfg), argv=self.argv)
+                raise
+            finally:
+                self._stops.disarm()
+                # The registry entry stays until the directory is complete, so that
+                # ``gradbed cleanup`` can finish a run whose summary could not be written.
+                if rundir.complete(run_dir):
+                    rundir.mark_done(run_dir)
+                rundir.hand_over(run_dir)
+
+    @property
+    def exit_status(self) -> int:
+        """The exit status ``gradbed run`` gives this run (``controller.exit_status``)."""
+        return status_for(self.stop_reason)
+
+    def _stop_reason(self, e: BaseException) -> str:
+        """The summary's ``stop_reason`` for a run that an exception ended."""
+        if isinstance(e, Interrupted):
+            return signal_reason(e.signum)
+        if isinstance(e, KeyboardInterrupt):
+            return "interrupted"
+        error = str(e) or type(e).__name__
+        return f"failed: {error}" if self._started else failed_start_reason(error)
 
     def _run(self, run_dir: Path) -> Path:
         cfg = self.cfg
         started_ns = now_ns()
         t_start = time.monotonic()
+        # Room for the summary is kept from the start, and a provisional one says, until the
+        # real one replaces it, that the run never finished.
+        rundir.reserve_room(run_dir)
+        rundir.write_summary(run_dir, rundir.provisional_summary())
         self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
         self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
         caps = probe()
@@ -225,11 +262,11 @@ class Experiment:
         stop_reason = ""
         sampler: LinkSampler | None = None
         class_sampler: ClassSampler | None = None
-        ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        ctl: ControlServer | None = None
         assert self.events is not None
         self.say("building the network")
         try:
+            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
             with Network(self.spec, log=self.say, caps=caps) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
@@ -253,18 +290,20 @@ class Experiment:
                 try:
                     stop_reason = self._run_agents(net, self.runner)
                 finally:
+                    # Teardown from here: a signal now is noted, never raised, so the
+                    # network's teardown and the summary run to the end.
+                    self._stops.disarm()
                     self.runner.stop_sessions()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             interrupted = True
-            stop_reason = "interrupted"
+            stop_reason = self._stop_reason(e)
         except Exception as e:
-            stop_reason = _stop_reason(e)
+            stop_reason = self._stop_reason(e)
             self.say(f"{stop_reason}: {type(e).__name__}: {e}")
             raise
         finally:
-            # Finish writing whatever happens: a second Ctrl-C must not cut this short.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, old_term)
+            self._stops.disarm()  # a second Ctrl-C, or SIGTERM after it, must not cut this short
+            self.stop_reason = stop_reason
             try:
                 if self.driver is not None:
                     self.driver.stop()
@@ -274,18 +313,23 @@ class Experiment:
                 if class_sampler is not None:
                     class_sampler.stop_event.set()
                     class_sampler.join(timeout=2)
-                    class_sampler.write(run_dir / "classes.parquet")
-                ctl.close()
+                    rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
+                                       "classes.parquet", self.say)
+                if ctl is not None:
+                    ctl.close()
+                # Also when a signal cut the control server's start short (ctl unset).
+                rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:
                     self._bar.close()
-                self.events.emit("run_end", reason=stop_reason)
-                self.events.close()
+                events = self.events
+                rundir.best_effort(lambda: events.emit("run_end", reason=stop_reason),
+                                   "run_end event", self.say)
+                rundir.best_effort(events.close, "controller events", self.say)
                 self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
                                interrupted, stop_reason)
             finally:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
                 if self._logf is not None:
-                    self._logf.close()
+                    rundir.best_effort(self._logf.close, "run.log", lambda _: None)
         return run_dir
 
     def headline(self) -> str:
@@ -323,6 +367,7 @@ class Experiment:
         for the roles that end the run."""
         cfg = self.cfg
         runner.start_agents()
+        self._started = True
         if self.progress:
             from tqdm import tqdm
 
@@ -335,14 +380,15 @@ class Experiment:
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        # A full disk may fail any of these but the summary, for which room was kept.
         rundir.convert_events(run_dir)
         links = sampler.frame() if sampler is not None else links_frame([])
-        tmp = run_dir / ".links.parquet.tmp"
-        links.to_parquet(tmp, index=False)
-        os.replace(tmp, run_dir / "links.parquet")
+        rundir.best_effort(lambda: write_atomic_with(
+            run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
+            "links.parquet", self.say)
         events = load_events(run_dir, allow_empty=True)
         summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
-        rundir.write_json(run_dir / "summary.json", summary)
+        rundir.write_summary(run_dir, summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}
         if self._net is not None:
@@ -353,7 +399,8 @@ class Experiment:
                 if host.get("delay_line_died"):
                     self.say(f"warning: the delay line in {host['host']} died "
                              f"({host['delay_line_died']}); its link dropped every packet")
-        rundir.write_json(run_dir / "meta.json", meta)
+        rundir.best_effort(lambda: rundir.write_json(run_dir / "meta.json", meta), "meta.json",
+                           self.say)
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
@@ -369,13 +416,3 @@ class Experiment:
             if not self.quiet:
                 print(f"warning: report not written: {e}", file=sys.stderr)
 
-
-def _stop_reason(e: BaseException) -> str:
-    """The summary's ``stop_reason`` for a run that an exception ended."""
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted"
-    return f"failed: {e}" if str(e) else f"failed: {type(e).__name__}"
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

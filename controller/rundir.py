@@ -12,10 +12,12 @@ interrupted run never leaves a half-written file.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import os
 import platform
 import secrets
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,20 +34,121 @@ def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+# -- a summary whatever happens ---------------------------------------------------------------
+# A run directory's file system may fill up mid-run (its agents' events, someone else's
+# files). The summary is what must survive: a provisional one is written first, room for the
+# final one is kept in a reserve file from the start and given back just before it is
+# written, and every other file of the finalisation is best effort.
+
+#: Bytes kept for the summary (and the meta that follows it): far above either's size.
+RESERVE_BYTES = 1 << 20
+RESERVE_NAME = ".summary.reserve"
+#: The ``stop_reason`` of a provisional summary: the run has not ended (or its controller
+#: died before it could say how; ``gradbed cleanup`` then finishes it).
+RUNNING = "running"
+
+
+def provisional_summary() -> dict[str, Any]:
+    return {"provisional": True, "stop_reason": RUNNING, "interrupted": True,
+            "iterations": 0}
+
+
+def reserve_room(run_dir: Path) -> None:
+    """Keep :data:`RESERVE_BYTES` of the run directory's file system for its summary."""
+    fd = os.open(run_dir / RESERVE_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.write(fd, b"\0" * RESERVE_BYTES)  # a file system without fallocate
+    finally:
+        os.close(fd)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary.json`` atomically, first giving back the room kept for it when this is
+    the final one."""
+    if not summary.get("provisional"):
+        try:
+            os.unlink(run_dir / RESERVE_NAME)
+        except FileNotFoundError:
+            pass
+    write_json(run_dir / "summary.json", summary)
+
+
+def complete(run_dir: Path) -> bool:
+    """Whether the run directory has its final summary."""
+    try:
+        return not json.loads((run_dir / "summary.json").read_text()).get("provisional")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def best_effort(action: Any, what: str, say: Any) -> None:
+    """Run ``action()``; a failure to write (a full disk) is said, not raised: the summary
+    after it matters more than ``what``."""
+    try:
+        action()
+    except OSError as e:
+        say(f"warning: {what} not written: {e}")
+
+
 def create(out_root: Path, name: str) -> Path:
     """A new, uniquely named run directory under ``out_root``, as an absolute path (the
     agents start in other working directories). Folders made here, ``out_root``'s missing
     parents included, belong to the user who ran sudo (:func:`hand_over`)."""
     out_root = Path(out_root).absolute()
     made = make_dirs(out_root)
+    check_owner(out_root)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = out_root / f"{name}-{stamp}-{secrets.token_hex(2)}"
-    (path / "events").mkdir(parents=True)
+    # mkdir, not makedirs: it fails on anything already there, a planted link included.
+    path.mkdir(mode=0o755)
+    (path / "events").mkdir()
     (path / "logs").mkdir()
     for d in made:
         hand_over(d, recursive=False)
     # No key is written here: every host can read this directory (agents.net.auth).
     return path
+
+
+def check_owner(folder: Path) -> None:
+    """Refuse, under sudo, an ``--out`` folder (or a link on its way) that belongs to a
+    user other than root and the one who ran sudo: that user could swap what is in it for
+    links, and root would then write where they point."""
+    owner = invoking_user()
+    if owner is None:
+        return
+    p = folder
+    while True:
+        st = os.lstat(p)
+        if st.st_uid not in (0, owner[0]):
+            raise PermissionError(f"{p} belongs to uid {st.st_uid}, neither root nor the "
+                                  f"user who ran sudo (uid {owner[0]}); choose another --out")
+        if p.parent == p:
+            return
+        p = p.parent
+
+
+def not_a_run_dir(path: Path) -> str:
+    """Why ``path`` is not a run directory root may finish ("" when it is one): a link, not
+    a folder, without the ``events`` folder every run has, or in a folder that belongs to a
+    user other than root and the one who ran sudo (:func:`check_owner`)."""
+    try:
+        st = os.lstat(path)
+        ev = os.lstat(path / "events")
+    except FileNotFoundError:
+        return "not a gradbed run directory (no events folder)"
+    if not stat.S_ISDIR(st.st_mode) or not stat.S_ISDIR(ev.st_mode):
+        return "not a gradbed run directory (a link or not a folder)"
+    try:
+        check_owner(path)
+    except PermissionError as e:
+        return str(e)
+    return ""
 
 
 def make_dirs(path: Path) -> list[Path]:
@@ -171,6 +274,9 @@ def convert_events(run_dir: Path) -> list[Path]:
 #: ``gradbed cleanup`` finds the runs whose controller was killed (SIGKILL leaves no chance
 #: to write anything) even when no agent is left to point at them.
 ACTIVE_DIR = Path("/run/gradbed/runs")
+#: Where a run's control socket goes when ``RUN/control.sock`` is too long a path
+#: (agents.net.control.FALLBACK_DIR), named after the run.
+SOCKET_DIR = Path("/run/gradbed")
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -223,9 +329,13 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
     finalisation explain itself: ``config.toml`` (from ``cfg_toml``) and ``meta.json`` where
     missing, events converted to Parquet, a ``summary.json`` computed from whatever events
     the agents wrote (where none exists; an existing one only gains the ``stop_reason`` it
-    lacks and the ``error``), and no secret or control socket left. Returns what it did."""
-    from agents.net.control import control_path
+    lacks and the ``error``), and no secret or control socket left. Returns what it did.
 
+    Root acts here on a folder a user may have written in: only paths derived from the run's
+    name are removed (``RUN/control.sock``, ``/run/gradbed/NAME.sock``, ``RUN/secret``,
+    ``RUN/control.path``), never one a file in the folder names, and only what is what it
+    should be (a socket is removed only if it is a socket; a link is removed, not followed).
+    """
     done: list[str] = []
     if cfg_toml is not None and not (run_dir / "config.toml").exists():
         write_atomic(run_dir / "config.toml", cfg_toml)
@@ -236,7 +346,7 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
         done.append("wrote meta.json")
     convert_events(run_dir)
     summary_path = run_dir / "summary.json"
-    if summary_path.exists():
+    if complete(run_dir):
         summary = json.loads(summary_path.read_text())
         summary["stop_reason"] = summary.get("stop_reason") or stop_reason
     else:
@@ -244,14 +354,14 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
         done.append(f"wrote summary.json (stop_reason: {stop_reason})")
     if error:
         summary["error"] = error
-    write_json(summary_path, summary)
+    write_summary(run_dir, summary)
+    for tmp in [*run_dir.glob(".*.tmp"), *(run_dir / "events").glob(".*.tmp")]:
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink()  # a writer killed mid-write left it
+            done.append(f"removed {tmp}")
     if write_timelines(run_dir, done.append):
         done.append("wrote trace.json")
-    sock = control_path(run_dir)
-    for leftover in (run_dir / "secret", sock, run_dir / "control.path"):
-        if leftover.exists() or leftover.is_symlink():
-            leftover.unlink()
-            done.append(f"removed {leftover}")
+    done += remove_leftovers(run_dir)
     hand_over(run_dir)
     return done
 
@@ -267,6 +377,24 @@ def write_timelines(run_dir: Path, say: Callable[[str], object]) -> bool:
         say(f"warning: trace.json not written: {type(e).__name__}: {e}")
         return False
     return True
+
+
+def remove_leftovers(run_dir: Path) -> list[str]:
+    """Remove the run's secret and control socket, by the names gradbed gives them (see
+    :func:`finish`); one line per thing removed."""
+    done = []
+    for leftover, kind in ((run_dir / "secret", None), (run_dir / "control.path", None),
+                           (run_dir / "control.sock", stat.S_ISSOCK),
+                           (SOCKET_DIR / f"{run_dir.name}.sock", stat.S_ISSOCK)):
+        try:
+            st = os.lstat(leftover)
+        except FileNotFoundError:
+            continue
+        if kind is not None and not kind(st.st_mode):
+            continue  # not the socket gradbed made under that name: not ours to remove
+        leftover.unlink()
+        done.append(f"removed {leftover}")
+    return done
 
 
 def _summary_from_events(run_dir: Path, stop_reason: str) -> dict[str, Any]:

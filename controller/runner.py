@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.core.events import EventLog
+from controller.exit_status import timeout_reason
 from controller.roles import Role, RoleCommand, RoleContext, RoleSession, require_end
 
 READY_TIMEOUT_S = 60.0
@@ -104,8 +105,8 @@ class RoleRunner:
         reported: set[int] = set()
         while any(p.poll() is None for _, _, p in enders):
             if time.monotonic() > deadline:
-                self.say(f"timeout after {timeout_s} s: stopping")
-                return f"timeout after {timeout_s} s"
+                self.say(f"{timeout_reason(timeout_s)}: stopping")
+                return timeout_reason(timeout_s)
             for i, (_, c, p) in enumerate(others):
                 if p.poll() not in (None, 0) and i not in reported:
                     reported.add(i)

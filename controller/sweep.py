@@ -61,6 +61,7 @@ import tomli_w
 
 from agents.core import config as cfgmod
 from controller.agent_env import python_path
+from controller.exit_status import FAILED, SIGNAL_BASE, TIMED_OUT
 from controller.paths import (
     PATH_FIELDS,
     OutDirError,
@@ -115,6 +116,7 @@ class RunResult:
 
     combo: Combination
     status: str = "pending"                     # ok, failed, interrupted, timeout
+    exit_status: int | None = None              # gradbed run's (controller.exit_status)
     run_dir: Path | None = None
     error: str = ""
     wall_s: float = math.nan
@@ -272,6 +274,7 @@ def table_rows(spec: SweepSpec, results: Sequence[RunResult]) -> list[dict[str, 
         if spec.repeat > 1:
             row["repeat"] = res.combo.repeat
         row["status"] = res.status
+        row["exit_status"] = res.exit_status
         for col, key in TABLE_METRICS:
             v = res.summary.get(key)
             row[col] = res.wall_s if key == "wall_s" and v is None else v
@@ -432,6 +435,7 @@ def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Pa
 def _collect(res: RunResult, rc: int | None, out: str, log_path: Path, wall_s: float,
              planned: int) -> None:
     res.wall_s = wall_s
+    res.exit_status = rc
     lines = [ln for ln in (out or "").strip().splitlines() if ln.strip()]
     if lines and Path(lines[-1]).is_dir():
         res.run_dir = Path(lines[-1])
@@ -442,6 +446,7 @@ def _collect(res: RunResult, rc: int | None, out: str, log_path: Path, wall_s: f
             except (OSError, ValueError) as e:
                 res.error = f"{sp}: {e}"
     if res.status == "timeout":
+        res.exit_status = TIMED_OUT  # overran the sweep's hard limit, then stopped like Ctrl-C
         return
     if rc == 0:
         reason = str(res.summary.get("stop_reason", "completed"))
@@ -601,6 +606,16 @@ def sweep_main(argv: Sequence[str]) -> int:
         print(f"gradbed sweep: {e}", file=sys.stderr)
         return 2
     print(sweep_dir)
-    if len(done) < len(expand(spec)) or any(r.status == "interrupted" for r in done):
-        return 130
-    return 0 if all(r.status == "ok" for r in done) else 1
+    return sweep_status(done, len(expand(spec)))
+
+
+def sweep_status(done: Sequence[RunResult], planned: int) -> int:
+    """``gradbed sweep``'s exit status: 130 when it was stopped before its last run, else
+    the first failed run's own status (``controller.exit_status``), 1 for a run that
+    exited 0 yet fell short (fewer iterations than planned), 0 when every run completed."""
+    if len(done) < planned or any(r.status == "interrupted" for r in done):
+        return SIGNAL_BASE + int(signal.SIGINT)
+    failed = [r.exit_status for r in done if r.exit_status]
+    if failed and failed[0] is not None:
+        return failed[0]
+    return 0 if all(r.status == "ok" for r in done) else FAILED

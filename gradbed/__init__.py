@@ -54,7 +54,7 @@ __all__ = [
     "NetSpec", "Network", "Role", "RoleCommand", "RoleContext", "RoleError", "ShapingPoint",
     "SpecError", "StarSpec", "SwitchSpec", "cli", "dry_run", "load_config", "place", "role",
     "role_names", "register_role", "register_shape", "run", "shape_spec", "shape_names",
-    "summary", "torchrun",
+    "summary", "torchrun", "exit_status",
 ]
 
 
@@ -136,3 +136,12 @@ def summary(run_dir: str | Path) -> dict[str, Any]:
     """A run directory's ``summary.json``."""
     result: dict[str, Any] = json.loads((Path(run_dir) / "summary.json").read_text())
     return result
+
+
+def exit_status(run_dir: str | Path) -> int:
+    """The exit status ``gradbed run`` gave (or would give) the run in ``run_dir``: 0
+    completed, 3 failed start, 4 an agent lost, 5 timed out, 128+n signal n
+    (``controller.exit_status``, the one table)."""
+    from controller.exit_status import status_for
+
+    return status_for(str(summary(run_dir).get("stop_reason", "")))

@@ -32,12 +32,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.core.bandwidth import TraceError
+from agents.core.bandwidth import MAX_LINES, MAX_SPAN_S, TraceError
 
 __all__ = ["MAX_FRAME_BYTES", "PcapSummary", "pcap_summary", "read_capture", "rewrite_pcap",
            "rewrite_pcap_file"]
 
 MAX_FRAME_BYTES = 1514
+# Bounds checked before a capture is read whole (scapy holds every packet as an object):
+#: Largest capture file read.
+MAX_CAPTURE_BYTES = 256 * 1024 * 1024
+#: Largest record a capture may declare (a snap length past it is a corrupt header).
+MAX_RECORD_BYTES = 262_144
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,23 @@ def read_capture(path: str | os.PathLike[str]) -> list:  # type: ignore[type-arg
 
     if not Path(path).is_file():
         raise TraceError(f"{path}: cannot read: no such file")
+    size = Path(path).stat().st_size
+    if size > MAX_CAPTURE_BYTES:
+        raise TraceError(f"{path}: {size} bytes; a capture to replay is at most "
+                         f"{MAX_CAPTURE_BYTES} bytes")
     try:
-        packets = list(rdpcap(str(path)))
+        packets = list(rdpcap(str(path), count=MAX_LINES + 1))
     except (Scapy_Exception, OSError, ValueError, EOFError) as e:
         raise TraceError(f"{path}: not a pcap capture: {e}") from None
     if not packets:
         raise TraceError(f"{path}: the capture holds no packets")
+    if len(packets) > MAX_LINES:
+        raise TraceError(f"{path}: more than {MAX_LINES} packets; a capture to replay has at "
+                         f"most {MAX_LINES}")
+    times = [float(p.time) for p in packets]
+    if max(times) - min(times) > MAX_SPAN_S:
+        raise TraceError(f"{path}: spans {max(times) - min(times):g} s; a capture to replay "
+                         f"spans at most {MAX_SPAN_S:g} s (a week)")
     if not any(_replayable(p) for p in packets):
         raise TraceError(f"{path}: none of its {len(packets)} packets is an IPv4 frame of "
                          f"at most {MAX_FRAME_BYTES} bytes; nothing to replay")
@@ -170,6 +186,9 @@ def _records(path: Path) -> Iterator[tuple[bytes, bytes, float]]:
             if len(hdr) < 16:
                 raise TraceError(f"{path}: truncated record header")
             sec, frac, incl, _orig = rec.unpack(hdr)
+            if incl > MAX_RECORD_BYTES:
+                raise TraceError(f"{path}: a record of {incl} bytes; records are at most "
+                                 f"{MAX_RECORD_BYTES}")
             data = f.read(incl)
             if len(data) < incl:
                 raise TraceError(f"{path}: truncated record ({len(data)} of {incl} bytes)")

@@ -31,8 +31,19 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from agents.core.checks import MAX_DURATION_S
+from agents.core.files import quote_line
+
 # Mahimahi's fixed packet size: one delivery opportunity drains one MTU-sized packet.
 MAHIMAHI_PACKET_BYTES = 1500
+# Every input file is bounded before it is expanded (a trace of 10^12 ms, a file that is
+# one endless line): one line names the file, the line and the limit.
+#: Most lines read from a trace, CDF or similar text file.
+MAX_LINES = 10_000_000
+#: Longest line (bytes); longer is not a trace, and is read in pieces no larger.
+MAX_LINE_BYTES = 64 * 1024
+#: Longest span a trace may cover (and so the most windows a binned trace has).
+MAX_SPAN_S = MAX_DURATION_S
 
 # Rates closer than this (relative) are one step; float sums otherwise split equal steps.
 _MERGE_REL_TOL = 1e-9
@@ -71,6 +82,9 @@ class BandwidthTrace:
         if not (math.isfinite(self.period_s) and self.period_s > self.times_s[-1]):
             raise TraceError(f"{where}: period_s={self.period_s} must be finite and after the "
                              f"last step at {self.times_s[-1]} s")
+        if self.period_s > MAX_SPAN_S:
+            raise TraceError(f"{where}: period_s={self.period_s:g} is past {MAX_SPAN_S:g} s; a "
+                             "trace spans at most a week")
         for i, r in enumerate(self.rates_mbps):
             if not (math.isfinite(r) and r >= 0.0):
                 raise TraceError(f"{where}: step {i} rate_mbps={r} must be finite and >= 0")
@@ -198,31 +212,32 @@ def _same_rate(a: float, b: float) -> bool:
 
 
 def read_lines(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
-    """``(name, lines)`` of a text file; TraceError naming it when it is missing,
-    unreadable or not text. For small files (flow-size CDFs); traces stream
-    (:func:`iter_lines`)."""
-    name = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise TraceError(f"{name}:1: not a text file ({e.reason})") from e
-    except OSError as e:
-        raise TraceError(f"{name}: cannot read: {e.strerror or e}") from e
-    return name, text.splitlines()
+    """``(name, lines)`` of a text file, with :func:`iter_lines`'s bounds and errors. For
+    small files (flow-size CDFs); traces stream (:func:`iter_lines`)."""
+    return str(path), [line for _, line in iter_lines(path)]
 
 
 def iter_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
-    """``(lineno, line)`` of a text file, read as it goes: memory stays one line, not the
-    file (a 200 MB trace read whole took 4.4 GB). TraceError naming the file (and the
-    line, for bytes that are not text) when it is missing, unreadable or not text."""
+    """``(lineno, line)`` of a text file, read as it goes in pieces of at most
+    :data:`MAX_LINE_BYTES`: memory stays one line, not the file (a 200 MB trace read whole
+    took 4.4 GB), and a file that is one endless line fails at its first 64 KiB. TraceError
+    naming the file (and the line) when it is missing, unreadable, not text, has a line
+    longer than :data:`MAX_LINE_BYTES` or more than :data:`MAX_LINES` lines."""
     name = str(path)
     lineno = 0
     try:
-        with open(path, encoding="utf-8", newline=None) as f:
-            for lineno, line in enumerate(f, start=1):
-                yield lineno, line.rstrip("\n")
+        with open(path, "rb") as f:
+            while raw := f.readline(MAX_LINE_BYTES + 1):
+                lineno += 1
+                if lineno > MAX_LINES:
+                    raise TraceError(f"{name}:{lineno}: more than {MAX_LINES} lines; a trace "
+                                     f"or distribution file has at most {MAX_LINES}")
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    raise TraceError(f"{name}:{lineno}: line longer than {MAX_LINE_BYTES} "
+                                     f"bytes; lines are at most {MAX_LINE_BYTES}")
+                yield lineno, raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:
-        raise TraceError(f"{name}:{lineno + 1}: not a text file ({e.reason})") from e
+        raise TraceError(f"{name}:{lineno}: not a text file ({e.reason})") from e
     except OSError as e:
         raise TraceError(f"{name}: cannot read: {e.strerror or e}") from e
 
@@ -236,7 +251,8 @@ def split_pair(name: str, lineno: int, raw: str, what: str) -> tuple[str, str] |
         return None
     parts = s.split()
     if len(parts) != 2:
-        raise TraceError(f"{name}:{lineno}: expected '{what}', got {len(parts)} fields: {s!r}")
+        raise TraceError(f"{name}:{lineno}: expected '{what}', got {len(parts)} fields: "
+                         f"{quote_line(name, s)}")
     return parts[0], parts[1]
 
 
@@ -244,9 +260,11 @@ def _parse_float(name: str, lineno: int, field: str, token: str) -> float:
     try:
         value = float(token)
     except ValueError:
-        raise TraceError(f"{name}:{lineno}: {field} {token!r} is not a number") from None
+        raise TraceError(f"{name}:{lineno}: {field} {quote_line(name, token)} is not a "
+                         "number") from None
     if not math.isfinite(value):
-        raise TraceError(f"{name}:{lineno}: {field} {token!r} is not a finite number")
+        raise TraceError(f"{name}:{lineno}: {field} {quote_line(name, token)} is not a "
+                         "finite number")
     return value
 
 
@@ -272,6 +290,9 @@ class _Points:
         rate = _parse_float(name, lineno, "rate_mbps", rate_token)
         if t_s < 0.0:
             raise TraceError(f"{name}:{lineno}: time_s {t_s} is negative")
+        if t_s > MAX_SPAN_S:
+            raise TraceError(f"{name}:{lineno}: time_s {t_s:g} is past {MAX_SPAN_S:g} s; a "
+                             f"trace spans at most a week")
         if rate < 0.0:
             raise TraceError(f"{name}:{lineno}: rate {rate} Mbit/s is negative")
         if self.max_rate_mbps is not None and rate > self.max_rate_mbps:
@@ -341,10 +362,13 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1,
         try:
             ms = int(s)
         except ValueError:
-            raise TraceError(f"{name}:{lineno}: timestamp {s!r} is not an integer number of "
-                             f"milliseconds") from None
+            raise TraceError(f"{name}:{lineno}: timestamp {quote_line(name, s)} is not an "
+                             f"integer number of milliseconds") from None
         if ms < 0:
             raise TraceError(f"{name}:{lineno}: timestamp {ms} ms is negative")
+        if ms > MAX_SPAN_S * 1000:
+            raise TraceError(f"{name}:{lineno}: timestamp {ms} ms is past {MAX_SPAN_S * 1000:g} "
+                             f"ms; a trace spans at most a week")
         if ms < prev_ms:
             raise TraceError(f"{name}:{lineno}: timestamp {ms} ms goes backwards (line "
                              f"{prev_line} has {prev_ms} ms)")
@@ -362,6 +386,9 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1,
                          f"timestamp to be > 0")
     period_s = period_ms / 1000.0
     n_windows = max(1, math.ceil(period_s / granularity_s - 1e-9))
+    if n_windows > MAX_LINES:
+        raise TraceError(f"{name}:{prev_line}: {period_s:g} s in {granularity_s:g} s windows "
+                         f"are {n_windows} steps; a trace has at most {MAX_LINES}")
     # The opportunities at exactly the period are time 0 of the next loop (Mahimahi).
     k_end = int(period_ms / 1000.0 / granularity_s + 1e-9)
     counts[k_end] -= run_at_prev
@@ -424,11 +451,12 @@ def load_csv(path: str | os.PathLike[str], period_s: float | None = None,
         if not header_seen:
             if cells != ["time_s", "rate_mbps"]:
                 raise TraceError(f"{name}:{lineno}: expected the header 'time_s,rate_mbps', "
-                                 f"got {s!r}")
+                                 f"got {quote_line(name, s)}")
             header_seen = True
             continue
         if len(cells) != 2:
-            raise TraceError(f"{name}:{lineno}: expected 2 columns, got {len(cells)}: {s!r}")
+            raise TraceError(f"{name}:{lineno}: expected 2 columns, got {len(cells)}: "
+                             f"{quote_line(name, s)}")
         points.add(lineno, cells[0], cells[1])
     if not points.n:
         raise TraceError(f"{name}:1: empty trace: no data rows after the header")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import tomllib
 import types
 import typing
@@ -26,7 +27,16 @@ from typing import Any
 
 import tomli_w
 
-from agents.core.checks import ConfigError, collect, collecting, fail
+from agents.core.checks import (
+    MAX_CONFIG_BYTES,
+    MAX_NESTING,
+    ConfigError,
+    check_number,
+    collect,
+    collecting,
+    fail,
+    nesting_depth,
+)
 from agents.core.checks import check as _check
 from agents.core.checks import check_registered as _check_name
 from agents.core.cluster_config import ClusterConfig
@@ -55,7 +65,10 @@ class RunConfig:
     eval_every: int = 5               # PS evaluates held-out accuracy every N iterations
     device: str = "auto"              # "auto" picks CUDA when present, else "cpu"
     timeout_s: float = 900.0          # hard limit for the whole run; the run stops cleanly
-    on_worker_death: str = "continue" # "continue" re-shapes to B/(N-1); "stop" ends the run
+    # What a lost agent does to the run: "continue" goes on without it (a worker: the
+    # bottleneck re-shaped to B/(N-1)); "stop" ends the run (exit status 4). The old name
+    # ``on_worker_death`` is still read, with a deprecation message.
+    on_agent_death: str = "continue"
     target_accuracy: float = 0.0      # summary reports time to reach it (0 = not reported)
     # The first iterations (TCP slow start, first-touch allocations) left out of the
     # summary's iteration-time percentiles and utilisation; the events keep them all.
@@ -73,14 +86,26 @@ class RunConfig:
         _check(self.device in ("auto", "cpu", "cuda"), f"{p}.device", self.device,
                "must be one of auto, cpu, cuda")
         _check(self.timeout_s > 0, f"{p}.timeout_s", self.timeout_s, "must be > 0")
-        _check(self.on_worker_death in ("continue", "stop"), f"{p}.on_worker_death",
-               self.on_worker_death, "must be 'continue' or 'stop'")
+        _check(self.on_agent_death in ("continue", "stop"), f"{p}.on_agent_death",
+               self.on_agent_death, "must be 'continue' or 'stop'")
         _check(0.0 <= self.target_accuracy <= 1.0, f"{p}.target_accuracy",
                self.target_accuracy, "must be in [0, 1]")
-        _check(bool(self.name) and "/" not in self.name, f"{p}.name", self.name,
-               "must be a non-empty name without '/'")
+        _check(RUN_NAME.fullmatch(self.name) is not None, f"{p}.name", self.name[:80],
+               f"must be 1 to {RUN_NAME_MAX} characters of A-Z a-z 0-9 . _ - "
+               "(it names the run's directory)")
         _check(self.allocator in ALLOCATORS, f"{p}.allocator", self.allocator,
                f"must be {' or '.join(ALLOCATORS)}")
+
+    @property
+    def on_worker_death(self) -> str:
+        """The old name of :attr:`on_agent_death`."""
+        return self.on_agent_death
+
+
+#: A run's name becomes a folder's and a socket's name: short, and no character a file
+#: system, a shell or a terminal reads differently.
+RUN_NAME_MAX = 64
+RUN_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{RUN_NAME_MAX}}}")
 
 
 LOSS_MODELS = ("statistic", "seeded")
@@ -481,10 +506,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         _check(isinstance(value, int | float) and not isinstance(value, bool), path, value,
                "must be a number")
+        check_number(path, value)
         return float(value)
     if tp is int:
         _check(isinstance(value, int) and not isinstance(value, bool), path, value,
                "must be an integer")
+        check_number(path, value)
         return value
     if tp is bool:
         _check(isinstance(value, bool), path, value, "must be true or false")
@@ -537,6 +564,7 @@ RENAMED: dict[str, str] = {
     "moe.lr": "workload.lr",
     "moe.momentum": "workload.momentum",
     "moe.batch_size": "workload.batch_size",
+    "run.on_worker_death": "run.on_agent_death",
 }
 
 
@@ -573,6 +601,8 @@ def from_dict(data: dict[str, Any]) -> ExperimentConfig:
     """Build and validate a config; raises one ConfigError listing every error found. Old
     field names (:data:`RENAMED`) are read under their new names with a
     :class:`ConfigDeprecation` warning."""
+    if nesting_depth(data) > MAX_NESTING:
+        raise ConfigError(f"tables and arrays nested deeper than {MAX_NESTING} levels")
     with collect() as errors:
         data = _renamed(data)
         sections = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
@@ -618,12 +648,26 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) < 2 or not all(parts):
-        raise ConfigError(f"--set {text!r}: key must be section.field (e.g. net.workers)")
+        raise ConfigError(f"--set {text[:80]!r}: key must be section.field (e.g. net.workers)")
+    if len(parts) > MAX_NESTING:
+        raise ConfigError(f"--set {key[:80]!r}...: key nested deeper than {MAX_NESTING} levels")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        value = loads_bounded(f"v = {raw}", f"--set {key}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
     return parts, value
+
+
+def loads_bounded(text: str, what: str) -> dict[str, Any]:
+    """``tomllib.loads``, refusing tables and arrays nested deeper than :data:`MAX_NESTING`
+    levels with one line (tomllib recurses: a few hundred levels are a RecursionError)."""
+    try:
+        data = tomllib.loads(text)
+    except RecursionError:
+        data = None
+    if data is None or nesting_depth(data) > MAX_NESTING:
+        raise ConfigError(f"{what}: tables and arrays nested deeper than {MAX_NESTING} levels")
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -647,7 +691,12 @@ def read_toml(path: Path) -> dict[str, Any]:
     """The tables of the TOML file ``path``; every way reading it fails is one ConfigError
     naming the file (the config's and the sweep's loaders both read through here)."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; a config file "
+                              "is at most that")
+        return loads_bounded(raw.decode("utf-8"), str(path))
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: config file not found") from e
     except IsADirectoryError as e:

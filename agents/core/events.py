@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from agents.core.files import write_atomic_with
+
 SCHEMA_VERSION = 1
 
 #: Columns every event row carries, whatever its type.
@@ -441,9 +443,7 @@ def jsonl_to_parquet(jsonl: str | os.PathLike[str]) -> Path:
             kinds = {type(v) for v in df[col].dropna()}
             if len(kinds) > 1:
                 df[col] = df[col].map(lambda v: None if v is None else str(v))
-    tmp = dst.with_suffix(".parquet.tmp")
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, dst)
+    write_atomic_with(dst, lambda fh: df.to_parquet(fh, index=False))
     return dst
 
 

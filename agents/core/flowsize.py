@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agents.core.bandwidth import TraceError, read_lines
-from agents.core.files import write_atomic
+from agents.core.files import quote_line, write_atomic
 
 __all__ = ["FlowSizeCDF", "FlowSizeMeanWarning", "flow_arrivals", "load_flow_cdf",
            "write_flow_cdf"]
@@ -120,9 +120,11 @@ def _number(name: str, lineno: int, field: str, token: str) -> float:
     try:
         v = float(token)
     except ValueError:
-        raise TraceError(f"{name}:{lineno}: {field} {token!r} is not a number") from None
+        raise TraceError(f"{name}:{lineno}: {field} {quote_line(name, token)} is not a "
+                         "number") from None
     if not math.isfinite(v):
-        raise TraceError(f"{name}:{lineno}: {field} {token!r} is not a finite number")
+        raise TraceError(f"{name}:{lineno}: {field} {quote_line(name, token)} is not a "
+                         "finite number")
     return v
 
 
@@ -222,7 +224,7 @@ def _from_points(name: str, rows: list[tuple[int, list[str]]], layout: str,
     for lineno, f in rows:
         if len(f) != ncols:
             raise TraceError(f"{name}:{lineno}: expected '{what}', got {len(f)} fields: "
-                             f"{' '.join(f)!r}")
+                             f"{quote_line(name, ' '.join(f))}")
         size = _number(name, lineno, "size", f[0])
         c = _number(name, lineno, "cdf", f[-1])
         if size < 0:

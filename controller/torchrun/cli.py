@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agents.core.config import ExperimentConfig
-from controller.torchrun.experiment import EXIT_FAILED_START, EXIT_USAGE
+from controller.exit_status import FAILED_START as EXIT_FAILED_START
+from controller.exit_status import USAGE as EXIT_USAGE
 
 
 def split_script(argv: Sequence[str]) -> tuple[list[str], list[str]]:

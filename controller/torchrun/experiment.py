@@ -30,6 +30,7 @@ import pandas as pd
 from agents.core import config as cfgmod
 from agents.core.events import now_ns
 from controller import rundir
+from controller.exit_status import failed_start_reason, timeout_reason
 from controller.roles import RoleCommand
 from controller.roles.torchrun import (
     RankPlan,
@@ -49,14 +50,6 @@ from topo.build import Network
 from topo.shapes import shape_spec
 from topo.spec import NetSpec
 
-#: gradbed torchrun's exit statuses, defined once (the shared table of controller/ can
-#: take them over): 128 + n for a signal.
-EXIT_COMPLETED = 0
-EXIT_USAGE = 2
-EXIT_FAILED_START = 3
-EXIT_RANK_LOST = 4
-EXIT_TIMED_OUT = 5
-EXIT_BYPASSED = 6
 STOP_GRACE_S = 5.0
 FAILURE_SETTLE_S = 1.0
 POLL_S = 0.1
@@ -80,7 +73,6 @@ class TorchrunExperiment(Experiment):
         self.plans: dict[str, RankPlan] = {}
         self.sampler: ConnSampler | None = None
         self.result: dict[str, Any] = {}
-        self.exit_status = EXIT_COMPLETED
 
     def headline(self) -> str:
         tr = self.cfg.torchrun
@@ -163,13 +155,11 @@ class TorchrunExperiment(Experiment):
         deadline = time.monotonic() + self.cfg.run.timeout_s
         while True:
             if any(p.poll() not in (None, 0) for _, p in procs):
-                self.exit_status = EXIT_RANK_LOST
                 return self._first_failure(procs)
             if all(p.poll() is not None for _, p in procs):
                 return "completed"
             if time.monotonic() > deadline:
-                self.exit_status = EXIT_TIMED_OUT
-                return f"timeout after {self.cfg.run.timeout_s:g} s"
+                return timeout_reason(self.cfg.run.timeout_s)
             now = now_ns()
             # A sampler that failed reads no bytes: that is no stall (its error is in the
             # summary's torchrun.sampler_error).
@@ -177,7 +167,6 @@ class TorchrunExperiment(Experiment):
                        and p.poll() is None
                        and (now - self.sampler.progress[c.host][1]) / 1e9 > tr.stall_s]
             if stalled:
-                self.exit_status = EXIT_RANK_LOST
                 # Peers of a rank that never calls init_process_group wait in theirs and
                 # stall with it: name the one that never got there first.
                 stalled.sort(key=lambda h: self._reached_init(h))
@@ -222,11 +211,13 @@ class TorchrunExperiment(Experiment):
                        if k.endswith("IFNAME") or k.startswith("NCCL"))
         master = f"{self.plans[next(iter(self.plans))].ip}:{self.cfg.torchrun.port}"
         if self.sampler.progress[host][0] == 0:
-            return (f"{self._ranks(host)} (host {host}) never reached rendezvous: no "
+            return failed_start_reason(
+                f"{self._ranks(host)} (host {host}) never reached rendezvous: no "
                     f"connection to another host in {stall_s:g} s (master {master}, {env}); "
                     f"see logs/{host}.log")
         if not self._reached_init(host):
-            return (f"{self._ranks(host)} (host {host}) never reached init_process_group in "
+            return failed_start_reason(
+                f"{self._ranks(host)} (host {host}) never reached init_process_group in "
                     f"{stall_s:g} s (torchrun.stall_s; master {master}, {env}); see "
                     f"logs/{host}.log")
         return (f"{self._ranks(host)} (host {host}) stalled: its connections moved no bytes "
@@ -281,13 +272,12 @@ class TorchrunExperiment(Experiment):
         bypass = proof.bypass_cause(per_host, {h: tx for h, (_, tx) in iface.items()}) \
             if reason == "completed" else None
         if bypass:
-            self.exit_status = EXIT_BYPASSED
             self.say(f"failed: {bypass}")
         self.result = {
             "script": self.cfg.torchrun.script, "python": self.cfg.torchrun.python,
             "hosts": {p.host: {"ip": p.ip, "node_rank": p.node_rank, "ranks": list(p.ranks)}
                       for p in self.plans.values()},
-            "exit_codes": codes, "bypass": bypass, "exit_status": self.exit_status,
+            "exit_codes": codes, "bypass": bypass,
             "sampler_error": self.sampler.error,
             "bytes": proof.bytes_summary(per_host, iface, self.cfg.torchrun.nproc_per_node),
         }
@@ -296,9 +286,8 @@ class TorchrunExperiment(Experiment):
                   interrupted: bool, stop_reason: str) -> None:
         if self.result.get("bypass"):
             stop_reason = f"failed: {self.result['bypass']}"
+            self.stop_reason = stop_reason  # the exit status follows it (status 1)
         super()._finalize(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
-        if interrupted:
-            self.exit_status = 128 + signal.SIGINT
         self.result["exit_status"] = self.exit_status
         self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())

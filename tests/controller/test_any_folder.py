@@ -156,7 +156,8 @@ def test_a_run_that_fails_before_its_network_leaves_a_loadable_directory(
     run = load_run(exp.run_dir)
     assert run.config["run"]["name"] == "broken"
     assert run.meta["schema_version"] and run.meta["incomplete"] is True
-    assert run.summary["stop_reason"].startswith("failed: ")
+    assert run.summary["stop_reason"].startswith("failed to start: ")
+    assert exp.exit_status == 3  # controller/exit_status.py: a failed start
     assert "FileNotFoundError" in run.summary["error"] and "'ip'" in run.summary["error"]
     assert not (exp.run_dir / "secret").exists()
     assert list((tmp_path / "active").glob("*")) == []  # no longer a run in progress

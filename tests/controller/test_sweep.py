@@ -205,6 +205,12 @@ if name == "topk":
     sys.exit(1)
 run_dir = out / f"run-{name}"
 run_dir.mkdir()
+if name == "randomk":  # a run that timed out: its own summary and status 5 say so
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"workers": 2, "iterations": 5, "stop_reason": "timeout after 8 s",
+         "interrupted": False}))
+    print(run_dir)
+    sys.exit(5)
 interrupted = False
 if name == "dgc":
     (out / "dgc-started").touch()
@@ -273,3 +279,15 @@ def test_ctrl_c_stops_the_sweep_and_keeps_the_table(short_tmp: Path, fake_python
     assert [(r["compress.name"], r["status"]) for r in rows] == [("none", "ok"),
                                                                  ("dgc", "interrupted")]
     assert rows[1]["iterations"] == "3"  # the interrupted run's own summary is kept
+
+
+def test_the_sweep_exits_with_a_failed_runs_status_and_shows_each(
+        short_tmp: Path, fake_python: Path) -> None:
+    base = short_tmp / "base.toml"
+    base.write_text((REPO / "configs" / "test_tiny.toml").read_text())
+    rc = sweep.sweep_main([str(base), "--grid", "compress.name=none,randomk,qsgd", "--out",
+                           str(short_tmp), "--no-progress"])
+    assert rc == 5  # the timed-out run's own status (controller/exit_status.py)
+    rows = list(csv.DictReader(open(next(short_tmp.glob("sweep-*/sweep.csv")))))
+    assert [(r["compress.name"], r["status"], r["exit_status"]) for r in rows] == [
+        ("none", "ok", "0"), ("randomk", "failed", "5"), ("qsgd", "ok", "0")]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -48,3 +50,43 @@ def events(run_dir: Path) -> pd.DataFrame:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def start_run(config: str, overrides: list[str], out: Path,
+              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``gradbed run`` in the background, as a user starts it from a terminal."""
+    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / config), "--out", str(out),
+            "--no-progress"]
+    for o in overrides:
+        argv += ["--set", o]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def wait_for_iterations(out: Path, proc: subprocess.Popen[str], iterations: int,
+                        timeout_s: float = 600) -> Path:
+    """The run directory under ``out`` once its PS logged ``iterations`` iterations (the
+    network lock may be another run's for a while first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for ps in out.glob("*/events/ps.jsonl"):
+            if ps.read_text().count('"ps_iter_done"') >= iterations:
+                return ps.parents[1]
+        time.sleep(0.1)
+    raise AssertionError(f"the run never reached {iterations} iterations (status "
+                         f"{proc.poll()}): {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+
+
+def agent_pids(run_dir: Path, module: str) -> list[int]:
+    """The processes running agent ``module`` (``agents.dp.ps``) for ``run_dir``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        text = [c.decode(errors="replace") for c in cmd]
+        if module in text and any(str(run_dir) in c for c in text):
+            found.append(int(pid))
+    return found

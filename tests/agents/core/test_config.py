@@ -155,6 +155,7 @@ def test_a_bad_guard_or_pipeline_value_does_not_hide_later_checks() -> None:
     ("moe.lr", "workload.lr", 0.07),
     ("moe.momentum", "workload.momentum", 0.5),
     ("moe.batch_size", "workload.batch_size", 12),
+    ("run.on_worker_death", "run.on_agent_death", "stop"),
 ])
 def test_an_old_name_is_read_under_its_new_one_with_a_warning(old: str, new: str,
                                                               value: object) -> None:
@@ -174,5 +175,5 @@ def test_an_old_name_is_read_under_its_new_one_with_a_warning(old: str, new: str
 
 def test_every_old_name_has_a_test() -> None:
     tested = {"net.ps_port", "moe.port", "pipeline.base_port", "pipeline.ratio", "moe.lr",
-              "moe.momentum", "moe.batch_size"}
+              "moe.momentum", "moe.batch_size", "run.on_worker_death"}
     assert set(cfgmod.RENAMED) == tested
