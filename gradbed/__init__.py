@@ -33,7 +33,6 @@ from controller.roles import Role, RoleCommand, RoleContext, RoleError
 from controller.roles import get as role
 from controller.roles import names as role_names
 from controller.roles import register as register_role
-from controller.run import Experiment, plan_commands
 from topo.build import Network
 from topo.shapes import names as shape_names
 from topo.shapes import register as register_shape
@@ -56,6 +55,16 @@ __all__ = [
     "role_names", "register_role", "register_shape", "run", "shape_spec", "shape_names",
     "summary", "torchrun", "exit_status",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``gradbed.Experiment`` on first use: the runner imports the agents' wire code and
+    torch, which ``import gradbed`` (configs, specs, dry runs) does not need."""
+    if name == "Experiment":
+        from controller.run import Experiment
+
+        return Experiment
+    raise AttributeError(f"module 'gradbed' has no attribute {name!r}")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -92,6 +101,8 @@ def run(cfg: ExperimentConfig, spec: NetSpec | None = None, *, out: str | Path =
         progress: bool = True, quiet: bool = False) -> Path:
     """Run one experiment (root): build ``spec`` (the config's shape when None), start
     every host's role, and return the run directory, loadable even when interrupted."""
+    from controller.run import Experiment
+
     exp = Experiment(cfg, out_root=Path(out), progress=progress, quiet=quiet, spec=spec,
                      argv=["gradbed.run"])
     return exp.run()
@@ -121,6 +132,8 @@ def dry_run(cfg: ExperimentConfig, spec: NetSpec | None = None,
             caps: Mapping[str, Any] | None = None) -> list[str]:
     """What :func:`run` would do, as ``gradbed run --dry-run`` prints it (no root)."""
     from topo.probe import probe
+
+    from controller.run import plan_commands
 
     return plan_commands(cfg, dict(caps) if caps is not None else probe(), spec)
 

@@ -119,7 +119,7 @@ def test_one_bad_value_in_every_section_through_the_cli(tmp_path: Path) -> None:
 def test_an_old_field_name_runs_with_a_warning_naming_the_new_one() -> None:
     p = gradbed("run", str(DEMO), "--set", "net.ps_port=5200", "--dry-run")
     assert p.returncode == 0, p.stderr
-    assert (f"gradbed run: warning: {DEMO}: net.ps_port is deprecated: it is now net.port "
+    assert (f"{DEMO}: warning: net.ps_port is deprecated: it is now net.port "
             "(read as net.port = 5200)") in p.stderr, p.stderr
     assert "--port 5200" in p.stdout
 
