@@ -131,9 +131,8 @@ def torchrun(cfg: ExperimentConfig, script: str | Path, args: Sequence[str] = ()
 def dry_run(cfg: ExperimentConfig, spec: NetSpec | None = None,
             caps: Mapping[str, Any] | None = None) -> list[str]:
     """What :func:`run` would do, as ``gradbed run --dry-run`` prints it (no root)."""
-    from topo.probe import probe
-
     from controller.run import plan_commands
+    from topo.probe import probe
 
     return plan_commands(cfg, dict(caps) if caps is not None else probe(), spec)
 

@@ -62,9 +62,13 @@ def measure(via: Sequence[str], samples: int = SAMPLES, python: str = "python3",
         try:
             for _ in range(samples):
                 t0 = time.monotonic_ns()
-                p.stdin.write("\n")
-                p.stdin.flush()
-                line = p.stdout.readline()
+                try:
+                    p.stdin.write("\n")
+                    p.stdin.flush()
+                except BrokenPipeError:
+                    line = ""  # the far end is gone: said below, with its stderr
+                else:
+                    line = p.stdout.readline()
                 t1 = time.monotonic_ns()
                 if not line.strip().isdigit() or time.monotonic() > deadline:
                     err = p.stderr.read() if p.poll() is not None and p.stderr else ""
@@ -72,6 +76,9 @@ def measure(via: Sequence[str], samples: int = SAMPLES, python: str = "python3",
                                   f"{line.strip() or err.strip() or 'no answer'}")
                 got.append((t0, int(line), t1))
         finally:
-            p.stdin.close()
+            try:
+                p.stdin.close()
+            except BrokenPipeError:
+                pass  # the far end exited first; the error above says so
             p.wait(timeout=timeout_s)
     return best_offset(got)
