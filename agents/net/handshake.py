@@ -30,19 +30,16 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
-from agents.net import codec, protocol, wire
+from agents.net import admission, codec, protocol, wire
 from agents.net.codec import FrameError, MsgType
 
 #: The whole handshake's deadline unless the caller passes another (guard.handshake_timeout_s).
 DEFAULT_TIMEOUT_S = 5.0
 #: What a peer that has not proved its key may make this end read, all frames together.
 MAX_UNAUTHENTICATED_BYTES = 64 * 1024
-#: Handshakes under way at once at one listening socket; beyond, a new connection is
-#: closed at once (reported).
-MAX_HANDSHAKES = 1024
 #: accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
 ACCEPT_BACKOFF_S = (0.01, 1.0)
 #: How long a refusal (an ERROR frame) may take to write: a peer that does not read
@@ -102,13 +99,14 @@ def dial(sock: socket.socket, dialer: protocol.Dialer, *, run_tag: int, name: st
 
 def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, name: str,
            welcome: tuple[str, int] | None, timeout_s: float = DEFAULT_TIMEOUT_S,
-           log: EventSink | None = None) -> protocol.Session:
+           log: EventSink | None = None, log_refusal: bool = True) -> protocol.Session:
     """Authenticate a connection this end accepted. ``welcome``: this end's ``(role,
     index)``, said in a WELCOME sealed under the session (which proves we hold the key
     too); None when the caller welcomes later itself (the PS admits a worker at an
     iteration boundary, with the weights). On any failure an ERROR frame tells the peer
     why, and HandshakeError names the connection; the caller closes the socket. The
-    socket's timeout is restored."""
+    socket's timeout is restored. ``log_refusal=False``: a failure is not reported to
+    ``log`` (under :func:`accept_forever`, which reports refusals aggregated)."""
     start_s = time.monotonic()
     deadline_s = start_s + timeout_s
     reader = _reader(sock, run_tag, name)
@@ -126,7 +124,8 @@ def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, na
                   me, 0, name, mac=session.down)
     except (FrameError, OSError) as e:
         why = _why(e)
-        _report(log, "answer", name, _claimed(answerer.hello), start_s, why)
+        _report(log if log_refusal else None, "answer", name, _claimed(answerer.hello),
+                start_s, why)
         _refuse(sock, run_tag, why)
         who = (f"{answerer.hello.role} {answerer.hello.node or answerer.hello.worker}"
                if answerer.hello is not None else "an unknown peer")
@@ -193,43 +192,93 @@ def _refuse(sock: socket.socket, run_tag: int, why: str) -> None:
         pass
 
 
-def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
-                   *, stopped: threading.Event, report: Callable[[str, str], None],
-                   max_at_once: int = MAX_HANDSHAKES) -> None:
-    """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
-    ``on_connection(sock, "addr:port")`` (the answering handshake, then handing the
-    connection over) on a thread of its own, at most ``max_at_once`` at a time; a
-    connection beyond that is closed at once. An accept error that passes (EMFILE,
-    ENFILE, ENOBUFS, ENOMEM, a peer that reset before accept) is reported through
-    ``report(peer, error)`` and retried after a growing pause."""
-    slots = threading.BoundedSemaphore(max_at_once)
+def ip_source(sock: socket.socket, addr: Any) -> str:
+    """A TCP peer's source for admission: its address without the port."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else wire.peer_name(sock)
 
-    def run(sock: socket.socket, peer: str) -> None:
+
+def reason_class(why: str) -> str:
+    """The reason a refused handshake is counted under: a few fixed words, so that a
+    peer cannot make every refusal a new (source, reason) pair by varying what it sends."""
+    return "handshake timed out" if why == "handshake timed out" else "handshake failed"
+
+
+def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
+                   *, stopped: threading.Event,
+                   report: Callable[[admission.RefusalReport], None],
+                   limits: admission.AdmissionLimits,
+                   expected: Collection[str] = (),
+                   source: Callable[[socket.socket, Any], str] = ip_source) -> None:
+    """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
+    ``on_connection(sock, peer)`` (the answering handshake, then handing the connection
+    over; on HandshakeError the socket is closed here) on a thread of its own for each connection that :class:`agents.net.admission.
+    Admission` admits (``expected``: the sources of the agents this end waits for, each
+    with a slot of its own); any other is closed unread.
+
+    Refusals (a connection not admitted, or an ``on_connection`` that raised
+    HandshakeError) go to ``report`` aggregated (:class:`agents.net.admission.RefusalLog`),
+    at most one report per (source, reason) per ``limits.report_interval_s``, from
+    whichever thread notes one; pending counts are reported when the interval passes and
+    when accepting ends. An accept error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a
+    peer that reset before accept) is counted the same way, and retried after a growing
+    pause."""
+    gate = admission.Admission(limits, expected)
+    refusals = admission.RefusalLog(limits.report_interval_s)
+    lock = threading.Lock()
+
+    def refused(src: str, reason: str, example: str) -> None:
+        with lock:
+            due = refusals.note(src, reason, example, time.monotonic())
+        for r in due:
+            report(r)
+
+    def run(sock: socket.socket, peer: str, ticket: admission.Ticket) -> None:
         try:
             on_connection(sock, peer)
+        except HandshakeError as e:
+            refused(ticket.source, reason_class(e.why), str(e))
+            sock.close()  # after the report: a peer that sees EOF finds it written
         finally:
-            slots.release()
+            with lock:
+                gate.release(ticket)
 
+    srv.settimeout(limits.report_interval_s)  # wakes to report what a quiet flood left
     pause = ACCEPT_BACKOFF_S[0]
-    while not stopped.is_set():
-        try:
-            sock, addr = srv.accept()
-        except OSError as e:
-            if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
-                return  # our own socket was closed: the run is over
-            report("accept", f"accept failed ({e}); retrying in {pause:.2f} s")
-            time.sleep(pause)
-            pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
-            continue
-        pause = ACCEPT_BACKOFF_S[0]
-        peer = f"{addr[0]}:{addr[1]}"
-        if not slots.acquire(blocking=False):
-            report(peer, f"{max_at_once} handshakes under way: closed")
-            sock.close()
-            continue
-        try:
-            threading.Thread(target=run, args=(sock, peer), daemon=True).start()
-        except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
-            slots.release()
-            sock.close()
-            report("accept", f"cannot start a handshake thread: {e}")
+    try:
+        while not stopped.is_set():
+            try:
+                sock, addr = srv.accept()
+            except TimeoutError:
+                with lock:
+                    due = refusals.due(time.monotonic())
+                for r in due:
+                    report(r)
+                continue
+            except OSError as e:
+                if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # our own socket was closed: the run is over
+                refused("accept", "accept failed", f"{e}; retrying in {pause:.2f} s")
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            src = source(sock, addr)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else src
+            with lock:
+                ticket = gate.admit(src, time.monotonic())
+            if isinstance(ticket, str):
+                sock.close()
+                refused(src, ticket, f"{peer}: not admitted: {ticket}")
+                continue
+            try:
+                threading.Thread(target=run, args=(sock, peer, ticket), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
+                with lock:
+                    gate.release(ticket)
+                sock.close()
+                refused(src, "no handshake thread", str(e))
+    finally:
+        with lock:
+            due = refusals.due(time.monotonic(), everything=True)
+        for r in due:
+            report(r)

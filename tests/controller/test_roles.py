@@ -57,7 +57,9 @@ def test_star_places_ps_then_workers_then_flowgen_with_their_command_lines(tmp_p
     assert [(r.name, [h.name for h in hs]) for r, hs in placement(ctx.spec)] == [
         ("ps", ["ps"]), ("worker", ["w0", "w1"]), ("flowgen", ["bg0"])]
     planned = [(r.name, c.host, c.argv) for r, c in plan_commands(ctx)]
-    assert planned[0] == ("ps", "ps", ("PY", "-m", "agents.dp.ps", "--run-dir", str(tmp_path)))
+    assert planned[0] == ("ps", "ps", ("PY", "-m", "agents.dp.ps", "--run-dir", str(tmp_path),
+                                       "--expect", ctx.spec.host("w0").ip,
+                                       "--expect", ctx.spec.host("w1").ip))
     assert planned[2] == ("worker", "w1", ("PY", "-m", "agents.dp.worker", "--run-dir",
                                            str(tmp_path), "--worker", "1", "--ps", "10.0.0.1",
                                            "--port", "5000", "--gso-segs",
