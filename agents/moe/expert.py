@@ -38,6 +38,7 @@ from agents.moe.mesh import Mesh, file_keys, mesh_keys
 from agents.moe.model import load_data
 from agents.moe.zero import ParamClass, class_bytes
 from agents.net import auth, codec, wire
+from agents.net.control import liveness_client
 
 
 def parse_addrs(text: str, hosts: int) -> list[tuple[str, int]]:
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                      else mesh_keys(bundle, args.host, m.hosts))
     except KeyError as e:
         raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
+    # Heartbeats on the control channel: a hung host is declared lost by the controller.
+    liveness_client(args.run_dir, bundle, timeout_s=cfg.guard.handshake_timeout_s)
     tag = codec.run_tag(run_id, secret)
     data = load_data(m.dataset)
     log = EventLog.for_node(args.run_dir, run_id, f"e{args.host}")

@@ -53,6 +53,7 @@ from agents.core.events import EventLog
 from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
 from agents.core.schedules import Kind, Schedule
 from agents.net import auth, codec, handshake, link, loop, protocol, wire
+from agents.net.control import liveness_client
 from agents.pipeline.partition import balance_by_params, split
 from agents.pipeline.stage import (
     CONNECT_TIMEOUT_S,
@@ -358,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     # With --auth stdin the bundle holds this agent's control key and the key of each link
     # it is an end of (agents.net.link), which only the link's two ends hold.
     keys, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
+    # Heartbeats on the control channel: a hung agent is declared lost by the controller.
+    liveness_client(args.run_dir, keys, timeout_s=cfg.guard.handshake_timeout_s)
     torch.set_num_threads(1)
     ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
                  keys=keys)

@@ -228,7 +228,7 @@ class Flood(threading.Thread):
     header, then nothing) open from each of ``sources`` to ``port``, opening a new one as
     soon as the far end closes one, until :meth:`stop`. ``opened``: connections made."""
 
-    REOPEN_PER_ROUND = 50
+    REOPEN_PER_ROUND = 200
 
     def __init__(self, port: int, sources: list[str], per_source: int) -> None:
         super().__init__(daemon=True, name="flood")
