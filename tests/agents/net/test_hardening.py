@@ -3,8 +3,9 @@
 - Hijack: a captured HELLO+PROOF replayed, a captured GRAD replayed as a first frame, a
   second correct HELLO for a live worker, and a host that reads every file of the run
   directory and tries each as a key: all refused, and the two real workers end with the
-  final weights of a clean run, bit for bit. 200 connections that stall mid-header are
-  timed out during the same run.
+  final weights of a clean run, bit for bit. 200 connections from a background address
+  that stall mid-header are timed out or refused during the same run, and counted in a few
+  aggregated events.
 - A header announcing 2^32 bytes (before and after authentication) costs the PS < 10 MB.
 - NaN, Inf, oversize and duplicate-index gradients from authenticated workers drop them,
   each with a frame_error naming the problem; the run completes with the others.
