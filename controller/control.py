@@ -73,11 +73,12 @@ class ControlServer:
         self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._srv.bind(os.fspath(self.path))
         self._srv.listen(128)
-        threading.Thread(target=handshake.accept_forever, name="control-accept", daemon=True,
-                         args=(self._srv, self._serve),
-                         kwargs=dict(stopped=self._stopped, report=self._refused,
-                                     limits=AdmissionLimits.from_guard(self.guard),
-                                     source=peer_source)).start()
+        self._acceptor = threading.Thread(
+            target=handshake.accept_forever, name="control-accept", daemon=True,
+            args=(self._srv, self._serve),
+            kwargs=dict(stopped=self._stopped, report=self._refused,
+                        limits=AdmissionLimits.from_guard(self.guard), source=peer_source))
+        self._acceptor.start()
 
     def _refused(self, r: RefusalReport) -> None:
         self._report({"type": "control_refused", "source": r.source, "reason": r.reason,
@@ -161,8 +162,15 @@ class ControlServer:
             return list(self._conns)
 
     def close(self) -> None:
+        """Stop accepting; the refusals still being counted are reported before this
+        returns (the acceptor's last report)."""
         self._stopped.set()
         try:
+            try:
+                self._srv.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+            except OSError:
+                pass
+            self._acceptor.join(timeout=2 * self.guard.refusal_report_interval_s + 1)
             self._srv.close()
         finally:
             if self.path.exists():
