@@ -38,6 +38,7 @@ from agents.moe.mesh import Mesh, file_keys, mesh_keys
 from agents.moe.model import load_data
 from agents.moe.zero import ParamClass, class_bytes
 from agents.net import auth, codec, wire
+from agents.net.admission import AdmissionLimits
 from agents.net.control import liveness_client
 
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
               max_payload_bytes=limit, handshake_timeout_s=cfg.guard.handshake_timeout_s,
-              log=log) as mesh:
+              limits=AdmissionLimits.from_guard(cfg.guard), log=log) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed, train=cfg.workload)
         formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}
