@@ -16,6 +16,13 @@ limits that hold whoever the peer is:
   (:data:`MAX_UNAUTHENTICATED_BYTES`, over the whole handshake, headers included; each
   frame is also held to what its state allows, a hello or a proof).
 
+A listening socket accepts through :func:`accept_forever`: a handshake thread per
+connection, but only for connections that the admission limits of ``[guard]`` let in (per
+source address, in all, new ones a second, a slot kept for each expected agent:
+:mod:`agents.net.admission`); refusals are reported aggregated, one report per (source,
+reason) per interval with a count, so a flood neither holds the real peers out nor fills
+the disk with events.
+
 A dialer that must wait for admission after proving itself (a data-parallel worker waits
 for an iteration boundary) passes ``welcome_timeout_s`` for that last wait.
 
@@ -203,6 +210,38 @@ def reason_class(why: str) -> str:
     return "handshake timed out" if why == "handshake timed out" else "handshake failed"
 
 
+class _Gate:
+    """:class:`agents.net.admission.Admission` and :class:`~agents.net.admission.RefusalLog`
+    under one lock, for the accepting thread and the handshake threads together."""
+
+    def __init__(self, limits: admission.AdmissionLimits, expected: Collection[str],
+                 report: Callable[[admission.RefusalReport], None]) -> None:
+        self.admission = admission.Admission(limits, expected)
+        self.refusals = admission.RefusalLog(limits.report_interval_s)
+        self.report = report
+        self.lock = threading.Lock()
+
+    def admit(self, source: str) -> admission.Ticket | str:
+        with self.lock:
+            return self.admission.admit(source, time.monotonic())
+
+    def release(self, ticket: admission.Ticket) -> None:
+        with self.lock:
+            self.admission.release(ticket)
+
+    def refused(self, source: str, reason: str, example: str) -> None:
+        with self.lock:
+            due = self.refusals.note(source, reason, example, time.monotonic())
+        for r in due:
+            self.report(r)
+
+    def flush(self, everything: bool = False) -> None:
+        with self.lock:
+            due = self.refusals.due(time.monotonic(), everything=everything)
+        for r in due:
+            self.report(r)
+
+
 def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
                    *, stopped: threading.Event,
                    report: Callable[[admission.RefusalReport], None],
@@ -211,9 +250,10 @@ def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, s
                    source: Callable[[socket.socket, Any], str] = ip_source) -> None:
     """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
     ``on_connection(sock, peer)`` (the answering handshake, then handing the connection
-    over; on HandshakeError the socket is closed here) on a thread of its own for each connection that :class:`agents.net.admission.
-    Admission` admits (``expected``: the sources of the agents this end waits for, each
-    with a slot of its own); any other is closed unread.
+    over; on HandshakeError the socket is closed here) on a thread of its own for each
+    connection that :class:`agents.net.admission.Admission` admits (``expected``: the
+    sources of the agents this end waits for, each with a slot of its own); any other is
+    closed unread.
 
     Refusals (a connection not admitted, or an ``on_connection`` that raised
     HandshakeError) go to ``report`` aggregated (:class:`agents.net.admission.RefusalLog`),
@@ -222,25 +262,16 @@ def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, s
     when accepting ends. An accept error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a
     peer that reset before accept) is counted the same way, and retried after a growing
     pause."""
-    gate = admission.Admission(limits, expected)
-    refusals = admission.RefusalLog(limits.report_interval_s)
-    lock = threading.Lock()
-
-    def refused(src: str, reason: str, example: str) -> None:
-        with lock:
-            due = refusals.note(src, reason, example, time.monotonic())
-        for r in due:
-            report(r)
+    gate = _Gate(limits, expected, report)
 
     def run(sock: socket.socket, peer: str, ticket: admission.Ticket) -> None:
         try:
             on_connection(sock, peer)
         except HandshakeError as e:
-            refused(ticket.source, reason_class(e.why), str(e))
+            gate.refused(ticket.source, reason_class(e.why), str(e))
             sock.close()  # after the report: a peer that sees EOF finds it written
         finally:
-            with lock:
-                gate.release(ticket)
+            gate.release(ticket)
 
     srv.settimeout(limits.report_interval_s)  # wakes to report what a quiet flood left
     pause = ACCEPT_BACKOFF_S[0]
@@ -249,36 +280,28 @@ def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, s
             try:
                 sock, addr = srv.accept()
             except TimeoutError:
-                with lock:
-                    due = refusals.due(time.monotonic())
-                for r in due:
-                    report(r)
+                gate.flush()
                 continue
             except OSError as e:
                 if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
                     return  # our own socket was closed: the run is over
-                refused("accept", "accept failed", f"{e}; retrying in {pause:.2f} s")
+                gate.refused("accept", "accept failed", f"{e}; retrying in {pause:.2f} s")
                 time.sleep(pause)
                 pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
                 continue
             pause = ACCEPT_BACKOFF_S[0]
             src = source(sock, addr)
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else src
-            with lock:
-                ticket = gate.admit(src, time.monotonic())
+            ticket = gate.admit(src)
             if isinstance(ticket, str):
                 sock.close()
-                refused(src, ticket, f"{peer}: not admitted: {ticket}")
+                gate.refused(src, ticket, f"{peer}: not admitted: {ticket}")
                 continue
             try:
                 threading.Thread(target=run, args=(sock, peer, ticket), daemon=True).start()
             except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
-                with lock:
-                    gate.release(ticket)
+                gate.release(ticket)
                 sock.close()
-                refused(src, "no handshake thread", str(e))
+                gate.refused(src, "no handshake thread", str(e))
     finally:
-        with lock:
-            due = refusals.due(time.monotonic(), everything=True)
-        for r in due:
-            report(r)
+        gate.flush(everything=True)
