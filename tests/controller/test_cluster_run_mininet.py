@@ -66,9 +66,14 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
 
 def test_digits_on_one_server_and_on_two_end_with_identical_weights(cluster, tmp_path):
     s1, s2 = cluster.servers
-    one, p1 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s1), tmp_path / "one")
+    # w0's uplink replays a trace: its rate changes run on w0's server; and every host
+    # drops 0.5 % of what arrives (netfilter rules on that host's server).
+    shaped = ('topo.traces={"w0.up"="traces/data/square_10_50.log"}', "net.loss_pct=0.5")
+    one, p1 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s1, *shaped),
+                          tmp_path / "one")
     assert p1.returncode == 0, p1.stderr[-3000:]
-    two, p2 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s2), tmp_path / "two")
+    two, p2 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s2, *shaped),
+                          tmp_path / "two")
     assert p2.returncode == 0, p2.stderr[-3000:]
     # The network changes timing, never the numbers.
     assert _weights_digest(one) == _weights_digest(two)
@@ -88,6 +93,32 @@ def test_digits_on_one_server_and_on_two_end_with_identical_weights(cluster, tmp
         assert len(ts) > 0, node
         assert ctl["run_start"] <= ts.min() and ts.max() <= ctl["run_end"], node
     assert summary(two)["iterations"] == 12
+    assert (ev["event"] == "trace_step").sum() >= 1
+    changes = [ln for ln in (two / "run.log").read_text().splitlines()
+               if "$ tc class change dev w0-eth0 " in ln]
+    assert changes and all(ln.endswith(f"in w0, on {s2}") for ln in changes), changes[:3]
+    loss_rules = [ln for ln in (two / "run.log").read_text().splitlines()
+                  if "$ iptables" in ln and "statistic" in ln and "in w1," in ln]
+    assert loss_rules and all(ln.endswith(f"on {s2}") for ln in loss_rules), loss_rules
+    assert _server_leftovers(cluster) == []
+
+
+def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    run_dir, proc = gradbed_run("configs/pipeline.toml", [
+        "pipeline.stages=2", "topo.hosts=3", "run.iterations=4", "pipeline.schedule='gpipe'",
+        f'cluster.servers=["{s1}", "{s2}"]', 'cluster.placement="roundrobin"',
+        f'cluster.ssh_config="{cluster.ssh_config}"'], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placement = json.loads((run_dir / "meta.json").read_text())["cluster"]["placement"]
+    # Stage 0 and the PS on server 2, stage 1 on server 1: every step crosses the tunnel.
+    assert (placement["gbh0"], placement["gbh1"], placement["gbh2"]) == (s2, s1, s2)
+    ev = events(run_dir)
+    assert sorted(ev[ev["event"] == "pp_done"]["node"]) == ["s0", "s1"]
+    loss = ev[(ev["event"] == "pp_step_done") & ev["loss"].notna()]
+    assert len(loss) == 4
+    # Every stage's final weights came back from its server.
+    assert (run_dir / "s0_final_weights.pt").exists() and (run_dir / "s1_final_weights.pt").exists()
     assert _server_leftovers(cluster) == []
 
 
@@ -114,8 +145,9 @@ def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     (run_dir,) = tmp_path.glob("tiny-*")
-    cleaned = subprocess.run([sys.executable, "-m", "controller.cli", "cleanup", str(run_dir)],
-                             cwd=REPO, capture_output=True, text=True, timeout=180)
+    cleaned = subprocess.run([sys.executable, "-m", "controller.cli", "cleanup", "--wait-s",
+                              "600", str(run_dir)],
+                             cwd=REPO, capture_output=True, text=True, timeout=700)
     assert cleaned.returncode == 0, cleaned.stderr
     # Done on the servers themselves, over ssh: their lines name them.
     assert f"{s2}: " in cleaned.stdout and f"{s1}: gathered" in cleaned.stdout, cleaned.stdout
