@@ -161,8 +161,14 @@ class Experiment:
         # run there (controller.remote); None: everything on this machine.
         self._access: SshAccess | None = None
         if servers_used(self.spec) != [LOCAL]:
+            from controller.roles.torchrun import ROLE as TORCHRUN
             from topo.cluster import SshAccess
 
+            if any(h.role == TORCHRUN for h in self.spec.hosts):
+                # Its ranks' variables and log folders name this machine's run directory,
+                # and its start is its own (controller.torchrun): not carried over yet.
+                raise SpecError("gradbed torchrun across servers is not supported yet; "
+                                "leave cluster.servers = [\"localhost\"] (docs/cluster.md)")
             self._access = SshAccess.from_config(self.cfg.cluster)
         self._remote: RemoteAgents | None = None
         # The run's master key lives in this process only; agents get theirs on stdin.
@@ -245,6 +251,8 @@ class Experiment:
             return signal_reason(e.signum)
         if isinstance(e, KeyboardInterrupt):
             return "interrupted"
+        if self._server_lost():
+            return self._server_lost()  # what failed after that failed because of it
         error = str(e) or type(e).__name__
         return f"failed: {error}" if self._started else failed_start_reason(error)
 

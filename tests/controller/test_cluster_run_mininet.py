@@ -123,9 +123,9 @@ def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(clus
 
 
 def _wait_remote_iterations(c: FakeCluster, server: str, proc: subprocess.Popen[str],
-                            iterations: int, timeout_s: float = 180) -> None:
+                            iterations: int, timeout_s: float = 600) -> None:
     """Until the PS on ``server`` logged ``iterations`` iterations (its events are there
-    until the run ends)."""
+    until the run ends). The network lock may be another run's for a while first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         got = c.ssh(server, f"cat {REMOTE_ROOT}/*/events/ps.jsonl 2>/dev/null "
@@ -133,8 +133,11 @@ def _wait_remote_iterations(c: FakeCluster, server: str, proc: subprocess.Popen[
         if got.isdigit() and int(got) >= iterations:
             return
         time.sleep(0.5)
+    if proc.poll() is None:
+        proc.kill()
+    _, err = proc.communicate(timeout=60)
     raise AssertionError(f"no {iterations} iterations on {server} (status {proc.poll()}): "
-                         f"{proc.stderr.read()[-3000:] if proc.stderr else ''}")
+                         f"{err[-3000:]}")
 
 
 def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster, tmp_path):
