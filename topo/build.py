@@ -236,6 +236,9 @@ class Network:
             self._procs.clear()
             if self._net is not None:
                 try:
+                    if self.cluster is not None:
+                        for node in self.cluster.forget_lost_nodes(self._net):
+                            self._say(f"teardown: {node} is gone with its server")
                     self._net.stop()
                 finally:
                     self._net = None

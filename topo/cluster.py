@@ -307,6 +307,21 @@ class Cluster:
         server = self.where[name]
         return {"server": server, "serverIP": self.ips[server], "access": self.access}
 
+    def forget_lost_nodes(self, net: Any) -> list[str]:
+        """Take out of ``net`` every node whose shell has ended (its server was lost), and
+        every link with an end on one: Mininet's ``stop()`` would wait forever for an
+        answer from such a shell. What they leave on the servers that remain (a tunnel end
+        on a bridge) has gradbed's names, and the run-scoped cleanup removes it. Returns
+        the nodes taken out."""
+        nodes = [*net.hosts, *net.switches]
+        lost = {n for n in nodes if n.shell is None or n.shell.poll() is not None}
+        if lost:
+            net.links = [ln for ln in net.links
+                         if ln.intf1.node not in lost and ln.intf2.node not in lost]
+            net.hosts = [h for h in net.hosts if h not in lost]
+            net.switches = [sw for sw in net.switches if sw not in lost]
+        return sorted(f"{n.name} on {self.where.get(n.name, '?')}" for n in lost)
+
     def built_placement(self, net: Any) -> dict[str, str]:
         """Node -> the server Mininet built it on (to compare with the dry run's)."""
         return {n: str(net[n].server) for n in self.where}
