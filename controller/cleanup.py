@@ -14,7 +14,6 @@ where none exists, so the directory loads and explains itself. Idempotent.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,28 +26,32 @@ KILLED = "controller killed"
 
 
 def clean_servers(run_dirs: Sequence[Path] = ()) -> list[str]:
-    """The other servers of every killed run placed over several (``meta.json``'s
-    ``cluster`` record): gradbed's agents, shells and links there removed over ssh, and
-    the run's directory there gathered into the run's own (``controller.remote``)."""
+    """The other servers of every killed run placed over several (the record its
+    controller kept in root's ``/run/gradbed/clusters``, never one read from the run
+    directory): gradbed's agents, shells and links there removed over ssh, and the run's
+    directory there gathered into the run's own (``controller.remote``)."""
+    from controller.remote import RECORD_DIR, cleanup_run, registered
+
     lines: list[str] = []
+    if not RECORD_DIR.is_dir():
+        return lines
     dirs = [Path(d).absolute() for d in run_dirs] + [d for _, d in rundir.orphaned_runs()]
     for run_dir in dict.fromkeys(dirs):
-        try:
-            record = json.loads((run_dir / "meta.json").read_text()).get("cluster")
-        except (OSError, ValueError, AttributeError):
+        record = registered(run_dir)
+        if record is None:
             continue
-        if not isinstance(record, dict):
-            continue
-        from controller.remote import cleanup_run
-
         lines += [f"{run_dir}: {line}" for line in cleanup_run(run_dir, record)]
+        (RECORD_DIR / f"{run_dir.name}.json").unlink(missing_ok=True)
     return lines
 
 
 def finish_orphans(run_dirs: Sequence[Path] = ()) -> list[str]:
     """Finish the run directories whose controller is gone; one line per thing done."""
     lines: list[str] = []
-    targets = [(None, Path(d).absolute()) for d in run_dirs] + rundir.orphaned_runs()
+    # A run named on the command line that is also registered: its entry goes too.
+    registered = {d: e for e, d in rundir.orphaned_runs()}
+    targets = [(registered.pop(Path(d).absolute(), None), Path(d).absolute())
+               for d in run_dirs] + [(e, d) for d, e in registered.items()]
     seen: set[Path] = set()
     for entry, run_dir in targets:
         if run_dir in seen:

@@ -48,6 +48,10 @@ from topo.placement import LOCAL
 # Each server's run directories: /run is a tmpfs on every Linux server (events are small)
 # and private to each fake server; not /run/gradbed/runs, the controller's run registry.
 REMOTE_ROOT = Path("/run/gradbed/remote")
+# The controller's record of each run's servers, for ``gradbed cleanup`` after a killed
+# controller. Root's own folder, never the run directory: a user who can write there must
+# not choose what root runs ssh with (an ssh_config's ProxyCommand is a command).
+RECORD_DIR = Path("/run/gradbed/clusters")
 READY_TIMEOUT_S = 30.0
 SSH_TIMEOUT_S = 120.0
 # What stays on the server: the copy of the config it was sent and the forwarded socket.
@@ -247,6 +251,28 @@ class RemoteAgents:
             out["lost"] = dict(self._lost)
         return out
 
+    def register(self, clock_record: Mapping[str, Any]) -> None:
+        """Keep :meth:`record` where ``gradbed cleanup`` trusts it (:data:`RECORD_DIR`)."""
+        RECORD_DIR.mkdir(parents=True, exist_ok=True)
+        path = RECORD_DIR / f"{self.run_dir.name}.json"
+        path.write_text(json.dumps({**self.record(clock_record),
+                                    "run_dir": str(self.run_dir)}))
+
+    def unregister(self) -> None:
+        (RECORD_DIR / f"{self.run_dir.name}.json").unlink(missing_ok=True)
+
+
+def registered(run_dir: Path) -> dict[str, Any] | None:
+    """The servers' record :meth:`RemoteAgents.register` kept for ``run_dir`` (None: a run
+    on this machine only, or one whose record is gone)."""
+    try:
+        rec = json.loads((RECORD_DIR / f"{run_dir.name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("run_dir") != str(run_dir):
+        return None
+    return rec
+
 
 def unpack_aligned(tar_bytes: bytes, run_dir: Path,
                    offset_ns: Callable[[int], int]) -> list[Path]:
@@ -263,7 +289,7 @@ def unpack_aligned(tar_bytes: bytes, run_dir: Path,
                 continue
             rel = src.relative_to(tmp)
             dst = run_dir / rel
-            if dst.exists():
+            if dst.exists() or dst.is_symlink() or not _inside(dst.parent, run_dir):
                 continue
             dst.parent.mkdir(parents=True, exist_ok=True)
             if rel.parent == Path("events") and rel.suffix == ".jsonl":
@@ -325,3 +351,9 @@ def _plain(member: tarfile.TarInfo) -> bool:
     parts = Path(member.name).parts
     return (member.isfile() or member.isdir()) and not Path(member.name).is_absolute() \
         and ".." not in parts
+
+
+def _inside(folder: Path, run_dir: Path) -> bool:
+    """Whether ``folder`` (or where it would be made) stays inside ``run_dir`` once links
+    are followed: root never writes through a link a user left in a run directory."""
+    return folder.resolve().is_relative_to(run_dir.resolve())

@@ -375,6 +375,7 @@ class Experiment:
         meta["cluster"] = remote.record(net.cluster.clocks)
         assert self.run_dir is not None
         rundir.write_json(self.run_dir / "meta.json", meta)
+        remote.register(net.cluster.clocks)
         remote.prepare()
         return remote
 
@@ -387,8 +388,11 @@ class Experiment:
         remote.close()
         cluster = self._net.cluster if self._net is not None else None
         clock_record = cluster.clocks if cluster is not None else {}
-        for line in remote.gather(clock_record):
-            self.say(line)
+        try:
+            for line in remote.gather(clock_record):
+                self.say(line)
+        finally:
+            remote.unregister()
         meta["cluster"] = remote.record(clock_record)
 
     def _server_lost(self) -> str:

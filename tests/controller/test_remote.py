@@ -94,6 +94,14 @@ def test_a_servers_directory_unpacks_aligned_and_never_outside_or_over_the_contr
     assert json.loads((run_dir / "events" / "w0.jsonl").read_text())["ts_ns"] == 4_000
     assert (run_dir / "logs" / "w0.log").read_text() == "the controller's copy\n"
     assert not (tmp_path / "escaped").exists() and not (run_dir / "events" / "link.jsonl").exists()
+    # A link a user left in a run directory is never written through.
+    outside, linked = tmp_path / "outside", tmp_path / "linked"
+    outside.mkdir()
+    linked.mkdir()
+    (linked / "events").symlink_to(outside)
+    assert unpack_aligned(data, linked, lambda _ns: 0) == [linked / "logs" / "w0.log",
+                                                           linked / "ps_final_weights.pt"]
+    assert list(outside.iterdir()) == []
 
 
 def test_a_run_placed_over_servers_is_accepted_with_the_clusters_ssh_access():
