@@ -324,8 +324,6 @@ class Experiment:
             self._stops.disarm()  # a second Ctrl-C, or SIGTERM after it, must not cut this short
             self.stop_reason = stop_reason
             try:
-                rundir.best_effort(lambda: self._gather_remote(meta), "gathering from the "
-                                   "servers", self.say)
                 if self.driver is not None:
                     self.driver.stop()
                 if sampler is not None:
@@ -336,6 +334,8 @@ class Experiment:
                     class_sampler.join(timeout=2)
                     rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
                                        "classes.parquet", self.say)
+                rundir.best_effort(lambda: self._gather_remote(meta), "gathering from the "
+                                   "servers", self.say)
                 if ctl is not None:
                     ctl.close()
                 # Also when a signal cut the control server's start short (ctl unset).
@@ -366,8 +366,8 @@ class Experiment:
 
     def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any]
                        ) -> RemoteAgents:
-        """The run directories and control connections on the other servers, recorded in
-        meta.json first (``gradbed cleanup`` reaches the servers from that record)."""
+        """The run directories and control connections on the other servers, recorded
+        first (in meta.json, and where ``gradbed cleanup`` finds the servers)."""
         from controller.remote import RemoteAgents
 
         assert net.cluster is not None
