@@ -219,9 +219,8 @@ class RemoteAgents:
 
     def _gather_one(self, server: str, clock_record: Mapping[str, Mapping[str, Any]]) -> str:
         d = shlex.quote(str(self.remote_dir))
-        skip = " ".join(f"--exclude=./{n}" for n in NOT_GATHERED)
         try:
-            p = self.ssh(server, f"tar -C {d} -cf - {skip} . && rm -rf {d}")
+            p = self.ssh(server, f"tar -C {d} -cf - {_excluded()} . && rm -rf {d}")
         except subprocess.TimeoutExpired:
             return f"{server}: not gathered (ssh timed out)"
         if p.returncode != 0:
@@ -328,8 +327,7 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any]) -> list[str]:
             continue
         lines += [f"{server}: {ln}" for ln in clean.stdout.splitlines() if ln.strip()]
         got = subprocess.run([*argv, f"test -d {remote_dir} || exit 0; tar -C {remote_dir} "
-                                     f"-cf - --exclude=./config.toml --exclude=./control.sock"
-                                     f" . && rm -rf {remote_dir}"],
+                                     f"-cf - {_excluded()} . && rm -rf {remote_dir}"],
                              capture_output=True, timeout=SSH_TIMEOUT_S, check=False)
         start = clocks.from_record(dict(clock_start.get(server, {})))
         if got.returncode == 0 and got.stdout:
@@ -357,3 +355,8 @@ def _inside(folder: Path, run_dir: Path) -> bool:
     """Whether ``folder`` (or where it would be made) stays inside ``run_dir`` once links
     are followed: root never writes through a link a user left in a run directory."""
     return folder.resolve().is_relative_to(run_dir.resolve())
+
+
+def _excluded() -> str:
+    """tar's options that leave :data:`NOT_GATHERED` on the server."""
+    return " ".join(f"--exclude=./{n}" for n in NOT_GATHERED)
