@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.mininet,
                                  reason="no sshd: GRADBED_WITH_SSHD=1 scripts/setup.sh")]
 
 REMOTE_ROOT = "/run/gradbed/remote"
+# A run may first wait minutes for the machine-wide network lock behind other runs.
+RUN_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +72,10 @@ def test_digits_on_one_server_and_on_two_end_with_identical_weights(cluster, tmp
     # drops 0.5 % of what arrives (netfilter rules on that host's server).
     shaped = ('topo.traces={"w0.up"="traces/data/square_10_50.log"}', "net.loss_pct=0.5")
     one, p1 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s1, *shaped),
-                          tmp_path / "one")
+                          tmp_path / "one", timeout_s=RUN_TIMEOUT_S)
     assert p1.returncode == 0, p1.stderr[-3000:]
     two, p2 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s2, *shaped),
-                          tmp_path / "two")
+                          tmp_path / "two", timeout_s=RUN_TIMEOUT_S)
     assert p2.returncode == 0, p2.stderr[-3000:]
     # The network changes timing, never the numbers.
     assert _weights_digest(one) == _weights_digest(two)
@@ -108,7 +110,7 @@ def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(clus
     run_dir, proc = gradbed_run("configs/pipeline.toml", [
         "pipeline.stages=2", "topo.hosts=3", "run.iterations=4", "pipeline.schedule='gpipe'",
         f'cluster.servers=["{s1}", "{s2}"]', 'cluster.placement="roundrobin"',
-        f'cluster.ssh_config="{cluster.ssh_config}"'], tmp_path)
+        f'cluster.ssh_config="{cluster.ssh_config}"'], tmp_path, timeout_s=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     placement = json.loads((run_dir / "meta.json").read_text())["cluster"]["placement"]
     # Stage 0 and the PS on server 2, stage 1 on server 1: every step crosses the tunnel.
