@@ -124,6 +124,21 @@ def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(clus
     assert _server_leftovers(cluster) == []
 
 
+def test_moe_expert_hosts_on_two_servers_exchange_tokens_across_them(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    run_dir, proc = gradbed_run("configs/moe.toml", [
+        "topo.hosts=2", "moe.hosts=2", "moe.experts=4", "run.iterations=4",
+        "moe.eval_every=100", f'cluster.servers=["{s1}", "{s2}"]',
+        'cluster.placement="roundrobin"', f'cluster.ssh_config="{cluster.ssh_config}"'],
+        tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placement = json.loads((run_dir / "meta.json").read_text())["cluster"]["placement"]
+    assert {placement["gbh0"], placement["gbh1"]} == {s1, s2}
+    ev = events(run_dir)
+    assert sorted(ev[ev["event"] == "moe_done"]["node"]) == ["e0", "e1"]
+    assert _server_leftovers(cluster) == []
+
+
 def _wait_remote_iterations(c: FakeCluster, server: str, proc: subprocess.Popen[str],
                             iterations: int, timeout_s: float = 600) -> None:
     """Until the PS on ``server`` logged ``iterations`` iterations (its events are there
