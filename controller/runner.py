@@ -100,15 +100,20 @@ class RoleRunner:
 
     # -- the end ---------------------------------------------------------------------
 
-    def wait(self, timeout_s: float) -> str:
+    def wait(self, timeout_s: float, watch: Callable[[], str] | None = None) -> str:
         """Block until every ``ends_run`` process has exited, or ``timeout_s``, or an agent
         is lost (:meth:`_lost`); say so once for any other process that fails meanwhile.
+        ``watch``: polled too; a non-empty answer (a server lost) ends the wait with it as
+        the stop reason.
         Returns the stop reason."""
         enders = [(r, c, p) for r, c, p in self.procs if r.ends_run]
         others = [(r, c, p) for r, c, p in self.procs if not r.ends_run]
         deadline = time.monotonic() + timeout_s
         reported: set[int] = set()
         while any(p.poll() is None for _, _, p in enders):
+            if watch is not None and (why := watch()):
+                self.say(f"{why}: stopping")
+                return why
             if time.monotonic() > deadline:
                 self.say(f"{timeout_reason(timeout_s)}: stopping")
                 return timeout_reason(timeout_s)

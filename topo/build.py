@@ -168,7 +168,10 @@ class Network:
         # Without netem every delay and loss; with it only a seeded loss.
         if not self._netem or self._seeded:
             for host, imps in _impairments(spec, netem=self._netem).items():
-                hi = HostImpairment(host, self.pid(host), imps, tc=self.tc)
+                # Its rules go in on the host's own server (topo.cluster allows only
+                # rules, no delay line, on another server).
+                hi = HostImpairment(host, self.pid(host), imps,
+                                    tc=self._on_server(self.tc, host))
                 # Appended first: a start that fails halfway is still torn down.
                 self.host_impairments.append(hi)
                 hi.__enter__()
@@ -233,6 +236,9 @@ class Network:
             self._procs.clear()
             if self._net is not None:
                 try:
+                    if self.cluster is not None:
+                        for node in self.cluster.forget_lost_nodes(self._net):
+                            self._say(f"teardown: {node} is gone with its server")
                     self._net.stop()
                 finally:
                     self._net = None
@@ -305,8 +311,13 @@ class Network:
         # fork+exec of tc lands 15-60 ms late here); the log shows the equivalent command.
         argv, = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
                                            burst_bytes=burst_bytes)
-        tc.echo(argv, "via netlink")
-        if not tc.dry_run:
+        if tc.via:
+            # On another server netlink does not reach: the command itself, over the run's
+            # shared ssh connection (a round trip later; the trace's lead timer learns it).
+            tc.run(argv)
+        else:
+            tc.echo(argv, "via netlink")
+        if not tc.dry_run and not tc.via:
             cls = qdisc.htb_class(rate_mbps, self.spec.offload, burst_bytes)
             try:
                 self._rtnetlink(host, dev).change_htb_class(dev, cls)

@@ -344,6 +344,15 @@ def check(event: str, fields: Mapping[str, Any]) -> None:
                               "in agents/core/events.py")
 
 
+def clock_fields(event: str) -> tuple[str, ...]:
+    """The fields of ``event`` that hold a CLOCK_MONOTONIC stamp (ns): ``ts_ns``, and every
+    declared field whose meaning says CLOCK_MONOTONIC. These are what aligning another
+    server's events onto the controller's clock shifts (``controller.remote``)."""
+    et = EVENTS.get(event)
+    own = [] if et is None else [k for k, v in et.fields.items() if "CLOCK_MONOTONIC" in v]
+    return ("ts_ns", *own)
+
+
 def strict_default() -> bool:
     """Whether undeclared events are errors in this process (``GRADBED_STRICT_EVENTS=1``)."""
     return os.environ.get(STRICT_ENV) == "1"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,7 +90,8 @@ def make_role(name: str, code: str, *, ends_run: bool, phase: int = 1,
 
 def run_roles(tmp_path: Path, hosts: list[tuple[str, str]], timeout_s: float = 20.0,
               ready_from: tuple[str, ...] = (), heard_from: tuple[str, ...] = (),
-              sets: tuple[str, ...] = ()) -> tuple[str, RoleRunner, float]:
+              sets: tuple[str, ...] = (), watch: Any = None
+              ) -> tuple[str, RoleRunner, float]:
     spec = NetSpec("t", tuple(HostSpec(n, "test", r, f"10.0.0.{10 + i}")
                               for i, (n, r) in enumerate(hosts)), (), ())
     events = EventLog.for_node(tmp_path, "t", "controller")
@@ -107,8 +109,20 @@ def run_roles(tmp_path: Path, hosts: list[tuple[str, str]], timeout_s: float = 2
     holder["r"] = r
     t0 = time.monotonic()
     r.start_agents()
-    reason = r.wait(timeout_s)
+    reason = r.wait(timeout_s, watch=watch)
     return reason, r, time.monotonic() - t0
+
+
+def test_a_watch_that_answers_ends_the_wait_with_its_reason(tmp_path):
+    make_role("t_end_never", "import time; time.sleep(60)", ends_run=True)
+    lost_at = time.monotonic() + 0.5
+    reason, r, took = run_roles(
+        tmp_path, [("w0", "t_end_never")],
+        watch=lambda: "server lost: 10.99.0.2 (gone)" if time.monotonic() > lost_at else "")
+    assert reason == "server lost: 10.99.0.2 (gone)" and took < 5.0
+    for _, _, p in r.procs:
+        p.kill()
+        p.wait()
 
 
 def test_the_run_ends_when_every_deciding_role_has_exited(tmp_path, monkeypatch):
