@@ -31,6 +31,7 @@ from agents.net.control import control_path
 from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
+from controller.warm import WarmStarter
 from controller.class_sampler import ClassSampler
 from controller.control import ControlServer
 from controller.driver import check_driver
@@ -263,11 +264,17 @@ class Experiment:
         sampler: LinkSampler | None = None
         class_sampler: ClassSampler | None = None
         ctl: ControlServer | None = None
+        starter: WarmStarter | None = None
         assert self.events is not None
         self.say("building the network")
         try:
             ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
-            with Network(self.spec, log=self.say, caps=caps) as net:
+            if os.environ.get("GRADBED_WARM", "1") != "0":
+                # Imports torch once while the network is built; each agent is a fork of it.
+                starter = WarmStarter(agent_environment(os.environ, str(rundir.REPO_ROOT),
+                                                        cfg.run.allocator))
+            with Network(self.spec, log=self.say, caps=caps,
+                         spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
                 rundir.write_json(run_dir / "meta.json", meta)
@@ -317,6 +324,8 @@ class Experiment:
                                        "classes.parquet", self.say)
                 if ctl is not None:
                     ctl.close()
+                if starter is not None:
+                    rundir.best_effort(starter.close, "warm process", self.say)
                 # Also when a signal cut the control server's start short (ctl unset).
                 rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:
