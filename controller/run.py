@@ -42,6 +42,7 @@ from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
 from controller.summary import summarize
+from controller.warm import WarmStarter
 from topo.build import Network
 from topo.placement import LOCAL, servers_used
 from topo.plan import build_plan, describe_impairments, describe_plan
@@ -280,12 +281,19 @@ class Experiment:
         sampler: LinkSampler | None = None
         class_sampler: ClassSampler | None = None
         ctl: ControlServer | None = None
+        starter: WarmStarter | None = None
         assert self.events is not None
         self.say("building the network")
         try:
             ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
                                 guard=cfg.guard)
-            with Network(self.spec, log=self.say, caps=caps, access=self._access) as net:
+            if os.environ.get("GRADBED_WARM", "1") != "0":
+                # Imports torch once while the network is built; each agent of this
+                # machine's hosts is a fork of it.
+                starter = WarmStarter(agent_environment(os.environ, str(rundir.REPO_ROOT),
+                                                        cfg.run.allocator))
+            with Network(self.spec, log=self.say, caps=caps, access=self._access,
+                         spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
                 if net.cluster is not None:
@@ -339,6 +347,8 @@ class Experiment:
                                    "servers", self.say)
                 if ctl is not None:
                     ctl.close()
+                if starter is not None:
+                    rundir.best_effort(starter.close, "warm process", self.say)
                 # Also when a signal cut the control server's start short (ctl unset).
                 rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:

@@ -77,6 +77,14 @@ def require_impairments(spec: NetSpec | HasNetSpec, caps: Mapping[str, Any]
     return _require_impairments(_net_spec(spec), caps)
 
 
+class Spawner(Protocol):
+    """Starts ``argv`` in the network namespace of process ``netns_pid`` with Popen's
+    keywords; returns what it started (Popen's ``poll``, ``wait``, ``terminate``, ``kill``,
+    ``pid``, ``returncode``, ``stdin``) or None when it cannot."""
+
+    def __call__(self, argv: list[str], netns_pid: int, **kw: Any) -> Any: ...
+
+
 class Network:
     """A running network: ``with Network(spec) as net: net.popen("w0", [...])``.
 
@@ -86,12 +94,18 @@ class Network:
     caps: kernel capabilities (topo.probe); probed when None.
     access: how to reach the servers of a spec placed over several (``topo.cluster``);
         None builds every node here and refuses a spec placed elsewhere.
+    spawner: starts a process in a host of this machine instead of ``nsenter``, given the
+        argv, the host's namespace pid and Popen's keywords (``controller.warm``: agents
+        forked from an interpreter that has imported torch); it returns None for what it
+        cannot start, which then starts as usual.
     """
 
     def __init__(self, spec: NetSpec | HasNetSpec, *, log: Callable[[str], None] | None = None,
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
-                 caps: dict[str, Any] | None = None, access: SshAccess | None = None) -> None:
+                 caps: dict[str, Any] | None = None, access: SshAccess | None = None,
+                 spawner: Spawner | None = None) -> None:
         self.spec: NetSpec = _net_spec(spec)
+        self._spawner = spawner
         # Refused before the lock or any namespace.
         self.cluster = _cluster(self.spec, access, log)
         self.log = log
@@ -99,7 +113,7 @@ class Network:
         self.tc = Tc(log=log)
         self._lock = NetLock(lock_path, lock_timeout_s, log=log)
         self._net: Any = None
-        self._procs: list[subprocess.Popen[Any]] = []
+        self._procs: list[Any] = []  # Popen, or what the spawner returned
         self._rates: dict[str, float | None] = {}
         self._netlink: dict[str | None, RtNetlink] = {}
         self._auto_queue: dict[str, bool] = {}
@@ -461,9 +475,13 @@ class Network:
         The process shares the file system (Unix control sockets in the run directory
         work) and is terminated, then killed, when the network is torn down.
         """
-        full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         kw.setdefault("env", {**os.environ})
-        proc = subprocess.Popen(full, **kw)
+        tc = self._host_tc(name)
+        proc = None
+        if self._spawner is not None and not tc.via:  # a host of this machine
+            proc = self._spawner(list(argv), self.pid(name), **kw)
+        if proc is None:
+            proc = subprocess.Popen(tc.full_argv(argv), **kw)  # on the server that runs it
         self._procs.append(proc)
         return proc
 

@@ -19,7 +19,7 @@ from agents.moe.mesh import Mesh, file_keys
 from agents.net import auth, codec, handshake, protocol
 from agents.net.codec import FrameError, MsgType
 from agents.pipeline.stage import Stage, StageError
-from controller.loopback import warm
+from controller import warm
 from controller.loopback.dp import Agent, connect, free_port
 from controller.loopback.hostile import CapturingProxy
 from controller.loopback.pipeline import make_run_dir
