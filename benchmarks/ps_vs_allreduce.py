@@ -85,7 +85,7 @@ def point_bytes(run_dir: Path) -> dict[str, int]:
 def ps_run(name: str, extra: list[str], rate: float, traced: bool, iters: int, tta: bool,
            out: Path) -> dict[str, Any]:
     over = [*net_overrides(rate, traced), *extra, f"run.iterations={iters}",
-            f"run.eval_every={EVAL_EVERY if tta else 0}"]
+            f"run.eval_every={EVAL_EVERY if tta else iters}"]
     run_dir = gradbed_run(CONFIG, f"pvr-{name}", over, out, timeout_s=2400)
     ev = load_events(run_dir)
     pct = metrics.iteration_time_percentiles(ev, (50, 99))

@@ -89,7 +89,7 @@ def formula_bytes(name: str, world: int, bucket_numels: list[int],
                   shapes: list[tuple[int, ...]], framing: dict[str, float]) -> float:
     """docs/ddp.md's per-iteration bytes one rank sends, from the buckets' sizes (and the
     parameters' shapes for PowerSGD), independent of the hooks' own accounting, plus gloo's
-    framing per collective (measured with 8-byte collectives)."""
+    framing per collective (measured with 4 KB collectives)."""
     ring, gather = 2 * (world - 1) / world, world - 1
     buckets = len(bucket_numels)
     if name == "allreduce":
@@ -116,7 +116,8 @@ def test_each_hooks_tcp_bytes_equal_its_formula_within_one_percent(byte_run, nam
         want = formula_bytes(name, len(byte_run), numels, got["shapes"], seen["framing"])
         assert got["sent"] == pytest.approx(want, rel=0.01), (name, r, got["sent"], want,
                                                               seen["framing"])
-    assert 0 < byte_run[0]["framing"]["allgather"] < 2000  # a header's worth, not a payload
+    for kind in ("allreduce", "allgather"):  # headers' worth, not a payload
+        assert 0 < byte_run[0]["framing"][kind] < 2000, byte_run[0]["framing"]
 
 
 def test_adaptive_ranks_agree_on_the_slowest_rate(ranks):
