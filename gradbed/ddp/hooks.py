@@ -86,11 +86,12 @@ class CompressState:
     def world(self) -> int:
         return dist.get_world_size(self.group)
 
-    def keep_for(self, bucket: int, size_bytes: int, value_bytes: int) -> float:
-        """The compressor ratio for ``bucket`` this iteration (fixed, or adaptive)."""
+    def keep_for(self, iteration: int, bucket: int, size_bytes: int, value_bytes: int
+                 ) -> float:
+        """The compressor ratio for ``bucket`` in ``iteration`` (fixed, or adaptive)."""
         if self.adaptive is None:
             return self.config.ratio
-        d = self.adaptive.decide(self.iteration, bucket, size_bytes)
+        d = self.adaptive.decide(iteration, bucket, size_bytes)
         return element_ratio(d.keep, value_bytes, self.adaptive.config.keep_min)
 
 
@@ -104,7 +105,8 @@ def compress_hook(state: CompressState, bucket: dist.GradBucket) -> torch.future
         state.iteration += 1
     if state.sender is None or iteration < state.config.start_iter:
         return _dense(state, buf, index, iteration, start)
-    keep = state.keep_for(index, buf.numel() * buf.element_size(), buf.element_size())
+    keep = state.keep_for(iteration, index, buf.numel() * buf.element_size(),
+                          buf.element_size())
     payload, _ = state.sender.compress(buf, f"bucket{index}", keep)
     if state.collective == "allreduce":
         return _summed(state, buf, payload, index, iteration, start, keep)

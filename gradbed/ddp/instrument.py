@@ -67,7 +67,7 @@ class Instrument:
     def loss(self, value: float | torch.Tensor) -> None:
         """The loss of the iteration in progress (optional; NaN when never given)."""
         if self.log is not None:
-            self._loss = float(value)
+            self._loss = float(value.detach() if isinstance(value, torch.Tensor) else value)
 
     def on_bucket(self, rec: BucketRecord) -> None:
         """A hook's record (called from gloo's threads): one ``ddp_bucket`` event."""

@@ -160,9 +160,28 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
             "nan": math.isnan(d.keep)}
 
 
+def adaptive_keeps(rank: int, world: int, iters: int) -> list[tuple[int, int, float]]:
+    """The adaptive top-k hook on 127.0.0.1 (planned 1 Gbit/s): every bucket's
+    (iteration, bucket, keep) from the compressed iterations."""
+    import gradbed.ddp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    ddp = DDP(model, bucket_cap_mb=0.5)
+    state, hook = gradbed.ddp.hook("topk", policy="adaptive", planned_mbps=1000)
+    ddp.register_comm_hook(state, hook)
+    records: list[Any] = []
+    state.listeners.add(records.append)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(rank))
+    for _ in range(iters):
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+    return [(r.iteration, r.bucket, r.keep) for r in records if r.iteration >= 2]
+
+
 def everything(rank: int, world: int, iters: int, byte_hooks: list[str]) -> dict[str, Any]:
     """All of the above in one group (each spawn costs a torch import per rank)."""
-    return {"topk": reduced_grads(rank, world, "topk", 0.05, iters),
+    return {"adaptive": adaptive_keeps(rank, world, 6),"topk": reduced_grads(rank, world, "topk", 0.05, iters),
             "fp16": reduced_grads(rank, world, "fp16", 1.0, 3),
             "agreement": agreement(rank, world),
             "bytes": hook_bytes(rank, world, byte_hooks, iters)}

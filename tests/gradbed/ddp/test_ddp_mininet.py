@@ -26,7 +26,7 @@ STEPS = 8
 
 def torchrun(out: Path, overrides: list[str]) -> Path:
     argv = [sys.executable, "-m", "controller.cli", "torchrun", str(CONFIG), "--out", str(out),
-            "--no-progress", "--set", "net.workers=3", "--set", "net.delay_ms=1",
+            "--no-progress", "--set", "net.workers=3", "--set", "net.delay_ms=0",
             "--set", "net.loss_pct=0", "--set", f"net.worker_link_mbps={LINK_MBPS}"]
     for o in overrides:
         argv += ["--set", o]

@@ -127,6 +127,16 @@ def test_adaptive_ranks_agree_on_the_slowest_rate(ranks):
     assert [s["keep"] for s in seen] == [pytest.approx(1 / 3)] * 3
 
 
+def test_the_adaptive_hook_gives_every_bucket_of_an_iteration_one_keep_on_every_rank(ranks):
+    seen = [sorted(r["adaptive"]) for r in ranks]
+    assert seen[0] == seen[1] == seen[2]  # the ranks agreed (and no all_gather hung)
+    by_iter: dict[int, set[float]] = {}
+    for it, _, keep in seen[0]:
+        by_iter.setdefault(it, set()).add(keep)
+    assert sorted(by_iter) == [2, 3, 4, 5] and len(seen[0]) >= 8  # several buckets each
+    assert all(len(k) == 1 for k in by_iter.values()), by_iter
+
+
 def test_gradbed_ddp_imports_neither_the_controller_nor_mininet():
     code = ("import sys\n"
             "class Block:\n"
