@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--policy", default=None)
     args = ap.parse_args()
 
+    # One thread per rank, as gradbed's own workers and PS run (controller/agent_env.py): on
+    # a few cores, ranks with a thread pool each would fight over them.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     wl = make_workload(WorkloadConfig(name=args.workload, batch_size=args.batch),
