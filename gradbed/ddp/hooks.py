@@ -13,6 +13,8 @@ sent`` per bucket index, added to the bucket's next gradient.
   indices, other scales), so every rank's payload travels through one ``all_gather`` (its
   parts as bytes: values then int32 indices for the sparse ones) and each rank decodes and
   averages them all. Every rank uses the same ratio, so every payload has the same size.
+  A top-k or random-k keep of half the elements or more sends the bucket dense (as on the
+  PS path), and that is all-reduced.
 - ``allreduce`` is DDP's own dense mean, recorded like the others (what
   :func:`gradbed.ddp.instrument` registers when no hook is).
 
@@ -114,7 +116,9 @@ def compress_hook(state: CompressState, bucket: dist.GradBucket) -> torch.future
     keep = state.keep_for(iteration, index, buf.numel() * buf.element_size(),
                           buf.element_size())
     payload, _ = state.sender.compress(buf, f"bucket{index}", keep)
-    if state.collective == "allreduce":
+    # A sparse compressor's dense fallback (keep >= 1/2 of the elements) is the bucket
+    # itself, which sums on the wire: all_reduce moves 2 (N-1)/N of it, all_gather N-1.
+    if state.collective == "allreduce" or _dense_fallback(payload):
         return _summed(state, buf, payload, index, iteration, start, keep)
     return _gathered(state, buf, payload, index, iteration, start, keep)
 
@@ -161,6 +165,13 @@ def _summed(state: CompressState, buf: Tensor, payload: Payload, index: int, ite
         return buf
 
     return fut.then(done)
+
+
+def _dense_fallback(payload: Payload) -> bool:
+    """True for a sparse compressor's one-part payload of every value, in order."""
+    (first, *rest) = payload.tensors
+    return not rest and first.dtype == payload.dtype and first.numel() == payload.numel \
+        and payload.compressor in ("topk", "randomk")
 
 
 def pack(payload: Payload) -> Tensor:

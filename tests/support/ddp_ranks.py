@@ -160,9 +160,9 @@ def agreement(rank: int, world: int) -> dict[str, Any]:
             "nan": math.isnan(d.keep)}
 
 
-def adaptive_keeps(rank: int, world: int, iters: int) -> list[tuple[int, int, float]]:
+def adaptive_keeps(rank: int, world: int, iters: int) -> list[tuple[int, int, float, str]]:
     """The adaptive top-k hook on 127.0.0.1 (planned 1 Gbit/s): every bucket's
-    (iteration, bucket, keep) from the compressed iterations."""
+    (iteration, bucket, keep, collective) from the compressed iterations."""
     import gradbed.ddp
 
     torch.manual_seed(0)
@@ -176,7 +176,8 @@ def adaptive_keeps(rank: int, world: int, iters: int) -> list[tuple[int, int, fl
     for _ in range(iters):
         ddp.zero_grad()
         ddp(x).square().mean().backward()
-    return [(r.iteration, r.bucket, r.keep) for r in records if r.iteration >= 2]
+    return [(r.iteration, r.bucket, r.keep, r.collective) for r in records
+            if r.iteration >= 2]
 
 
 def everything(rank: int, world: int, iters: int, byte_hooks: list[str]) -> dict[str, Any]:

@@ -131,8 +131,10 @@ def test_the_adaptive_hook_gives_every_bucket_of_an_iteration_one_keep_on_every_
     seen = [sorted(r["adaptive"]) for r in ranks]
     assert seen[0] == seen[1] == seen[2]  # the ranks agreed (and no all_gather hung)
     by_iter: dict[int, set[float]] = {}
-    for it, _, keep in seen[0]:
+    for it, _, keep, collective in seen[0]:
         by_iter.setdefault(it, set()).add(keep)
+        # A keep that sends every element goes dense, and a dense bucket sums on the wire.
+        assert collective == ("allreduce" if keep >= 0.5 else "allgather"), (keep, collective)
     assert sorted(by_iter) == [2, 3, 4, 5] and len(seen[0]) >= 8  # several buckets each
     assert all(len(k) == 1 for k in by_iter.values()), by_iter
 
