@@ -23,30 +23,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agents.core.checks import ConfigError
-from agents.core.config import ExperimentConfig
-from controller.paths import load_config as _load
-from controller.roles import Role, RoleCommand, RoleContext, RoleError
-from controller.roles import get as role
-from controller.roles import names as role_names
-from controller.roles import register as register_role
-from topo.build import Network
-from topo.shapes import names as shape_names
-from topo.shapes import register as register_shape
-from topo.shapes import shape_spec
-from topo.shapes.star import StarSpec
-from topo.spec import (
-    EdgeSpec,
-    HostSpec,
-    LinkSpec,
-    NetSpec,
-    ShapingPoint,
-    SpecError,
-    SwitchSpec,
-)
+if TYPE_CHECKING:
+    from agents.core.config import ExperimentConfig
+    from topo.spec import NetSpec
 
 __all__ = [
     "ConfigError", "EdgeSpec", "Experiment", "ExperimentConfig", "HostSpec", "LinkSpec",
@@ -56,15 +39,32 @@ __all__ = [
     "summary", "torchrun", "exit_status",
 ]
 
+# Every re-exported name, imported on first use: ``import gradbed.ddp`` inside a training
+# script must not load the controller, the topology builder or Mininet, and ``import
+# gradbed`` (configs, specs, dry runs) must not load torch (the runner imports it).
+_LAZY = {
+    "ConfigError": "agents.core.checks", "ExperimentConfig": "agents.core.config",
+    "Role": "controller.roles", "RoleCommand": "controller.roles",
+    "RoleContext": "controller.roles", "RoleError": "controller.roles",
+    "role": "controller.roles:get", "role_names": "controller.roles:names",
+    "register_role": "controller.roles:register", "Network": "topo.build",
+    "shape_names": "topo.shapes:names", "register_shape": "topo.shapes:register",
+    "shape_spec": "topo.shapes", "StarSpec": "topo.shapes.star", "EdgeSpec": "topo.spec",
+    "HostSpec": "topo.spec", "LinkSpec": "topo.spec", "NetSpec": "topo.spec",
+    "ShapingPoint": "topo.spec", "SpecError": "topo.spec", "SwitchSpec": "topo.spec",
+    "Experiment": "controller.run",
+}
+
 
 def __getattr__(name: str) -> Any:
-    """``gradbed.Experiment`` on first use: the runner imports the agents' wire code and
-    torch, which ``import gradbed`` (configs, specs, dry runs) does not need."""
-    if name == "Experiment":
-        from controller.run import Experiment
-
-        return Experiment
-    raise AttributeError(f"module 'gradbed' has no attribute {name!r}")
+    """The re-exported names of :data:`_LAZY`, imported (and cached) on first use."""
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'gradbed' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(import_module(module), attr or name)
+    globals()[name] = value
+    return value
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -72,6 +72,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentCo
     overrides (``"net.workers=8"``, TOML values), validated, every file it names made
     absolute (``controller.paths``); ``ConfigError`` names the field, the value and what is
     allowed."""
+    from controller.paths import load_config as _load
+
     return _load(path, list(overrides))
 
 
@@ -79,6 +81,9 @@ def place(spec: NetSpec, roles: Mapping[str, str]) -> NetSpec:
     """``spec`` with ``roles[host]`` (a registered role name, or "" for none) on those
     hosts; the host's kind becomes the role's first host kind when it is not one of them.
     An unknown host or role is an error naming it."""
+    from controller.roles import get as role
+    from topo.spec import HostSpec, SpecError
+
     hosts = {h.name for h in spec.hosts}
     for name, r in roles.items():
         if name not in hosts:

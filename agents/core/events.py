@@ -311,6 +311,28 @@ _declare("moe_offload", "expert", "this host's expert offload in one training st
          peak_device_bytes="most expert bytes held on the device in the step")
 _declare("moe_done", "expert", "the expert host finished its steps")
 
+# -- a DDP rank under gradbed torchrun (gradbed/ddp/instrument.py; node HOST or HOST.L) ----------
+_declare("ddp_bucket", "DDP rank", "a DDP gradient bucket's collective finished (gradbed.ddp "
+         "hook); start_ns..end_ns spans the hook's call to the decoded mean",
+         bucket="DDP's bucket index", hook="the hook (topk, fp16, powersgd, allreduce, ...)",
+         collective="allreduce or allgather", raw_bytes="the bucket's dense gradient (bytes)",
+         payload_bytes="the compressed buffers this rank contributed (bytes)",
+         wire_bytes="bytes this rank sends for it by the formula (gradbed.ddp.wire)",
+         keep="the ratio the compressor was given (1 = dense)",
+         compress_s="hook time before the collective was launched (s)",
+         comm_s="from the collective's launch to the decoded mean (s)",
+         start_ns="the hook was called (CLOCK_MONOTONIC)", end_ns="the mean was ready",
+         kind="b<bucket index> (the timeline's label)")
+_declare("ddp_iter", "DDP rank", "one DDP training iteration, forward to next forward",
+         hook="the registered gradbed hook", start_ns="the forward began",
+         end_ns="the next forward began (or the process exited)", iter_s="end - start (s)",
+         loss="the loss given to Instrument.loss (NaN when not given)",
+         buckets="buckets recorded", raw_bytes="their dense bytes",
+         wire_bytes="their formula bytes", compress_s="summed hook time before launch (s)",
+         comm_s="first launch to last result (s)",
+         tcp_sent_bytes="tcpi_bytes_acked moved by this process's TCP sockets",
+         tcp_received_bytes="tcpi_bytes_received likewise")
+
 # -- controller (controller/run.py, controller/driver.py) ------------------------------------
 _declare("run_start", "controller", "the network is up and the agents are starting",
          workers="net.workers", setup_s="time to build the network (s)")

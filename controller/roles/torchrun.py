@@ -83,6 +83,16 @@ def interface(spec: NetSpec, host: str) -> str:
     raise SpecError(f"host {host} has no link in this {spec.shape}")
 
 
+def uplink_mbps(spec: NetSpec, host: str) -> float | None:
+    """The rate of ``host``'s own egress onto its access link (None: unshaped)."""
+    for e in spec.edges:
+        if e.a == host:
+            return e.a_to_b.link.rate_mbps
+        if e.b == host:
+            return e.b_to_a.link.rate_mbps
+    raise SpecError(f"host {host} has no link in this {spec.shape}")
+
+
 def path_impairment(spec: NetSpec) -> tuple[float, float]:
     """(one-way delay in ms, loss fraction) of the worst host-to-host path, bounded from
     above: the two largest point delays added, the largest point loss counted twice."""
@@ -173,7 +183,13 @@ def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
         env = {"GLOO_SOCKET_IFNAME": dev, "TP_SOCKET_IFNAME": dev,
                "PYTHONUNBUFFERED": "1",
                # torchrun's @record error files land next to the rank's logs.
-               "TORCHELASTIC_ERROR_FILE": str(log_dir / h.name / "error.json")}
+               "TORCHELASTIC_ERROR_FILE": str(log_dir / h.name / "error.json"),
+               # gradbed.ddp (instrument, the adaptive hook) inside the script: where the
+               # run's events go (log_dir is RUN/logs/ranks) and under which host.
+               "GRADBED_RUN_DIR": str(log_dir.parent.parent), "GRADBED_HOST": h.name}
+        rate = uplink_mbps(spec, h.name)
+        if rate is not None:  # the adaptive hook's planned rate
+            env["GRADBED_LINK_MBPS"] = f"{rate:g}"
         if tr.backend == "nccl":
             env |= {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
                     "NCCL_SOCKET_IFNAME": dev, "NCCL_HOSTID": f"gradbed-{h.name}",

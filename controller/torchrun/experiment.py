@@ -93,6 +93,9 @@ class TorchrunExperiment(Experiment):
         log_dir = run_dir / "logs" / "ranks" / cmd.host
         log_dir.mkdir(parents=True, exist_ok=True)
         rundir.hand_over(log_dir.parent)
+        # gradbed.ddp.instrument in a rank (run as the invoking user) adds its own events file.
+        (run_dir / "events").mkdir(exist_ok=True)
+        rundir.hand_over(run_dir / "events", recursive=False)
         env = {**os.environ, **plan.env}
         argv = list(cmd.argv)
         owner = rundir.invoking_user()

@@ -10,7 +10,10 @@ and the world size only, never on the network or the timing.
         examples/torchrun_ddp/train.py --steps 20                        # 4 emulated hosts
 
 --save PATH (rank 0) writes the final parameters; --history PATH the parameters after
-every step (a list, step 1 first).
+every step (a list, step 1 first). With --hook NAME (topk, fp16, qsgd, ..., powersgd; see
+docs/ddp.md) the gradients travel through gradbed's compression hook, with --policy adaptive
+at a ratio that follows the slowest link; --instrument records every bucket and iteration
+into the gradbed run's events (a no-op outside one). Those three import gradbed.ddp.
 """
 
 import argparse
@@ -33,6 +36,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default="")
     ap.add_argument("--history", default="")
+    ap.add_argument("--hook", default="", help="a gradbed.ddp hook: topk, fp16, powersgd...")
+    ap.add_argument("--ratio", type=float, default=0.01, help="the hook's keep ratio")
+    ap.add_argument("--policy", default=None, help="adaptive: the ratio follows the link")
+    ap.add_argument("--instrument", action="store_true", help="gradbed.ddp.instrument")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -45,6 +52,16 @@ def main() -> None:
     y = torch.tensor(digits.target, dtype=torch.long)
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     ddp = DDP(model)  # broadcasts rank 0's parameters to every rank
+    if args.hook:
+        import gradbed.ddp
+
+        ddp.register_comm_hook(*gradbed.ddp.hook(args.hook, ratio=args.ratio,
+                                                 policy=args.policy))
+    record = None
+    if args.instrument:
+        import gradbed.ddp
+
+        record = gradbed.ddp.instrument(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(args.seed)
     per_rank = args.batch // world
@@ -57,6 +74,8 @@ def main() -> None:
         loss = nn.functional.cross_entropy(ddp(x[mine]), y[mine])
         loss.backward()
         opt.step()
+        if record is not None:
+            record.loss(loss)
         if args.history and rank == 0:
             history.append([p.detach().clone() for p in model.parameters()])
         if rank == 0:

@@ -14,7 +14,7 @@ from agents.core.events import EVENTS, EventLog, UndeclaredEvent, check
 from tests.support.make_fake_run import make_fake_run
 
 REPO = Path(__file__).resolve().parents[3]
-SOURCES = ("agents", "controller", "topo", "traces", "analysis")
+SOURCES = ("agents", "controller", "topo", "traces", "analysis", "gradbed")
 
 
 def emit_calls() -> list[tuple[str, int, str, list[str]]]:

@@ -1,0 +1,67 @@
+"""gradbed.ddp inside ``gradbed torchrun`` on real Mininet (root): the adaptive top-k hook
+with one host's uplink at a tenth of the others' finishes (no all_gather with unequal
+shapes, no deadlock) and keeps fewer elements than with equal links; the instrumentation's
+events land in the run directory and in ``trace.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.support.mininet_run import REPO, summary
+
+pytestmark = pytest.mark.mininet
+
+TRAIN = REPO / "examples" / "torchrun_ddp" / "train.py"
+CONFIG = REPO / "examples" / "torchrun_ddp" / "fabric4.toml"
+LINK_MBPS = 100
+STEPS = 8
+
+
+def torchrun(out: Path, overrides: list[str]) -> Path:
+    argv = [sys.executable, "-m", "controller.cli", "torchrun", str(CONFIG), "--out", str(out),
+            "--no-progress", "--set", "net.workers=3", "--set", "net.delay_ms=0",
+            "--set", "net.loss_pct=0", "--set", f"net.worker_link_mbps={LINK_MBPS}"]
+    for o in overrides:
+        argv += ["--set", o]
+    argv += ["--", str(TRAIN), "--steps", str(STEPS), "--hidden", "2048", "--batch", "48",
+             "--hook", "topk", "--policy", "adaptive", "--instrument"]
+    proc = subprocess.run(argv, cwd=out, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def bucket_events(run_dir: Path) -> pd.DataFrame:
+    frames = [pd.read_parquet(p) for p in (run_dir / "events").glob("gbh*.parquet")]
+    ev = pd.concat(frames, ignore_index=True)
+    return ev[ev["event"] == "ddp_bucket"]
+
+
+def test_adaptive_topk_with_one_slow_uplink_agrees_on_a_smaller_k(tmp_path: Path) -> None:
+    slow_trace = tmp_path / "tenth.log"
+    slow_trace.write_text("".join(f"{t}.0 {LINK_MBPS / 10}\n" for t in range(60)))
+    equal = torchrun(tmp_path, ["topo.traces={}"])
+    slow = torchrun(tmp_path, [f'topo.traces={{"gbh2.up" = "{slow_trace}"}}'])
+    keeps = {}
+    for name, run_dir in (("equal", equal), ("slow", slow)):
+        assert summary(run_dir)["stop_reason"] == "completed"
+        ev = bucket_events(run_dir)
+        assert sorted(ev["node"].unique()) == ["gbh0", "gbh1", "gbh2"]
+        late = ev[ev["iter"] >= STEPS - 3]
+        # Every rank used the same keep for every bucket of an iteration.
+        assert (late.groupby(["iter", "bucket"])["keep"].nunique() == 1).all(), late
+        keeps[name] = float(late["keep"].mean())
+    assert keeps["slow"] < 0.5 * keeps["equal"], keeps
+    # The events are on the timeline: trace.json has the buckets' intervals.
+    trace = json.loads((slow / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert any(str(n).startswith("b") for n in names), sorted(map(str, names))[:20]
+    iters = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "ddp_iter"]
+    assert len(iters) >= 3 * (STEPS - 1)
