@@ -75,6 +75,7 @@ from agents.dp.aggregate import (
 )
 from agents.dp.downlink import REBALANCE_S, DownlinkPacer
 from agents.net import auth, codec, handshake, loop, protocol, wire
+from agents.net.buffers import ReceivePool
 from agents.net.control import ControlClient, control_path
 from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
@@ -125,6 +126,8 @@ class ParameterServer:
         self.events: deque[PSEvent] = deque()
         self.joins: queue.SimpleQueue[Joined] = queue.SimpleQueue()
         self.loop = loop.EventLoop(self)
+        # Dense chunks are received into tensors used again once added (agents.net.buffers).
+        self.rx_pool = ReceivePool(max_free=2 * cfg.net.workers)
         self.next_rebalance_s = 0.0
         self.conns: dict[int, _Conn] = {}
         self.barrier = protocol.ChunkBarrier(len(self.chunks))
@@ -182,7 +185,7 @@ class ParameterServer:
         self.loop.serve(conn, wire.MessageReceiver(
             conn.sock, peer=conn.peer, mac=conn.session.up,
             max_payload_bytes=self.max_message_bytes,
-            bound=uplink_bound(self.cfg.compress.name, self.chunks)))
+            bound=uplink_bound(self.cfg.compress.name, self.chunks), pool=self.rx_pool))
 
     def _poll(self, deadline: float, what: str) -> None:
         """Wait until something happens (at most until ``deadline``) and turn it into
@@ -366,6 +369,9 @@ class ParameterServer:
                 if a.added == 0:
                     a.expect(len(self.active))
                 a.add_dense(dense, who=who)
+                # Added (copied) into the accumulator: the received tensors are free again.
+                # Sparse parts are not: the accumulator keeps their indices.
+                self.rx_pool.give(tensors)
         except (PayloadError, ValueError, RuntimeError, IndexError, TypeError) as err:
             msg = str(err) if str(err).startswith(f"worker {w}") \
                 else f"worker {w} chunk {h.chunk}: {err}"

@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
+from agents.net.buffers import ReceivePool
 from agents.net.codec import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
@@ -472,7 +473,8 @@ class MessageReceiver(FrameReader):
     complete, keeping a message that is still arriving for the next call. The checks
     are :class:`FrameReader`'s own (header, MAC, CRC, parts in order, ``bound`` before
     anything is allocated for a part); each payload is received straight into its own
-    new tensor.
+    new tensor, or one from ``pool`` (:class:`~agents.net.buffers.ReceivePool`), which the
+    caller gives back once it has consumed the message.
 
     An error (a bad frame, EOF, a reset) is raised by the call that meets it, unless
     that call completed messages first: then they are returned and the error is
@@ -483,10 +485,13 @@ class MessageReceiver(FrameReader):
     def __init__(self, sock: socket.socket, *, peer: str | None = None,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
                  mac: FrameMac | None = None, expect_tag: int | None = None,
-                 bound: Callable[[FrameHeader], None] | None = None) -> None:
+                 bound: Callable[[FrameHeader], None] | None = None,
+                 pool: ReceivePool | None = None) -> None:
         super().__init__(sock, expect_tag=expect_tag, peer=peer,
                          max_payload_bytes=max_payload_bytes, mac=mac)
         self.bound = bound
+        self.pool = pool
+        self.recv_calls = 0  # recv_into system calls, for the per-chunk profile
         self._complete: list[Message] = []
         self._error: BaseException | None = None
         self._at_boundary = True
@@ -512,7 +517,8 @@ class MessageReceiver(FrameReader):
                     self._check_part(first, h, i)
                     if self.bound is not None:
                         self.bound(h)
-                t = torch.empty(h.numel, dtype=h.dtype.torch_dtype)
+                t = torch.empty(h.numel, dtype=h.dtype.torch_dtype) if self.pool is None \
+                    else self.pool.take(h.dtype.torch_dtype, h.numel)
                 dst = tensor_view(t)
                 if len(dst) != h.payload_len:
                     raise FrameError(f"{self.peer}: payload_len {h.payload_len} does not hold "
@@ -538,6 +544,7 @@ class MessageReceiver(FrameReader):
                                             min(len(self._want) - self._got, budget))
                 except (BlockingIOError, InterruptedError):
                     break
+                self.recv_calls += 1
                 if n == 0:
                     if self._at_boundary and self._got == 0:
                         raise ConnectionClosed(f"{self.peer}: connection closed by peer "
