@@ -560,6 +560,8 @@ def agent_limited(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]],
     if not np.isfinite(busy):
         return None, (f"no {direction} link samples cover a transfer window, so whether the "
                       "agents or the network set the pace is unknown")
+    if "backlog_bytes" not in lk:
+        return None, "the link samples lack the shaper's backlog (backlog_bytes)"
     ts = lk["ts_ns"].to_numpy(dtype=np.int64)
     backlog = lk["backlog_bytes"].to_numpy(dtype=np.float64)
     inside: list[float] = []

@@ -56,6 +56,10 @@ def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, 
     if int(cfg.get("pipeline", {}).get("stages", 0)) > 0:
         return None, ("a pipeline run's stage links are shaped per pair of stages, not at "
                       "the bottleneck the link sampler watches; see the stages' bubble")
+    if cfg.get("topo", {}).get("role") == "expert":
+        return None, ("an MoE run's dispatch windows cross every access link, which only "
+                      "the HTB class sampler (topo.class_sample_ms) reads; benchmarks/moe.py "
+                      "measures them")
     warmup = int(cfg["run"].get("warmup_iterations", 0))
     windows = [w for w in upload_windows(events) if w[0] >= warmup]
     if not windows:
