@@ -31,6 +31,8 @@ from _common import log
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: Processes whose CPU is counted: gradbed's agents, iperf3, gloo's ranks, the controller.
+#: iperf3 servers listen on IPERF_PORT + i; the CPU sampler finds ours by it.
+IPERF_PORT = 5710
 PERF_EVENTS = "raw_syscalls:sys_enter,page-faults,context-switches"
 WATCH = re.compile(r"agents\.(dp|moe|pipeline)\.\w+|iperf3|torchrun_ddp|controller\.cli")
 
@@ -73,8 +75,12 @@ class ProcSampler(threading.Thread):
     """Samples, every ``period_s``, the CPU ticks of every watched process and of the
     machine; :meth:`result` gives core-seconds per process and the kernel's share."""
 
-    def __init__(self, period_s: float = 0.25, perf: bool = True) -> None:
+    def __init__(self, marker: str = "", period_s: float = 0.25, perf: bool = True) -> None:
         super().__init__(name="proc-sampler", daemon=True)
+        # Only processes whose command line holds ``marker`` (the benchmark's output
+        # folder): other users' runs on a shared machine are not ours to count.
+        self.marker = marker
+        self.seen_s: dict[str, tuple[float, float]] = {}  # pid -> first, last sample time
         # perf stat on every agent process: system calls, page faults and context switches
         # per process, counted by the kernel (no ptrace: the agents run at full speed).
         self.perf = perf and shutil.which("perf") is not None
@@ -93,16 +99,19 @@ class ProcSampler(threading.Thread):
                 t = _ticks(pid)
                 if t is None:
                     continue
+                now = time.monotonic()
                 if pid not in self.first:
                     cmd = _cmdline(pid)
-                    if not WATCH.search(cmd) or "proc-sampler" in cmd:
+                    if not WATCH.search(cmd) or self.marker not in cmd:
                         continue
+                    self.seen_s[pid] = (now, now)
                     self.first[pid] = (_label(cmd), t)
                     if self.perf and "agents." in cmd:
                         self.perf_procs[pid] = (_label(cmd), subprocess.Popen(
                             ["perf", "stat", "-x,", "-e", PERF_EVENTS, "-p", pid],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
                 self.last[pid] = t
+                self.seen_s[pid] = (self.seen_s[pid][0], now)
             self.stop_evt.wait(self.period_s)
 
     def result(self) -> dict[str, Any]:
@@ -116,9 +125,12 @@ class ProcSampler(threading.Thread):
         names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
         machine = {n: round(v / total * ncpu, 3) for n, v in zip(names, d, strict=False)}
         per: dict[str, float] = {}
+        lived: dict[str, float] = {}
         for pid, (label, t0) in self.first.items():
             s = (self.last.get(pid, t0) - t0) / CLK_TCK
             per[label] = round(per.get(label, 0.0) + s, 2)
+            a, b = self.seen_s[pid]
+            lived[label] = max(lived.get(label, 0.0), b - a)
         counts: dict[str, dict[str, int]] = {}
         for label, proc in self.perf_procs.values():
             if proc.poll() is None:
@@ -136,8 +148,10 @@ class ProcSampler(threading.Thread):
         return {"wall_s": round(wall_s, 2), "cores": ncpu, "perf_counts": counts,
                 "machine_cores_busy": machine,
                 "process_cpu_s": dict(sorted(per.items(), key=lambda kv: -kv[1])),
-                "process_cores": {k: round(v / wall_s, 3) for k, v in sorted(
-                    per.items(), key=lambda kv: -kv[1])},
+                # Cores each used over its own lifetime (a run waiting for the machine's
+                # network lock is not counted against its agents).
+                "process_cores": {k: round(v / max(lived[k], self.period_s), 3)
+                                  for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
                 "loadavg_start": self.load_start,
                 "loadavg_end": open("/proc/loadavg").read().split()[:3]}
 
@@ -173,17 +187,17 @@ def iperf3_peer(config: Path, overrides: list[str], seconds: int = 5) -> dict[st
     rows: list[dict[str, Any]] = []
     with Network(spec) as net:
         for i, _ in enumerate(workers):
-            net.popen(ps, ["iperf3", "-s", "-1", "-B", net.ip(ps), "-p", str(5201 + i)],
+            net.popen(ps, ["iperf3", "-s", "-1", "-B", net.ip(ps), "-p", str(IPERF_PORT + i)],
                       stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
         for i, _ in enumerate(workers):
-            assert net.wait_listening(ps, 5201 + i), f"iperf3 server {i} never listened"
+            assert net.wait_listening(ps, IPERF_PORT + i), f"iperf3 server {i} never listened"
         stop = threading.Event()
         sampler = threading.Thread(target=_sample_up, args=(net, rows, stop), daemon=True)
         sampler.start()
-        procs = ProcSampler()
+        procs = ProcSampler(f"-p {IPERF_PORT // 10}")
         procs.start()
         t_start = now_ns()
-        clients = [net.popen(w, ["iperf3", "-c", net.ip(ps), "-p", str(5201 + i), "-B",
+        clients = [net.popen(w, ["iperf3", "-c", net.ip(ps), "-p", str(IPERF_PORT + i), "-B",
                                  net.ip(w), "-t", str(seconds)],
                              stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
                    for i, w in enumerate(workers)]
@@ -212,7 +226,7 @@ def gloo_peer(rate_mbps: float, out: Path) -> dict[str, Any]:
 
     import torchrun_allreduce as tra
 
-    procs = ProcSampler()
+    procs = ProcSampler(str(out))
     procs.start()
     r = tra.one(rate_mbps, out)
     cpu = procs.result()

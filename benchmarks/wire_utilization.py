@@ -46,7 +46,7 @@ def main() -> None:
     overrides = [a for a in args if a != "--set"]
     out = Path(tempfile.mkdtemp(prefix="gradbed-wire-"))
     log(f"running {CONFIG.name} (4 workers x 102 MB) {' '.join(overrides)}")
-    procs = ProcSampler()
+    procs = ProcSampler(str(out))
     procs.start()
     proc = subprocess.run([sys.executable, "-m", "controller.cli", "run",
                            str(CONFIG), "--out", str(out),

@@ -417,6 +417,19 @@ class ParameterServer:
                 iteration=self.iteration, chunk=c, mac=conn.session.down))
         self.bytes_out += len(self.active) * _wire_bytes(tensors)
 
+    def _receive_counts(self) -> dict[str, int]:
+        """This iteration's receive-side counts (the per-chunk profile, docs/linerate.md),
+        then zeroed."""
+        calls = 0
+        for conn in self.conns.values():
+            if conn.receiver is not None:
+                calls += conn.receiver.recv_calls
+                conn.receiver.recv_calls = 0
+        out = {"rx_buffers_new": self.rx_pool.allocated,
+               "rx_buffers_reused": self.rx_pool.reused, "recv_calls": calls}
+        self.rx_pool.allocated = self.rx_pool.reused = 0
+        return out
+
     def _end_iteration(self, start_ns: int) -> None:
         """Every chunk is stepped and queued: evaluate, admit joiners, report."""
         i = self.iteration
@@ -427,7 +440,8 @@ class ParameterServer:
                 self.log.emit("eval", iter=i, **metrics)
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
                       bytes_out=self.bytes_out, rebalanced=self.pacer.rebalanced,
-                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
+                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9,
+                      **self._receive_counts())
         self.barrier.end_iteration()
         self.iteration += 1
         if not bool(torch.isfinite(self.model.flat_params).all()):
