@@ -156,24 +156,33 @@ class ProcSampler(threading.Thread):
                 "loadavg_end": open("/proc/loadavg").read().split()[:3]}
 
 
-def _sample_up(net: Any, rows: list[dict[str, Any]], stop: threading.Event) -> None:
+def _sample_points(net: Any, points: list[str], rows: list[dict[str, Any]],
+                   stop: threading.Event) -> None:
+    """Every 100 ms, each point's counters as a links.parquet row (``direction`` = the
+    point), so analysis.metrics reads them as it reads a run's."""
     from agents.core.events import now_ns
 
-    dev = net.point_dev("up")
+    devs = {p: net.point_dev(p) for p in points}
     while not stop.is_set():
-        st = net.bottleneck_stats("up")
-        rows.append({"ts_ns": now_ns(), "direction": "up", "dev": dev,
-                     "sent_bytes": st.sent_bytes, "sent_pkts": st.sent_pkts,
-                     "drops": st.drops, "overlimits": st.overlimits,
-                     "backlog_bytes": st.backlog_bytes, "backlog_pkts": st.backlog_pkts,
-                     "rate_mbps": net.rate_mbps(dev)})
+        for p in points:
+            st = net.point_stats(p)
+            rows.append({"ts_ns": now_ns(), "direction": p, "dev": devs[p],
+                         "sent_bytes": st.sent_bytes, "sent_pkts": st.sent_pkts,
+                         "drops": st.drops, "overlimits": st.overlimits,
+                         "backlog_bytes": st.backlog_bytes, "backlog_pkts": st.backlog_pkts,
+                         "rate_mbps": net.rate_mbps(devs[p])})
         stop.wait(0.1)
 
 
 def iperf3_peer(config: Path, overrides: list[str], seconds: int = 5) -> dict[str, Any]:
-    """One iperf3 flow per worker to the PS through the config's own star: the up
-    bottleneck's busy fraction by gradbed's formula, from 1 s after the start to the end
-    (TCP's slow start left out, as ``iperf3 -O 1``), and the CPU it cost."""
+    """One iperf3 flow per sender through the config's own network, each shaped point a
+    sender's traffic crosses sampled every 100 ms, and gradbed's formula over those
+    samples (:func:`analysis.metrics.upload_window_utilization`) from 1 s after the start
+    to the end (TCP's slow start left out, as ``iperf3 -O 1``); and the CPU it cost.
+
+    A star: every worker to the PS, through the ``up`` bottleneck (``busy``). A fabric:
+    host i to host i+1, every host's ``up`` point carrying one flow (``busy`` = the mean
+    over them, ``busy_per_point`` each)."""
     from agents.core import config as cfgmod
     from agents.core.events import now_ns
     from analysis.metrics import upload_window_utilization
@@ -182,25 +191,33 @@ def iperf3_peer(config: Path, overrides: list[str], seconds: int = 5) -> dict[st
 
     cfg = cfgmod.load(config, overrides)
     spec = shape_spec(cfg)
-    workers = [h.name for h in spec.hosts if h.role == "worker"]
-    ps = next(h.name for h in spec.hosts if h.role == "ps")
+    if cfg.topo.shape == "fabric":
+        hosts = [h.name for h in spec.hosts]
+        pairs = [(h, hosts[(i + 1) % len(hosts)]) for i, h in enumerate(hosts)]
+        points = [f"{h}.up" for h in hosts]
+    else:
+        ps = next(h.name for h in spec.hosts if h.role == "ps")
+        pairs = [(h.name, ps) for h in spec.hosts if h.role == "worker"]
+        points = ["up"]
     rows: list[dict[str, Any]] = []
     with Network(spec) as net:
-        for i, _ in enumerate(workers):
-            net.popen(ps, ["iperf3", "-s", "-1", "-B", net.ip(ps), "-p", str(IPERF_PORT + i)],
-                      stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
-        for i, _ in enumerate(workers):
-            assert net.wait_listening(ps, IPERF_PORT + i), f"iperf3 server {i} never listened"
+        for i, (_, server) in enumerate(pairs):
+            net.popen(server, ["iperf3", "-s", "-1", "-B", net.ip(server), "-p",
+                               str(IPERF_PORT + i)],
+                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for i, (_, server) in enumerate(pairs):
+            assert net.wait_listening(server, IPERF_PORT + i), f"iperf3 server {i} not up"
         stop = threading.Event()
-        sampler = threading.Thread(target=_sample_up, args=(net, rows, stop), daemon=True)
+        sampler = threading.Thread(target=_sample_points, args=(net, points, rows, stop),
+                                   daemon=True)
         sampler.start()
         procs = ProcSampler(f"-p {IPERF_PORT // 10}")
         procs.start()
         t_start = now_ns()
-        clients = [net.popen(w, ["iperf3", "-c", net.ip(ps), "-p", str(IPERF_PORT + i), "-B",
-                                 net.ip(w), "-t", str(seconds)],
-                             stdout=open(os.devnull, "w"), stderr=open(os.devnull, "w"))
-                   for i, w in enumerate(workers)]
+        clients = [net.popen(c, ["iperf3", "-c", net.ip(server), "-p", str(IPERF_PORT + i),
+                                 "-B", net.ip(c), "-t", str(seconds)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for i, (c, server) in enumerate(pairs)]
         for c in clients:
             c.wait(timeout=seconds + 30)
         t_end = now_ns()
@@ -209,10 +226,11 @@ def iperf3_peer(config: Path, overrides: list[str], seconds: int = 5) -> dict[st
         stop.set()
         sampler.join(timeout=5)
     links = pd.DataFrame(rows)
-    window = (0, t_start + 1_000_000_000, t_end - 200_000_000)
-    busy = upload_window_utilization(links, [window])
-    log(f"iperf3, {len(workers)} flows: up bottleneck busy {busy:.4f}")
-    return {"busy": busy, "flows": len(workers), "seconds": seconds,
+    window = [(0, t_start + 1_000_000_000, t_end - 200_000_000)]
+    per = {p: upload_window_utilization(links, window, p) for p in points}
+    busy = sum(per.values()) / len(per)
+    log(f"iperf3, {len(pairs)} flows: busy {busy:.4f} ({per})")
+    return {"busy": busy, "busy_per_point": per, "flows": len(pairs), "seconds": seconds,
             "rate_mbps": float(links["rate_mbps"].iloc[0]) if len(links) else None,
             "backlog_bytes_median": float(links["backlog_bytes"].median()) if len(links)
             else None, "cpu": cpu}
@@ -240,3 +258,52 @@ def gloo_peer(rate_mbps: float, out: Path) -> dict[str, Any]:
     return {"efficiency": eff, "points_busy": points,
             "up_points_busy_mean": sum(ups) / len(ups) if ups else None, "run": r,
             "cpu": cpu}
+
+
+def gloo_all_to_all_peer(config: Path, overrides: list[str], out: Path,
+                         floats: int = 10_000_000) -> dict[str, Any]:
+    """gloo's ``all_to_all_single`` of ``floats`` per host among the config's hosts
+    (``gradbed torchrun``, examples/torchrun_ddp/all_to_all.py), every access link's HTB
+    class sampled every 2 ms: its efficiency by the MoE dispatch's own formula over the
+    same samples (:func:`analysis.moe.dispatch_link_table`: the busiest point's bytes over
+    the exchange / (time x rate)), and by the payload (each host's bytes to the others
+    over the TCP goodput ceiling)."""
+    import json
+    import sys
+
+    from _common import REPO
+
+    from agents.core import config as cfgmod
+    from agents.core.ethernet import TCP_GOODPUT_FRACTION
+    from analysis import moe as amoe
+
+    cfg = cfgmod.load(config, overrides)
+    argv = [sys.executable, "-m", "controller.cli", "torchrun", str(config), "--no-progress",
+            "--out", str(out), "--set", 'run.name="tr-all-to-all"',
+            "--set", "topo.class_sample_ms=2", "--set", "run.timeout_s=600"]
+    for o in overrides:
+        argv += ["--set", o]
+    argv += ["--", str(REPO / "examples/torchrun_ddp/all_to_all.py"), "--floats", str(floats)]
+    procs = ProcSampler(str(out))
+    procs.start()
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    cpu = procs.result()
+    run_dir = Path(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
+    if res.returncode != 0 or run_dir is None:
+        raise RuntimeError(f"gradbed torchrun all_to_all failed:\n{res.stderr[-3000:]}")
+    line = next(ln for ln in reversed((run_dir / "logs" / "w0.log").read_text().splitlines())
+                if '"seconds"' in ln)
+    r = json.loads(line[line.index("{"):])
+    rate = cfg.net.worker_link_mbps
+    world = int(r["world"])
+    payload = r["size_bytes"] * (world - 1) / world  # what each host sends to the others
+    eff = payload / (r["seconds"] * rate * 1e6 / 8 * TCP_GOODPUT_FRACTION)
+    window = [{"iter": 0, "layer": 0, "start_ns": r["start_ns"], "end_ns": r["end_ns"],
+               "phase_s": r["seconds"]}]
+    samples = amoe.load_class_samples(run_dir)
+    link = amoe.dispatch_link_table(window, samples, rate)[0] if samples is not None else {}
+    log(f"gloo all_to_all at {rate:g} Mbit/s: {r['seconds']:.3f} s, payload efficiency "
+        f"{eff:.4f}, link {link.get('link_efficiency', float('nan')):.4f}")
+    return {"efficiency": eff, "link_efficiency": link.get("link_efficiency"),
+            "seconds": r["seconds"], "size_bytes": r["size_bytes"], "world": world,
+            "run_dir": str(run_dir), "cpu": cpu}

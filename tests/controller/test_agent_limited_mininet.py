@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.mininet,
 
 CONFIG = "configs/wire_utilization.toml"
 WORKERS = 2
-COMMON = [f"net.workers={WORKERS}", "run.iterations=2", "run.timeout_s=60",
+COMMON = [f"net.workers={WORKERS}", "run.iterations=1", "run.timeout_s=60",
           "workload.compute_ms=100"]
 RATES = {
     1000: ["net.bottleneck_mbps=1000", "net.bottleneck_down_mbps=10000",
