@@ -410,11 +410,12 @@ class ParameterServer:
         else:
             msg_type, tensors = codec.MsgType.UPDATE, weights_delta(params, self.shadow[s:e])
         self.agg_s += time.perf_counter() - t0
+        crcs = wire.payload_crcs(tensors)  # the same bytes go to every worker: one pass
         for w in sorted(self.active):
             conn = self.conns[w]
             self.loop.write(conn, wire.message_buffers(
                 tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
-                iteration=self.iteration, chunk=c, mac=conn.session.down))
+                iteration=self.iteration, chunk=c, mac=conn.session.down, crcs=crcs))
         self.bytes_out += len(self.active) * _wire_bytes(tensors)
 
     def _receive_counts(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ from agents.net.codec import (
     decode_header,
     frame_for_bytes,
     frame_for_tensor,
+    payload_crc32,
     tensor_view,
 )
 
@@ -202,19 +203,30 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
     return _send_buffers(sock, bufs, what=what, peer=peer, progress=progress)
 
 
+def payload_crcs(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's payload CRC-32, for :func:`message_buffers` of one message framed for
+    several peers (the PS's downlink): one pass over the bytes instead of one per peer."""
+    return [payload_crc32(tensor_view(t)) for t in tensors]
+
+
 def message_buffers(tensors: Sequence[torch.Tensor], *, msg_type: MsgType | int,
                     run_tag: int, worker: int, iteration: int, chunk: int, crc: bool = True,
-                    mac: FrameMac | None = None) -> list[memoryview]:
+                    mac: FrameMac | None = None, crcs: Sequence[int] | None = None
+                    ) -> list[memoryview]:
     """One chunk's message as the buffers to write, in order: a header and a payload per
     tensor (views of the tensors' own memory), sealed with ``mac``'s next sequence numbers
-    now, so the message must be written before any frame sealed after it."""
+    now, so the message must be written before any frame sealed after it. ``crcs``: the
+    tensors' :func:`payload_crcs`, when already computed for the same bytes."""
     if not 1 <= len(tensors) <= 0xFFFF:
         raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
+    if crcs is not None and len(crcs) != len(tensors):
+        raise ValueError(f"crcs: {len(crcs)} given for {len(tensors)} tensors")
     bufs: list[memoryview] = []
     for i, t in enumerate(tensors):
         header, payload = frame_for_tensor(t, msg_type=msg_type, run_tag=run_tag,
                                            worker=worker, iteration=iteration, chunk=chunk,
-                                           part=i, nparts=len(tensors), crc=crc)
+                                           part=i, nparts=len(tensors), crc=crc,
+                                           payload_crc=None if crcs is None else crcs[i])
         bufs += _sealed(header, payload, mac)
     return bufs
 
