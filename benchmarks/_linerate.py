@@ -280,7 +280,9 @@ def gloo_all_to_all_peer(config: Path, overrides: list[str], out: Path,
     cfg = cfgmod.load(config, overrides)
     argv = [sys.executable, "-m", "controller.cli", "torchrun", str(config), "--no-progress",
             "--out", str(out), "--set", 'run.name="tr-all-to-all"',
-            "--set", "topo.class_sample_ms=2", "--set", "run.timeout_s=600"]
+            "--set", "topo.class_sample_ms=2", "--set", "run.timeout_s=600",
+            # The same hosts and links, with gloo's ranks in place of the expert hosts.
+            "--set", 'topo.role=""']
     for o in overrides:
         argv += ["--set", o]
     argv += ["--", str(REPO / "examples/torchrun_ddp/all_to_all.py"), "--floats", str(floats)]
