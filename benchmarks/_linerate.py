@@ -293,8 +293,9 @@ def gloo_all_to_all_peer(config: Path, overrides: list[str], out: Path,
     run_dir = Path(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
     if res.returncode != 0 or run_dir is None:
         raise RuntimeError(f"gradbed torchrun all_to_all failed:\n{res.stderr[-3000:]}")
-    line = next(ln for ln in reversed((run_dir / "logs" / "w0.log").read_text().splitlines())
-                if '"seconds"' in ln)
+    # Rank 0's line, in the log of whichever host ran it (w0 on a star, gbh0 on a fabric).
+    line = next(ln for log_file in sorted((run_dir / "logs").glob("*.log"))
+                for ln in reversed(log_file.read_text().splitlines()) if '"seconds"' in ln)
     r = json.loads(line[line.index("{"):])
     rate = cfg.net.worker_link_mbps
     world = int(r["world"])
