@@ -197,6 +197,11 @@ def part_linerate(out: Path, rates_mbps: tuple[float, ...] = (1000.0, 10000.0)
         disp = [d for d in amoe.dispatch_table(rows, rate) if d["iter"] >= 1]
         samples = amoe.load_class_samples(run_dir)
         link = amoe.dispatch_link_table(disp, samples, rate) if samples is not None else []
+        log(f"{rate:g} Mbit/s: gradbed dispatch efficiency median "
+            f"{statistics.median(d['efficiency'] for d in disp):.4f} (link "
+            f"{statistics.median(d['link_efficiency'] for d in link) if link else 0:.4f}), "
+            f"phase {statistics.median(d['phase_s'] for d in disp) * 1e3:.1f} ms; "
+            f"cores {cpu['process_cores']}; load {cpu['loadavg_start']}")
         overrides = [f"net.worker_link_mbps={rate}", *MODEL]
         ip = iperf3_peer(CONFIG, overrides)
         gl = gloo_all_to_all_peer(CONFIG, [f"net.worker_link_mbps={rate}"], out)
