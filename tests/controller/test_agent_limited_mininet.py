@@ -38,7 +38,7 @@ def capped_run(tmp_path, rate_mbps: int) -> dict:
     with CpuCap(f"gradbed-test-cap-{rate_mbps}", cores=0.2) as cap:
         watcher = cap_when_connected(cap, str(out), "agents.dp.worker", 5000, WORKERS, stop)
         try:
-            run_dir, proc = gradbed_run(CONFIG, COMMON + RATES[rate_mbps], out, timeout_s=120)
+            run_dir, proc = gradbed_run(CONFIG, COMMON + RATES[rate_mbps], out, timeout_s=300)
         finally:
             stop.set()
             watcher.join(timeout=5)
