@@ -36,7 +36,8 @@ def capped_run(tmp_path, rate_mbps: int) -> dict:
     stop = threading.Event()
     # The two workers share a fifth of a core once connected to the PS.
     with CpuCap(f"gradbed-test-cap-{rate_mbps}", cores=0.2) as cap:
-        watcher = cap_when_connected(cap, str(out), "agents.dp.worker", 5000, WORKERS, stop)
+        watcher = cap_when_connected(cap, str(out), "agents.dp.worker", 5000, WORKERS, stop,
+                                     timeout_s=400)
         try:
             run_dir, proc = gradbed_run(CONFIG, COMMON + RATES[rate_mbps], out, timeout_s=300)
         finally:
