@@ -302,7 +302,7 @@ def gloo_all_to_all_peer(config: Path, overrides: list[str], out: Path,
     payload = r["size_bytes"] * (world - 1) / world  # what each host sends to the others
     eff = payload / (r["seconds"] * rate * 1e6 / 8 * TCP_GOODPUT_FRACTION)
     window = [{"iter": 0, "layer": 0, "start_ns": r["start_ns"], "end_ns": r["end_ns"],
-               "phase_s": r["seconds"], "payload_bytes": payload}]
+               "phase_s": r["seconds"], "payload_bytes": payload, "efficiency": eff}]
     samples = amoe.load_class_samples(run_dir)
     link = amoe.dispatch_link_table(window, samples, rate)[0] if samples is not None else {}
     log(f"gloo all_to_all at {rate:g} Mbit/s: {r['seconds']:.3f} s, payload efficiency "
