@@ -34,12 +34,13 @@ RATES = {
 def capped_run(tmp_path, rate_mbps: int) -> dict:
     out = tmp_path / f"r{rate_mbps}"
     stop = threading.Event()
-    # The two workers share a fifth of a core once connected to the PS.
+    # The two workers share a fifth of a core once connected to the PS. The timeouts leave
+    # room for the machine-wide network lock (600 s), which other runs may hold.
     with CpuCap(f"gradbed-test-cap-{rate_mbps}", cores=0.2) as cap:
         watcher = cap_when_connected(cap, str(out), "agents.dp.worker", 5000, WORKERS, stop,
-                                     timeout_s=400)
+                                     timeout_s=900)
         try:
-            run_dir, proc = gradbed_run(CONFIG, COMMON + RATES[rate_mbps], out, timeout_s=300)
+            run_dir, proc = gradbed_run(CONFIG, COMMON + RATES[rate_mbps], out, timeout_s=900)
         finally:
             stop.set()
             watcher.join(timeout=5)
