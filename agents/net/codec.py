@@ -459,13 +459,14 @@ def tensor_view(tensor: torch.Tensor) -> memoryview:
 def _frame(payload: memoryview, dtype: DType, numel: int, *, msg_type: MsgType | int,
            run_tag: int, worker: int, iteration: int, chunk: int, part: int, nparts: int,
            crc: bool, payload_crc: int | None = None) -> bytes:
-    if crc and payload_crc is None:
+    if not crc:
+        payload_crc = 0
+    elif payload_crc is None:
         payload_crc = payload_crc32(payload)
     h = FrameHeader(msg_type=MsgType(msg_type), run_tag=run_tag, worker=worker,
                     iteration=iteration, chunk=chunk, dtype=dtype, numel=numel,
                     payload_len=len(payload), part=part, nparts=nparts,
-                    flags=FLAG_CRC if crc else 0,
-                    payload_crc=payload_crc if crc else 0)
+                    flags=FLAG_CRC if crc else 0, payload_crc=payload_crc)
     return encode_header(h)
 
 
