@@ -3,9 +3,10 @@
 A controller killed with SIGKILL runs no ``finally``: its network (bridge, veths, qdiscs,
 host shells), its agents, the run's secret and control socket stay behind, and the run
 directory has no ``summary.json``. This command removes the network and the processes
-(:func:`topo.cleanup.cleanup`: gradbed's own names only, never another emulation's), then
-finishes every run whose controller is gone (:func:`controller.rundir.orphaned_runs`, or the
-directories given on the command line): secret and socket removed, events converted, and a
+(:func:`topo.cleanup.cleanup`: gradbed's own names only, never another emulation's), on
+this machine and, for a run placed over several servers, on each of them over ssh first
+(:func:`clean_servers`), then finishes every run whose controller is gone
+(:func:`controller.rundir.orphaned_runs`, or the directories given on the command line): secret and socket removed, events converted, and a
 ``summary.json`` computed from the agents' events with ``stop_reason: "controller killed"``
 where none exists, so the directory loads and explains itself. Idempotent.
 """
@@ -24,10 +25,33 @@ from topo.lock import LockTimeout, NetLock
 KILLED = "controller killed"
 
 
+def clean_servers(run_dirs: Sequence[Path] = ()) -> list[str]:
+    """The other servers of every killed run placed over several (the record its
+    controller kept in root's ``/run/gradbed/clusters``, never one read from the run
+    directory): gradbed's agents, shells and links there removed over ssh, and the run's
+    directory there gathered into the run's own (``controller.remote``)."""
+    from controller.remote import RECORD_DIR, cleanup_run, registered
+
+    lines: list[str] = []
+    if not RECORD_DIR.is_dir():
+        return lines
+    dirs = [Path(d).absolute() for d in run_dirs] + [d for _, d in rundir.orphaned_runs()]
+    for run_dir in dict.fromkeys(dirs):
+        record = registered(run_dir)
+        if record is None:
+            continue
+        lines += [f"{run_dir}: {line}" for line in cleanup_run(run_dir, record)]
+        (RECORD_DIR / f"{run_dir.name}.json").unlink(missing_ok=True)
+    return lines
+
+
 def finish_orphans(run_dirs: Sequence[Path] = ()) -> list[str]:
     """Finish the run directories whose controller is gone; one line per thing done."""
     lines: list[str] = []
-    targets = [(None, Path(d).absolute()) for d in run_dirs] + rundir.orphaned_runs()
+    # A run named on the command line that is also registered: its entry goes too.
+    registered = {d: e for e, d in rundir.orphaned_runs()}
+    targets = [(registered.pop(Path(d).absolute(), None), Path(d).absolute())
+               for d in run_dirs] + [(e, d) for d, e in registered.items()]
     seen: set[Path] = set()
     for entry, run_dir in targets:
         if run_dir in seen:
@@ -61,7 +85,8 @@ def cleanup_main(argv: Sequence[str] | None = None) -> int:
         # Under the network lock: a run in progress owns its network; wait for it
         # rather than pull its hosts away. Processes go first, so the events are final.
         with NetLock(timeout_s=args.wait_s):
-            removed = cleanup()
+            removed = clean_servers(args.run_dirs)
+            removed += cleanup()
             removed += finish_orphans(args.run_dirs)
     except LockTimeout as exc:
         print(f"gradbed cleanup: {exc}", file=sys.stderr)

@@ -113,11 +113,6 @@ def run_main(argv: Sequence[str]) -> int:
 
     try:
         spec = shape_spec(cfg)
-        if not args.dry_run:
-            from controller.run import NOT_ACROSS_SERVERS
-            from topo.plan import require_local
-
-            require_local(spec, NOT_ACROSS_SERVERS)
     except SpecError as e:
         print(f"gradbed run: {args.config}: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ the words the runner writes and the words this module reads are defined once.
 3      failed start: the network or an agent did not come up
 4      an agent or rank lost (exited, killed, or declared lost), and the run stopped
 5      timed out (``run.timeout_s``)
-6      a server lost (runs over several machines; reserved)
+6      a server lost (a run over several servers; its control connection ended)
 128+n  killed by signal n (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); the run directory
        is still complete
 =====  ==========================================================================
@@ -45,7 +45,7 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("3", "failed start: the network or an agent did not come up"),
     ("4", "an agent or rank lost, and the run stopped"),
     ("5", "timed out (run.timeout_s)"),
-    ("6", "a server lost (runs over several machines; reserved)"),
+    ("6", "a server lost (a run over several servers; its control connection ended)"),
     ("128+n", "killed by signal n (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); the run "
               "directory is complete"),
 )

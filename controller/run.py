@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -42,20 +42,23 @@ from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
 from controller.summary import summarize
+from controller.warm import WarmStarter
 from topo.build import Network
-from topo.plan import build_plan, describe_impairments, describe_plan, require_local
+from topo.placement import LOCAL, servers_used
+from topo.plan import build_plan, describe_impairments, describe_plan
 from topo.probe import probe
 from topo.shapes import shape_spec
 from topo.shapes.star import star_spec
 from topo.spec import NetSpec, SpecError
 
+if TYPE_CHECKING:  # Mininet Cluster Edition is imported only for a run over several servers
+    from controller.remote import RemoteAgents
+    from topo.cluster import SshAccess
+
 __all__ = ["Experiment", "LinkSampler", "links_frame", "plan_commands", "shape_spec",
            "star_spec"]
 
 LINK_SAMPLE_S = 0.1
-# The agents, their control plane and events run on this machine only so far.
-NOT_ACROSS_SERVERS = ("gradbed run starts its agents on this machine only (the network "
-                      "alone builds across servers: docs/cluster.md)")
 
 
 def check_spec(cfg: cfgmod.ExperimentConfig, spec: NetSpec) -> None:
@@ -155,7 +158,20 @@ class Experiment:
         # config's shape; the config still gives everything else.
         self.spec: NetSpec = spec if spec is not None else shape_spec(self.cfg)
         check_spec(cfg, self.spec)
-        require_local(self.spec, NOT_ACROSS_SERVERS)
+        # A spec placed over several servers is built there (topo.cluster) and its agents
+        # run there (controller.remote); None: everything on this machine.
+        self._access: SshAccess | None = None
+        if servers_used(self.spec) != [LOCAL]:
+            from controller.roles.torchrun import ROLE as TORCHRUN
+            from topo.cluster import SshAccess
+
+            if any(h.role == TORCHRUN for h in self.spec.hosts):
+                # Its ranks' variables and log folders name this machine's run directory,
+                # and its start is its own (controller.torchrun): not carried over yet.
+                raise SpecError("gradbed torchrun across servers is not supported yet; "
+                                "leave cluster.servers = [\"localhost\"] (docs/cluster.md)")
+            self._access = SshAccess.from_config(self.cfg.cluster)
+        self._remote: RemoteAgents | None = None
         # The run's master key lives in this process only; agents get theirs on stdin.
         self._master = auth.new_master()
         self._net: Network | None = None
@@ -236,6 +252,8 @@ class Experiment:
             return signal_reason(e.signum)
         if isinstance(e, KeyboardInterrupt):
             return "interrupted"
+        if self._server_lost():
+            return self._server_lost()  # what failed after that failed because of it
         error = str(e) or type(e).__name__
         return f"failed: {error}" if self._started else failed_start_reason(error)
 
@@ -263,13 +281,23 @@ class Experiment:
         sampler: LinkSampler | None = None
         class_sampler: ClassSampler | None = None
         ctl: ControlServer | None = None
+        starter: WarmStarter | None = None
         assert self.events is not None
         self.say("building the network")
         try:
-            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
-            with Network(self.spec, log=self.say, caps=caps) as net:
+            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
+                                guard=cfg.guard)
+            if os.environ.get("GRADBED_WARM", "1") != "0":
+                # Imports torch once while the network is built; each agent of this
+                # machine's hosts is a fork of it.
+                starter = WarmStarter(agent_environment(os.environ, str(rundir.REPO_ROOT),
+                                                        cfg.run.allocator))
+            with Network(self.spec, log=self.say, caps=caps, access=self._access,
+                         spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
+                if net.cluster is not None:
+                    self._remote = self._remote_agents(net, ctl.path, meta)
                 rundir.write_json(run_dir / "meta.json", meta)
                 # Time zero of the experiment proper: after any wait for the network lock.
                 setup_s = time.monotonic() - t_start
@@ -315,8 +343,12 @@ class Experiment:
                     class_sampler.join(timeout=2)
                     rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
                                        "classes.parquet", self.say)
+                rundir.best_effort(lambda: self._gather_remote(meta), "gathering from the "
+                                   "servers", self.say)
                 if ctl is not None:
                     ctl.close()
+                if starter is not None:
+                    rundir.best_effort(starter.close, "warm process", self.say)
                 # Also when a signal cut the control server's start short (ctl unset).
                 rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:
@@ -343,18 +375,55 @@ class Experiment:
         known = any(h.name == node and h.role for h in self.spec.hosts)
         return auth.node_key(self._master, node) if known else None
 
+    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any]
+                       ) -> RemoteAgents:
+        """The run directories and control connections on the other servers, recorded
+        first (in meta.json, and where ``gradbed cleanup`` finds the servers)."""
+        from controller.remote import RemoteAgents
+
+        assert net.cluster is not None
+        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say)
+        meta["cluster"] = remote.record(net.cluster.clocks)
+        assert self.run_dir is not None
+        rundir.write_json(self.run_dir / "meta.json", meta)
+        remote.register(net.cluster.clocks)
+        remote.prepare()
+        return remote
+
+    def _gather_remote(self, meta: dict[str, Any]) -> None:
+        """Once the network is down: every server's events and files into the run
+        directory, on this machine's clock; the offsets and any lost server in meta.json."""
+        remote, self._remote = self._remote, None
+        if remote is None:
+            return
+        remote.close()
+        cluster = self._net.cluster if self._net is not None else None
+        clock_record = cluster.clocks if cluster is not None else {}
+        try:
+            for line in remote.gather(clock_record):
+                self.say(line)
+        finally:
+            remote.unregister()
+        meta["cluster"] = remote.record(clock_record)
+
+    def _server_lost(self) -> str:
+        return self._remote.lost() if self._remote is not None else ""
+
     def _start(self, net: Network, cmd: RoleCommand, run_dir: Path
                ) -> subprocess.Popen[Any]:
         path = cmd.log_path(run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
         self.say(f"start {cmd.host}: {' '.join(cmd.argv)}")
+        argv = list(cmd.argv)
+        if self._remote is not None and self._remote.is_remote(cmd.host):
+            argv = self._remote.argv_for(cmd.host, argv, env, os.environ)
         with open(path, "ab") as log:  # the child keeps its own copy
             # A new session: a terminal's Ctrl-C reaches only the controller, which then
             # stops the agents itself and keeps their last events. Its key goes down its
             # stdin, a pipe only we hold: the pipe stays open, and when this process dies
             # the agent sees EOF and ends too (agents.net.auth).
-            p = net.popen(cmd.host, list(cmd.argv), stdin=subprocess.PIPE, stdout=log,
+            p = net.popen(cmd.host, argv, stdin=subprocess.PIPE, stdout=log,
                           stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
                           start_new_session=True)
         assert p.stdin is not None
@@ -376,7 +445,9 @@ class Experiment:
         assert self.driver is not None
         self.driver.start()
         runner.start_sessions(net)
-        return runner.wait(cfg.run.timeout_s)
+        reason = runner.wait(cfg.run.timeout_s, watch=self._server_lost)
+        # A server that died takes its agents with it: that is the reason, not theirs.
+        return self._server_lost() or reason
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:

@@ -77,6 +77,14 @@ def require_impairments(spec: NetSpec | HasNetSpec, caps: Mapping[str, Any]
     return _require_impairments(_net_spec(spec), caps)
 
 
+class Spawner(Protocol):
+    """Starts ``argv`` in the network namespace of process ``netns_pid`` with Popen's
+    keywords; returns what it started (Popen's ``poll``, ``wait``, ``terminate``, ``kill``,
+    ``pid``, ``returncode``, ``stdin``) or None when it cannot."""
+
+    def __call__(self, argv: list[str], netns_pid: int, **kw: Any) -> Any: ...
+
+
 class Network:
     """A running network: ``with Network(spec) as net: net.popen("w0", [...])``.
 
@@ -86,12 +94,18 @@ class Network:
     caps: kernel capabilities (topo.probe); probed when None.
     access: how to reach the servers of a spec placed over several (``topo.cluster``);
         None builds every node here and refuses a spec placed elsewhere.
+    spawner: starts a process in a host of this machine instead of ``nsenter``, given the
+        argv, the host's namespace pid and Popen's keywords (``controller.warm``: agents
+        forked from an interpreter that has imported torch); it returns None for what it
+        cannot start, which then starts as usual.
     """
 
     def __init__(self, spec: NetSpec | HasNetSpec, *, log: Callable[[str], None] | None = None,
                  lock_path: str = DEFAULT_LOCK_PATH, lock_timeout_s: float = 600.0,
-                 caps: dict[str, Any] | None = None, access: SshAccess | None = None) -> None:
+                 caps: dict[str, Any] | None = None, access: SshAccess | None = None,
+                 spawner: Spawner | None = None) -> None:
         self.spec: NetSpec = _net_spec(spec)
+        self._spawner = spawner
         # Refused before the lock or any namespace.
         self.cluster = _cluster(self.spec, access, log)
         self.log = log
@@ -99,7 +113,7 @@ class Network:
         self.tc = Tc(log=log)
         self._lock = NetLock(lock_path, lock_timeout_s, log=log)
         self._net: Any = None
-        self._procs: list[subprocess.Popen[Any]] = []
+        self._procs: list[Any] = []  # Popen, or what the spawner returned
         self._rates: dict[str, float | None] = {}
         self._netlink: dict[str | None, RtNetlink] = {}
         self._auto_queue: dict[str, bool] = {}
@@ -168,7 +182,10 @@ class Network:
         # Without netem every delay and loss; with it only a seeded loss.
         if not self._netem or self._seeded:
             for host, imps in _impairments(spec, netem=self._netem).items():
-                hi = HostImpairment(host, self.pid(host), imps, tc=self.tc)
+                # Its rules go in on the host's own server (topo.cluster allows only
+                # rules, no delay line, on another server).
+                hi = HostImpairment(host, self.pid(host), imps,
+                                    tc=self._on_server(self.tc, host))
                 # Appended first: a start that fails halfway is still torn down.
                 self.host_impairments.append(hi)
                 hi.__enter__()
@@ -233,6 +250,9 @@ class Network:
             self._procs.clear()
             if self._net is not None:
                 try:
+                    if self.cluster is not None:
+                        for node in self.cluster.forget_lost_nodes(self._net):
+                            self._say(f"teardown: {node} is gone with its server")
                     self._net.stop()
                 finally:
                     self._net = None
@@ -305,8 +325,13 @@ class Network:
         # fork+exec of tc lands 15-60 ms late here); the log shows the equivalent command.
         argv, = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
                                            burst_bytes=burst_bytes)
-        tc.echo(argv, "via netlink")
-        if not tc.dry_run:
+        if tc.via:
+            # On another server netlink does not reach: the command itself, over the run's
+            # shared ssh connection (a round trip later; the trace's lead timer learns it).
+            tc.run(argv)
+        else:
+            tc.echo(argv, "via netlink")
+        if not tc.dry_run and not tc.via:
             cls = qdisc.htb_class(rate_mbps, self.spec.offload, burst_bytes)
             try:
                 self._rtnetlink(host, dev).change_htb_class(dev, cls)
@@ -450,9 +475,13 @@ class Network:
         The process shares the file system (Unix control sockets in the run directory
         work) and is terminated, then killed, when the network is torn down.
         """
-        full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         kw.setdefault("env", {**os.environ})
-        proc = subprocess.Popen(full, **kw)
+        tc = self._host_tc(name)
+        proc = None
+        if self._spawner is not None and not tc.via:  # a host of this machine
+            proc = self._spawner(list(argv), self.pid(name), **kw)
+        if proc is None:
+            proc = subprocess.Popen(tc.full_argv(argv), **kw)  # on the server that runs it
         self._procs.append(proc)
         return proc
 

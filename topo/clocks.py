@@ -25,15 +25,18 @@ SAMPLES = 20
 
 @dataclass(frozen=True)
 class ClockOffset:
-    """remote CLOCK_MONOTONIC - local CLOCK_MONOTONIC, within +- ``error_ns``."""
+    """remote CLOCK_MONOTONIC - local CLOCK_MONOTONIC, within +- ``error_ns``, as measured
+    at local time ``at_ns`` (the best sample's midpoint)."""
 
     offset_ns: int
     error_ns: int
     samples: int
+    at_ns: int = 0
 
     def describe(self) -> dict[str, float | int | str]:
         return {"offset_s": self.offset_ns / 1e9, "error_s": self.error_ns / 1e9,
-                "samples": self.samples}
+                "samples": self.samples, "offset_ns": self.offset_ns,
+                "error_ns": self.error_ns, "at_ns": self.at_ns}
 
 
 def best_offset(samples: Sequence[tuple[int, int, int]]) -> ClockOffset:
@@ -46,7 +49,27 @@ def best_offset(samples: Sequence[tuple[int, int, int]]) -> ClockOffset:
             raise ValueError(f"sample answered before it was sent: t0={t0}, t1={t1}")
     t0, r, t1 = min(samples, key=lambda s: s[2] - s[0])
     return ClockOffset(offset_ns=r - (t0 + t1) // 2, error_ns=(t1 - t0 + 1) // 2,
-                       samples=len(samples))
+                       samples=len(samples), at_ns=(t0 + t1) // 2)
+
+
+def offset_at(start: ClockOffset, end: ClockOffset | None, remote_ns: int) -> int:
+    """The offset to subtract from a remote stamp ``remote_ns``: the start's, moving
+    linearly to the end's over the run when both were measured (the two clocks' rates
+    differ slightly on real servers; a time namespace's offset is constant)."""
+    if end is None or end.at_ns <= start.at_ns:
+        return start.offset_ns
+    local_ns = remote_ns - start.offset_ns
+    frac = (local_ns - start.at_ns) / (end.at_ns - start.at_ns)
+    frac = min(1.0, max(0.0, frac))
+    return start.offset_ns + round(frac * (end.offset_ns - start.offset_ns))
+
+
+def from_record(rec: dict[str, float | int | str]) -> ClockOffset | None:
+    """The offset ``ClockOffset.describe`` wrote (None for a failed measurement)."""
+    if "offset_ns" not in rec:
+        return None
+    return ClockOffset(offset_ns=int(rec["offset_ns"]), error_ns=int(rec["error_ns"]),
+                       samples=int(rec["samples"]), at_ns=int(rec.get("at_ns", 0)))
 
 
 def measure(via: Sequence[str], samples: int = SAMPLES, python: str = "python3",

@@ -209,12 +209,12 @@ class Cluster:
                                                     server)
 
     def require_here(self, node: str, dev: str) -> None:
-        """Refuse what only works from this machine (rtnetlink: rate changes and class
-        counters) on an interface of another server, naming it."""
+        """Refuse what only works from this machine (rtnetlink: class counters) on an
+        interface of another server, naming it."""
         if self.where[node] != LOCAL:
-            raise SpecError(f"{dev} on {self.where[node]}: rate changes and class counters "
-                            "over netlink on another server are not supported yet; keep "
-                            "traces and caps on links of this machine")
+            raise SpecError(f"{dev} on {self.where[node]}: class counters over netlink "
+                            "on another server are not supported yet (topo.class_sample_ms "
+                            "= 0, or keep the sampled links on this machine)")
 
     def ssh(self, server: str, command: str, timeout_s: float = SSH_TIMEOUT_S
             ) -> subprocess.CompletedProcess[str]:
@@ -246,21 +246,19 @@ class Cluster:
                                        "Mininet and torch (docs/cluster.md)"]))
 
     def require_shapeable(self, mechanisms: Mapping[str, str | None], netem: bool) -> None:
-        """Refuse what is not built on another server yet, naming it: a delay line or
-        netfilter loss arriving at a host there, and a trace replayed on an interface
-        there (both are run from this machine: an NFQUEUE reader, rate changes over
-        netlink). HTB, bfifo and netem are plain commands and run on any server."""
-        for host in impairments(self.spec, netem=netem):
-            if self.where[host] != LOCAL and (not netem or self.spec.loss_seed is not None):
-                raise SpecError(f"host {host} on {self.where[host]}: delay or loss by "
-                                f"{mechanisms['delay'] or mechanisms['loss']} on another "
-                                "server is not supported yet (netem is; or place it here)")
-        for place in self.spec.places():
-            node = place.host or place.dev.rsplit("-eth", 1)[0]
-            if place.point.trace and self.where[node] != LOCAL:
-                raise SpecError(f"point {place.point.name}: a trace on {place.dev} on "
-                                f"{self.where[node]} is not supported yet (its rate "
-                                "changes go over netlink from this machine)")
+        """Refuse what is not built on another server yet, naming it: a delay or a seeded
+        loss arriving at a host there (its NFQUEUE delay line is a process of this
+        machine, watched through its files here). HTB, bfifo, netem, netfilter's unseeded
+        loss rules and a trace's rate changes (``tc class change``) are plain commands
+        and run over ssh on any server."""
+        for host, imps in impairments(self.spec, netem=netem).items():
+            if self.where[host] != LOCAL and any(i.queued for i in imps):
+                raise SpecError(
+                    f"host {host} on {self.where[host]}: a delay or seeded loss by the "
+                    "NFQUEUE delay line on another server is not supported: the delay line "
+                    "is a process of this machine, watched through its files and /proc "
+                    "here (netem, or unseeded netfilter loss, works there; or place the "
+                    "host here)")
 
     def record_clocks(self, when: str) -> None:
         """Measure every remote server's clock offset now (min-RTT ping-pong over its
@@ -308,6 +306,21 @@ class Cluster:
     def _node(self, name: str) -> dict[str, Any]:
         server = self.where[name]
         return {"server": server, "serverIP": self.ips[server], "access": self.access}
+
+    def forget_lost_nodes(self, net: Any) -> list[str]:
+        """Take out of ``net`` every node whose shell has ended (its server was lost), and
+        every link with an end on one: Mininet's ``stop()`` would wait forever for an
+        answer from such a shell. What they leave on the servers that remain (a tunnel end
+        on a bridge) has gradbed's names, and the run-scoped cleanup removes it. Returns
+        the nodes taken out."""
+        nodes = [*net.hosts, *net.switches]
+        lost = {n for n in nodes if n.shell is None or n.shell.poll() is not None}
+        if lost:
+            net.links = [ln for ln in net.links
+                         if ln.intf1.node not in lost and ln.intf2.node not in lost]
+            net.hosts = [h for h in net.hosts if h not in lost]
+            net.switches = [sw for sw in net.switches if sw not in lost]
+        return sorted(f"{n.name} on {self.where.get(n.name, '?')}" for n in lost)
 
     def built_placement(self, net: Any) -> dict[str, str]:
         """Node -> the server Mininet built it on (to compare with the dry run's)."""

@@ -156,6 +156,16 @@ _declare("worker_lost", "ps", "a worker's connection failed or sent garbage",
          worker="index", reason="why")
 _declare("frame_error", "ps", "a malformed or unauthenticated frame, or a failed socket call",
          peer="address:port", worker="index when known", error="the message")
+_declare("refused", "any agent that listens (agents.net.handshake.accept_forever)",
+         "connections refused at admission or in the handshake, aggregated: at most one "
+         "event per (source, reason) per guard.refusal_report_interval_s",
+         source="the peer's address (no port)", reason="why, in a few fixed words",
+         count="refusals since the last event of this (source, reason)",
+         example="the last refusal's full message")
+_declare("agent_lost", "controller", "an agent was declared lost: its process ended, or "
+         "it sent no heartbeat for run.stall_timeout_s",
+         host="the agent's host", role="its role", reason="why",
+         action="what follows: 'stop' ends the run, 'continue' goes on without it")
 _declare("grads_in", "ps", "the last chunk of an iteration's gradients is in from every "
          "active worker (the end of the upload window)", workers="active workers")
 _declare("eval", "ps, expert host 0", "held-out evaluation after an optimizer step",
@@ -335,6 +345,15 @@ def check(event: str, fields: Mapping[str, Any]) -> None:
         raise UndeclaredEvent(f"event {event!r}: undeclared field(s) {', '.join(extra)} "
                               f"(declared: {', '.join(et.fields) or 'none'}); declare them "
                               "in agents/core/events.py")
+
+
+def clock_fields(event: str) -> tuple[str, ...]:
+    """The fields of ``event`` that hold a CLOCK_MONOTONIC stamp (ns): ``ts_ns``, and every
+    declared field whose meaning says CLOCK_MONOTONIC. These are what aligning another
+    server's events onto the controller's clock shifts (``controller.remote``)."""
+    et = EVENTS.get(event)
+    own = [] if et is None else [k for k, v in et.fields.items() if "CLOCK_MONOTONIC" in v]
+    return ("ts_ns", *own)
 
 
 def strict_default() -> bool:

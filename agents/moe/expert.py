@@ -38,6 +38,8 @@ from agents.moe.mesh import Mesh, file_keys, mesh_keys
 from agents.moe.model import load_data
 from agents.moe.zero import ParamClass, class_bytes
 from agents.net import auth, codec, wire
+from agents.net.admission import AdmissionLimits
+from agents.net.control import liveness_client
 
 
 def parse_addrs(text: str, hosts: int) -> list[tuple[str, int]]:
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                      else mesh_keys(bundle, args.host, m.hosts))
     except KeyError as e:
         raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
+    # Heartbeats on the control channel: a hung host is declared lost by the controller.
+    liveness_client(args.run_dir, bundle, timeout_s=cfg.guard.handshake_timeout_s)
     tag = codec.run_tag(run_id, secret)
     data = load_data(m.dataset)
     log = EventLog.for_node(args.run_dir, run_id, f"e{args.host}")
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     del probe
     with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
               max_payload_bytes=limit, handshake_timeout_s=cfg.guard.handshake_timeout_s,
-              log=log) as mesh:
+              limits=AdmissionLimits.from_guard(cfg.guard), log=log) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed, train=cfg.workload)
         formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
                    for c, sc in host.opt.classes.items()}

@@ -22,16 +22,20 @@ them to the formulas in :mod:`agents.moe.zero` and :mod:`agents.moe.hosts`.
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from agents.core.guard_config import GuardConfig
 from agents.moe.exchange import Expect, check_header
-from agents.net import auth, handshake, link, protocol, wire
-from agents.net.codec import DType, FrameError, MsgType
+from agents.net import admission, auth, handshake, link, protocol, wire
+from agents.net.admission import AdmissionLimits
+from agents.net.codec import DType, MsgType
 
 
 def mesh_links(host: int, hosts: int) -> list[auth.Link]:
@@ -69,10 +73,12 @@ class Mesh:
                  run_id: str, keys: Mapping[int, bytes], crc: bool = True,
                  max_payload_bytes: int = 1 << 30, timeout_s: float = 60.0,
                  handshake_timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
+                 limits: AdmissionLimits | None = None,
                  log: handshake.EventSink | None = None) -> None:
         """``keys[j]``: the key of the link to host j (:func:`agents.net.auth.pair_key`), for
         every other host. ``timeout_s``: for every host to be reached;
-        ``handshake_timeout_s``: for each connection's handshake; ``log``: where the
+        ``handshake_timeout_s``: for each connection's handshake; ``limits``: the
+        admission limits of its listener (``[guard]``'s defaults when None); ``log``: where the
         handshakes are reported (the host's event log)."""
         if not 0 <= me < len(addrs):
             raise ValueError(f"host index {me} not in [0, {len(addrs)})")
@@ -89,6 +95,8 @@ class Mesh:
         self.max_payload_bytes = max_payload_bytes
         self.timeout_s = timeout_s
         self.handshake_timeout_s = handshake_timeout_s
+        self.limits = limits or AdmissionLimits.from_guard(GuardConfig())
+        self.answered: set[int] = set()  # hosts whose handshake this end answered
         self.log = log
         self.socks: dict[int, socket.socket] = {}
         self.links: dict[int, link.Link] = {}
@@ -107,33 +115,49 @@ class Mesh:
     # -- connecting ----------------------------------------------------------------------
 
     def open(self) -> Mesh:
+        """Dial every host below this one and take the handshakes of every host above it.
+        Those handshakes run on threads under the admission limits
+        (``agents.net.handshake.accept_forever``), so a stranger trickling its hello holds
+        one slot, not the real hosts' way in; refusals are reported aggregated."""
         host, port = self.addrs[self.me]
         ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         ls.bind((host, port))
-        ls.listen(self.hosts)
-        ls.settimeout(self.timeout_s)
+        ls.listen(max(16, self.hosts))
         self._listener = ls
-        for j in range(self.me):
-            self._connect(j)
-        deadline = time.monotonic() + self.timeout_s
-        while len(self.socks) < self.hosts - 1:
-            ls.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                conn, _ = ls.accept()
-            except TimeoutError as e:
-                missing = sorted(set(range(self.hosts)) - set(self.socks) - {self.me})
-                raise TimeoutError(f"expert host {self.me}: hosts {missing} did not connect "
-                                   f"within {self.timeout_s} s") from e
-            try:
-                self._accept(conn)
-            except (FrameError, OSError) as e:
-                # A stranger or a broken peer: refuse it, keep waiting for the real ones.
-                print(f"expert host {self.me}: refused a connection: {e}", flush=True)
-                conn.close()
+        joined: queue.SimpleQueue[link.Link] = queue.SimpleQueue()
+        stopped = threading.Event()
+        threading.Thread(target=handshake.accept_forever, name=f"mesh{self.me}-accept",
+                         daemon=True, args=(ls, lambda conn, _: joined.put(self._accept(conn))),
+                         kwargs=dict(stopped=stopped, report=self._refused,
+                                     limits=self.limits)).start()
+        try:
+            for j in range(self.me):
+                self._connect(j)
+            deadline = time.monotonic() + self.timeout_s
+            while len(self.socks) < self.hosts - 1:
+                try:
+                    lk = joined.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    missing = sorted(set(range(self.hosts)) - set(self.socks) - {self.me})
+                    raise TimeoutError(f"expert host {self.me}: hosts {missing} did not "
+                                       f"connect within {self.timeout_s} s") from None
+                if lk.peer in self.socks:  # two handshakes for one host raced
+                    lk.sock.close()
+                    continue
+                self._register(lk)
+        finally:
+            stopped.set()  # the mesh is complete: nobody else may join
         self._pool = ThreadPoolExecutor(max_workers=2 * max(1, self.hosts - 1),
                                         thread_name_prefix=f"mesh{self.me}")
         return self
+
+    def _refused(self, r: admission.RefusalReport) -> None:
+        print(f"expert host {self.me}: refused {r.count} connection(s) from {r.source} "
+              f"({r.reason}): {r.example}", flush=True)
+        if self.log is not None:
+            self.log.emit("refused", source=r.source, reason=r.reason, count=r.count,
+                          example=r.example)
 
     def _register(self, lk: link.Link) -> None:
         s = lk.sock
@@ -166,16 +190,21 @@ class Mesh:
             s.close()
             raise
 
-    def _accept(self, conn: socket.socket) -> None:
+    def _accept(self, conn: socket.socket) -> link.Link:
+        """The handshake of a connection a host above this one opened (on an accept
+        thread); raises HandshakeError for anyone else."""
         name = f"expert host {self.me} <- {wire.peer_name(conn)}"
         # Only hosts above us dial us, each once.
-        waiting = {j: k for j, k in self.keys.items() if j > self.me and j not in self.socks}
+        waiting = {j: k for j, k in self.keys.items() if j > self.me and j not in self.answered}
         answerer = protocol.Answerer(self.run_id, "expert", protocol.keys_by_index(waiting),
                                      accepts=f"expert hosts {sorted(waiting)}")
         session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
                                    welcome=("expert", self.me),
-                                   timeout_s=self.handshake_timeout_s, log=self.log)
-        self._register(link.Link.answered(conn, session, name=name, run_tag=self.run_tag))
+                                   timeout_s=self.handshake_timeout_s, log=self.log,
+                                   log_refusal=False)
+        lk = link.Link.answered(conn, session, name=name, run_tag=self.run_tag)
+        self.answered.add(lk.peer)  # set.add is atomic: a second try for it is refused
+        return lk
 
     def close(self) -> None:
         if self._pool is not None:

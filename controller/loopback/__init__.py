@@ -5,6 +5,6 @@ What the loopback tests and the benchmarks that need no network (``benchmarks/ro
 ``benchmarks/pipeline.py``) share: :mod:`controller.loopback.dp` (a PS and its workers, the
 handshake by hand), :mod:`controller.loopback.pipeline` (pipeline stages, their PS and
 one-process references), :mod:`controller.loopback.hostile` (peers that misbehave on
-purpose) and :mod:`controller.loopback.warm` (agent processes forked from one warm
+purpose) and :mod:`controller.warm` (agent processes forked from one warm
 interpreter, so each starts in milliseconds).
 """

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from agents.core import config as cfgmod
 from agents.net import auth, codec, protocol, wire
-from controller.loopback import warm
+from controller import warm
 
-# An agent process: a child of the warm interpreter, or a fresh one (controller.loopback.warm.spawn).
+# An agent process: a child of the warm interpreter, or a fresh one (controller.warm.spawn).
 Agent = subprocess.Popen[bytes] | warm.WarmProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def worker_key(run_dir: Path, k: int) -> bytes:
 
 def _start(run_dir: Path, node: str, argv: list[str]) -> Agent:
     """Start an agent as the controller does: its key bundle down its stdin, the pipe
-    kept open (closing it ends the agent). A fork of the warm interpreter (controller.loopback.warm)."""
+    kept open (closing it ends the agent). A fork of the warm interpreter (controller.warm)."""
     p = warm.spawn([sys.executable, *argv], cwd=REPO, stdin=subprocess.PIPE,
                    stdout=open(run_dir / f"{node}.log", "wb"), stderr=subprocess.STDOUT)
     assert p.stdin is not None
@@ -70,9 +70,10 @@ def _start(run_dir: Path, node: str, argv: list[str]) -> Agent:
     return p
 
 
-def start_ps(run_dir: Path) -> Agent:
+def start_ps(run_dir: Path, expect: tuple[str, ...] = ()) -> Agent:
+    """``expect``: the workers' source addresses (an admission slot each, ``--expect``)."""
     p = _start(run_dir, "ps", ["-m", "agents.dp.ps", "--run-dir", str(run_dir),
-                               "--host", "127.0.0.1"])
+                               "--host", "127.0.0.1", *[a for e in expect for a in ("--expect", e)]])
     time.sleep(0.05)
     return p
 

@@ -17,7 +17,7 @@ from agents.pipeline.partition import balance_by_params, split
 from agents.pipeline.stage import is_eval_step, micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
 from agents.workloads.factory import make_workload
-from controller.loopback import warm
+from controller import warm
 from controller.loopback.dp import REPO, free_port
 
 BASE = ["workload.name='digits_deep'", "workload.hidden=32", "workload.depth=6",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from topo.clocks import best_offset, measure
+from topo.clocks import ClockOffset, best_offset, from_record, measure, offset_at
 
 
 def test_the_smallest_round_trip_sets_the_offset_and_half_of_it_the_error():
@@ -33,3 +33,15 @@ def test_a_real_ping_pong_with_this_machines_own_clock_finds_no_offset():
     assert abs(off.offset_ns) <= off.error_ns < 1_000_000_000
     with pytest.raises(OSError, match="clock ping-pong over false failed"):
         measure(("false",), samples=2)
+
+
+def test_an_offset_moves_linearly_from_the_start_to_the_end_over_the_run():
+    start = ClockOffset(offset_ns=1_000_000, error_ns=10, samples=5, at_ns=1_000)
+    end = ClockOffset(offset_ns=1_000_400, error_ns=10, samples=5, at_ns=5_000)
+    assert offset_at(start, None, 99) == 1_000_000
+    assert offset_at(start, end, 1_000_000 + 1_000) == 1_000_000
+    assert offset_at(start, end, 1_000_000 + 3_000) == 1_000_200  # half way
+    assert offset_at(start, end, 1_000_000 + 9_000) == 1_000_400  # after the end: the end's
+    assert offset_at(start, end, 0) == 1_000_000  # before the start: the start's
+    assert from_record(start.describe()) == start
+    assert from_record({"error": "ssh failed"}) is None

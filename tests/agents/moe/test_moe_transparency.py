@@ -22,7 +22,7 @@ from agents.moe.hosts import dispatch_bytes, owned_experts
 from agents.moe.layer import MoELayer
 from agents.moe.model import build_model, global_batch, load_data, loss_fn
 from agents.moe.zero import ParamClass, classify
-from controller.loopback import warm
+from controller import warm
 
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 

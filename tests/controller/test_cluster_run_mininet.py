@@ -1,0 +1,204 @@
+"""``gradbed run`` over fake servers (``scripts/fake_cluster.sh``): the agents run on the
+servers' Mininet hosts, speak to the controller through forwarded control sockets, and
+their events come back onto the controller's clock. Real Mininet, ssh and training; root.
+
+One cluster of two servers serves the module; the test that kills a server runs last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from controller.exit_status import SERVER_LOST, status_for
+from tests.support.fake_cluster import FakeCluster, fake_cluster
+from tests.support.mininet_run import REPO, events, gradbed_run, start_run, summary
+
+pytestmark = [pytest.mark.mininet,
+              pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(),
+                                 reason="no sshd: GRADBED_WITH_SSHD=1 scripts/setup.sh")]
+
+REMOTE_ROOT = "/run/gradbed/remote"
+# A run may first wait minutes for the machine-wide network lock behind other runs.
+RUN_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCluster]:
+    with fake_cluster(tmp_path_factory.mktemp("fc") / "cluster", n=2) as c:
+        yield c
+
+
+def _placed(c: FakeCluster, ps: str, worker: str, *extra: str) -> list[str]:
+    servers = ", ".join(f'"{s}"' for s in dict.fromkeys([ps, worker]))
+    return [f"cluster.servers=[{servers}]", f'cluster.pins={{ps="{ps}", worker="{worker}"}}',
+            f'cluster.ssh_config="{c.ssh_config}"', "run.seed=7", *extra]
+
+
+def _weights_digest(run_dir: Path) -> str:
+    import torch
+
+    flat = torch.load(run_dir / "ps_final_weights.pt")
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _server_leftovers(c: FakeCluster) -> list[str]:
+    """Agents, host shells, gradbed links and run directories still on any server."""
+    out = []
+    for s in c.servers:
+        try:
+            text = c.ssh(s, "ps -eo args | grep -E '[a]gents\\.|[m]ininet:' || true; "
+                            "ip -o link show | grep -E ': (gbsw|ps-|w[0-9])' || true; "
+                            f"ls {REMOTE_ROOT} 2>/dev/null || true").stdout
+        except subprocess.CalledProcessError as e:
+            out.append(f"{s}: ssh failed: {e.stderr}")
+            continue
+        out += [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
+    return out
+
+
+def test_digits_on_one_server_and_on_two_end_with_identical_weights(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    # w0's uplink replays a trace: its rate changes run on w0's server; and every host
+    # drops 0.5 % of what arrives (netfilter rules on that host's server).
+    shaped = ('topo.traces={"w0.up"="traces/data/square_10_50.log"}', "net.loss_pct=0.5")
+    one, p1 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s1, *shaped),
+                          tmp_path / "one", timeout_s=RUN_TIMEOUT_S)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    two, p2 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s2, *shaped),
+                          tmp_path / "two", timeout_s=RUN_TIMEOUT_S)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    # The network changes timing, never the numbers.
+    assert _weights_digest(one) == _weights_digest(two)
+    losses = [events(d).query("event == 'eval'").sort_values("iter")["loss"].tolist()
+              for d in (one, two)]
+    assert losses[0] == losses[1] and len(losses[0]) >= 3
+    # The workers ran on server 2 and their events came back, moved onto this clock:
+    # inside the controller's run_start .. run_end, not 2000 s ahead.
+    meta = json.loads((two / "meta.json").read_text())
+    assert meta["cluster"]["placement"]["w0"] == s2
+    start = meta["cluster"]["clocks"]["start"]
+    assert abs(start[s2]["offset_s"] - 2000) < 1 and abs(start[s1]["offset_s"] - 1000) < 1
+    ev = events(two)
+    ctl = ev[ev["node"] == "controller"].set_index("event")["ts_ns"]
+    for node in ("ps", "w0", "w1"):
+        ts = ev[ev["node"] == node]["ts_ns"]
+        assert len(ts) > 0, node
+        assert ctl["run_start"] <= ts.min() and ts.max() <= ctl["run_end"], node
+    assert summary(two)["iterations"] == 12
+    assert (ev["event"] == "trace_step").sum() >= 1
+    changes = [ln for ln in (two / "run.log").read_text().splitlines()
+               if "$ tc class change dev w0-eth0 " in ln]
+    assert changes and all(ln.endswith(f"in w0, on {s2}") for ln in changes), changes[:3]
+    loss_rules = [ln for ln in (two / "run.log").read_text().splitlines()
+                  if "$ iptables" in ln and "statistic" in ln and "in w1," in ln]
+    assert loss_rules and all(ln.endswith(f"on {s2}") for ln in loss_rules), loss_rules
+    assert _server_leftovers(cluster) == []
+
+
+def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    run_dir, proc = gradbed_run("configs/pipeline.toml", [
+        "pipeline.stages=2", "topo.hosts=3", "run.iterations=4", "pipeline.schedule='gpipe'",
+        f'cluster.servers=["{s1}", "{s2}"]', 'cluster.placement="roundrobin"',
+        f'cluster.ssh_config="{cluster.ssh_config}"'], tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placement = json.loads((run_dir / "meta.json").read_text())["cluster"]["placement"]
+    # Stage 0 and the PS on server 2, stage 1 on server 1: every step crosses the tunnel.
+    assert (placement["gbh0"], placement["gbh1"], placement["gbh2"]) == (s2, s1, s2)
+    ev = events(run_dir)
+    assert sorted(ev[ev["event"] == "pp_done"]["node"]) == ["s0", "s1"]
+    loss = ev[(ev["event"] == "pp_step_done") & ev["loss"].notna()]
+    assert len(loss) == 4
+    # Every stage's final weights came back from its server.
+    assert (run_dir / "s0_final_weights.pt").exists() and (run_dir / "s1_final_weights.pt").exists()
+    assert _server_leftovers(cluster) == []
+
+
+def test_moe_expert_hosts_on_two_servers_exchange_tokens_across_them(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    run_dir, proc = gradbed_run("configs/moe.toml", [
+        "topo.hosts=2", "moe.hosts=2", "moe.experts=4", "run.iterations=4",
+        "moe.eval_every=100", f'cluster.servers=["{s1}", "{s2}"]',
+        'cluster.placement="roundrobin"', f'cluster.ssh_config="{cluster.ssh_config}"'],
+        tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    placement = json.loads((run_dir / "meta.json").read_text())["cluster"]["placement"]
+    assert {placement["gbh0"], placement["gbh1"]} == {s1, s2}
+    ev = events(run_dir)
+    assert sorted(ev[ev["event"] == "moe_done"]["node"]) == ["e0", "e1"]
+    assert _server_leftovers(cluster) == []
+
+
+def _wait_remote_iterations(c: FakeCluster, server: str, proc: subprocess.Popen[str],
+                            iterations: int, timeout_s: float = 600) -> None:
+    """Until the PS on ``server`` logged ``iterations`` iterations (its events are there
+    until the run ends). The network lock may be another run's for a while first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        got = c.ssh(server, f"cat {REMOTE_ROOT}/*/events/ps.jsonl 2>/dev/null "
+                            "| grep -c ps_iter_done || true").stdout.strip()
+        if got.isdigit() and int(got) >= iterations:
+            return
+        time.sleep(0.5)
+    if proc.poll() is None:
+        proc.kill()
+    _, err = proc.communicate(timeout=60)
+    raise AssertionError(f"no {iterations} iterations on {server} (status {proc.poll()}): "
+                         f"{err[-3000:]}")
+
+
+def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    proc = start_run("configs/test_tiny.toml",
+                     _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
+    _wait_remote_iterations(cluster, s1, proc, 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    (run_dir,) = tmp_path.glob("tiny-*")
+    cleaned = subprocess.run([sys.executable, "-m", "controller.cli", "cleanup", "--wait-s",
+                              "600", str(run_dir)],
+                             cwd=REPO, capture_output=True, text=True, timeout=700)
+    assert cleaned.returncode == 0, cleaned.stderr
+    # Done on the servers themselves, over ssh: their lines name them.
+    assert f"{s2}: " in cleaned.stdout and f"{s1}: gathered" in cleaned.stdout, cleaned.stdout
+    assert _server_leftovers(cluster) == []
+    assert summary(run_dir)["stop_reason"] == "controller killed"
+    assert not (Path("/run/gradbed/runs") / f"{run_dir.name}.json").exists()
+    assert (run_dir / "events" / "ps.parquet").exists()  # the PS's events, from server 1
+    assert len(pd.read_parquet(run_dir / "events" / "w0.parquet")) > 0
+
+
+def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path):
+    s1, s2 = cluster.servers
+    proc = start_run("configs/test_tiny.toml",
+                     _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
+    _wait_remote_iterations(cluster, s1, proc, 3)
+    killed_at = time.monotonic()
+    killed_clock = time.localtime()
+    subprocess.run(["kill", "-9", str(cluster.sshd_pid(s2))], check=True)  # all of server 2
+    _, err = proc.communicate(timeout=120)
+    (run_dir,) = tmp_path.glob("tiny-*")
+    reason = summary(run_dir)["stop_reason"]
+    assert proc.returncode == SERVER_LOST == status_for(reason), (reason, err[-3000:])
+    assert reason.startswith(f"server lost: {s2}"), reason
+    ended = [ln for ln in (run_dir / "run.log").read_text().splitlines()
+             if "server lost" in ln and ln.endswith(": stopping")]
+    assert ended, "the run log does not say the server was lost"
+    # Noticed within 30 s (run.log stamps each line with the local time of day).
+    h, m, sec = (int(x) for x in ended[0].split()[0].split(":"))
+    noticed_s = (h * 3600 + m * 60 + sec) - (killed_clock.tm_hour * 3600
+                                             + killed_clock.tm_min * 60 + killed_clock.tm_sec)
+    assert 0 <= noticed_s % 86400 <= 30, ended[0]
+    assert time.monotonic() - killed_at < 120  # stopped, torn down and finished
+    # Server 1 is left clean; server 2 is gone.
+    assert [ln for ln in _server_leftovers(cluster) if ln.startswith(f"{s1}: ")] == []

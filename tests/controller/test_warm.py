@@ -1,0 +1,105 @@
+"""Agents forked from the warm interpreter are what ``python -m`` inside the host would
+start: the host's network namespace, their own session, command line, argv, cwd,
+environment and exit status; and nothing of them outlives the warm process's client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.warm import WarmStarter
+
+REPO = Path(__file__).resolve().parents[2]
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="entering a namespace needs root")
+
+
+def _show(starter: WarmStarter, tmp_path: Path, *args: str, **kw):
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}.json"
+    with open(out, "wb") as f:
+        proc = starter.spawn([sys.executable, "-m", "tests.support.show_self", *args],
+                             cwd=REPO, stdout=f, stderr=subprocess.STDOUT, **kw)
+    assert proc is not None, "the request should have been forked"
+    return proc, out
+
+
+@pytest.fixture
+def starter():
+    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def other_netns():
+    """A process in a network namespace of its own (an emulated host's stand-in)."""
+    p = subprocess.Popen(["unshare", "--net", "sleep", "60"])
+    deadline = time.monotonic() + 10
+    while os.readlink(f"/proc/{p.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+        assert time.monotonic() < deadline, "unshare never entered its namespace"
+        time.sleep(0.01)
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+@needs_root
+def test_a_fork_runs_in_the_hosts_namespace_with_its_own_command_line(starter, tmp_path,
+                                                                      other_netns):
+    env = {**os.environ, "GRADBED_PROBE": "warm"}
+    proc, out = _show(starter, tmp_path, "--exit", "3", "--flag", env=env,
+                      netns_pid=other_netns, start_new_session=True)
+    assert proc.wait(timeout=30) == 3
+    seen = json.loads(out.read_text())
+    assert seen["netns"] == os.readlink(f"/proc/{other_netns}/ns/net")
+    assert seen["netns"] != os.readlink("/proc/self/ns/net")
+    assert seen["cmdline"] == [sys.executable, "-m", "tests.support.show_self", "--exit", "3",
+                               "--flag"]
+    assert seen["argv"] == ["--exit", "3", "--flag"]
+    assert seen["sid"] == seen["pid"]  # a session of its own, as start_new_session
+    assert seen["cwd"] == str(REPO) and seen["probe"] == "warm"
+
+
+def test_a_different_environment_or_command_is_not_forked(starter, tmp_path):
+    argv = [sys.executable, "-m", "tests.support.show_self"]
+    assert starter.spawn(argv, cwd=REPO, env={**os.environ, "GRADBED_PROBE": "other"}) is None
+    assert starter.spawn(["/bin/true"], cwd=REPO, env={**os.environ, "GRADBED_PROBE": "warm"}
+                         ) is None
+    assert starter.spawn(argv, cwd=REPO, stderr=subprocess.PIPE,
+                         env={**os.environ, "GRADBED_PROBE": "warm"}) is None
+
+
+def test_signals_reach_the_fork_and_its_status_comes_back(starter, tmp_path):
+    proc, _ = _show(starter, tmp_path, "--sleep", "30",
+                    env={**os.environ, "GRADBED_PROBE": "warm"})
+    time.sleep(0.5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_closing_the_starter_leaves_no_fork_behind(tmp_path):
+    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
+    proc, _ = _show(s, tmp_path, "--sleep", "60", env={**os.environ, "GRADBED_PROBE": "warm"})
+    pid = proc.pid
+    s.close()
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid), "a fork outlived its warm process"
+    assert proc.poll() is not None
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
