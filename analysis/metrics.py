@@ -533,6 +533,60 @@ def upload_window_utilization(links: pd.DataFrame, windows: Sequence[tuple[int, 
     return delivered / allowed if allowed > 0 else float("nan")
 
 
+#: Below this busy fraction of the upload windows, with no queue at the shaper, the run's
+#: figures measure the agents rather than the network (:func:`agent_limited`).
+AGENT_LIMITED_BUSY = 0.9
+#: "No queue at the shaper": the median backlog of the samples inside the windows is at
+#: most one full-size Ethernet frame (1500 B MTU + 14 B header).
+AGENT_LIMITED_QUEUE_BYTES = 1514
+
+
+def agent_limited(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]],
+                  direction: str = "up") -> tuple[bool | None, str]:
+    """Whether the shaped link sat idle while data waited in the agents, and why, in words.
+
+    ``busy = upload_window_utilization(links, windows)``; ``queue`` = the median
+    ``backlog_bytes`` of the link samples taken inside the windows (the sample nearest
+    each window's end when none falls inside). Agent-limited when
+    ``busy < AGENT_LIMITED_BUSY`` (0.9) and ``queue <= AGENT_LIMITED_QUEUE_BYTES`` (one
+    frame): the shaper had nothing to send although the agents had not finished, so the
+    run's times measure the agents (CPU, copies, scheduling), not the emulated network.
+    A TCP stall (a retransmission timeout) looks the same from the shaper; the transport
+    events tell the two apart. ``(None, reason)`` without a window inside the samples.
+    """
+    lk = links[links["direction"] == direction].sort_values("ts_ns") if len(links) \
+        else links
+    busy = upload_window_utilization(links, windows, direction) if len(lk) else float("nan")
+    if not np.isfinite(busy):
+        return None, (f"no {direction} link samples cover a transfer window, so whether the "
+                      "agents or the network set the pace is unknown")
+    if "backlog_bytes" not in lk:
+        return None, "the link samples lack the shaper's backlog (backlog_bytes)"
+    ts = lk["ts_ns"].to_numpy(dtype=np.int64)
+    backlog = lk["backlog_bytes"].to_numpy(dtype=np.float64)
+    inside: list[float] = []
+    for _, s, e in windows:
+        sel = (ts >= s) & (ts <= e)
+        if sel.any():
+            inside.extend(backlog[sel].tolist())
+        else:
+            inside.append(float(backlog[int(np.argmin(np.abs(ts - e)))]))
+    queue = float(np.median(inside))
+    limited = busy < AGENT_LIMITED_BUSY and queue <= AGENT_LIMITED_QUEUE_BYTES
+    if limited:
+        why = (f"agent-limited: the {direction} link was busy {busy:.2f} of the transfer "
+               f"windows (< {AGENT_LIMITED_BUSY}) with no queue at the shaper (median "
+               f"backlog {queue:.0f} B): data waited in the agents, not in the network, so "
+               "the times measure gradbed on this machine")
+    elif busy < AGENT_LIMITED_BUSY:
+        why = (f"network-limited: the {direction} link was busy {busy:.2f} of the transfer "
+               f"windows, but its shaper held a queue (median backlog {queue:.0f} B)")
+    else:
+        why = (f"network-limited: the {direction} link was busy {busy:.2f} of the transfer "
+               f"windows (>= {AGENT_LIMITED_BUSY})")
+    return limited, why
+
+
 def bottleneck_utilization(events: pd.DataFrame, links: pd.DataFrame, direction: str = "up",
                            warmup_iterations: int = 0) -> float:
     """Bottleneck utilisation while gradients are in flight:
@@ -666,6 +720,10 @@ GLOSSARY: dict[str, str] = {
     "jain_mean_1s": "mean over 1 s windows of Jain's index of the workers' goodput "
                     "[jain_mean_over_windows]",
     "drops_up": "packets the up bottleneck's queue dropped",
+    "agent_limited": "the shaped link idle while data waited in the agents: busy < 0.9 of "
+                     "the transfer windows with no queue at the shaper; null when unknown "
+                     "[agent_limited]",
+    "agent_limited_why": "agent_limited in words, with the busy fraction and the backlog",
     "time_to_target_s": "from training start to the first evaluation at run.target_accuracy "
                         "(s) [time_to_accuracy]",
     "iterations_to_target": "optimizer steps at that evaluation [iterations_to_accuracy]",

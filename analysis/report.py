@@ -197,6 +197,19 @@ def _overview(paths: Sequence[Path], runs: Sequence[Run], labels: Sequence[str])
     return table
 
 
+def _regime(summary: dict[str, Any]) -> str:
+    """The run's regime in words (``agent_limited``): whether its figures measure the
+    network or gradbed's agents on this machine."""
+    why = summary.get("agent_limited_why")
+    if not why:
+        return ""
+    if summary.get("agent_limited"):
+        return (f'<p class="warning"><b>Agent-limited run.</b> {html.escape(str(why))}. '
+                "Its times and utilisation describe the agents on this machine, not the "
+                "emulated network.</p>")
+    return f'<p class="meta">Regime: {html.escape(str(why))}.</p>'
+
+
 def _run_section(run: Run, label: str, ident: int) -> str:
     parts = [f'<h2 id="{html.escape(label)}">Run {html.escape(label)}</h2>',
              f'<p class="meta">{html.escape(str(run.path))} &middot; git '
@@ -206,7 +219,8 @@ def _run_section(run: Run, label: str, ident: int) -> str:
     if run.summary:
         summ = pd.DataFrame([{k: v for k, v in run.summary.items()
                               if not isinstance(v, dict | list)}])
-        parts.append("<h3>Summary</h3>" + _transposed(summ, "number", ["value"]))
+        parts.append("<h3>Summary</h3>" + _regime(run.summary)
+                     + _transposed(summ, "number", ["value"]))
     parts.append("<h3>Iteration time breakdown (mean per iteration, s)</h3>"
                  + _table(metrics.iteration_breakdown(run.events, by="node").reset_index()))
     parts.append(_img(plots.plot_bottleneck(run.links, "up"),

@@ -35,6 +35,13 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
    counted, not a device's memory) at budgets of 2, 4 and 6 of its 8 experts: transfers
    and bytes moved by Belady and by LRU.
 
+5. ``linerate`` (docs/linerate.md): the dispatch at 1 and 10 Gbit/s with the CPU each
+   process used (``/proc``, ``perf stat``) and the load average, and beside it, on the
+   same fabric at the same rate, iperf3 with one flow per host (host i to host i+1) and
+   gloo's ``all_to_all_single`` of 40 MB per host (``gradbed torchrun``,
+   examples/torchrun_ddp/all_to_all.py) measured by the dispatch's own link formula over
+   the same 2 ms class samples; gradbed's figure over each peer's is reported beside it.
+
 Plots go to ``docs/moe/``. Run as root: ``python benchmarks/moe.py [--part ...]``.
 """
 
@@ -55,7 +62,7 @@ from _common import REPO, emit, log
 CONFIG = REPO / "configs" / "moe.toml"
 PLOTS = REPO / "docs" / "moe"
 RATES_MBPS = (10.0, 100.0, 1000.0)
-STEPS = {10.0: 6, 100.0: 12, 1000.0: 12}
+STEPS = {10.0: 6, 100.0: 12, 1000.0: 12, 10000.0: 12}
 MODEL = ["moe.layers=2", "moe.experts=16", "moe.d_model=128", "moe.d_hidden=128",
          "moe.top_k=2", "moe.capacity_factor=1.25", "moe.eval_every=1000"]
 CLASS_SAMPLE_MS = 2.0  # every access point's HTB class read this often (classes.parquet)
@@ -170,6 +177,53 @@ def part_dispatch(out: Path) -> dict[str, Any]:
             res["trace_e0"] = [r["expert_uses"] for r in sorted(
                 (r for r in rows if r.get("event") == "moe_step" and r["node"] == "e0"),
                 key=lambda r: r["iter"])]
+    return res
+
+
+def part_linerate(out: Path, rates_mbps: tuple[float, ...] = (1000.0, 10000.0)
+                  ) -> dict[str, Any]:
+    """The dispatch at data-centre rates beside its peers on the same links (docstring 5)."""
+    from _linerate import ProcSampler, gloo_all_to_all_peer, iperf3_peer
+
+    from analysis import moe as amoe
+
+    res: dict[str, Any] = {}
+    for rate in rates_mbps:
+        procs = ProcSampler(str(out))
+        procs.start()
+        run_dir = run_fabric(rate, out)
+        cpu = procs.result()
+        rows = amoe.load_events(run_dir)
+        disp = [d for d in amoe.dispatch_table(rows, rate) if d["iter"] >= 1]
+        samples = amoe.load_class_samples(run_dir)
+        link = amoe.dispatch_link_table(disp, samples, rate) if samples is not None else []
+        log(f"{rate:g} Mbit/s: gradbed dispatch efficiency median "
+            f"{statistics.median(d['efficiency'] for d in disp):.4f} (link "
+            f"{statistics.median(d['link_efficiency'] for d in link) if link else 0:.4f}), "
+            f"phase {statistics.median(d['phase_s'] for d in disp) * 1e3:.1f} ms; "
+            f"cores {cpu['process_cores']}; load {cpu['loadavg_start']}")
+        overrides = [f"net.worker_link_mbps={rate}", *MODEL]
+        ip = iperf3_peer(CONFIG, overrides)
+        try:
+            gl = gloo_all_to_all_peer(CONFIG, [f"net.worker_link_mbps={rate}"], out)
+        except (RuntimeError, OSError, KeyError, ValueError, StopIteration) as e:
+            # gradbed's figure and iperf3's stand without it; the miss is said, not hidden.
+            log(f"gloo all_to_all at {rate:g} Mbit/s failed: {e}")
+            gl = {"efficiency": float("nan"), "link_efficiency": None, "error": str(e)}
+        eff = statistics.median(d["efficiency"] for d in disp)
+        link_eff = statistics.median(d["link_efficiency"] for d in link) if link \
+            else float("nan")
+        res[f"{rate:g}"] = {
+            "efficiency_median": eff, "link_efficiency_median": link_eff,
+            "phase_s_median": statistics.median(d["phase_s"] for d in disp),
+            "run_dir": str(run_dir), "cpu": cpu, "iperf3": ip, "gloo_all_to_all": gl,
+            "gradbed_over_iperf3": link_eff / ip["busy"],
+            "gradbed_over_gloo": link_eff / gl["link_efficiency"]
+            if gl.get("link_efficiency") else None,
+            "gradbed_over_gloo_payload": eff / gl["efficiency"]}
+        log(f"{rate:g} Mbit/s: dispatch efficiency {eff:.3f} (link {link_eff:.3f}), iperf3 "
+            f"{ip['busy']:.3f}, gloo all_to_all {gl['efficiency']:.3f} (link "
+            f"{gl.get('link_efficiency') or float('nan'):.3f}); load {cpu['loadavg_start']}")
     return res
 
 
@@ -353,8 +407,10 @@ def plots(details: dict[str, Any]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--part", choices=("all", "dispatch", "capacity", "offload"),
+    ap.add_argument("--part", choices=("all", "dispatch", "capacity", "offload", "linerate"),
                     default="all")
+    ap.add_argument("--rates", default="1000,10000",
+                    help="linerate part: access link rates in Mbit/s, comma-separated")
     args = ap.parse_args()
     PLOTS.mkdir(parents=True, exist_ok=True)
     saved = PLOTS / "results.json"
@@ -363,13 +419,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gradbed-moe-") as tmp:
         if args.part in ("all", "capacity"):
             details["capacity"] = part_capacity()
+        if args.part in ("all", "linerate"):
+            details["linerate"] = part_linerate(
+                Path(tmp), tuple(float(r) for r in args.rates.split(",")))
         if args.part in ("all", "dispatch", "offload"):
             details["dispatch"] = part_dispatch(Path(tmp))
             trace = details["dispatch"].pop("trace_e0")
             details["offload"] = part_offload(trace)
             details["offload_training"] = part_offload_training(
                 Path(tmp), Path(details["dispatch"].pop("run_100")))
-    plots(details)
+    if args.part != "linerate":  # the linerate part draws no plot
+        plots(details)
     headline = (details["dispatch"]["100"]["efficiency_median"]
                 if "dispatch" in details else float("nan"))
     saved.write_text(json.dumps(details, indent=1, default=float))

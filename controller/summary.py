@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import headline, workers_lost
+from analysis.metrics import agent_limited, headline, upload_windows, workers_lost
 from analysis.pipeline import pipeline_metrics
 
 
@@ -46,6 +46,28 @@ def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]
             else None}
 
 
+def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any]
+                      ) -> tuple[bool | None, str]:
+    """:func:`analysis.metrics.agent_limited` over the run's transfer windows: a PS run's
+    upload windows after warm-up on its up bottleneck; ``(None, why)`` for a run whose
+    windows the controller's link samples do not cover."""
+    if events.empty:
+        return None, "no events: the run moved no data"
+    if int(cfg.get("pipeline", {}).get("stages", 0)) > 0:
+        return None, ("a pipeline run's stage links are shaped per pair of stages, not at "
+                      "the bottleneck the link sampler watches; see the stages' bubble")
+    if cfg.get("topo", {}).get("role") == "expert":
+        return None, ("an MoE run's dispatch windows cross every access link, which only "
+                      "the HTB class sampler (topo.class_sample_ms) reads; benchmarks/moe.py "
+                      "measures them")
+    warmup = int(cfg["run"].get("warmup_iterations", 0))
+    windows = [w for w in upload_windows(events) if w[0] >= warmup]
+    if not windows:
+        return None, ("no upload windows (send_done to grads_in): not a parameter-server "
+                      "run, or no iteration completed")
+    return agent_limited(links, windows, "up")
+
+
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
               wall_s: float, interrupted: bool, stop_reason: str) -> dict[str, Any]:
     """The summary of one run from its events, link samples and config (as a dict)."""
@@ -64,6 +86,7 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
             and (events["event"] == "pp_action").any():
         out["pipeline"] = pipeline_summary(events, pc)
         out["iterations"] = out["pipeline"]["steps"]
+    out["agent_limited"], out["agent_limited_why"] = run_agent_limited(events, links, cfg)
     out.update({"interrupted": interrupted, "stop_reason": stop_reason})
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v)
             for k, v in out.items()}

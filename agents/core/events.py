@@ -176,7 +176,10 @@ _declare("ps_iter_done", "ps", "the PS finished an iteration (every chunk aggreg
          agg_s="aggregation and optimizer time (s)", bytes_in="wire bytes received",
          bytes_out="wire bytes sent",
          rebalanced="downlink pacing changes the backlog split made this iteration",
-         workers="active workers", elapsed_s="since the first iteration started (s)")
+         workers="active workers", elapsed_s="since the first iteration started (s)",
+         rx_buffers_new="received payloads that needed a new tensor (agents.net.buffers)",
+         rx_buffers_reused="received payloads that landed in a tensor used before",
+         recv_calls="recv_into system calls on the workers' sockets this iteration")
 _declare("ps_done", "ps", "the PS ended the run", reason="completed, stopped, or the error")
 
 # -- flow generator (agents/traffic/flowgen.py) ------------------------------------------------------

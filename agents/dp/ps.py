@@ -58,6 +58,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -79,6 +80,7 @@ from agents.dp.aggregate import (
 from agents.dp.downlink import REBALANCE_S, DownlinkPacer
 from agents.net import admission, auth, codec, handshake, loop, protocol, wire
 from agents.net.admission import AdmissionLimits
+from agents.net.buffers import ReceivePool
 from agents.net.control import ControlClient, control_path
 from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
@@ -91,6 +93,20 @@ POLL_S = 0.5
 def _wire_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes one message of ``tensors`` takes on the wire: a header and a payload each."""
     return sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
+
+
+def receive_counts(conns: Iterable[loop.Transport], pool: ReceivePool) -> dict[str, int]:
+    """An iteration's receive-side counts (the per-chunk profile, docs/linerate.md): new
+    and reused receive buffers, ``recv_into`` calls; then zeroed."""
+    calls = 0
+    for conn in conns:
+        if conn.receiver is not None:
+            calls += conn.receiver.recv_calls
+            conn.receiver.recv_calls = 0
+    out = {"rx_buffers_new": pool.allocated, "rx_buffers_reused": pool.reused,
+           "recv_calls": calls}
+    pool.allocated = pool.reused = 0
+    return out
 
 
 class _Conn(loop.Transport):
@@ -133,6 +149,8 @@ class ParameterServer:
         self.events: deque[PSEvent] = deque()
         self.joins: queue.SimpleQueue[Joined] = queue.SimpleQueue()
         self.loop = loop.EventLoop(self)
+        # Dense chunks are received into tensors used again once added (agents.net.buffers).
+        self.rx_pool = ReceivePool(max_free=2 * cfg.net.workers)
         self.next_rebalance_s = 0.0
         self.conns: dict[int, _Conn] = {}
         self.barrier = protocol.ChunkBarrier(len(self.chunks))
@@ -187,7 +205,7 @@ class ParameterServer:
         self.loop.serve(conn, wire.MessageReceiver(
             conn.sock, peer=conn.peer, mac=conn.session.up,
             max_payload_bytes=self.max_message_bytes,
-            bound=uplink_bound(self.cfg.compress.name, self.chunks)))
+            bound=uplink_bound(self.cfg.compress.name, self.chunks), pool=self.rx_pool))
 
     def _poll(self, deadline: float, what: str) -> None:
         """Wait until something happens (at most until ``deadline``) and turn it into
@@ -373,6 +391,9 @@ class ParameterServer:
                 if a.added == 0:
                     a.expect(len(self.active))
                 a.add_dense(dense, who=who)
+                # Added (copied) into the accumulator: the received tensors are free again.
+                # Sparse parts are not: the accumulator keeps their indices.
+                self.rx_pool.give(tensors)
         except (PayloadError, ValueError, RuntimeError, IndexError, TypeError) as err:
             msg = str(err) if str(err).startswith(f"worker {w}") \
                 else f"worker {w} chunk {h.chunk}: {err}"
@@ -411,11 +432,12 @@ class ParameterServer:
         else:
             msg_type, tensors = codec.MsgType.UPDATE, weights_delta(params, self.shadow[s:e])
         self.agg_s += time.perf_counter() - t0
+        crcs = wire.payload_crcs(tensors)  # the same bytes go to every worker: one pass
         for w in sorted(self.active):
             conn = self.conns[w]
             self.loop.write(conn, wire.message_buffers(
                 tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
-                iteration=self.iteration, chunk=c, mac=conn.session.down))
+                iteration=self.iteration, chunk=c, mac=conn.session.down, crcs=crcs))
         self.bytes_out += len(self.active) * _wire_bytes(tensors)
 
     def _end_iteration(self, start_ns: int) -> None:
@@ -428,7 +450,8 @@ class ParameterServer:
                 self.log.emit("eval", iter=i, **metrics)
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
                       bytes_out=self.bytes_out, rebalanced=self.pacer.rebalanced,
-                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9)
+                      workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9,
+                      **receive_counts(self.conns.values(), self.rx_pool))
         self.barrier.end_iteration()
         self.iteration += 1
         if not bool(torch.isfinite(self.model.flat_params).all()):

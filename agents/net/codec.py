@@ -458,27 +458,33 @@ def tensor_view(tensor: torch.Tensor) -> memoryview:
 
 def _frame(payload: memoryview, dtype: DType, numel: int, *, msg_type: MsgType | int,
            run_tag: int, worker: int, iteration: int, chunk: int, part: int, nparts: int,
-           crc: bool) -> bytes:
+           crc: bool, payload_crc: int | None = None) -> bytes:
+    if not crc:
+        payload_crc = 0
+    elif payload_crc is None:
+        payload_crc = payload_crc32(payload)
     h = FrameHeader(msg_type=MsgType(msg_type), run_tag=run_tag, worker=worker,
                     iteration=iteration, chunk=chunk, dtype=dtype, numel=numel,
                     payload_len=len(payload), part=part, nparts=nparts,
-                    flags=FLAG_CRC if crc else 0,
-                    payload_crc=payload_crc32(payload) if crc else 0)
+                    flags=FLAG_CRC if crc else 0, payload_crc=payload_crc)
     return encode_header(h)
 
 
 def frame_for_tensor(tensor: torch.Tensor, *, msg_type: MsgType | int, run_tag: int,
                      worker: int, iteration: int, chunk: int, part: int = 0, nparts: int = 1,
-                     crc: bool = True) -> tuple[bytes, memoryview]:
+                     crc: bool = True, payload_crc: int | None = None
+                     ) -> tuple[bytes, memoryview]:
     """Frame a tensor: (header bytes, zero-copy byte view of its data), flattened.
 
     See :func:`tensor_view` for the one case that copies (non-contiguous or non-CPU
     input). The caller must not modify the tensor until the payload is sent.
+    ``payload_crc``: the payload's :func:`payload_crc32` when the caller has it already
+    (the same tensor framed for several peers); computed here otherwise.
     """
     payload = tensor_view(tensor)
     header = _frame(payload, DType.from_torch(tensor.dtype), tensor.numel(),
                     msg_type=msg_type, run_tag=run_tag, worker=worker, iteration=iteration,
-                    chunk=chunk, part=part, nparts=nparts, crc=crc)
+                    chunk=chunk, part=part, nparts=nparts, crc=crc, payload_crc=payload_crc)
     return header, payload
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
+from agents.net.buffers import ReceivePool
 from agents.net.codec import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     HEADER_SIZE,
@@ -39,6 +40,7 @@ from agents.net.codec import (
     decode_header,
     frame_for_bytes,
     frame_for_tensor,
+    payload_crc32,
     tensor_view,
 )
 
@@ -201,19 +203,30 @@ def send_message(sock: socket.socket, tensors: Sequence[torch.Tensor], *,
     return _send_buffers(sock, bufs, what=what, peer=peer, progress=progress)
 
 
+def payload_crcs(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's payload CRC-32, for :func:`message_buffers` of one message framed for
+    several peers (the PS's downlink): one pass over the bytes instead of one per peer."""
+    return [payload_crc32(tensor_view(t)) for t in tensors]
+
+
 def message_buffers(tensors: Sequence[torch.Tensor], *, msg_type: MsgType | int,
                     run_tag: int, worker: int, iteration: int, chunk: int, crc: bool = True,
-                    mac: FrameMac | None = None) -> list[memoryview]:
+                    mac: FrameMac | None = None, crcs: Sequence[int] | None = None
+                    ) -> list[memoryview]:
     """One chunk's message as the buffers to write, in order: a header and a payload per
     tensor (views of the tensors' own memory), sealed with ``mac``'s next sequence numbers
-    now, so the message must be written before any frame sealed after it."""
+    now, so the message must be written before any frame sealed after it. ``crcs``: the
+    tensors' :func:`payload_crcs`, when already computed for the same bytes."""
     if not 1 <= len(tensors) <= 0xFFFF:
         raise ValueError(f"tensors: {len(tensors)} parts, must be 1..65535")
+    if crcs is not None and len(crcs) != len(tensors):
+        raise ValueError(f"crcs: {len(crcs)} given for {len(tensors)} tensors")
     bufs: list[memoryview] = []
     for i, t in enumerate(tensors):
         header, payload = frame_for_tensor(t, msg_type=msg_type, run_tag=run_tag,
                                            worker=worker, iteration=iteration, chunk=chunk,
-                                           part=i, nparts=len(tensors), crc=crc)
+                                           part=i, nparts=len(tensors), crc=crc,
+                                           payload_crc=None if crcs is None else crcs[i])
         bufs += _sealed(header, payload, mac)
     return bufs
 
@@ -472,7 +485,8 @@ class MessageReceiver(FrameReader):
     complete, keeping a message that is still arriving for the next call. The checks
     are :class:`FrameReader`'s own (header, MAC, CRC, parts in order, ``bound`` before
     anything is allocated for a part); each payload is received straight into its own
-    new tensor.
+    new tensor, or one from ``pool`` (:class:`~agents.net.buffers.ReceivePool`), which the
+    caller gives back once it has consumed the message.
 
     An error (a bad frame, EOF, a reset) is raised by the call that meets it, unless
     that call completed messages first: then they are returned and the error is
@@ -483,10 +497,13 @@ class MessageReceiver(FrameReader):
     def __init__(self, sock: socket.socket, *, peer: str | None = None,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
                  mac: FrameMac | None = None, expect_tag: int | None = None,
-                 bound: Callable[[FrameHeader], None] | None = None) -> None:
+                 bound: Callable[[FrameHeader], None] | None = None,
+                 pool: ReceivePool | None = None) -> None:
         super().__init__(sock, expect_tag=expect_tag, peer=peer,
                          max_payload_bytes=max_payload_bytes, mac=mac)
         self.bound = bound
+        self.pool = pool
+        self.recv_calls = 0  # recv_into system calls, for the per-chunk profile
         self._complete: list[Message] = []
         self._error: BaseException | None = None
         self._at_boundary = True
@@ -512,7 +529,8 @@ class MessageReceiver(FrameReader):
                     self._check_part(first, h, i)
                     if self.bound is not None:
                         self.bound(h)
-                t = torch.empty(h.numel, dtype=h.dtype.torch_dtype)
+                t = torch.empty(h.numel, dtype=h.dtype.torch_dtype) if self.pool is None \
+                    else self.pool.take(h.dtype.torch_dtype, h.numel)
                 dst = tensor_view(t)
                 if len(dst) != h.payload_len:
                     raise FrameError(f"{self.peer}: payload_len {h.payload_len} does not hold "
@@ -538,6 +556,7 @@ class MessageReceiver(FrameReader):
                                             min(len(self._want) - self._got, budget))
                 except (BlockingIOError, InterruptedError):
                     break
+                self.recv_calls += 1
                 if n == 0:
                     if self._at_boundary and self._got == 0:
                         raise ConnectionClosed(f"{self.peer}: connection closed by peer "

@@ -295,6 +295,11 @@ class TorchrunExperiment(Experiment):
         self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["torchrun"] = self.result
+        summary["agent_limited"] = None
+        summary["agent_limited_why"] = (
+            "a torchrun run moves the script's own collectives (gloo's, not gradbed's "
+            "agents'), without transfer windows gradbed could time; each link's busy "
+            "fraction is torchrun.points_busy_utilization")
         rundir.write_json(run_dir / "summary.json", summary)
         meta_now = json.loads((run_dir / "meta.json").read_text())
         meta_now["torchrun"] = {

@@ -116,3 +116,19 @@ def test_the_summary_and_the_report_agree_on_one_run_directory(tmp_path) -> None
     # Every key the summary writes has a glossary line.
     assert set(summary) <= set(GLOSSARY), set(summary) - set(GLOSSARY)
     assert glossary(["no_such_column"]) == ""
+
+
+def test_agent_limited_follows_the_upload_windows_busy_fraction() -> None:
+    ev, links = _run([1.0, 1.0], [0.4, 0.5])
+    links["backlog_bytes"] = 0
+    s = summarize(ev, links, _cfg(0), 3.0, False, "done")
+    assert s["agent_limited"] is True and s["agent_limited_why"].startswith("agent-limited")
+    ev, links = _run([1.0, 1.0], [0.99, 0.98])
+    links["backlog_bytes"] = 0
+    s = summarize(ev, links, _cfg(0), 3.0, False, "done")
+    assert s["agent_limited"] is False
+    pipeline = {**_cfg(0), "pipeline": {"stages": 2}}
+    s = summarize(ev, links, pipeline, 3.0, False, "done")
+    assert s["agent_limited"] is None and "pipeline" in s["agent_limited_why"]
+    s = summarize(ev.iloc[:0], links, _cfg(0), 3.0, False, "done")
+    assert s["agent_limited"] is None and s["agent_limited_why"]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from agents.net import codec, wire
 from agents.net.codec import (
     HEADER_SIZE,
     FrameError,
@@ -460,3 +461,22 @@ def test_kernel_timeouts_name_the_peer_on_either_side() -> None:
         assert any("bytes sent" in n for n in getattr(ei.value, "__notes__", []))
         with pytest.raises(ValueError, match="timeout_s=0"):
             set_kernel_timeouts(a, 0)
+
+
+def test_message_buffers_with_precomputed_crcs_are_the_same_bytes() -> None:
+    """The PS frames one chunk for every worker with the CRCs computed once: the bytes
+    are those framing computes itself, and a CRC that does not match is caught."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(1000, generator=gen), torch.arange(50, dtype=torch.int32)]
+    kw = dict(msg_type=codec.MsgType.WEIGHTS, run_tag=7, worker=2, iteration=1, chunk=0)
+    plain = b"".join(bytes(b) for b in wire.message_buffers(parts, **kw))
+    crcs = wire.payload_crcs(parts)
+    assert b"".join(bytes(b) for b in wire.message_buffers(parts, crcs=crcs, **kw)) == plain
+    with pytest.raises(ValueError, match="crcs"):
+        wire.message_buffers(parts, crcs=crcs[:1], **kw)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"".join(bytes(x) for x in wire.message_buffers(
+            parts, crcs=[crcs[0] ^ 1, crcs[1]], **kw)))
+        with pytest.raises(codec.FrameError, match="payload_crc"):
+            wire.FrameReader(b).read_message()

@@ -1,0 +1,132 @@
+"""Cap agent processes' CPU with a cgroup, for tests that make the agents the bottleneck.
+
+cgroup v2's ``cpu.max`` where the v2 hierarchy has the cpu controller; otherwise the v1
+cpu controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, the same CFS bandwidth
+limit under its older name (this machine mounts cpu on v1). :func:`cap_when_connected`
+moves a run's workers in once each holds its TCP connection to the PS, so their start
+(importing torch) runs at full speed and only the data transfer is capped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+V2_ROOT = Path("/sys/fs/cgroup")
+V2_UNIFIED = Path("/sys/fs/cgroup/unified")
+V1_CPU = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+
+
+def _v2_root() -> Path | None:
+    for root in (V2_ROOT, V2_UNIFIED):
+        ctl = root / "cgroup.controllers"
+        if ctl.exists() and "cpu" in ctl.read_text().split():
+            return root
+    return None
+
+
+def cpu_cap_kind() -> str | None:
+    """``"v2"``, ``"v1"`` or None (no cgroup CPU bandwidth control here)."""
+    if _v2_root() is not None:
+        return "v2"
+    if (V1_CPU / "cpu.cfs_quota_us").exists():
+        return "v1"
+    return None
+
+
+class CpuCap:
+    """A cgroup whose processes together get at most ``cores`` CPUs. A context manager:
+    on exit its processes go back to the parent and the cgroup is removed."""
+
+    def __init__(self, name: str, cores: float) -> None:
+        kind = cpu_cap_kind()
+        if kind is None:
+            raise RuntimeError("no cgroup CPU controller (cgroup v2 cpu.max or v1 cpu)")
+        self.kind = kind
+        self.parent = _v2_root() if kind == "v2" else V1_CPU
+        assert self.parent is not None
+        self.path = self.parent / name
+        self.quota_us = max(1000, round(cores * PERIOD_US))
+        self.pids: list[int] = []
+
+    def __enter__(self) -> CpuCap:
+        self.path.mkdir(exist_ok=True)
+        if self.kind == "v2":
+            (self.path / "cpu.max").write_text(f"{self.quota_us} {PERIOD_US}")
+        else:
+            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+        return self
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+        self.pids.append(pid)
+
+    def throttled_us(self) -> int:
+        """Time the cgroup's processes waited for their quota (cpu.stat)."""
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        return int(stat.get("throttled_usec", int(stat.get("throttled_time", 0)) // 1000))
+
+    def __exit__(self, *exc: object) -> None:
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            try:
+                (self.parent / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # it exited meanwhile
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def _connected_to(pid: int, port: int) -> bool:
+    """Whether process ``pid`` (in its own network namespace) has an established TCP
+    connection to remote ``port``."""
+    try:
+        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    for ln in lines:
+        f = ln.split()
+        if len(f) > 3 and f[3] == "01" and int(f[2].split(":")[1], 16) == port:
+            return True
+    return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def cap_when_connected(cap: CpuCap, marker: str, module: str, port: int, count: int,
+                       stop: threading.Event, timeout_s: float = 120.0) -> threading.Thread:
+    """Start a thread that moves every process running ``module`` whose command line
+    contains ``marker`` (the run's output folder) into ``cap`` once it is connected to
+    ``port``, until ``count`` were moved or ``stop`` is set."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        moved: set[int] = set()
+        while len(moved) < count and not stop.is_set() and time.monotonic() < deadline:
+            for d in os.listdir("/proc"):
+                if not d.isdigit() or int(d) in moved:
+                    continue
+                cmd = _cmdline(int(d))
+                if module in cmd and marker in cmd and _connected_to(int(d), port):
+                    try:
+                        cap.add(int(d))
+                        moved.add(int(d))
+                    except OSError:
+                        pass
+            stop.wait(0.05)
+
+    t = threading.Thread(target=watch, name="cpu-cap", daemon=True)
+    t.start()
+    return t
