@@ -26,7 +26,7 @@ from tests.support.chrome_trace import (
     load_trace,
     spans_by_host,
 )
-from tests.support.make_fake_run import make_fake_run
+from tests.support.make_fake_run import fake_tcp_samples, make_fake_run
 
 
 def test_synthetic_run_follows_the_format_and_partitions_iterations(tmp_path: Path) -> None:
@@ -108,6 +108,35 @@ def test_cleanup_finalisation_writes_the_trace_of_a_killed_run(tmp_path: Path) -
     done = rundir.finish(run, "controller killed")
     assert "wrote trace.json" in done
     check_worker_partition(load_trace(run / TRACE_FILE), load_events(run), need_receive=False)
+
+
+def test_a_torchrun_runs_connections_are_counter_tracks_of_their_host(tmp_path: Path) -> None:
+    run = make_fake_run(tmp_path / "run", workers=2, iterations=3)
+    base = int(load_events(run)["ts_ns"].min())
+    fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
+    trace = load_trace(write_trace(run))
+    evs = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in evs if e["name"] == "process_name"}
+    conn = "10.0.0.10:40000>10.0.0.11:29500"
+    rate = [e for e in evs if e["ph"] == "C" and e["name"] == f"tcp {conn} (Mbit/s)"]
+    assert {names[e["pid"]] for e in rate} == {"gbh0"}
+    assert [(e["ts"], e["args"]) for e in rate] == [
+        (1e6, {"sent": 10.0, "received": 5.0}), (2e6, {"sent": 10.0, "received": 5.0})]
+    cwnd = [e["args"]["cwnd"] for e in evs if e["name"] == f"tcp {conn} cwnd (segments)"]
+    rtt = [e["args"]["rtt_ms"] for e in evs if e["name"] == f"tcp {conn} RTT (ms)"]
+    assert cwnd == [20.0, 30.0] and rtt == [11.0, 12.0]
+    # No shaped link carried the loopback connection: it is no track.
+    assert not [e for e in evs if e["ph"] == "C" and "127.0.0.1" in e["name"]]
+
+
+def test_a_tcp_file_without_a_column_is_named(tmp_path: Path) -> None:
+    from analysis.load import RunLoadError, load_tcp
+
+    path = tmp_path / "tcp.parquet"
+    fake_tcp_samples(0).drop(columns=["bytes_acked"]).to_parquet(path, index=False)
+    with pytest.raises(RunLoadError, match=r"tcp\.parquet.*bytes_acked"):
+        load_tcp(path)
+    assert load_tcp(tmp_path / "none.parquet").empty
 
 
 @pytest.mark.mininet
