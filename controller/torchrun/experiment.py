@@ -126,7 +126,9 @@ class TorchrunExperiment(Experiment):
                                    store_port=self.cfg.torchrun.port)
         self.sampler.start()
         tail: _Tail | None = None
-        reason = "completed"
+        # Unset until the wait returns: a run that Ctrl-C or an error cut short is no
+        # "completed" run, so its missing bytes are no bypass to report.
+        reason = ""
         try:
             runner.start_agents()
             if self.progress:
@@ -263,14 +265,15 @@ class TorchrunExperiment(Experiment):
         rows = pd.DataFrame(self.sampler.rows)
         rows.to_parquet(self.run_dir / "tcp.parquet", index=False)
         per_host = proof.host_bytes(self.sampler.final_connections(),
-                                    {h: net.ip(h) for h in hosts})
+                                    {h: net.ip(h) for h in hosts}, self.cfg.torchrun.port)
         codes: dict[str, int | None] = {}
         for _, c, p in runner.procs:
             log = _read(self.run_dir / "logs" / f"{c.host}.log")
             for r, code in rank_exit_codes(self.plans[c.host], p.returncode, log).items():
                 codes[str(r)] = code
-        bypass = proof.bypass_cause(per_host, {h: tx for h, (_, tx) in iface.items()}) \
-            if reason == "completed" else None
+        bypass = proof.bypass_cause(
+            per_host, {h: tx for h, (_, tx) in iface.items()},
+            {h: p.ranks for h, p in self.plans.items()}) if reason == "completed" else None
         if bypass:
             self.say(f"failed: {bypass}")
         self.result = {
