@@ -33,7 +33,7 @@ atomically, ``sweep.csv`` and ``sweep.md`` (one row per run: the varied keys, by
 iteration, mean iteration time, accuracy at the fixed iteration count, time to the target
 accuracy). A failed run is a row with its error; the sweep goes on. Ctrl-C (or SIGTERM)
 stops the run in progress cleanly, keeps the table of what finished, and ends the sweep. At
-the end ``report/index.html`` covers all the runs (:func:`analysis.report.write_report`),
+the end ``report/index.html`` covers all the runs (:func:`analysis.report.write_report`; not with ``--no-report``),
 and the sweep prints (and writes to ``comparison.txt``) its runs side by side, with one
 verdict line per compressed run when the grid compares compressors with ``none``
 (:func:`comparison`, :mod:`controller.verdict`).
@@ -483,10 +483,11 @@ def _last_error(log_path: Path, rc: int | None) -> str:
 #: Longest path a Unix socket can have on Linux (sun_path is 108 bytes, NUL included).
 
 
-def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
+def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True, report: bool = True
               ) -> tuple[Path, list[RunResult]]:
     """Run every combination; returns the sweep directory and the finished runs' results
-    (fewer than the combinations when Ctrl-C stopped the sweep; the tables keep them)."""
+    (fewer than the combinations when Ctrl-C stopped the sweep; the tables keep them).
+    ``report``: write ``report/index.html`` for all the runs at the end."""
     cfgs = validate(spec)
     combos = expand(spec)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -536,7 +537,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
         # The answer, before the report that takes a while: printed with --no-progress too.
         print(compared, end="", file=sys.stderr, flush=True)
     dirs = [r.run_dir for r in done if r.run_dir is not None and (r.run_dir / "meta.json").exists()]
-    if dirs:
+    if dirs and report:
         say(f"writing {sweep_dir / 'report' / 'index.html'} ...")
         try:
             from analysis.report import write_report
@@ -580,6 +581,8 @@ def sweep_main(argv: Sequence[str]) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="validate and list the combinations, run nothing")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report SWEEP/*/ writes it later)")
     args = ap.parse_args(list(argv))
     try:
         spec = load_sweep(args.config, args.grid, args.overrides, args.repeat)
@@ -601,7 +604,8 @@ def sweep_main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        sweep_dir, done = run_sweep(spec, args.out, progress=not args.no_progress)
+        sweep_dir, done = run_sweep(spec, args.out, progress=not args.no_progress,
+                                    report=not args.no_report)
     except cfgmod.ConfigError as e:
         print(f"gradbed sweep: {e}", file=sys.stderr)
         return 2
