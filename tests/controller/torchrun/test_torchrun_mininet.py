@@ -242,15 +242,17 @@ def test_a_rank_whose_group_never_leaves_its_host_is_a_bypass(tmp_path: Path) ->
     """Ranks 0, 1 and 3 all-reduce over the emulated links; rank 2 ignores the launcher
     and makes a group of its own on 127.0.0.1, so only its rendezvous crossed its link.
     The run completes (every rank exits 0) but fails naming rank 2 and the loopback."""
+    # Stores of its own (an init_method URL would be read as torchrun's agent store).
     script = write_script(tmp_path, "alone.py", (
-        "import os, torch, torch.distributed as dist\n"
-        "rank = int(os.environ['RANK'])\n"
+        "import os, datetime, torch, torch.distributed as dist\n"
+        "rank, wait = int(os.environ['RANK']), datetime.timedelta(seconds=120)\n"
         "if rank == 2:\n"
-        "    dist.init_process_group('gloo', init_method='tcp://127.0.0.1:29601', rank=0,\n"
-        "                            world_size=1)\n"
+        "    store = dist.TCPStore('127.0.0.1', 29601, 1, True, wait)\n"
+        "    dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
         "else:\n"
-        "    dist.init_process_group('gloo', world_size=3, rank=[0, 1, 3].index(rank),\n"
-        "        init_method=f\"tcp://{os.environ['MASTER_ADDR']}:29602\")\n"
+        "    store = dist.TCPStore(os.environ['MASTER_ADDR'], 29602, 3, rank == 0, wait)\n"
+        "    dist.init_process_group('gloo', store=store, rank=[0, 1, 3].index(rank),\n"
+        "                            world_size=3)\n"
         "t = torch.ones(100_000)\n"
         "dist.all_reduce(t)\n"
         "dist.destroy_process_group()\n"))
