@@ -11,7 +11,9 @@ replot a run years later). This module reads one back:
                         read too, skipping a truncated final line;
 - ``links.parquet``     ``tc -s`` samples of the bottleneck (optional: an interrupted run may not
                         have it, and a run without shaping has nothing to sample);
-- ``summary.json``      headline numbers (optional for the same reason).
+- ``summary.json``      headline numbers (optional for the same reason);
+- ``tcp.parquet``       a ``gradbed torchrun`` run's sock_diag samples of every connection its
+                        ranks opened (optional: only such runs have it).
 
 Every failure raises :class:`RunLoadError` naming the file at fault.
 """
@@ -24,7 +26,7 @@ import math
 import os
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,11 @@ from agents.core.nodes import PS_NODE, is_worker_node, worker_index
 EVENT_COLUMNS = COMMON_COLUMNS
 #: Columns every links.parquet row carries (agents/core/links.py).
 LINK_COLUMNS = REQUIRED_LINK_COLUMNS
+#: The file of a torchrun run's per-connection samples, and the columns read from it
+#: (``controller.torchrun.sockdiag.ConnSampler`` writes one row per socket per sample).
+TCP_FILE = "tcp.parquet"
+TCP_COLUMNS = ("ts_ns", "host", "local", "cookie", "src", "sport", "dst", "dport",
+               "bytes_acked", "bytes_received", "snd_cwnd_pkts", "rtt_us")
 
 
 class RunLoadError(Exception):
@@ -69,6 +76,8 @@ class Run:
     tcp_info: pd.DataFrame
     decisions: pd.DataFrame
     start_ns: int
+    #: A torchrun run's ``tcp.parquet`` (:func:`load_tcp`), with ``t_s``; empty otherwise.
+    tcp: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(TCP_COLUMNS)))
 
     @property
     def name(self) -> str:
@@ -215,6 +224,26 @@ def load_links(path: Path) -> pd.DataFrame:
     return links.sort_values(["direction", "dev", "ts_ns"], kind="stable").reset_index(drop=True)
 
 
+def load_tcp(path: Path) -> pd.DataFrame:
+    """A torchrun run's ``tcp.parquet`` (empty, with every column, where the file is
+    missing), sorted by host, connection and time. Raises :class:`RunLoadError` naming the
+    file when it cannot be read or lacks a column."""
+    if not path.exists():
+        return pd.DataFrame(columns=list(TCP_COLUMNS))
+    try:
+        tcp = pd.read_parquet(path)
+    except (OSError, ValueError) as e:
+        raise RunLoadError(path, f"cannot read Parquet: {e}") from e
+    if tcp.empty:
+        return pd.DataFrame(columns=list(TCP_COLUMNS))
+    missing = [c for c in TCP_COLUMNS if c not in tcp.columns]
+    if missing:
+        raise RunLoadError(path, f"tcp schema mismatch: missing columns {missing}")
+    tcp = tcp.copy()
+    tcp["ts_ns"] = tcp["ts_ns"].astype("int64")
+    return tcp.sort_values(["host", "cookie", "ts_ns"], kind="stable").reset_index(drop=True)
+
+
 def run_origin_ns(events: pd.DataFrame, links: pd.DataFrame) -> int:
     """Time zero of a run on its shared clock (CLOCK_MONOTONIC ns): the controller's
     ``run_start`` event when present, else the earliest event, else the earliest link
@@ -249,11 +278,13 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     start_ns = run_origin_ns(events, links)
     events["t_s"] = (events["ts_ns"] - start_ns) / 1e9
     links["t_s"] = (links["ts_ns"] - start_ns) / 1e9
+    tcp = load_tcp(run_dir / TCP_FILE)
+    tcp["t_s"] = (tcp["ts_ns"] - start_ns) / 1e9
     for col in ("node", "event"):
         events[col] = events[col].astype(str).astype("category")
     return Run(path=run_dir, config=config, meta=meta, summary=summary, events=events,
                links=links, tcp_info=_event_rows(events, "tcp_info"),
-               decisions=_event_rows(events, "decision"), start_ns=start_ns)
+               decisions=_event_rows(events, "decision"), start_ns=start_ns, tcp=tcp)
 
 
 def expand_runs(paths_or_glob: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]

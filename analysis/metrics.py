@@ -17,6 +17,7 @@ Inputs are the tables of :class:`analysis.load.Run` (``events`` with ``t_s``, ``
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -247,6 +248,57 @@ def transport_series(events: pd.DataFrame) -> pd.DataFrame:
     step = total.groupby(out["node"], sort=False).diff().fillna(0.0).clip(lower=0.0)
     out["retrans"] = step.groupby(out["node"], sort=False).cumsum()
     return out.reset_index(drop=True)
+
+
+CONNECTION_COLUMNS = ("t_s", "host", "conn", "sent_mbps", "received_mbps", "cwnd",
+                      "rtt_ms")
+
+
+def _plain_ip(addr: object) -> str:
+    """An IPv4 address mapped into IPv6 (``::ffff:a00:a``, how a dual-stack socket
+    reports it) as the IPv4 address it is (``10.0.0.10``); any other address as given."""
+    try:
+        ip = ipaddress.ip_address(str(addr))
+    except ValueError:
+        return str(addr)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
+
+
+def connection_series(tcp: pd.DataFrame) -> pd.DataFrame:
+    """Each TCP connection's rates and state over time from a torchrun run's sock_diag
+    samples (``tcp.parquet``, :func:`analysis.load.load_tcp`, with ``t_s``). Connections a
+    host opened to itself (loopback, ``local``) are left out: no shaped link carried them.
+
+    One row per sample after a connection's first: ``host`` (whose socket), ``conn``
+    (``src:sport>dst:dport``, as that socket sees it, an IPv4 address mapped into IPv6
+    written as IPv4), ``sent_mbps`` and
+    ``received_mbps`` (the steps of ``tcpi_bytes_acked`` and ``tcpi_bytes_received`` over
+    the time between two samples, in Mbit/s: payload the peer acknowledged, payload that
+    arrived), ``cwnd`` (segments) and ``rtt_ms`` (smoothed RTT). Two rows of one socket
+    at one instant (a dump and its destroy message) count once, the later one."""
+    if tcp.empty or "t_s" not in tcp.columns:
+        return pd.DataFrame(columns=list(CONNECTION_COLUMNS))
+    df = tcp[~tcp["local"].astype(bool)]
+    if "state" in df.columns:  # a listening socket is no connection
+        df = df[df["state"] != "LISTEN"]
+    df = df.sort_values(["host", "cookie", "ts_ns"], kind="stable")
+    df = df.drop_duplicates(["host", "cookie", "ts_ns"], keep="last")
+    key = [df["host"], df["cookie"]]
+    dt_s = df["ts_ns"].astype("int64").groupby(key).diff() / 1e9
+
+    def rate(col: str) -> pd.Series:
+        step = pd.to_numeric(df[col], errors="coerce").groupby(key).diff()
+        return (step * 8 / 1e6 / dt_s).where(dt_s > 0)
+
+    out = pd.DataFrame({
+        "t_s": df["t_s"].astype(float), "host": df["host"].astype(str),
+        "conn": (df["src"].map(_plain_ip) + ":" + df["sport"].astype(str) + ">"
+                 + df["dst"].map(_plain_ip) + ":" + df["dport"].astype(str)),
+        "sent_mbps": rate("bytes_acked"), "received_mbps": rate("bytes_received"),
+        "cwnd": pd.to_numeric(df["snd_cwnd_pkts"], errors="coerce"),
+        "rtt_ms": pd.to_numeric(df["rtt_us"], errors="coerce") / 1000})
+    return out[out["sent_mbps"].notna()].reset_index(drop=True)
 
 
 def drops(links: pd.DataFrame, direction: str = "up") -> pd.DataFrame:

@@ -283,3 +283,30 @@ def plot_transport(events: pd.DataFrame, links: pd.DataFrame, direction: str = "
     ax_q.set_xlabel("time since run start (s)")
     return fig
 
+
+
+def plot_connections(tcp: pd.DataFrame, title: str | None = None) -> Figure:
+    """A torchrun run's TCP connections between hosts (``tcp.parquet`` through
+    :func:`analysis.metrics.connection_series`): each connection's sending rate, cwnd and
+    RTT over time, one line per connection, coloured by the host whose socket it is."""
+    fig, axes = _figure(3, height=8.0)
+    fig.suptitle(title or "TCP connections between hosts (sock_diag): rate, cwnd, RTT")
+    series = metrics.connection_series(tcp)
+    panels = [("sent_mbps", "sent (Mbit/s)"), ("cwnd", "cwnd (segments)"),
+              ("rtt_ms", "RTT (ms)")]
+    if series.empty:
+        for ax, (_, what) in zip(axes, panels, strict=True):
+            _no_data(ax, "connection samples")
+            ax.set_ylabel(what)
+        return fig
+    hosts = sorted(series["host"].unique(), key=lambda h: (len(h), h))
+    colors = {h: f"C{i % 10}" for i, h in enumerate(hosts)}
+    for ax, (col, what) in zip(axes, panels, strict=True):
+        for (host, _), d in series.groupby(["host", "conn"], sort=True):
+            ax.plot(d["t_s"], d[col], lw=0.9, color=colors[str(host)], alpha=0.8)
+        ax.set_ylabel(what)
+    for h in hosts:  # one legend entry per host, not per connection
+        axes[0].plot([], [], color=colors[h], label=h)
+    axes[0].legend(loc="upper right", fontsize="small", ncol=max(1, len(hosts) // 8))
+    axes[-1].set_xlabel("time since run start (s)")
+    return fig

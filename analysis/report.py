@@ -234,6 +234,10 @@ def _run_section(run: Run, label: str, ident: int) -> str:
         parts.append(_img(plots.plot_transport(run.events, run.links),
                           "Per flow: cwnd, RTT, pacing rate and retransmissions (TCP_INFO), "
                           "beside the uplink queue"))
+    if not metrics.connection_series(run.tcp).empty:
+        parts.append(_img(plots.plot_connections(run.tcp),
+                          "TCP connections between hosts (tcp.parquet, sock_diag): each "
+                          "connection's sending rate, cwnd and RTT, coloured by host"))
     if not run.decisions.empty:
         parts.append(_img(plots.plot_keep_ratio(run.decisions, run.links),
                           "Adaptive keep ratio and the bandwidth it reacted to"))

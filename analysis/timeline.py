@@ -15,10 +15,12 @@ the role calls it: ``forward``, ``dispatch_tokens``, ...), ``activity`` (one of
   ``send_done``, wait until the first weight byte (``recv_done.first_ns``), receive until
   the end. Each boundary is clamped between its neighbours, so the intervals never overlap
   and their durations sum to ``iter_s`` exactly.
-- The data-parallel PS (``grads_in``, ``ps_iter_done``): lane ``main``, receive from the
-  previous iteration's end to the last gradient byte, then aggregate until the iteration's
-  end (the last chunk's mean and step, the evaluation when there is one; the PS's event
-  loop sends the weights without blocking, so they overlap both and get no span).
+- The data-parallel PS (``grads_in``, ``ps_iter_done``, ``weights_sent``): lane ``main``,
+  receive from the previous iteration's end to the last gradient byte, then aggregate
+  until the iteration's end (the last chunk's mean and step, the evaluation when there is
+  one). The PS's event loop sends the weights without blocking, beside both: each
+  worker's send (first chunk queued to the kernel taking the last byte) is a span of its
+  own on lane ``send wK``.
 - Pipeline stages (``pp_action``, ``pp_send``, :mod:`agents.pipeline.stage`): one interval
   per schedule action on lane ``compute`` (forward, backward, recompute, optimizer; receive:
   the time a stage waited for a message; send: queueing a message for the sender thread),
@@ -233,6 +235,11 @@ def _rows_ps(ev: pd.DataFrame) -> list[Row]:
     return rows
 
 
+def _rows_ps_sends(ev: pd.DataFrame) -> list[Row]:
+    return [_row(r["node"], f"send w{int(r['worker'])}", "send", f"weights w{int(r['worker'])}",
+                 r["iter"], r["start_ns"], r["end_ns"]) for r in _records(ev, "weights_sent")]
+
+
 def _rows_moe(ev: pd.DataFrame) -> list[Row]:
     rows: list[Row] = []
     for r in _records(ev, "moe_phase"):
@@ -250,6 +257,7 @@ RULES: tuple[tuple[Callable[[pd.DataFrame], list[Row]], tuple[str, ...]], ...] =
     (_rows_pipeline, ("pp_action", "pp_send")),
     (_rows_workers, _WORKER_EVENTS),
     (_rows_ps, ("grads_in", "ps_iter_done")),
+    (_rows_ps_sends, ("weights_sent",)),
     (_rows_moe, ("moe_phase",)),
 )
 

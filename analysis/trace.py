@@ -10,8 +10,10 @@ document, Google, 2016): a JSON object whose ``traceEvents`` list holds
   receive, ... of every role): ``name`` the interval's label, ``cat`` its activity, ``ts`` and
   ``dur`` in microseconds;
 - ``ph: "C"`` counters: each shaping point's delivered and allowed rate, queue and drops
-  (from ``links.parquet``, through :mod:`analysis.metrics`), and each worker's TCP_INFO
-  cwnd and RTT;
+  (from ``links.parquet``, through :mod:`analysis.metrics`), each worker's TCP_INFO
+  cwnd and RTT, and, for a ``gradbed torchrun`` run, every connection its ranks opened to
+  another host (``tcp.parquet``): sent and received rate, cwnd and RTT, in its host's
+  process;
 - ``ph: "i"`` instants for the events that mark a run (start, end, a trace step, an
   evaluation, an error).
 
@@ -32,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from analysis import metrics
-from analysis.load import load_events, load_links, run_origin_ns
+from analysis.load import TCP_FILE, load_events, load_links, load_tcp, run_origin_ns
 from analysis.timeline import host_timeline, lane_sort_key, node_sort_key
 
 TRACE_FILE = "trace.json"
@@ -170,14 +172,33 @@ def _tcp_counters(events: pd.DataFrame, ids: _Ids, origin_ns: int) -> list[Event
     return [e for e in out if e is not None]
 
 
+def _connection_counters(tcp: pd.DataFrame, ids: _Ids, origin_ns: int) -> list[Event]:
+    if tcp.empty:
+        return []
+    tcp = tcp.assign(t_s=(tcp["ts_ns"].astype("int64") - origin_ns) / 1e9)
+    out: list[Event | None] = []
+    for r in _records(metrics.connection_series(tcp)):
+        pid = ids.pid(str(r["host"]))
+        conn = r["conn"]
+        out.append(_counter(f"tcp {conn} (Mbit/s)", pid, r["t_s"],
+                            {"sent": r["sent_mbps"], "received": r["received_mbps"]}))
+        out.append(_counter(f"tcp {conn} cwnd (segments)", pid, r["t_s"], {"cwnd": r["cwnd"]}))
+        out.append(_counter(f"tcp {conn} RTT (ms)", pid, r["t_s"], {"rtt_ms": r["rtt_ms"]}))
+    return [e for e in out if e is not None]
+
+
 def chrome_trace(events: pd.DataFrame, links: pd.DataFrame, *, run_id: str = "",
-                 origin_ns: int | None = None) -> dict[str, Any]:
+                 origin_ns: int | None = None, tcp: pd.DataFrame | None = None
+                 ) -> dict[str, Any]:
     """The run's Chrome trace (see the module docstring) as a JSON-ready dict. ``origin_ns``
-    defaults to :func:`analysis.load.run_origin_ns`."""
+    defaults to :func:`analysis.load.run_origin_ns`; ``tcp`` is a torchrun run's
+    ``tcp.parquet`` (:func:`analysis.load.load_tcp`)."""
     origin = run_origin_ns(events, links) if origin_ns is None else origin_ns
     ids = _Ids()
     body = _spans(events, ids, origin) + _instants(events, ids, origin)
     body += _tcp_counters(events, ids, origin) + _link_counters(links, ids, origin)
+    if tcp is not None:
+        body += _connection_counters(tcp, ids, origin)
     return {"traceEvents": ids.meta + body, "displayTimeUnit": "ms",
             "otherData": {"run_id": run_id, "clock": "CLOCK_MONOTONIC",
                           "origin_ns": int(origin),
@@ -185,12 +206,14 @@ def chrome_trace(events: pd.DataFrame, links: pd.DataFrame, *, run_id: str = "",
 
 
 def write_trace(run_dir: str | os.PathLike[str]) -> Path:
-    """Write ``RUN_DIR/trace.json`` from the run's events and ``links.parquet``, atomically
+    """Write ``RUN_DIR/trace.json`` from the run's events, ``links.parquet`` and (a torchrun
+    run's) ``tcp.parquet``, atomically
     (a reader sees the old file or the new one), and return its path."""
     run = Path(run_dir)
     events = load_events(run, allow_empty=True)
     links = load_links(run / "links.parquet")
-    text = json.dumps(chrome_trace(events, links, run_id=run.name), allow_nan=False,
+    tcp = load_tcp(run / TCP_FILE)
+    text = json.dumps(chrome_trace(events, links, run_id=run.name, tcp=tcp), allow_nan=False,
                       separators=(",", ":"))
     dst = run / TRACE_FILE
     tmp = run / f".{TRACE_FILE}.{os.getpid()}.tmp"

@@ -33,7 +33,7 @@ atomically, ``sweep.csv`` and ``sweep.md`` (one row per run: the varied keys, by
 iteration, mean iteration time, accuracy at the fixed iteration count, time to the target
 accuracy). A failed run is a row with its error; the sweep goes on. Ctrl-C (or SIGTERM)
 stops the run in progress cleanly, keeps the table of what finished, and ends the sweep. At
-the end ``report/index.html`` covers all the runs (:func:`analysis.report.write_report`),
+the end ``report/index.html`` covers all the runs (:func:`analysis.report.write_report`; not with ``--no-report``),
 and the sweep prints (and writes to ``comparison.txt``) its runs side by side, with one
 verdict line per compressed run when the grid compares compressors with ``none``
 (:func:`comparison`, :mod:`controller.verdict`).
@@ -486,11 +486,12 @@ def _last_error(log_path: Path, rc: int | None) -> str:
 #: Longest path a Unix socket can have on Linux (sun_path is 108 bytes, NUL included).
 
 
-def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
+def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True, report: bool = True
               ) -> tuple[Path, list[RunResult], list[int]]:
     """Run every combination; returns the sweep directory, the finished runs' results
     (fewer than the combinations when a signal stopped the sweep; the tables keep them)
-    and the stop signals received (the first one stopped it)."""
+    and the stop signals received (the first one stopped it). ``report``: write
+    ``report/index.html`` for all the runs at the end."""
     cfgs = validate(spec)
     combos = expand(spec)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -527,7 +528,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
             pass
         finally:
             stops.disarm()
-        done = _finish(sweep_dir, spec, results, target, say, t_sweep, len(combos))
+        done = _finish(sweep_dir, spec, results, target, say, t_sweep, len(combos), report)
     return sweep_dir, done, stops.received
 
 
@@ -549,8 +550,10 @@ def _run_and_say(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir
 
 
 def _finish(sweep_dir: Path, spec: SweepSpec, results: list[RunResult], target: float,
-            say: Callable[[str], None], t_sweep: float, planned: int) -> list[RunResult]:
-    """The sweep's tables, comparison and report, from the runs that finished."""
+            say: Callable[[str], None], t_sweep: float, planned: int, report: bool
+            ) -> list[RunResult]:
+    """The sweep's tables, comparison and (``report``) report, from the runs that
+    finished."""
     done = [r for r in results if r.status != "pending"]
     write_tables(sweep_dir, spec, done, target)
     say(f"{sum(r.status == 'ok' for r in done)}/{planned} runs ok in "
@@ -561,7 +564,7 @@ def _finish(sweep_dir: Path, spec: SweepSpec, results: list[RunResult], target: 
         # The answer, before the report that takes a while: printed with --no-progress too.
         print(compared, end="", file=sys.stderr, flush=True)
     dirs = [r.run_dir for r in done if r.run_dir is not None and (r.run_dir / "meta.json").exists()]
-    if dirs:
+    if dirs and report:
         say(f"writing {sweep_dir / 'report' / 'index.html'} ...")
         try:
             from analysis.report import write_report
@@ -601,6 +604,8 @@ def sweep_main(argv: Sequence[str]) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="validate and list the combinations, run nothing")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report SWEEP/*/ writes it later)")
     args = ap.parse_args(list(argv))
     try:
         spec = load_sweep(args.config, args.grid, args.overrides, args.repeat)
@@ -622,7 +627,8 @@ def sweep_main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        sweep_dir, done, signals = run_sweep(spec, args.out, progress=not args.no_progress)
+        sweep_dir, done, signals = run_sweep(spec, args.out, progress=not args.no_progress,
+                                             report=not args.no_report)
     except cfgmod.ConfigError as e:
         print(f"gradbed sweep: {e}", file=sys.stderr)
         return 2

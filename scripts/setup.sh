@@ -53,6 +53,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/pip install -q -e ".[dev]"
     touch "$stamp"
 fi
+# speedscope (MIT, an offline web viewer of Chrome traces) opens a run's trace.json in
+# headless Chromium in the tests; npm from Debian installs it into the venv.
+if [ "${GRADBED_WITH_CHROMIUM:-0}" = "1" ] && command -v npm >/dev/null \
+        && [ ! -f .venv/share/speedscope/node_modules/speedscope/dist/release/index.html ]; then
+    echo "== npm install speedscope@1.25.0 (into .venv/share/speedscope)"
+    npm install -q --no-audit --no-fund --prefix .venv/share/speedscope speedscope@1.25.0 \
+        >/dev/null
+fi
 # Leftovers from a crashed earlier run would break the next one.
 .venv/bin/gradbed cleanup >/dev/null 2>&1 || true
 echo "== setup done"

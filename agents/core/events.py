@@ -172,6 +172,10 @@ _declare("eval", "ps, expert host 0", "held-out evaluation after an optimizer st
          loss="held-out loss", accuracy="held-out accuracy (fraction)")
 _declare("final_eval", "ps", "held-out evaluation of the final weights",
          loss="held-out loss", accuracy="held-out accuracy (fraction)")
+_declare("weights_sent", "ps", "one iteration's new weights went to one worker (the kernel "
+         "took the last byte)", worker="index", bytes="wire bytes sent",
+         start_ns="the first chunk queued (CLOCK_MONOTONIC)",
+         end_ns="the kernel took the last byte (CLOCK_MONOTONIC)")
 _declare("ps_iter_done", "ps", "the PS finished an iteration (every chunk aggregated and sent)",
          agg_s="aggregation and optimizer time (s)", bytes_in="wire bytes received",
          bytes_out="wire bytes sent",

@@ -18,7 +18,9 @@ iteration:
    arrived, adds the messages they complete, and writes each connection's queued
    downlink as its socket takes it, so the downlink of chunk c overlaps the uplink
    of chunk c+1 and a slow receiver never blocks the loop. When every chunk is out,
-   the PS evaluates held-out accuracy every ``run.eval_every`` iterations.
+   the PS evaluates held-out accuracy every ``run.eval_every`` iterations. Each
+   worker's weight send is logged as its own span (``weights_sent``, from the first
+   chunk queued to the kernel taking the last byte: :mod:`agents.dp.weight_sends`).
 
 How much the pipelining buys depends on how evenly the workers' uploads progress:
 chunk c is complete only when the slowest worker has sent it. Under link/N every
@@ -78,6 +80,7 @@ from agents.dp.aggregate import (
     weights_delta,
 )
 from agents.dp.downlink import REBALANCE_S, DownlinkPacer
+from agents.dp.weight_sends import WeightSends
 from agents.net import admission, auth, codec, handshake, loop, protocol, wire
 from agents.net.admission import AdmissionLimits
 from agents.net.buffers import ReceivePool
@@ -157,6 +160,7 @@ class ParameterServer:
         self.active = self.barrier.active  # the same set: the barrier's is the truth
         self.pending: dict[int, int] = {}  # worker -> iteration it wants to join at
         self.pacer = DownlinkPacer(self.log)
+        self.sends = WeightSends()
         self.done = threading.Event()
         self.iteration = 0
         self.bytes_in = 0
@@ -217,6 +221,7 @@ class ParameterServer:
         if self.cfg.shaping.downlink == "backlog":
             wait = min(wait, max(0.0, self.next_rebalance_s - now))
         self.loop.run_once(wait)
+        self._log_sends()
         while True:
             try:
                 self.events.append(self.joins.get_nowait())
@@ -350,6 +355,7 @@ class ParameterServer:
         self.barrier.drop(conn.worker)
         self.pending.pop(conn.worker, None)
         del self.conns[conn.worker]
+        self.sends.forget(conn.worker)
         self.loop.unwatch(conn)
         conn.closed = True
         conn.sock.close()
@@ -435,10 +441,21 @@ class ParameterServer:
         crcs = wire.payload_crcs(tensors)  # the same bytes go to every worker: one pass
         for w in sorted(self.active):
             conn = self.conns[w]
+            queued_ns = now_ns()
             self.loop.write(conn, wire.message_buffers(
                 tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
                 iteration=self.iteration, chunk=c, mac=conn.session.down, crcs=crcs))
+            self.sends.queued(w, self.iteration, _wire_bytes(tensors), conn.queued_bytes,
+                              c == len(self.chunks) - 1, queued_ns)
         self.bytes_out += len(self.active) * _wire_bytes(tensors)
+        self._log_sends()
+
+    def _log_sends(self) -> None:
+        """A ``weights_sent`` event for every weight send the kernel has now taken."""
+        for s in self.sends.finished({w: c.written_bytes for w, c in self.conns.items()},
+                                     now_ns()):
+            self.log.emit("weights_sent", iter=s.iteration, worker=s.worker,
+                          start_ns=s.start_ns, end_ns=s.end_ns, bytes=s.bytes)
 
     def _end_iteration(self, start_ns: int) -> None:
         """Every chunk is stepped and queued: evaluate, admit joiners, report."""

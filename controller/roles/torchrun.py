@@ -166,11 +166,15 @@ def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
     master = hosts[0].ip
     delay_ms, loss = path_impairment(spec)
     read_s, join_s = store_timeouts_s(delay_ms, loss)
-    conf = (f"timeout={int(join_s)}" if tr.rdzv == "static"
-            else f"join_timeout={int(join_s)},read_timeout={int(read_s)}")
     k = tr.nproc_per_node
     out = []
     for i, h in enumerate(hosts):
+        # c10d's agents decide who hosts the store by matching the endpoint against the
+        # machine's hostname and addresses; Mininet hosts share the root's hostname, so no
+        # host would match and none would host it: node 0 is told that it does.
+        conf = (f"timeout={int(join_s)}" if tr.rdzv == "static"
+                else f"join_timeout={int(join_s)},read_timeout={int(read_s)},"
+                     f"is_host={'true' if i == 0 else 'false'}")
         dev = interface(spec, h.name)
         argv = (python, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
                 "--node-rank", str(i), "--nproc-per-node", str(k),

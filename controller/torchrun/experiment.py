@@ -129,7 +129,9 @@ class TorchrunExperiment(Experiment):
                                    store_port=self.cfg.torchrun.port)
         self.sampler.start()
         tail: _Tail | None = None
-        reason = "completed"
+        # Unset until the wait returns: a run that Ctrl-C or an error cut short is no
+        # "completed" run, so its missing bytes are no bypass to report.
+        reason = ""
         try:
             runner.start_agents()
             if self.progress:
@@ -145,10 +147,10 @@ class TorchrunExperiment(Experiment):
             # stops the driver only after the teardown).
             if self.driver is not None:
                 self.driver.stop()
-            self._stop_ranks(runner)
+            stopped = self._stop_ranks(runner)
             if tail is not None:
                 tail.stop()
-            self._collect(net, runner, hosts, reason)
+            self._collect(net, runner, hosts, reason, stopped)
 
     def _wait(self, runner: RoleRunner) -> str:
         """Until every host's torchrun has exited, one fails, one stalls, or the timeout."""
@@ -226,11 +228,12 @@ class TorchrunExperiment(Experiment):
         return (f"{self._ranks(host)} (host {host}) stalled: its connections moved no bytes "
                 f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 
-    def _stop_ranks(self, runner: RoleRunner) -> None:
+    def _stop_ranks(self, runner: RoleRunner) -> set[str]:
         """SIGTERM every torchrun still running and every process under it (torchrun
         starts each rank in a session of its own, so its process group is not enough),
         then SIGKILL what is left after STOP_GRACE_S: a torchrun blocked in a store call
-        handles SIGTERM only when the call returns."""
+        handles SIGTERM only when the call returns. Returns the hosts stopped so."""
+        stopped = {c.host for _, c, p in runner.procs if p.poll() is None}
         pids = [p.pid for _, _, p in runner.procs if p.poll() is None]
         tree = [q for pid in pids for q in [pid, *descendants(pid)]]
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -247,13 +250,16 @@ class TorchrunExperiment(Experiment):
             tree = [q for q in tree if _alive(q)]
             if not tree:
                 break
+        return stopped
 
     # -- the record ---------------------------------------------------------------------
 
     def _collect(self, net: Network, runner: RoleRunner, hosts: list[str],
-                 reason: str) -> None:
+                 reason: str, stopped: set[str]) -> None:
         """Before the network goes: interface counters, the last sock_diag messages,
-        tcp.parquet, exit codes and the bytes proof (into ``self.result``)."""
+        tcp.parquet, exit codes and the bytes proof (into ``self.result``). A rank of a
+        host gradbed ``stopped`` that torchrun's report does not name ended by the
+        SIGTERM it was sent (torchrun's own status then says nothing about it)."""
         assert self.run_dir is not None and self.sampler is not None
         time.sleep(0.2)  # the kernel's last destroy messages
         iface: dict[str, tuple[int, int]] = {}
@@ -266,14 +272,16 @@ class TorchrunExperiment(Experiment):
         rows = pd.DataFrame(self.sampler.rows)
         rows.to_parquet(self.run_dir / "tcp.parquet", index=False)
         per_host = proof.host_bytes(self.sampler.final_connections(),
-                                    {h: net.ip(h) for h in hosts})
+                                    {h: net.ip(h) for h in hosts}, self.cfg.torchrun.port)
         codes: dict[str, int | None] = {}
         for _, c, p in runner.procs:
             log = _read(self.run_dir / "logs" / f"{c.host}.log")
-            for r, code in rank_exit_codes(self.plans[c.host], p.returncode, log).items():
+            status = -signal.SIGTERM if c.host in stopped else p.returncode
+            for r, code in rank_exit_codes(self.plans[c.host], status, log).items():
                 codes[str(r)] = code
-        bypass = proof.bypass_cause(per_host, {h: tx for h, (_, tx) in iface.items()}) \
-            if reason == "completed" else None
+        bypass = proof.bypass_cause(
+            per_host, {h: tx for h, (_, tx) in iface.items()},
+            {h: p.ranks for h, p in self.plans.items()}) if reason == "completed" else None
         if bypass:
             self.say(f"failed: {bypass}")
         self.result = {

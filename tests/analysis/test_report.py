@@ -11,13 +11,14 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from matplotlib.image import imread
 
 from analysis.cli import report_main
 from analysis.report import write_report
 from tests.support import real_run
-from tests.support.make_fake_run import make_fake_run
+from tests.support.make_fake_run import fake_tcp_samples, make_fake_run
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -192,3 +193,18 @@ def test_report_of_a_run_killed_before_its_first_iteration(tmp_path: Path) -> No
     page = write_report([run], tmp_path / "rep")
     html = page.read_text(encoding="utf-8")
     assert html.count("<img ") >= 4 and "Run run" in html
+
+
+def test_a_torchrun_runs_connections_get_a_plot(tmp_path: Path) -> None:
+    """tcp.parquet (a ``gradbed torchrun`` run's sock_diag samples) adds one plot of the
+    connections between hosts; a run without it has none."""
+    run = make_fake_run(tmp_path / "run", workers=2, iterations=4)
+    without = write_report([run], tmp_path / "without").read_text(encoding="utf-8")
+    base = int(pd.read_parquet(next((run / "events").glob("*.parquet")))["ts_ns"].min())
+    fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
+    page = write_report([run], tmp_path / "with")
+    html = page.read_text(encoding="utf-8")
+    caption = "TCP connections between hosts (tcp.parquet"
+    assert caption in html and caption not in without
+    assert html.count("<img ") == without.count("<img ") + 1
+    _check_page(page, tmp_path, min_images=without.count("<img ") + 1)

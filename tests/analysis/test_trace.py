@@ -11,6 +11,10 @@ and MoE transparency tests check their traces too.
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -26,7 +30,7 @@ from tests.support.chrome_trace import (
     load_trace,
     spans_by_host,
 )
-from tests.support.make_fake_run import make_fake_run
+from tests.support.make_fake_run import fake_tcp_samples, make_fake_run
 
 
 def test_synthetic_run_follows_the_format_and_partitions_iterations(tmp_path: Path) -> None:
@@ -108,6 +112,102 @@ def test_cleanup_finalisation_writes_the_trace_of_a_killed_run(tmp_path: Path) -
     done = rundir.finish(run, "controller killed")
     assert "wrote trace.json" in done
     check_worker_partition(load_trace(run / TRACE_FILE), load_events(run), need_receive=False)
+
+
+def test_a_torchrun_runs_connections_are_counter_tracks_of_their_host(tmp_path: Path) -> None:
+    run = make_fake_run(tmp_path / "run", workers=2, iterations=3)
+    base = int(load_events(run)["ts_ns"].min())
+    fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
+    trace = load_trace(write_trace(run))
+    evs = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in evs if e["name"] == "process_name"}
+    conn = "10.0.0.10:40000>10.0.0.11:29500"
+    rate = [e for e in evs if e["ph"] == "C" and e["name"] == f"tcp {conn} (Mbit/s)"]
+    assert {names[e["pid"]] for e in rate} == {"gbh0"}
+    assert [(e["ts"], e["args"]) for e in rate] == [
+        (1e6, {"sent": 10.0, "received": 5.0}), (2e6, {"sent": 10.0, "received": 5.0})]
+    cwnd = [e["args"]["cwnd"] for e in evs if e["name"] == f"tcp {conn} cwnd (segments)"]
+    rtt = [e["args"]["rtt_ms"] for e in evs if e["name"] == f"tcp {conn} RTT (ms)"]
+    assert cwnd == [20.0, 30.0] and rtt == [11.0, 12.0]
+    # No shaped link carried the loopback connection: it is no track; nor is a listening
+    # socket. A dual-stack socket's addresses read as IPv4.
+    tracks = {e["name"] for e in evs if e["ph"] == "C" and e["name"].startswith("tcp ")}
+    assert {t.rsplit(" ", 1)[0].removesuffix(" cwnd").removesuffix(" RTT") for t in tracks} == {
+        f"tcp {conn}", "tcp 10.0.0.11:51000>10.0.0.10:29500"}, tracks
+
+
+def test_a_tcp_file_without_a_column_is_named(tmp_path: Path) -> None:
+    from analysis.load import RunLoadError, load_tcp
+
+    path = tmp_path / "tcp.parquet"
+    fake_tcp_samples(0).drop(columns=["bytes_acked"]).to_parquet(path, index=False)
+    with pytest.raises(RunLoadError, match=r"tcp\.parquet.*bytes_acked"):
+        load_tcp(path)
+    assert load_tcp(tmp_path / "none.parquet").empty
+
+
+SPEEDSCOPE = Path(sys.prefix) / "share" / "speedscope" / "node_modules" / "speedscope" / \
+    "dist" / "release"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def _speedscope_title(trace_path: Path, tmp: Path) -> str:
+    """What speedscope, an offline trace viewer, shows in its toolbar once headless Chromium
+    has loaded ``trace_path`` into it (served from 127.0.0.1: a page may not fetch file:
+    URLs): ``NAME (1/K)`` with K the threads it found spans on, or the error it raised."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    site = tmp / "site"
+    shutil.copytree(SPEEDSCOPE, site)
+    shutil.copy(trace_path, site / "trace.json")
+    # speedscope reports a file it cannot read with alert(), which would hold headless
+    # Chromium forever: in this copy of the page the message goes into the title instead.
+    page = site / "index.html"
+    page.write_text(page.read_text().replace(
+        "<head>", "<head><script>window.alert = function (m) { document.title = "
+                  "'ALERT ' + m; };</script>", 1))
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        dom = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update",
+             "--virtual-time-budget=15000", "--dump-dom",
+             f"{url}/index.html#profileURL={url}/trace.json&title=gradbed"],
+            capture_output=True, text=True, timeout=120).stdout
+    finally:
+        server.shutdown()
+        server.server_close()
+    m = re.search(r"<span>gradbed <span[^>]*>\((\d+)/(\d+)\)</span>", dom)
+    if m:
+        return f"gradbed ({m.group(1)}/{m.group(2)})"
+    alert = re.search(r"<title>ALERT ([^<]*)</title>", dom)
+    return alert.group(1) if alert else "nothing shown"
+
+
+@pytest.mark.skipif(not (SPEEDSCOPE / "index.html").exists() or not Path(CHROMIUM).exists(),
+                    reason="speedscope and chromium come with GRADBED_WITH_CHROMIUM=1 "
+                           "scripts/setup.sh")
+def test_trace_json_opens_in_a_trace_viewer(tmp_path: Path) -> None:
+    """A real viewer, offline, in a real browser: speedscope in headless Chromium reads the
+    run's trace.json and finds one timeline per host thread with spans; the same file
+    truncated is refused (the check can fail)."""
+    run = make_fake_run(tmp_path / "run", workers=2, iterations=4)
+    trace = load_trace(write_trace(run))
+    threads = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert _speedscope_title(run / TRACE_FILE, tmp_path / "good") == \
+        f"gradbed (1/{len(threads)})"
+    broken = tmp_path / "broken.json"
+    broken.write_text((run / TRACE_FILE).read_text()[:-200])
+    assert _speedscope_title(broken, tmp_path / "bad").startswith("Unrecognized format")
 
 
 @pytest.mark.mininet

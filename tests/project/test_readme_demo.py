@@ -12,25 +12,16 @@ import pytest
 
 from analysis.metrics import GLOSSARY
 from controller.verdict import ROWS, verdict
+from tests.support.readme_demo import blocks, output
+from tests.support.readme_demo import section as demo_section
 
 REPO = Path(__file__).resolve().parents[2]
-README = (REPO / "README.md").read_text()
 DEMO = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
 DEMO_SH = (REPO / "scripts" / "demo.sh").read_text()
 
 
-def _section() -> str:
-    start = README.index("\n## The demo")
-    end = README.index("\n## ", start + 1)
-    return README[start:end]
-
-
-def _blocks(kind: str) -> list[str]:
-    return re.findall(rf"```{kind}\n(.*?)```", _section(), re.S)
-
-
 def test_the_quoted_config_is_demo_toml() -> None:
-    (quoted,) = _blocks("toml")
+    (quoted,) = blocks("toml")
     data = tomllib.loads(quoted)
     for section, table in data.items():
         for key, value in table.items():
@@ -46,22 +37,11 @@ def test_the_quoted_config_is_demo_toml() -> None:
 def test_the_quoted_command_is_what_demo_sh_runs() -> None:
     run = re.search(r"gradbed (sweep configs/demo\.toml[^\"\n]*?)(?: \"\$@\")?\n", DEMO_SH)
     assert run, "scripts/demo.sh runs no demo sweep"
-    assert f"gradbed {run.group(1).strip()}" in _section()
-
-
-def _output() -> tuple[list[str], dict[str, list[str]], str]:
-    (out,) = _blocks("text")
-    lines = out.splitlines()
-    keys = {k for k, _, _ in ROWS}
-    head = next(i for i, ln in enumerate(lines) if ln.split() and ln.split()[0] == "none")
-    rows = {ln.split()[0]: ln.split()[1:] for ln in lines[head + 1:]
-            if ln.split() and ln.split()[0] in keys | set(GLOSSARY)}
-    (line,) = [ln for ln in lines if ln.startswith("verdict:")]
-    return lines[head].split(), rows, line
+    assert f"gradbed {run.group(1).strip()}" in demo_section()
 
 
 def test_the_quoted_output_has_the_rows_the_sweep_prints() -> None:
-    labels, rows, _ = _output()
+    labels, rows, _ = output()
     grid = re.search(r"--grid compress\.name=([\w,]+)", DEMO_SH)
     assert grid and labels == grid.group(1).split(",")
     assert list(rows) == [k for k, _, _ in ROWS], "README's rows drifted from the sweep's"
@@ -69,7 +49,7 @@ def test_the_quoted_output_has_the_rows_the_sweep_prints() -> None:
 
 
 def test_the_quoted_verdict_agrees_with_the_quoted_numbers() -> None:
-    labels, rows, line = _output()
+    labels, rows, line = output()
 
     def summary(col: int) -> dict[str, float]:
         return {k: float(rows[k][col]) for k in ("iter_time_s_p50", "final_accuracy",

@@ -27,6 +27,40 @@ BASE_NS = 5_000_000_000_000  # CLOCK_MONOTONIC is arbitrary; start far from zero
 GOODPUT_SHARE = 0.95  # TCP payload share of the HTB rate (DESIGN.md section 3)
 
 
+def fake_tcp_samples(base_ns: int) -> pd.DataFrame:
+    """tcp.parquet as ``gradbed torchrun`` writes it: gbh0's connection to gbh1 sends
+    1.25 MB per second for two seconds (10 Mbit/s) and receives half that, its last
+    counters once more from the destroy message; a loopback connection beside it, a
+    dual-stack one and a listening socket."""
+    conn = {"host": "gbh0", "family": 2, "state": "ESTABLISHED", "src": "10.0.0.10",
+            "sport": 40000, "dst": "10.0.0.11", "dport": 29500, "bytes_retrans": 0,
+            "total_retrans": 0, "delivery_rate_bps": 0.0}
+    rows = []
+    for i, (acked, cwnd, final) in enumerate([(0, 10, False), (1_250_000, 20, False),
+                                              (2_500_000, 30, False)]):
+        rows.append({**conn, "ts_ns": base_ns + i * 1_000_000_000, "local": False,
+                     "cookie": 1, "bytes_acked": acked, "bytes_received": acked // 2,
+                     "snd_cwnd_pkts": cwnd, "rtt_us": 10_000 + 1000 * i, "final": final})
+    rows.append({**rows[-1], "final": True})  # the destroy message, same instant
+    # A dual-stack socket (the c10d store's) reports IPv4 mapped into IPv6; a listening
+    # socket is no connection.
+    for i in range(2):
+        rows.append({**conn, "ts_ns": base_ns + i * 1_000_000_000, "local": False,
+                     "cookie": 3, "src": "::ffff:a00:b", "sport": 51000, "dst": "::ffff:a00:a",
+                     "dport": 29500, "bytes_acked": 1000 * i, "bytes_received": 0,
+                     "snd_cwnd_pkts": 10, "rtt_us": 10_000, "final": False})
+        rows.append({**conn, "ts_ns": base_ns + i * 1_000_000_000, "local": False,
+                     "cookie": 4, "state": "LISTEN", "dst": "0.0.0.0", "dport": 0,
+                     "bytes_acked": 0, "bytes_received": 0, "snd_cwnd_pkts": 10,
+                     "rtt_us": 0, "final": False})
+    for i in range(3):
+        rows.append({**conn, "ts_ns": base_ns + i * 1_000_000_000, "local": True,
+                     "cookie": 2, "src": "127.0.0.1", "dst": "127.0.0.1",
+                     "bytes_acked": 10**9 * i, "bytes_received": 0, "snd_cwnd_pkts": 10,
+                     "rtt_us": 50, "final": False})
+    return pd.DataFrame(rows)
+
+
 def make_fake_run(run_dir: str | Path, *, workers: int = 4, iterations: int = 30,
                   rate_mbps: float = 100.0, compressor: str = "topk", keep: float = 0.1,
                   adaptive: bool = True, seed: int = 0, jsonl_only: bool = False,

@@ -88,6 +88,19 @@ def check_trace(run_dir: Path, n: int, iters: int) -> None:
     # After the first iteration (whose receive has no previous end to start from).
     ps = [e["args"]["category"] for e in spans[("ps", "main")] if e["args"]["iter"] == 2]
     assert ps == ["receive", "aggregate"], ps
+    # Each worker's weight send is a span of the PS's own, one per iteration, that starts
+    # after that worker's iteration began, and carries the weights' bytes.
+    out = events[events["event"] == "ps_iter_done"].set_index("iter")["bytes_out"]
+    sent = events[events["event"] == "weights_sent"]
+    for k in range(n):
+        sends = spans[("ps", f"send w{k}")]
+        assert [e["args"]["iter"] for e in sends] == list(range(iters))
+        assert all(e["cat"] == "send" and e["dur"] >= 0 for e in sends)
+        starts = {e["args"]["iter"]: e["ts"] for e in spans[(f"w{k}", "main")]
+                  if e["cat"] == "compute"}
+        assert all(e["ts"] >= starts[e["args"]["iter"]] for e in sends)
+        mine = sent[sent["worker"] == k].set_index("iter")["bytes"]
+        assert all(mine[i] * n == out[i] for i in range(iters)), (mine, out)
 
 
 def test_sparse_delta_downlink_keeps_workers_identical(tmp_path):

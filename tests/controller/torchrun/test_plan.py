@@ -92,6 +92,12 @@ def test_store_timeouts_grow_with_delay_and_loss() -> None:
     c = cfg()
     plan = rank_plans(c, torchrun_spec(shape_spec(c)), "py", Path("t.py"), Path("l"))[0]
     assert plan.argv[plan.argv.index("--rdzv-conf") + 1] == "timeout=725"
+    # c10d: node 0 hosts the store (the hosts share one hostname, which c10d would match).
+    c = cfg("torchrun.rdzv='c10d'")
+    confs = [p.argv[p.argv.index("--rdzv-conf") + 1]
+             for p in rank_plans(c, torchrun_spec(shape_spec(c)), "py", Path("t.py"), Path("l"))]
+    assert confs == ["join_timeout=725,read_timeout=72,is_host=true"] + [
+        "join_timeout=725,read_timeout=72,is_host=false"] * 3
 
 
 def test_a_missing_or_non_python_script_is_refused_naming_it(tmp_path: Path) -> None:

@@ -23,8 +23,9 @@ from controller.torchrun.sockdiag import (
 )
 
 
-def conn(src: str, dst: str, acked: int, received: int = 0, cookie: int = 1) -> ConnSample:
-    return ConnSample(cookie, socket.AF_INET, "ESTABLISHED", src, 1000, dst, 2000, acked,
+def conn(src: str, dst: str, acked: int, received: int = 0, cookie: int = 1,
+         dport: int = 2000) -> ConnSample:
+    return ConnSample(cookie, socket.AF_INET, "ESTABLISHED", src, 1000, dst, dport, acked,
                       received, 0, 0, 0, 10, 0.0)
 
 
@@ -40,19 +41,25 @@ def test_host_bytes_split_link_from_local_and_a_silent_host_is_a_bypass() -> Non
     conns = [("a", conn("10.0.0.10", "10.0.0.11", 500, 70)),
              ("a", conn("10.0.0.10", "10.0.0.10", 300)),          # to its own address
              ("b", conn("::ffff:10.0.0.11", "::ffff:127.0.0.1", 90)),
-             ("b", conn("10.0.0.11", "10.0.0.10", 70, 500))]
-    per = proof.host_bytes(conns, ips)
-    assert per["a"] == {"sent": 500, "received": 70, "local": 300, "connections": 1}
-    assert per["b"] == {"sent": 70, "received": 500, "local": 90, "connections": 1}
+             ("b", conn("10.0.0.11", "10.0.0.10", 70, 500)),
+             ("b", conn("10.0.0.11", "10.0.0.10", 40, 30, cookie=2, dport=29500))]  # store
+    per = proof.host_bytes(conns, ips, store_port=29500)
+    assert per["a"] == {"sent": 500, "received": 70, "local": 300, "connections": 1,
+                        "store_sent": 0}
+    assert per["b"] == {"sent": 110, "received": 530, "local": 90, "connections": 2,
+                        "store_sent": 40}
     assert proof.bypass_cause(per, {"a": 900, "b": 300}) is None
-    per["b"]["sent"] = 0
-    cause = proof.bypass_cause(per, {"a": 900, "b": 0})
-    assert cause is not None and "b" in cause and "loopback" in cause
+    # b's only bytes to another host went to the store (rendezvous): a bypass, named with
+    # its ranks.
+    per["b"]["sent"] = 40
+    cause = proof.bypass_cause(per, {"a": 900, "b": 0}, {"a": [0, 1], "b": [2, 3]})
+    assert cause is not None and "hosts b (ranks 2, 3) sent" in cause and "loopback" in cause
     per["b"]["local"] = 0
     assert "shared memory" in str(proof.bypass_cause(per, {"a": 900, "b": 0}))
     s = proof.bytes_summary(per, {"a": (1, 600), "b": (2, 100)}, 1)
     assert s["ring_factor"] == 1.0 and s["allreduce_equivalent_bytes"]["a"] == 500
     assert s["interface_over_payload"]["a"] == 1.2
+    assert s["store_sent_bytes"] == {"a": 0, "b": 40}
 
 
 def test_is_local_covers_loopback_own_address_and_mapped_forms() -> None:

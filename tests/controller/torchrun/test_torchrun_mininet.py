@@ -1,13 +1,28 @@
-"""``gradbed torchrun`` in real Mininet (root): the example's DDP script on 4 emulated
-hosts (5 ms and 0.1 % loss on every uplink, one uplink replaying the cellular trace) ends
-with the parameters of the same script on loopback; a ring all-reduce's TCP payload per
-host is 2(N-1)/N x S; a rank that exits non-zero ends the run naming it."""
+"""``gradbed torchrun`` in real Mininet (root), on the example's 4 fabric hosts.
+
+Each run is made once per module and checked by several tests (a run costs a network, two
+torch imports per host and a teardown on a shared 2-core machine):
+
+- the example's DDP script (5 ms and 0.1 % loss on every uplink, gbh3's replaying the
+  cellular trace) ends with the parameters of the same script on loopback, and its run
+  directory records every rank, connection and shaping point (tcp.parquet in trace.json
+  and the report);
+- a ring all-reduce through c10d rendezvous moves 2(N-1)/N x S per host;
+- an FSDP script's parameters match DDP's on loopback, its bytes those of its collectives;
+- a rank that exits non-zero, one that never reaches init_process_group, one whose group
+  never leaves its host (a bypass), and Ctrl-C each end the run naming the cause, with a
+  loadable run directory and nothing left behind.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +35,8 @@ pytestmark = pytest.mark.mininet
 
 EXAMPLE = REPO / "examples" / "torchrun_ddp"
 CONFIG = EXAMPLE / "fabric4.toml"
+#: DDP and FSDP both train this many steps; the loopback reference runs one more.
+STEPS = 3
 
 
 def mine_left() -> list[str]:
@@ -28,108 +45,178 @@ def mine_left() -> list[str]:
     return [x for x in leftovers() if "gbh" in x or "torch.distributed" in x]
 
 
-def gradbed_torchrun(out: Path, script: Path, args: list[str], overrides: list[str] = (),
-                     timeout_s: float = 1200) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def torchrun_argv(out: Path, script: Path, args: list[str], overrides: list[str],
+                  report: bool) -> list[str]:
     argv = [sys.executable, "-m", "controller.cli", "torchrun", str(CONFIG), "--out",
-            str(out), "--no-progress"]
+            str(out), "--no-progress", *([] if report else ["--no-report"])]
     for o in overrides:
         argv += ["--set", o]
-    # The timeout covers waiting for the machine-wide network lock, which other runs may
-    # hold for minutes. From the test's folder (the ranks start where gradbed was started), with this
+    return [*argv, "--", str(script), *args]
+
+
+def start_torchrun(out: Path, script: Path, args: list[str], overrides: list[str] = (),
+                   report: bool = False) -> subprocess.Popen[str]:
+    # From the test's folder (the ranks start where gradbed was started), with this
     # checkout first on the path.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*argv, "--", str(script), *args], cwd=out, capture_output=True,
-                          text=True, timeout=timeout_s, env=env)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"gradbed torchrun printed nothing; stderr:\n{proc.stderr[-3000:]}"
-    return Path(lines[-1]), proc
+    return subprocess.Popen(torchrun_argv(out, script, args, list(overrides), report),
+                            cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
 
 
-def test_ddp_parameters_equal_loopback_and_one_more_step_is_far(tmp_path: Path) -> None:
-    steps = 4
-    run_dir, proc = gradbed_torchrun(tmp_path, EXAMPLE / "train.py",
-                                     ["--steps", str(steps), "--save", str(tmp_path / "net.pt")])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@dataclass(frozen=True)
+class Done:
+    run_dir: Path
+    status: int
+    stderr: str
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 1200) -> Done:
+    """Wait for ``gradbed torchrun`` (the timeout covers waiting for the machine-wide network
+    lock, which other runs may hold for minutes) and check it left nothing behind."""
+    out, err = proc.communicate(timeout=timeout_s)
+    lines = out.strip().splitlines()
+    assert lines, f"gradbed torchrun printed nothing; stderr:\n{err[-3000:]}"
+    assert mine_left() == []
+    return Done(Path(lines[-1]), proc.returncode, err)
+
+
+def gradbed_torchrun(out: Path, script: Path, args: list[str], overrides: list[str] = (),
+                     report: bool = False) -> Done:
+    return finish(start_torchrun(out, script, args, overrides, report))
+
+
+def write_script(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory: pytest.TempPathFactory) -> list[list[torch.Tensor]]:
+    """The DDP script on loopback (4 local processes, no emulation), STEPS + 1 steps: the
+    parameters after every step. Started beside the Mininet runs' setup rather than after."""
+    d = tmp_path_factory.mktemp("loopback")
+    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
+                          "--steps", str(STEPS + 1), "--history", str(d / "hist.pt")],
+                         cwd=d, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return list(torch.load(d / "hist.pt"))
+
+
+def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+# -- the example's DDP run ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Done, Path]:
+    d = tmp_path_factory.mktemp("ddp")
+    done = gradbed_torchrun(d, EXAMPLE / "train.py",
+                            ["--steps", str(STEPS), "--save", str(d / "net.pt")], report=True)
+    assert done.status == 0, done.stderr[-3000:]
+    return done, d / "net.pt"
+
+
+def test_ddp_parameters_equal_loopback_and_one_more_step_is_far(
+        ddp: tuple[Done, Path], loopback: list[list[torch.Tensor]]) -> None:
+    got = torch.load(ddp[1])
+    assert gap(got, loopback[STEPS - 1]) <= 1e-6
+    assert gap(got, loopback[STEPS]) > 1e-3  # the check can fail: one extra step is far away
+
+
+def test_ddp_run_directory_records_ranks_bytes_and_shaping(ddp: tuple[Done, Path]) -> None:
+    run_dir = ddp[0].run_dir
     s = summary(run_dir)
     assert s["stop_reason"] == "completed", s
     assert s["torchrun"]["exit_codes"] == {"0": 0, "1": 0, "2": 0, "3": 0}
-    sent = s["torchrun"]["bytes"]["payload_sent_bytes"]
-    assert all(b > 0 for b in sent.values()), sent  # every host's ranks crossed its link
-    assert (run_dir / "tcp.parquet").exists() and load_run(run_dir).summary == s
+    b = s["torchrun"]["bytes"]
+    # Every host's ranks crossed its link, beyond the rendezvous.
+    assert all(b["payload_sent_bytes"][h] > b["store_sent_bytes"][h] for h in
+               b["payload_sent_bytes"]), b
+    assert load_run(run_dir).summary == s
     assert 0 < s["torchrun"]["points_busy_utilization"]["gbh3.up"] <= 1.05  # the traced uplink
-    # The same script on loopback (4 local processes, no emulation), one step further.
-    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
-                          "--steps", str(steps + 1), "--history", str(tmp_path / "hist.pt")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    got = torch.load(tmp_path / "net.pt")
-    hist = torch.load(tmp_path / "hist.pt")
-
-    def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-        return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
-
-    assert gap(got, hist[steps - 1]) <= 1e-6
-    assert gap(got, hist[steps]) > 1e-3  # the check can fail: one extra step is far away
-    assert mine_left() == []
+    env = json.loads((run_dir / "meta.json").read_text())["torchrun"]["hosts"]["gbh2"]["env"]
+    assert env["GLOO_SOCKET_IFNAME"] == "gbh2-eth0"
 
 
-def test_ring_allreduce_payload_is_two_n_minus_one_over_n(tmp_path: Path) -> None:
+def test_ddp_connections_appear_in_the_trace_and_the_report(ddp: tuple[Done, Path]) -> None:
+    run = load_run(ddp[0].run_dir)
+    remote = run.tcp[~run.tcp["local"].astype(bool)]
+    assert set(remote["host"]) == {"gbh0", "gbh1", "gbh2", "gbh3"}
+    evs = json.loads((run.path / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in evs if e["name"] == "process_name"}
+    rates = [e for e in evs if e["ph"] == "C" and e["name"].startswith("tcp ")
+             and e["name"].endswith("(Mbit/s)")]
+    # Each host's connections are counter tracks of its own process.
+    assert {names[e["pid"]] for e in rates} == {"gbh0", "gbh1", "gbh2", "gbh3"}
+    ips = {h: v["ip"] for h, v in run.summary["torchrun"]["hosts"].items()}
+    for e in rates:  # "tcp SRC:PORT>DST:PORT (Mbit/s)", SRC the host's own address
+        assert ips[names[e["pid"]]] in e["name"].split()[1].split(">")[0], e["name"]
+    assert max(e["args"]["sent"] for e in rates) > 0
+    page = (run.path / "report" / "index.html").read_text(encoding="utf-8")
+    assert "TCP connections between hosts (tcp.parquet" in page
+
+
+# -- collectives: ring all-reduce (c10d rendezvous) and FSDP ---------------------------------
+
+
+def test_ring_allreduce_through_c10d_rendezvous_moves_two_n_minus_one_over_n(
+        tmp_path: Path) -> None:
     floats, hosts = 1_000_000, 4
-    run_dir, proc = gradbed_torchrun(tmp_path, EXAMPLE / "allreduce.py",
-                                     ["--floats", str(floats)],
-                                     ["net.worker_link_mbps=1000", "topo.traces={}",
-                                      "net.loss_pct=0"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    b = summary(run_dir)["torchrun"]["bytes"]
+    done = gradbed_torchrun(tmp_path, EXAMPLE / "allreduce.py", ["--floats", str(floats)],
+                            ["net.worker_link_mbps=1000", "topo.traces={}", "net.loss_pct=0",
+                             "torchrun.rdzv='c10d'"])
+    assert done.status == 0, done.stderr[-3000:]
+    argv = json.loads((done.run_dir / "meta.json").read_text())["torchrun"]["hosts"]
+    assert argv["gbh1"]["argv"][argv["gbh1"]["argv"].index("--rdzv-backend") + 1] == "c10d"
+    b = summary(done.run_dir)["torchrun"]["bytes"]
     want = 2 * (hosts - 1) / hosts * 4 * floats
     for host, sent in b["payload_sent_bytes"].items():
         assert abs(sent - want) / want < 0.02, (host, sent, want)
         assert abs(b["payload_received_bytes"][host] - want) / want < 0.02
         # Headers and ACKs ride on top of the payload on the emulated interface.
         assert sent < b["interface_tx_bytes"][host] < 1.1 * sent + 200_000
-    assert mine_left() == []
 
 
-def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
-    script = tmp_path / "fails.py"
-    script.write_text("import sys, torch.distributed as dist\n"
-                      "dist.init_process_group('gloo')\n"
-                      "dist.barrier()\n"
-                      "if dist.get_rank() == 2:\n    sys.exit(3)\n"
-                      "dist.barrier()\n")
-    run_dir, proc = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}"])
-    assert proc.returncode == 4, proc.stderr[-3000:]
-    s = load_run(run_dir).summary
-    assert s["stop_reason"].startswith("rank 2 (host gbh2) exited with status 3"), s
-    assert s["torchrun"]["exit_codes"]["2"] == 3
-    assert "rank 2 (host gbh2) exited with status 3" in proc.stderr
-    assert mine_left() == []
-
-
-def test_an_fsdp_script_shards_over_the_emulated_links(tmp_path: Path) -> None:
+def test_an_fsdp_script_shards_over_the_emulated_links(
+        tmp_path: Path, loopback: list[list[torch.Tensor]]) -> None:
     """FSDP2 (``fully_shard``) over gloo: the parameters after K steps are the DDP
     script's on loopback (a reduce-scatter sums in another order: 1e-5), and every host
     sends between one all-gather plus one reduce-scatter of the parameters per step and
     five times that (forward and backward all-gathers, a reduce-scatter gloo may run as
     an all-reduce), plus the rendezvous."""
-    steps, hosts, hidden = 3, 4, 128
-    run_dir, proc = gradbed_torchrun(tmp_path, EXAMPLE / "fsdp.py",
-                                     ["--steps", str(steps), "--save", str(tmp_path / "f.pt")],
-                                     ["topo.traces={}", "net.loss_pct=0"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    hosts, hidden = 4, 128
+    done = gradbed_torchrun(tmp_path, EXAMPLE / "fsdp.py",
+                            ["--steps", str(STEPS), "--save", str(tmp_path / "f.pt")],
+                            ["topo.traces={}", "net.loss_pct=0"])
+    assert done.status == 0, done.stderr[-3000:]
     params_bytes = 4 * (64 * hidden + hidden + hidden * 10 + 10)
     shard = (hosts - 1) / hosts * params_bytes
-    for host, sent in summary(run_dir)["torchrun"]["bytes"]["payload_sent_bytes"].items():
-        assert 2 * shard * steps < sent < 5 * shard * (steps + 1) + 100_000, (host, sent)
-    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
-                          "--steps", str(steps), "--save", str(tmp_path / "d.pt")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    for a, b in zip(torch.load(tmp_path / "f.pt"), torch.load(tmp_path / "d.pt"), strict=True):
-        assert float((a - b).abs().max()) < 1e-5
-    assert mine_left() == []
+    for host, sent in summary(done.run_dir)["torchrun"]["bytes"]["payload_sent_bytes"].items():
+        assert 2 * shard * STEPS < sent < 5 * shard * (STEPS + 1) + 100_000, (host, sent)
+    assert gap(torch.load(tmp_path / "f.pt"), loopback[STEPS - 1]) < 1e-5
+
+
+# -- runs that end otherwise ------------------------------------------------------------------
+
+
+def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fails.py",
+                          "import sys, torch.distributed as dist\n"
+                          "dist.init_process_group('gloo')\n"
+                          "dist.barrier()\n"
+                          "if dist.get_rank() == 2:\n    sys.exit(3)\n"
+                          "dist.barrier()\n")
+    done = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}"])
+    assert done.status == 4, done.stderr[-3000:]
+    s = load_run(done.run_dir).summary
+    assert s["stop_reason"].startswith("rank 2 (host gbh2) exited with status 3"), s
+    assert s["torchrun"]["exit_codes"]["2"] == 3
+    assert "rank 2 (host gbh2) exited with status 3" in done.stderr
 
 
 def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -> None:
@@ -137,17 +224,68 @@ def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -
     torchrun.stall_s without a byte the run ends naming rank 2 and its variables, long
     before gloo's 30-minute timeout. stall_s stays above the time torch takes to import
     on a loaded 2-core machine (10-20 s, twice: torchrun, then the rank)."""
-    script = tmp_path / "late.py"
-    script.write_text("import os, time, torch.distributed as dist\n"
-                      "if os.environ['RANK'] == '2':\n    time.sleep(600)\n"
-                      "dist.init_process_group('gloo')\n"
-                      "dist.barrier()\n")
-    run_dir, proc = gradbed_torchrun(tmp_path, script, [],
-                                     ["topo.traces={}", "torchrun.stall_s=30"])
-    assert proc.returncode == 3, proc.stderr[-3000:]  # a rank that never came up: failed start
-    reason = load_run(run_dir).summary["stop_reason"]
+    script = write_script(tmp_path, "late.py",
+                          "import os, time, torch.distributed as dist\n"
+                          "if os.environ['RANK'] == '2':\n    time.sleep(600)\n"
+                          "dist.init_process_group('gloo')\n"
+                          "dist.barrier()\n")
+    done = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}", "torchrun.stall_s=30"])
+    assert done.status == 3, done.stderr[-3000:]  # a rank that never came up: failed start
+    reason = load_run(done.run_dir).summary["stop_reason"]
     assert reason.startswith("failed to start: rank 2 (host gbh2) never reached "
                              "init_process_group"), reason
     assert "GLOO_SOCKET_IFNAME=gbh2-eth0" in reason and "10.0.0.10:29500" in reason
-    assert summary(run_dir)["wall_s"] < 200
-    assert mine_left() == []
+    assert summary(done.run_dir)["wall_s"] < 200
+
+
+def test_a_rank_whose_group_never_leaves_its_host_is_a_bypass(tmp_path: Path) -> None:
+    """Ranks 0, 1 and 3 all-reduce over the emulated links; rank 2 ignores the launcher
+    and makes a group of its own on 127.0.0.1, so only its rendezvous crossed its link.
+    The run completes (every rank exits 0) but fails naming rank 2 and the loopback."""
+    # Stores of its own (an init_method URL would be read as torchrun's agent store).
+    script = write_script(tmp_path, "alone.py", (
+        "import os, datetime, torch, torch.distributed as dist\n"
+        "rank, wait = int(os.environ['RANK']), datetime.timedelta(seconds=120)\n"
+        "if rank == 2:\n"
+        "    store = dist.TCPStore('127.0.0.1', 29601, 1, True, wait)\n"
+        "    dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "else:\n"
+        "    store = dist.TCPStore(os.environ['MASTER_ADDR'], 29602, 3, rank == 0, wait)\n"
+        "    dist.init_process_group('gloo', store=store, rank=[0, 1, 3].index(rank),\n"
+        "                            world_size=3)\n"
+        "t = torch.ones(100_000)\n"
+        "dist.all_reduce(t)\n"
+        "dist.destroy_process_group()\n"))
+    done = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}", "net.loss_pct=0",
+                                                   "net.delay_ms=0"])
+    assert done.status == 1, done.stderr[-3000:]
+    s = load_run(done.run_dir).summary
+    assert s["stop_reason"].startswith("failed: training traffic bypassed the emulated "
+                                       "links: hosts gbh2 (rank 2) sent no TCP payload to "
+                                       "another host but rendezvous (gbh2 over loopback"), s
+    assert s["torchrun"]["exit_codes"] == {"0": 0, "1": 0, "2": 0, "3": 0}
+    assert "gbh2 (rank 2)" in done.stderr
+
+
+def test_ctrl_c_during_training_stops_the_run_cleanly(tmp_path: Path) -> None:
+    """SIGINT to ``gradbed torchrun`` once rank 0 trains (as a terminal's Ctrl-C reaches
+    it; the ranks run in sessions of their own): status 130, a run directory that loads
+    and says so, every rank stopped, nothing left behind."""
+    proc = start_torchrun(tmp_path, EXAMPLE / "train.py", ["--steps", "1000000"],
+                          ["topo.traces={}"])
+    deadline = time.monotonic() + 1200  # the network lock may be another run's first
+    while time.monotonic() < deadline and proc.poll() is None:
+        logs = list(tmp_path.glob("*/logs/gbh0.log"))
+        if logs and "step 5/" in logs[0].read_text(errors="replace"):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGINT)
+    done = finish(proc, timeout_s=120)
+    assert done.status == 130, done.stderr[-3000:]
+    run = load_run(done.run_dir)
+    assert run.summary["stop_reason"] == "interrupted by SIGINT", run.summary
+    assert run.summary["interrupted"] is True
+    # torchrun was stopped with SIGTERM (after which it would have ended its ranks).
+    assert set(run.summary["torchrun"]["exit_codes"].values()) <= {-signal.SIGTERM, -9}
+    assert (run.path / "tcp.parquet").exists() and (run.path / "trace.json").exists()
