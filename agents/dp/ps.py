@@ -122,6 +122,22 @@ class _Conn(loop.Transport):
         self.session = session
 
 
+def _listening_socket(host: str, port: int, congestion: str) -> socket.socket:
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    wire.set_socket_options(srv, nodelay=True, congestion=congestion)
+    srv.bind((host, port))
+    srv.listen(256)
+    return srv
+
+
+def _log_sends(log: EventLog, sends: WeightSends, conns: dict[int, _Conn]) -> None:
+    """A ``weights_sent`` event for every weight send the kernel has now taken."""
+    for s in sends.finished({w: c.written_bytes for w, c in conns.items()}, now_ns()):
+        log.emit("weights_sent", iter=s.iteration, worker=s.worker, start_ns=s.start_ns,
+                 end_ns=s.end_ns, bytes=s.bytes)
+
+
 class ParameterServer:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
                  keys: auth.KeyBundle, *, host: str = "0.0.0.0", port: int = 5000,
@@ -166,11 +182,7 @@ class ParameterServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self.agg_s = 0.0
-        self.srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
-        self.srv.bind((host, port))
-        self.srv.listen(256)
+        self.srv = _listening_socket(host, port, cfg.net.congestion)
         self.stop_reason = ""
 
     # -- connections: accepted and authenticated on threads, then served by the loop -----
@@ -221,7 +233,7 @@ class ParameterServer:
         if self.cfg.shaping.downlink == "backlog":
             wait = min(wait, max(0.0, self.next_rebalance_s - now))
         self.loop.run_once(wait)
-        self._log_sends()
+        _log_sends(self.log, self.sends, self.conns)
         while True:
             try:
                 self.events.append(self.joins.get_nowait())
@@ -448,14 +460,7 @@ class ParameterServer:
             self.sends.queued(w, self.iteration, _wire_bytes(tensors), conn.queued_bytes,
                               c == len(self.chunks) - 1, queued_ns)
         self.bytes_out += len(self.active) * _wire_bytes(tensors)
-        self._log_sends()
-
-    def _log_sends(self) -> None:
-        """A ``weights_sent`` event for every weight send the kernel has now taken."""
-        for s in self.sends.finished({w: c.written_bytes for w, c in self.conns.items()},
-                                     now_ns()):
-            self.log.emit("weights_sent", iter=s.iteration, worker=s.worker,
-                          start_ns=s.start_ns, end_ns=s.end_ns, bytes=s.bytes)
+        _log_sends(self.log, self.sends, self.conns)
 
     def _end_iteration(self, start_ns: int) -> None:
         """Every chunk is stepped and queued: evaluate, admit joiners, report."""
