@@ -23,6 +23,7 @@ them to the formulas in :mod:`agents.moe.zero` and :mod:`agents.moe.hosts`.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,8 @@ class Mesh:
         self.received: dict[int, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._listener: socket.socket | None = None
+        self._joined = threading.Condition()  # a link registered (either end)
+        self._all_in = threading.Event()  # every peer connected: accept no more
 
     @property
     def peers(self) -> list[int]:
@@ -107,42 +110,59 @@ class Mesh:
     # -- connecting ----------------------------------------------------------------------
 
     def open(self) -> Mesh:
+        """Dial every host below this one and answer every host above it (the one
+        handshake driver's ``accept_forever``), within ``timeout_s``."""
         host, port = self.addrs[self.me]
         ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         ls.bind((host, port))
         ls.listen(self.hosts)
-        ls.settimeout(self.timeout_s)
         self._listener = ls
-        for j in range(self.me):
-            self._connect(j)
-        deadline = time.monotonic() + self.timeout_s
-        while len(self.socks) < self.hosts - 1:
-            ls.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                conn, _ = ls.accept()
-            except TimeoutError as e:
-                missing = sorted(set(range(self.hosts)) - set(self.socks) - {self.me})
-                raise TimeoutError(f"expert host {self.me}: hosts {missing} did not connect "
-                                   f"within {self.timeout_s} s") from e
-            try:
-                self._accept(conn)
-            except (FrameError, OSError) as e:
-                # A stranger or a broken peer: refuse it, keep waiting for the real ones.
-                print(f"expert host {self.me}: refused a connection: {e}", flush=True)
-                conn.close()
+        threading.Thread(target=handshake.accept_forever, args=(ls, self._answer),
+                         kwargs=dict(stopped=self._all_in, report=self._accept_failed),
+                         daemon=True, name=f"accept{self.me}").start()
+        try:
+            for j in range(self.me):
+                self._connect(j)
+            self._wait_for_all()
+        except BaseException:
+            self.close()  # __exit__ does not run when __enter__ raises
+            raise
+        self._all_in.set()
         self._pool = ThreadPoolExecutor(max_workers=2 * max(1, self.hosts - 1),
                                         thread_name_prefix=f"mesh{self.me}")
         return self
+
+    def _wait_for_all(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._joined:
+            while len(self.socks) < self.hosts - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.hosts)) - set(self.socks) - {self.me})
+                    raise TimeoutError(f"expert host {self.me}: hosts {missing} did not "
+                                       f"connect within {self.timeout_s} s")
+                self._joined.wait(left)
+
+    def _refused(self, why: str) -> None:
+        # A stranger or a broken peer: said once; the real hosts may still come.
+        print(f"expert host {self.me}: refused a connection: {why}", flush=True)
+
+    def _accept_failed(self, peer: str, why: str) -> None:
+        print(f"expert host {self.me}: {peer}: {why}", flush=True)
 
     def _register(self, lk: link.Link) -> None:
         s = lk.sock
         s.settimeout(None)
         wire.set_socket_options(s, nodelay=True)
-        self.socks[lk.peer] = s
-        self.links[lk.peer] = lk
-        self.readers[lk.peer] = lk.reader(self.max_payload_bytes)
-        self.sent[lk.peer] = self.received[lk.peer] = 0
+        with self._joined:
+            if lk.peer in self.links:
+                raise FrameError(f"{lk.name}: expert host {lk.peer} is connected already")
+            self.socks[lk.peer] = s
+            self.links[lk.peer] = lk
+            self.readers[lk.peer] = lk.reader(self.max_payload_bytes)
+            self.sent[lk.peer] = self.received[lk.peer] = 0
+            self._joined.notify_all()
 
     def _connect(self, j: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -166,16 +186,24 @@ class Mesh:
             s.close()
             raise
 
-    def _accept(self, conn: socket.socket) -> None:
-        name = f"expert host {self.me} <- {wire.peer_name(conn)}"
-        # Only hosts above us dial us, each once.
-        waiting = {j: k for j, k in self.keys.items() if j > self.me and j not in self.socks}
+    def _answer(self, conn: socket.socket, peer: str) -> None:
+        """One connection to this host's listening socket (on its own thread): only the
+        hosts above this one dial it, each once."""
+        name = f"expert host {self.me} <- {peer}"
+        with self._joined:
+            waiting = {j: k for j, k in self.keys.items()
+                       if j > self.me and j not in self.socks}
         answerer = protocol.Answerer(self.run_id, "expert", protocol.keys_by_index(waiting),
                                      accepts=f"expert hosts {sorted(waiting)}")
-        session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
-                                   welcome=("expert", self.me),
-                                   timeout_s=self.handshake_timeout_s, log=self.log)
-        self._register(link.Link.answered(conn, session, name=name, run_tag=self.run_tag))
+        try:
+            session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
+                                       welcome=("expert", self.me),
+                                       timeout_s=self.handshake_timeout_s, log=self.log)
+            self._register(link.Link.answered(conn, session, name=name,
+                                              run_tag=self.run_tag))
+        except (FrameError, OSError) as e:
+            self._refused(str(e))
+            conn.close()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -188,6 +216,10 @@ class Mesh:
                 pass
         self.socks.clear()
         if self._listener is not None:
+            try:  # wakes the accepting thread (a plain close leaves it in accept())
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
             self._listener = None
 
