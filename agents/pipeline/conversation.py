@@ -80,7 +80,8 @@ class Conversation:
         ProtocolError naming the peer, what it sent and what was due."""
         want = self.next
         if want is None:
-            raise ProtocolError(f"{self.peer}: sent {h.describe()} after its BYE")
+            raise ProtocolError(f"{self.peer}: sent {h.describe()} after the last message "
+                                "it owes")
         if not want.matches(h):
             raise ProtocolError(f"{self.peer}: sent {h.describe()}, expected "
                                 f"{want.describe()}")
