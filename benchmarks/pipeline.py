@@ -29,8 +29,8 @@ with its one-process reference's (``controller.loopback.pipeline.reference_evals
 one process, the synchronous and the 2BW references over ``SWEEP_LR_MOMENTUM``.
 
 Part 5, line rate (Mininet): 1F1B on the fabric sized so its stage links are busy at
-100 Mbit/s (``LINERATE_OVERRIDES``: 128 KB activation messages against one 128-wide
-layer per stage, 32 micro-batches a step, no compute pad), at 100 Mbit/s, 1 Gbit/s and "unshaped" (HTB
+100 Mbit/s (``LINERATE_OVERRIDES``: 2 stages, 256 KB activation messages against two
+64-wide layers per stage, 16 micro-batches a step, no compute pad), at 100 Mbit/s, 1 Gbit/s and "unshaped" (HTB
 at 10 Gbit/s, the config's maximum, above what this host's veths and agents carry), rates
 interleaved over ``--repeats`` rounds. Reported: each stage link's load at 100 Mbit/s
 (:func:`analysis.pipeline.link_load`, target >= 0.8) and 1F1B's samples/s at 1 Gbit/s over
@@ -77,17 +77,19 @@ TTA_SETTINGS = (
     ("momentum0.9", [], SCHEDULES),
     ("momentum0", ["workload.momentum=0.0"], ("1f1b", "two_group")),
 )
-# Part 5: 128 KB per activation message (256 x 128 float32) against one 128-wide layer per
-# stage (about 3 ms of forward and backward on a loaded core; no pad): at 100 Mbit/s a
-# message takes 10.5 ms on the wire, so the links, not the compute, set the pace; 32
-# micro-batches a step, so the pipeline's fill and drain (a few messages' time) are a
-# small part of it. At 1 Gbit/s a message takes 1 ms and the compute sets the pace again.
-LINERATE_M, LINERATE_B = 32, 256
-LINERATE_OVERRIDES = ["workload.name='digits_deep'", "workload.hidden=128", "workload.depth=2",
-                      "pipeline.stages=4", "pipeline.schedule='1f1b'",
+# Part 5: 256 KB per activation message (1024 x 64 float32) against two 64-wide layers per
+# stage (a few ms of forward and backward on a loaded core; no pad): at 100 Mbit/s a
+# message takes 21 ms on the wire, so the links, not the compute, set the pace. Two
+# stages: 1F1B keeps at most p micro-batches in flight at stage 0, each waiting a round
+# trip of 2 (p - 1) messages, so a link can be busy at most p / (2 (p - 1)) of the time
+# (0.67 at p = 4, 1 at p = 2). 16 micro-batches a step. At 1 Gbit/s a message takes 2 ms
+# and the compute sets the pace again.
+LINERATE_M, LINERATE_B = 16, 1024
+LINERATE_OVERRIDES = ["workload.name='digits_deep'", "workload.hidden=64", "workload.depth=2",
+                      "pipeline.stages=2", "pipeline.schedule='1f1b'",
                       f"pipeline.micro_batches={LINERATE_M}",
                       f"pipeline.micro_batch_size={LINERATE_B}",
-                      "pipeline.compute_pad_ms=0", "topo.hosts=5"]
+                      "pipeline.compute_pad_ms=0", "topo.hosts=3"]
 LINERATE_RATES = {"100M": 100.0, "1G": 1000.0, "unshaped": 10000.0}
 SWEEP_LR_MOMENTUM = ((0.05, 0.9), (0.02, 0.9), (0.01, 0.9), (0.005, 0.9), (0.002, 0.9),
                      (0.05, 0.5), (0.02, 0.5), (0.05, 0.0), (0.1, 0.0))

@@ -22,7 +22,7 @@ from agents.core.lr_schedule import lr_at
 from agents.core.schedules import Schedule
 from agents.pipeline.common import micro_batch
 from agents.pipeline.partition import balance_by_params, boundary_shapes, split
-from agents.workloads.base import FlatModel, Workload, sgd_step_
+from agents.workloads.base import Batch, FlatModel, Workload, sgd_step_
 from agents.workloads.factory import make_workload
 
 #: ``average(step, chunk, grad)``: replace ``grad`` in place by its mean over the replicas.
@@ -102,6 +102,7 @@ class StageCompute:
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self.losses: dict[int, float] = {}
+        self._batches: dict[int, Batch] = {}  # step -> its whole batch (see _micro_batch)
 
     @property
     def params(self) -> int:
@@ -122,9 +123,22 @@ class StageCompute:
         if pad > 0:
             time.sleep(pad)
 
+    def _micro_batch(self, mb: int) -> Batch:
+        """:func:`~agents.pipeline.common.micro_batch`, with the last two steps' batches
+        kept: every micro-batch is a slice of its step's batch, which is not rebuilt for
+        each of them (the two-group schedule interleaves two steps)."""
+        k, i = divmod(mb, self.pc.micro_batches)
+        if k not in self._batches:
+            if len(self._batches) == 2:
+                del self._batches[min(self._batches)]
+            self._batches[k] = self.workload.batch(k, self.replica, self.pc.replicas,
+                                                   self.pc.micro_batches * self.pc.micro_batch_size)
+        full, b = self._batches[k], self.pc.micro_batch_size
+        return Batch(full.x[i * b:(i + 1) * b], full.y[i * b:(i + 1) * b])
+
     def first_input(self, mb: int) -> torch.Tensor:
         """The input of micro-batch ``mb`` at pipeline position 0: the workload's data."""
-        return micro_batch(self.workload, self.pc, mb, self.replica).x
+        return self._micro_batch(mb).x
 
     def forward(self, mb: int, chunk: int, x: torch.Tensor, grad: bool) -> torch.Tensor:
         """Run micro-batch ``mb`` through ``chunk`` and return its output (the loss at the
@@ -144,7 +158,7 @@ class StageCompute:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 out = module(x)
                 if last:
-                    y = micro_batch(self.workload, self.pc, mb, self.replica).y
+                    y = self._micro_batch(mb).y
                     out = nn.functional.cross_entropy(out, y) / self.pc.micro_batches
             held.out, held.saved_bytes = out, counter.bytes
             self.held_bytes += counter.bytes
