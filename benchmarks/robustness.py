@@ -21,11 +21,19 @@ Attacks on the live run (each a new TCP connection unless said otherwise):
 6. ``garbage``: 100 random bytes.
 7. ``deep_hello``: a HELLO whose body is 1,000 ``[``.
 8. ``huge_header``: a header with the run's tag announcing 2^32 payload bytes.
-9. ``slow_connections``: 200 connections that send 10 bytes of a header and stall; all
-   must be closed by the handshake timeout (2 s here) while the run goes on.
+9. ``slow_connections``: 200 connections from a background address (127.0.0.2) that send
+   10 bytes of a header and stall; all must be closed (the first
+   ``guard.max_handshakes_per_source`` at the handshake deadline, 2 s here, the rest
+   refused unread) and counted in a few aggregated ``refused`` events while the run goes on.
 
 Worker 0 is held (SIGSTOP) while the attacks run, so the run cannot end before the slow
 connections' timeouts fire, however fast the machine; held or not, the weights are the same.
+
+Availability and liveness: ``flood_admission`` keeps 700 slow connections open from each
+of two background addresses (more than the 1,024 handshake slots the PS once had) while a
+second run's workers start, join and train; as root, in real Mininet (``gradbed run``), a
+SIGSTOP'ed worker must be dropped after ``run.stall_timeout_s`` and the run complete (0),
+and a SIGSTOP'ed or SIGKILL'ed pipeline stage must end the run with status 4, naming it.
 
 Inputs and files, through ``gradbed``'s command line (``--dry-run``: nothing is built): a
 trace spanning 10^12 ms, a trace that is one endless line (a FIFO whose writer never stops),
@@ -41,6 +49,7 @@ before the first attack to the end of the last.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -74,6 +83,7 @@ CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval
          "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
          "run.timeout_s=120"]
 SLOW = 200
+SLOW_SOURCE = "127.0.0.2"  # a background host: the real workers dial from 127.0.0.1
 
 
 def ps_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
@@ -96,7 +106,7 @@ def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
             time.sleep(0.01)
         before_kb = hostile.rss_peak_kb(ps.pid)
         workers[0].send_signal(signal.SIGSTOP)  # the run stays open through the attacks
-        slow = hostile.slow_connections(port, SLOW)
+        slow = hostile.slow_connections(port, SLOW, source=SLOW_SOURCE)
         captured = proxy.frames()
         t = hostile.replay_handshake(port, captured)
         v["replayed_handshake"] = ("failed the challenge" in t, t)
@@ -137,11 +147,16 @@ def attacked_run(tmp: Path) -> tuple[dict[str, tuple[bool, str]], Path, float]:
         for p in [ps, *workers]:
             if p.poll() is None:
                 p.kill()
-    timed_out = sum(e["error"] == "handshake timed out"
-                    for e in ps_events(run_dir, "frame_error"))
-    v["slow_connections"] = (closed == SLOW and timed_out == SLOW and alive,
-                             f"{closed} of {SLOW} closed, {timed_out} handshake timeouts "
-                             f"logged, PS alive after the attacks: {alive}")
+    # From a background address: admitted up to guard.max_handshakes_per_source and cut
+    # off at the deadline, the rest refused unread; every one counted, in a few events.
+    refused = [e for e in ps_events(run_dir, "refused") if e["source"] == SLOW_SOURCE]
+    counted = sum(e["count"] for e in refused)
+    timed_out = sum(e["count"] for e in refused if e["reason"] == "handshake timed out")
+    v["slow_connections"] = (closed == SLOW and counted == SLOW and len(refused) <= 8
+                             and alive,
+                             f"{closed} of {SLOW} closed, {counted} counted in {len(refused)} "
+                             f"refused events ({timed_out} timed out), PS alive after the "
+                             f"attacks: {alive}")
     v["_run_end"] = (rc == 0 and wrcs == [0, 0] and not ps_events(run_dir, "worker_lost"),
                      f"PS rc {rc}, workers {wrcs}")
     return v, run_dir, (after_kb - before_kb) / 1024
@@ -209,6 +224,123 @@ def control_injection(tmp: Path) -> tuple[bool, str]:
 
 
 REPO = Path(__file__).resolve().parents[1]
+FLOOD_SOURCES = ["127.0.0.2", "127.0.0.3"]
+FLOOD_PER_SOURCE = 700  # more than the 1,024 handshake slots the PS once had, together
+
+
+def flood_admission(tmp: Path) -> tuple[bool, str]:
+    """Two keyless hosts keep 700 slow connections each open at the PS (each reopened as
+    soon as it is closed) while the real workers start, join and train 10 iterations."""
+    run_dir, cfg = make_run_dir(tmp, ["net.workers=2", "workload.hidden=32",
+                                      "run.iterations=10", "run.eval_every=50",
+                                      "compress.name=none", "run.timeout_s=120"], name="flood")
+    ps = start_ps(run_dir, expect=("127.0.0.1",))
+    flood = hostile.Flood(cfg.net.port, FLOOD_SOURCES, FLOOD_PER_SOURCE)
+    workers = []
+    try:
+        connect(cfg.net.port).close()
+        flood.start()
+        deadline = time.monotonic() + 60
+        while flood.opened < len(FLOOD_SOURCES) * FLOOD_PER_SOURCE:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the flood opened only {flood.opened} connections")
+            time.sleep(0.05)
+        workers = [start_worker(run_dir, k, cfg.net.port) for k in range(2)]
+        wrcs = [w.wait(timeout=180) for w in workers]
+        rc = ps.wait(timeout=60)
+    finally:
+        flood.stop()
+        for p in [ps, *workers]:
+            if p.poll() is None:
+                p.kill()
+    steps = ps_events(run_dir, "ps_iter_done")
+    refused = [e for e in ps_events(run_dir, "refused") if e["source"] in FLOOD_SOURCES]
+    log_kb = (run_dir / "events" / "ps.jsonl").stat().st_size / 1024
+    ok = (rc == 0 and wrcs == [0, 0] and len(steps) == 10
+          and all(e["workers"] == 2 for e in steps))
+    return ok, (f"PS rc {rc}, workers {wrcs}, {len(steps)} iterations with 2 workers; "
+                f"{flood.opened} flood connections, {sum(e['count'] for e in refused)} "
+                f"refused in {len(refused)} events; ps.jsonl {log_kb:.0f} KiB")
+
+
+def _gradbed_run(config: str, sets: list[str], out: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / config), "--out",
+            str(out), "--no-progress", "--no-report"]
+    for x in sets:
+        argv += ["--set", x]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_events(out: Path, proc: subprocess.Popen[str], event: str, n: int) -> Path:
+    deadline = time.monotonic() + 600  # the network lock may be another run's first
+    needle = f'"event": "{event}"'
+    while proc.poll() is None and time.monotonic() < deadline:
+        for run_dir in out.glob("*/"):
+            if sum(p.read_text(errors="replace").count(needle)
+                   for p in (run_dir / "events").glob("*.jsonl")) >= n:
+                return run_dir
+        time.sleep(0.1)
+    raise RuntimeError(f"no {n} {event} events (status {proc.poll()})")
+
+
+def _agent_pid(run_dir: Path, module: str, flag: str, value: str) -> int:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = [c.decode(errors="replace") for c in f.read().split(b"\0")]
+        except OSError:
+            continue
+        if module in cmd and str(run_dir) in cmd and any(
+                cmd[i:i + 2] == [flag, value] for i in range(len(cmd) - 1)):
+            return int(pid)
+    raise RuntimeError(f"no {module} {flag} {value} for {run_dir}")
+
+
+def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: str,
+                 who: tuple[str, str], sig: signal.Signals, status: int, lost: str
+                 ) -> tuple[bool, str]:
+    """Start a real run (Mininet), send ``sig`` to one agent once it is under way, and
+    judge the exit status, the summary's stop reason and the time to the decision."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    proc = _gradbed_run(config, sets, tmp)
+    try:
+        run_dir = _wait_events(tmp, proc, event, 3)
+        os.kill(_agent_pid(run_dir, module, *who), sig)
+        t0 = time.monotonic()
+        proc.communicate(timeout=300)
+        took_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    s = json.loads((run_dir / "summary.json").read_text())
+    reason = str(s.get("stop_reason", ""))
+    ok = proc.returncode == status and lost in reason
+    return ok, f"exit {proc.returncode} {took_s:.1f} s after {sig.name}; stop_reason: {reason}"
+
+
+def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
+    """A hung worker, a hung stage and a killed stage, in real Mininet (root only)."""
+    if os.geteuid() != 0:
+        return {}
+    stall = "run.stall_timeout_s=8"
+    # 400 steps, not 100,000: a stage builds and checks its whole schedule before it starts.
+    pipe = ["pipeline.stages=2", "topo.hosts=3", "pipeline.schedule='gpipe'",
+            "run.iterations=400", "run.timeout_s=300", stall]
+    return {
+        # Dropped after run.stall_timeout_s; the run completes without it (status 0).
+        "sigstopped_worker": _verdict(lambda t: _agent_fault(
+            t, "configs/test_tiny.toml", ["run.iterations=40", "run.timeout_s=240", stall],
+            "ps_iter_done", "agents.dp.worker", ("--worker", "1"), signal.SIGSTOP, 0,
+            "completed"), tmp / "sigstop_worker"),
+        "sigstopped_stage": _verdict(lambda t: _agent_fault(
+            t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
+            ("--stage", "0"), signal.SIGSTOP, 4, "no heartbeat"), tmp / "sigstop_stage"),
+        "killed_stage": _verdict(lambda t: _agent_fault(
+            t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
+            ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"), tmp / "kill_stage"),
+    }
 
 
 def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:
@@ -312,16 +444,19 @@ def main() -> None:
     identical = torch.equal(final, clean)
     run_end = verdicts.pop("_run_end")
     # An attack on the live run is survived only if the run also ended clean and exact.
-    results = {k: {"survived": ok and run_end[0] and identical, "what_happened": why}
+    results: dict[str, dict[str, Any]] = {
+        k: {"survived": ok and run_end[0] and identical, "what_happened": why}
                for k, (ok, why) in verdicts.items()}
     # A case that breaks is a case not survived, with what broke it; the others still run.
     for name, case in (("poisoned_gradients", poison_run), ("controller_death", controller_death),
-                       ("control_socket_injection", control_injection)):
+                       ("control_socket_injection", control_injection),
+                       ("flood_admission", flood_admission)):
         log(name)
         ok, why = _verdict(case, tmp / name)
         results[name] = {"survived": ok, "what_happened": why}
     log("bounded inputs, the lock, root and a user's files")
-    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root")}.items():
+    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root"),
+                         **liveness_cases(tmp / "liveness")}.items():
         results[k] = {"survived": ok, "what_happened": why}
     for k, r in results.items():
         log(f"{k:28s} {'survived' if r['survived'] else 'FAILED':9s} {r['what_happened'][:110]}")

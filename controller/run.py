@@ -266,7 +266,8 @@ class Experiment:
         assert self.events is not None
         self.say("building the network")
         try:
-            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key)
+            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
+                                guard=cfg.guard)
             with Network(self.spec, log=self.say, caps=caps) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()

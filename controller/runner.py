@@ -41,12 +41,16 @@ class RoleRunner:
         self.progress_nodes = {h.name for role, hosts in self.placed if role.reports_progress
                                for h in hosts}
         self.ready: set[str] = set()
+        # When each agent was last heard on the control channel (its heartbeats).
+        self.heard_s: dict[str, float] = {}
         self.done_reasons: dict[str, str] = {}
         self.procs: list[tuple[Role, RoleCommand, subprocess.Popen[Any]]] = []
         self.sessions: list[RoleSession] = []
 
     def on_report(self, msg: dict[str, Any]) -> None:
         node, kind = str(msg.get("node", "")), msg.get("type")
+        if node:
+            self.heard_s[node] = time.monotonic()  # a heartbeat, or any other report
         if kind == "ready":
             self.ready.add(node)
         elif kind == "done":
@@ -97,8 +101,9 @@ class RoleRunner:
     # -- the end ---------------------------------------------------------------------
 
     def wait(self, timeout_s: float) -> str:
-        """Block until every ``ends_run`` process has exited, or ``timeout_s``; say so
-        once for any other process that fails meanwhile. Returns the stop reason."""
+        """Block until every ``ends_run`` process has exited, or ``timeout_s``, or an agent
+        is lost (:meth:`_lost`); say so once for any other process that fails meanwhile.
+        Returns the stop reason."""
         enders = [(r, c, p) for r, c, p in self.procs if r.ends_run]
         others = [(r, c, p) for r, c, p in self.procs if not r.ends_run]
         deadline = time.monotonic() + timeout_s
@@ -107,6 +112,9 @@ class RoleRunner:
             if time.monotonic() > deadline:
                 self.say(f"{timeout_reason(timeout_s)}: stopping")
                 return timeout_reason(timeout_s)
+            lost = self._lost()
+            if lost:
+                return lost
             for i, (_, c, p) in enumerate(others):
                 if p.poll() not in (None, 0) and i not in reported:
                     reported.add(i)
@@ -125,3 +133,40 @@ class RoleRunner:
                         f"see {c.log or f'logs/{c.host}.log'}")
         reasons = [self.done_reasons.get(c.host, "") for _, c, _ in enders]
         return next((r for r in reasons if r), "completed")
+
+    def _lost(self) -> str:
+        """The stop reason when an agent was lost just now, else "". An agent that sent no
+        heartbeat for ``run.stall_timeout_s`` is hung: it is killed, so that what follows
+        is what follows its death. A process of a role that ends the run and that failed
+        (exited non-zero, or was killed) ends the run at once, naming it: its peers
+        would otherwise wait for it until ``run.timeout_s``. Any other role's death is
+        its peers' business (a worker's: the PS's, under ``run.on_agent_death``)."""
+        stall_s = self.ctx.cfg.run.stall_timeout_s
+        now = time.monotonic()
+        failed = []
+        for role, c, p in self.procs:
+            heard = self.heard_s.get(c.host)
+            if p.poll() is None and heard is not None and now - heard > stall_s:
+                why = (f"{c.host} lost: no heartbeat for {now - heard:.1f} s "
+                       f"(run.stall_timeout_s = {stall_s:g})")
+                self._declare(role, c, why)
+                p.kill()
+                p.wait()
+                if role.ends_run:
+                    return why
+            elif role.ends_run and p.poll() not in (None, 0):
+                failed.append((role, c, p))
+        if not failed:
+            return ""
+        # Several at once (a stage's death fails its neighbours): name the one a signal
+        # ended, the cause, before those that exited with an error of their own.
+        role, c, p = min(failed, key=lambda f: (f[2].returncode or 0) >= 0)
+        why = f"{c.host} exited with status {p.returncode}; see {c.log or f'logs/{c.host}.log'}"
+        self._declare(role, c, why)
+        return why
+
+    def _declare(self, role: Role, c: RoleCommand, why: str) -> None:
+        action = "stop" if role.ends_run else "peers decide"
+        self.say(f"agent lost: {why}: {'stopping' if role.ends_run else 'going on'}")
+        self.events.emit("agent_lost", host=c.host, role=role.name, reason=why, action=action)
+        self.heard_s.pop(c.host, None)

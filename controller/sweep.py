@@ -52,7 +52,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ from controller.paths import (
     resolve_path,
 )
 from controller.rundir import REPO_ROOT, hand_over, write_atomic
+from controller.signals import StopSignals
 from controller.verdict import human_bytes, side_by_side, verdict
 
 #: Seconds a run may take beyond its own ``run.timeout_s`` (Mininet build and teardown,
@@ -414,9 +415,10 @@ def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Pa
                 out, _ = proc.communicate(timeout=120)
                 res.status = "timeout"
                 res.error = f"killed after {timeout_s:.0f} s"
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            # The run gets the signal the sweep got, so its summary says which.
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
+                proc.send_signal(getattr(e, "signum", signal.SIGINT))
             try:
                 out, _ = proc.communicate(timeout=120)
             except subprocess.TimeoutExpired:
@@ -462,7 +464,8 @@ def _collect(res: RunResult, rc: int | None, out: str, log_path: Path, wall_s: f
                 and res.summary.get("final_accuracy") is not None:
             res.error = "final loss is not finite (diverged?)"
         return
-    res.status = "interrupted" if rc == 130 else "failed"
+    res.status = "interrupted" if rc is not None and rc - SIGNAL_BASE in (
+        signal.SIGINT, signal.SIGTERM, signal.SIGHUP) else "failed"
     if not res.error:
         res.error = _last_error(log_path, rc)
 
@@ -484,9 +487,10 @@ def _last_error(log_path: Path, rc: int | None) -> str:
 
 
 def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
-              ) -> tuple[Path, list[RunResult]]:
-    """Run every combination; returns the sweep directory and the finished runs' results
-    (fewer than the combinations when Ctrl-C stopped the sweep; the tables keep them)."""
+              ) -> tuple[Path, list[RunResult], list[int]]:
+    """Run every combination; returns the sweep directory, the finished runs' results
+    (fewer than the combinations when a signal stopped the sweep; the tables keep them)
+    and the stop signals received (the first one stopped it)."""
     cfgs = validate(spec)
     combos = expand(spec)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -500,35 +504,56 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
         "argv": sys.argv, "combinations": len(combos)}, indent=2, default=str) + "\n")
     target = cfgs[0].run.target_accuracy
     results = [RunResult(c) for c in combos]
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     t_sweep = time.monotonic()
+    # SIGINT, SIGTERM and SIGHUP (a closed terminal) stop the sweep as gradbed run stops:
+    # the first is raised once, and the run under way is stopped cleanly; any later one
+    # is only noted, so the tables and the report are written whatever else arrives.
+    stops = StopSignals()
 
     def say(line: str) -> None:
-        if progress:
-            print(line, file=sys.stderr, flush=True)
+        if progress and not stops.hung_up:  # after SIGHUP the terminal is gone
+            try:
+                print(line, file=sys.stderr, flush=True)
+            except OSError:
+                pass
 
     say(f"sweep {sweep_dir.name}: {len(combos)} runs")
+    with stops:
+        try:
+            for combo, cfg, res in zip(combos, cfgs, results, strict=True):
+                _run_and_say(base_toml, combo, spec, sweep_dir, cfg, res, results, target,
+                             say, len(combos))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stops.disarm()
+        done = _finish(sweep_dir, spec, results, target, say, t_sweep, len(combos))
+    return sweep_dir, done, stops.received
+
+
+def _run_and_say(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Path,
+                 cfg: cfgmod.ExperimentConfig, res: RunResult, results: list[RunResult],
+                 target: float, say: Callable[[str], None], n: int) -> None:
+    """One combination, its line, and the tables rewritten with it."""
+    say(f"[{combo.index + 1}/{n}] {combo.label} ...")
     try:
-        for combo, cfg, res in zip(combos, cfgs, results, strict=True):
-            say(f"[{combo.index + 1}/{len(combos)}] {combo.label} ...")
-            try:
-                _run_one(base_toml, combo, spec, sweep_dir, cfg, res)
-            except KeyboardInterrupt:
-                say(f"[{combo.index + 1}/{len(combos)}] interrupted: stopping the sweep")
-                raise
-            except OSError as e:
-                res.status, res.error = "failed", f"could not start: {e}"
-            finally:
-                write_tables(sweep_dir, spec, [r for r in results if r.status != "pending"],
-                             target)
-            say(f"[{combo.index + 1}/{len(combos)}] {combo.label}: {_brief(res)}")
+        _run_one(base_toml, combo, spec, sweep_dir, cfg, res)
     except KeyboardInterrupt:
-        pass
+        say(f"[{combo.index + 1}/{n}] interrupted: stopping the sweep")
+        raise
+    except OSError as e:
+        res.status, res.error = "failed", f"could not start: {e}"
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        write_tables(sweep_dir, spec, [r for r in results if r.status != "pending"], target)
+    say(f"[{combo.index + 1}/{n}] {combo.label}: {_brief(res)}")
+
+
+def _finish(sweep_dir: Path, spec: SweepSpec, results: list[RunResult], target: float,
+            say: Callable[[str], None], t_sweep: float, planned: int) -> list[RunResult]:
+    """The sweep's tables, comparison and report, from the runs that finished."""
     done = [r for r in results if r.status != "pending"]
     write_tables(sweep_dir, spec, done, target)
-    say(f"{sum(r.status == 'ok' for r in done)}/{len(combos)} runs ok in "
+    say(f"{sum(r.status == 'ok' for r in done)}/{planned} runs ok in "
         f"{time.monotonic() - t_sweep:.0f} s; {sweep_dir / 'sweep.md'}")
     compared = comparison(spec, done)
     if compared:
@@ -546,7 +571,7 @@ def run_sweep(spec: SweepSpec, out_root: Path, progress: bool = True
             say(f"warning: sweep report not written: {e}")
     hand_over(sweep_dir)
     say(f"sweep done in {time.monotonic() - t_sweep:.0f} s")
-    return sweep_dir, done
+    return done
 
 
 def _brief(res: RunResult) -> str:
@@ -561,10 +586,6 @@ def _brief(res: RunResult) -> str:
              f"{human_bytes(bpi)}/iter up" if bpi is not None else "",
              f"target at {tt:.1f} s" if tt is not None else "target not reached"]
     return ", ".join(p for p in parts if p)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def sweep_main(argv: Sequence[str]) -> int:
@@ -601,20 +622,25 @@ def sweep_main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        sweep_dir, done = run_sweep(spec, args.out, progress=not args.no_progress)
+        sweep_dir, done, signals = run_sweep(spec, args.out, progress=not args.no_progress)
     except cfgmod.ConfigError as e:
         print(f"gradbed sweep: {e}", file=sys.stderr)
         return 2
-    print(sweep_dir)
-    return sweep_status(done, len(expand(spec)))
+    try:
+        print(sweep_dir, flush=True)
+    except OSError:
+        pass  # the terminal closed (SIGHUP): the sweep directory is complete all the same
+    return sweep_status(done, len(expand(spec)), signals[0] if signals else signal.SIGINT)
 
 
-def sweep_status(done: Sequence[RunResult], planned: int) -> int:
-    """``gradbed sweep``'s exit status: 130 when it was stopped before its last run, else
-    the first failed run's own status (``controller.exit_status``), 1 for a run that
-    exited 0 yet fell short (fewer iterations than planned), 0 when every run completed."""
+def sweep_status(done: Sequence[RunResult], planned: int,
+                 signum: int = signal.SIGINT) -> int:
+    """``gradbed sweep``'s exit status: 128 + ``signum`` (the signal that stopped it) when
+    it was stopped before its last run, else the first failed run's own status
+    (``controller.exit_status``), 1 for a run that exited 0 yet fell short (fewer
+    iterations than planned), 0 when every run completed."""
     if len(done) < planned or any(r.status == "interrupted" for r in done):
-        return SIGNAL_BASE + int(signal.SIGINT)
+        return SIGNAL_BASE + int(signum)
     failed = [r.exit_status for r in done if r.exit_status]
     if failed and failed[0] is not None:
         return failed[0]

@@ -65,6 +65,10 @@ class RunConfig:
     eval_every: int = 5               # PS evaluates held-out accuracy every N iterations
     device: str = "auto"              # "auto" picks CUDA when present, else "cpu"
     timeout_s: float = 900.0          # hard limit for the whole run; the run stops cleanly
+    # An agent that sends no heartbeat on the control channel (every HEARTBEAT_S) for
+    # this long is declared lost (docs/robustness.md says what follows, per role); lower
+    # catches a hung agent sooner, but must outlast a loaded machine's longest pause.
+    stall_timeout_s: float = 10.0
     # What a lost agent does to the run: "continue" goes on without it (a worker: the
     # bottleneck re-shaped to B/(N-1)); "stop" ends the run (exit status 4). The old name
     # ``on_worker_death`` is still read, with a deprecation message.
@@ -86,6 +90,8 @@ class RunConfig:
         _check(self.device in ("auto", "cpu", "cuda"), f"{p}.device", self.device,
                "must be one of auto, cpu, cuda")
         _check(self.timeout_s > 0, f"{p}.timeout_s", self.timeout_s, "must be > 0")
+        _check(self.stall_timeout_s >= 3 * HEARTBEAT_S, f"{p}.stall_timeout_s",
+               self.stall_timeout_s, f"must be >= {3 * HEARTBEAT_S:g} s (three heartbeats)")
         _check(self.on_agent_death in ("continue", "stop"), f"{p}.on_agent_death",
                self.on_agent_death, "must be 'continue' or 'stop'")
         _check(0.0 <= self.target_accuracy <= 1.0, f"{p}.target_accuracy",
@@ -100,6 +106,11 @@ class RunConfig:
     def on_worker_death(self) -> str:
         """The old name of :attr:`on_agent_death`."""
         return self.on_agent_death
+
+
+#: How often every agent says it is alive on the control channel (agents.net.control);
+#: ``run.stall_timeout_s`` is counted in these.
+HEARTBEAT_S = 1.0
 
 
 #: A run's name becomes a folder's and a socket's name: short, and no character a file

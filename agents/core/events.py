@@ -156,6 +156,16 @@ _declare("worker_lost", "ps", "a worker's connection failed or sent garbage",
          worker="index", reason="why")
 _declare("frame_error", "ps", "a malformed or unauthenticated frame, or a failed socket call",
          peer="address:port", worker="index when known", error="the message")
+_declare("refused", "any agent that listens (agents.net.handshake.accept_forever)",
+         "connections refused at admission or in the handshake, aggregated: at most one "
+         "event per (source, reason) per guard.refusal_report_interval_s",
+         source="the peer's address (no port)", reason="why, in a few fixed words",
+         count="refusals since the last event of this (source, reason)",
+         example="the last refusal's full message")
+_declare("agent_lost", "controller", "an agent was declared lost: its process ended, or "
+         "it sent no heartbeat for run.stall_timeout_s",
+         host="the agent's host", role="its role", reason="why",
+         action="what follows: 'stop' ends the run, 'continue' goes on without it")
 _declare("grads_in", "ps", "the last chunk of an iteration's gradients is in from every "
          "active worker (the end of the upload window)", workers="active workers")
 _declare("eval", "ps, expert host 0", "held-out evaluation after an optimizer step",

@@ -31,7 +31,10 @@ every later frame carries a per-connection MAC (``agents.net.protocol``, ``agent
 the conversation's rules (handshake, chunk barrier, iteration order, BYE) are the
 sans-I/O state machines of ``agents.net.protocol``, and the code here only moves bytes.
 Accepting and the handshake (:mod:`agents.net.handshake`) run on threads, each under
-one absolute deadline; an authenticated connection is handed to the event loop.
+one absolute deadline and the admission limits of ``[guard]`` (per source address, in
+all, a slot kept for each worker's host: :mod:`agents.net.admission`); an authenticated
+connection is handed to the event loop. Refused connections are reported aggregated, one
+``refused`` event per source and reason per second with a count.
 Nothing is allocated for a peer before it has proved its key, and then no more than
 the message it may send weighs. A malformed frame or an insane gradient (non-finite,
 above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a
@@ -74,7 +77,8 @@ from agents.dp.aggregate import (
     weights_delta,
 )
 from agents.dp.downlink import REBALANCE_S, DownlinkPacer
-from agents.net import auth, codec, handshake, loop, protocol, wire
+from agents.net import admission, auth, codec, handshake, loop, protocol, wire
+from agents.net.admission import AdmissionLimits
 from agents.net.control import ControlClient, control_path
 from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
@@ -101,8 +105,12 @@ class _Conn(loop.Transport):
 
 class ParameterServer:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
-                 keys: auth.KeyBundle, *, host: str = "0.0.0.0", port: int = 5000) -> None:
+                 keys: auth.KeyBundle, *, host: str = "0.0.0.0", port: int = 5000,
+                 expected: tuple[str, ...] = ()) -> None:
+        """``expected``: the workers' source addresses, each with an admission slot of its
+        own while strangers flood (``agents.net.admission``)."""
         self.cfg = cfg
+        self.expected = expected
         self.run_dir = run_dir
         self.run_id = run_id
         if not keys.workers_root:
@@ -145,26 +153,23 @@ class ParameterServer:
 
     # -- connections: accepted and authenticated on threads, then served by the loop -----
 
-    def _report_accept(self, peer: str, error: str) -> None:
-        self.log.emit("frame_error", iter=self.iteration, peer=peer, error=error)
+    def _report_refused(self, r: admission.RefusalReport) -> None:
+        """Refused connections, aggregated per (source, reason) (``accept_forever``)."""
+        self.log.emit("refused", iter=self.iteration, source=r.source, reason=r.reason,
+                      count=r.count, example=r.example)
 
     def _handshake(self, sock: socket.socket, peer: str) -> None:
         """Challenge-response through the handshake driver, under the absolute deadline
-        ``guard.handshake_timeout_s``; WELCOME waits for admission (:meth:`_admit`)."""
+        ``guard.handshake_timeout_s``; WELCOME waits for admission (:meth:`_admit`). A
+        failure raises HandshakeError: ``accept_forever`` counts it and closes the socket."""
         workers = self.cfg.net.workers
         answerer = protocol.Answerer(
             self.run_id, "worker",
             lambda h: auth.worker_key(self.workers_root, h.worker) if h.worker < workers
             else None, accepts=f"0..{workers - 1}")
-        try:
-            session = handshake.answer(sock, answerer, run_tag=self.tag, name=peer,
-                                       welcome=None,
-                                       timeout_s=self.cfg.guard.handshake_timeout_s,
-                                       log=self.log)
-        except handshake.HandshakeError as e:
-            self.log.emit("frame_error", iter=self.iteration, peer=peer, error=e.why)
-            sock.close()
-            return
+        session = handshake.answer(sock, answerer, run_tag=self.tag, name=peer, welcome=None,
+                                   timeout_s=self.cfg.guard.handshake_timeout_s,
+                                   log=self.log, log_refusal=False)
         # Authenticated: from here the main thread's event loop serves the socket.
         sock.setblocking(False)
         self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
@@ -250,7 +255,9 @@ class ParameterServer:
     def serve(self) -> int:
         threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
                          args=(self.srv, self._handshake),
-                         kwargs=dict(stopped=self.done, report=self._report_accept)).start()
+                         kwargs=dict(stopped=self.done, report=self._report_refused,
+                                     limits=AdmissionLimits.from_guard(self.cfg.guard),
+                                     expected=self.expected)).start()
         self.ctl.send("ready", port=self.srv.getsockname()[1])
         self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
                       compressor=self.cfg.compress.name)
@@ -491,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--expect", action="append", default=[], metavar="ADDR",
+                    help="a worker's source address (repeatable): it keeps an admission "
+                         "slot of its own while strangers flood")
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
     keys = auth.read_bundle()  # from the controller, on our stdin: never a file
@@ -498,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_dir.name
     torch.set_num_threads(1)
     ps = ParameterServer(cfg, args.run_dir, run_id, keys, host=args.host,
-                         port=args.port or cfg.net.port)
+                         port=args.port or cfg.net.port, expected=tuple(args.expect))
     return wire.run_agent(ps.serve, name=lambda: "ps", errors=(TimeoutError,), code=3,
                           on_error=lambda e: ps.log.emit("ps_done", iter=ps.iteration, reason=e),
                           close=ps.log.close)

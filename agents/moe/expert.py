@@ -37,6 +37,8 @@ from agents.moe.mesh import Mesh, file_keys, mesh_keys
 from agents.moe.model import load_data
 from agents.moe.zero import ParamClass, class_bytes
 from agents.net import auth, codec, wire
+from agents.net.admission import AdmissionLimits
+from agents.net.control import liveness_client
 
 
 def parse_addrs(text: str, hosts: int) -> list[tuple[str, int]]:
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                      else mesh_keys(bundle, args.host, m.hosts))
     except KeyError as e:
         raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
+    # Heartbeats on the control channel: a hung host is declared lost by the controller.
+    liveness_client(args.run_dir, bundle, timeout_s=cfg.guard.handshake_timeout_s)
     log = EventLog.for_node(args.run_dir, args.run_dir.name, f"e{args.host}")
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
@@ -117,7 +121,8 @@ def _train(cfg: cfgmod.ExperimentConfig, args: argparse.Namespace,
     del probe
     with Mesh(args.host, addrs, codec.run_tag(run_id, secret), run_id=run_id,
               keys=link_keys, crc=m.crc, max_payload_bytes=limit,
-              handshake_timeout_s=cfg.guard.handshake_timeout_s, log=log) as mesh:
+              handshake_timeout_s=cfg.guard.handshake_timeout_s,
+              limits=AdmissionLimits.from_guard(cfg.guard), log=log) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed, train=cfg.workload)
         log.emit("moe_start", hosts=m.hosts, experts=m.experts, owned=host.mine,
                  expert_numel=host.opt.expert_numel,

@@ -22,6 +22,7 @@ them to the formulas in :mod:`agents.moe.zero` and :mod:`agents.moe.hosts`.
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -30,9 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from agents.core.guard_config import GuardConfig
 from agents.moe.exchange import Expect, check_header
-from agents.net import auth, handshake, link, protocol, wire
-from agents.net.codec import DType, FrameError, MsgType
+from agents.net import admission, auth, handshake, link, protocol, wire
+from agents.net.admission import AdmissionLimits
+from agents.net.codec import DType, MsgType
 
 
 def mesh_links(host: int, hosts: int) -> list[auth.Link]:
@@ -70,10 +73,12 @@ class Mesh:
                  run_id: str, keys: Mapping[int, bytes], crc: bool = True,
                  max_payload_bytes: int = 1 << 30, timeout_s: float = 60.0,
                  handshake_timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
+                 limits: AdmissionLimits | None = None,
                  log: handshake.EventSink | None = None) -> None:
         """``keys[j]``: the key of the link to host j (:func:`agents.net.auth.pair_key`), for
         every other host. ``timeout_s``: for every host to be reached;
-        ``handshake_timeout_s``: for each connection's handshake; ``log``: where the
+        ``handshake_timeout_s``: for each connection's handshake; ``limits``: the
+        admission limits of its listener (``[guard]``'s defaults when None); ``log``: where the
         handshakes are reported (the host's event log)."""
         if not 0 <= me < len(addrs):
             raise ValueError(f"host index {me} not in [0, {len(addrs)})")
@@ -90,6 +95,8 @@ class Mesh:
         self.max_payload_bytes = max_payload_bytes
         self.timeout_s = timeout_s
         self.handshake_timeout_s = handshake_timeout_s
+        self.limits = limits or AdmissionLimits.from_guard(GuardConfig())
+        self.answered: set[int] = set()  # hosts whose handshake this end answered
         self.log = log
         self.socks: dict[int, socket.socket] = {}
         self.links: dict[int, link.Link] = {}
@@ -98,8 +105,6 @@ class Mesh:
         self.received: dict[int, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._listener: socket.socket | None = None
-        self._joined = threading.Condition()  # a link registered (either end)
-        self._all_in = threading.Event()  # every peer connected: accept no more
 
     @property
     def peers(self) -> list[int]:
@@ -110,59 +115,58 @@ class Mesh:
     # -- connecting ----------------------------------------------------------------------
 
     def open(self) -> Mesh:
-        """Dial every host below this one and answer every host above it (the one
-        handshake driver's ``accept_forever``), within ``timeout_s``."""
+        """Dial every host below this one and take the handshakes of every host above it.
+        Those handshakes run on threads under the admission limits
+        (``agents.net.handshake.accept_forever``), so a stranger trickling its hello holds
+        one slot, not the real hosts' way in; refusals are reported aggregated."""
         host, port = self.addrs[self.me]
         ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         ls.bind((host, port))
-        ls.listen(self.hosts)
+        ls.listen(max(16, self.hosts))
         self._listener = ls
-        threading.Thread(target=handshake.accept_forever, args=(ls, self._answer),
-                         kwargs=dict(stopped=self._all_in, report=self._accept_failed),
-                         daemon=True, name=f"accept{self.me}").start()
+        joined: queue.SimpleQueue[link.Link] = queue.SimpleQueue()
+        stopped = threading.Event()
+        threading.Thread(target=handshake.accept_forever, name=f"mesh{self.me}-accept",
+                         daemon=True, args=(ls, lambda conn, _: joined.put(self._accept(conn))),
+                         kwargs=dict(stopped=stopped, report=self._refused,
+                                     limits=self.limits)).start()
         try:
             for j in range(self.me):
                 self._connect(j)
-            self._wait_for_all()
-        except BaseException:
-            self.close()  # __exit__ does not run when __enter__ raises
-            raise
-        self._all_in.set()
+            deadline = time.monotonic() + self.timeout_s
+            while len(self.socks) < self.hosts - 1:
+                try:
+                    lk = joined.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    missing = sorted(set(range(self.hosts)) - set(self.socks) - {self.me})
+                    raise TimeoutError(f"expert host {self.me}: hosts {missing} did not "
+                                       f"connect within {self.timeout_s} s") from None
+                if lk.peer in self.socks:  # two handshakes for one host raced
+                    lk.sock.close()
+                    continue
+                self._register(lk)
+        finally:
+            stopped.set()  # the mesh is complete: nobody else may join
         self._pool = ThreadPoolExecutor(max_workers=2 * max(1, self.hosts - 1),
                                         thread_name_prefix=f"mesh{self.me}")
         return self
 
-    def _wait_for_all(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        with self._joined:
-            while len(self.socks) < self.hosts - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(self.hosts)) - set(self.socks) - {self.me})
-                    raise TimeoutError(f"expert host {self.me}: hosts {missing} did not "
-                                       f"connect within {self.timeout_s} s")
-                self._joined.wait(left)
-
-    def _refused(self, why: str) -> None:
-        # A stranger or a broken peer: said once; the real hosts may still come.
-        print(f"expert host {self.me}: refused a connection: {why}", flush=True)
-
-    def _accept_failed(self, peer: str, why: str) -> None:
-        print(f"expert host {self.me}: {peer}: {why}", flush=True)
+    def _refused(self, r: admission.RefusalReport) -> None:
+        print(f"expert host {self.me}: refused {r.count} connection(s) from {r.source} "
+              f"({r.reason}): {r.example}", flush=True)
+        if self.log is not None:
+            self.log.emit("refused", source=r.source, reason=r.reason, count=r.count,
+                          example=r.example)
 
     def _register(self, lk: link.Link) -> None:
         s = lk.sock
         s.settimeout(None)
         wire.set_socket_options(s, nodelay=True)
-        with self._joined:
-            if lk.peer in self.links:
-                raise FrameError(f"{lk.name}: expert host {lk.peer} is connected already")
-            self.socks[lk.peer] = s
-            self.links[lk.peer] = lk
-            self.readers[lk.peer] = lk.reader(self.max_payload_bytes)
-            self.sent[lk.peer] = self.received[lk.peer] = 0
-            self._joined.notify_all()
+        self.socks[lk.peer] = s
+        self.links[lk.peer] = lk
+        self.readers[lk.peer] = lk.reader(self.max_payload_bytes)
+        self.sent[lk.peer] = self.received[lk.peer] = 0
 
     def _connect(self, j: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -186,24 +190,21 @@ class Mesh:
             s.close()
             raise
 
-    def _answer(self, conn: socket.socket, peer: str) -> None:
-        """One connection to this host's listening socket (on its own thread): only the
-        hosts above this one dial it, each once."""
-        name = f"expert host {self.me} <- {peer}"
-        with self._joined:
-            waiting = {j: k for j, k in self.keys.items()
-                       if j > self.me and j not in self.socks}
+    def _accept(self, conn: socket.socket) -> link.Link:
+        """The handshake of a connection a host above this one opened (on an accept
+        thread); raises HandshakeError for anyone else."""
+        name = f"expert host {self.me} <- {wire.peer_name(conn)}"
+        # Only hosts above us dial us, each once.
+        waiting = {j: k for j, k in self.keys.items() if j > self.me and j not in self.answered}
         answerer = protocol.Answerer(self.run_id, "expert", protocol.keys_by_index(waiting),
                                      accepts=f"expert hosts {sorted(waiting)}")
-        try:
-            session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
-                                       welcome=("expert", self.me),
-                                       timeout_s=self.handshake_timeout_s, log=self.log)
-            self._register(link.Link.answered(conn, session, name=name,
-                                              run_tag=self.run_tag))
-        except (FrameError, OSError) as e:
-            self._refused(str(e))
-            conn.close()
+        session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
+                                   welcome=("expert", self.me),
+                                   timeout_s=self.handshake_timeout_s, log=self.log,
+                                   log_refusal=False)
+        lk = link.Link.answered(conn, session, name=name, run_tag=self.run_tag)
+        self.answered.add(lk.peer)  # set.add is atomic: a second try for it is refused
+        return lk
 
     def close(self) -> None:
         if self._pool is not None:
@@ -216,10 +217,6 @@ class Mesh:
                 pass
         self.socks.clear()
         if self._listener is not None:
-            try:  # wakes the accepting thread (a plain close leaves it in accept())
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._listener.close()
             self._listener = None
 

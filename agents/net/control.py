@@ -4,8 +4,10 @@ Mininet hosts share the file system but not the network, so a Unix socket at
 ``RUN_DIR/control.sock`` reaches the controller from every host without a byte
 crossing the emulated links: control traffic never disturbs what is measured.
 
-Agents send reports (``{"type": "iter_done", ...}``); the controller may send
-commands back on the same connection (``{"type": "pace", "rate_bps": ...}``).
+Agents send reports (``{"type": "iter_done", ...}``), and every agent a heartbeat
+(``{"type": "heartbeat"}`` every ``HEARTBEAT_S``) from a thread of its own, so that the
+controller tells a hung agent from a slow one without looking at the data path; the
+controller may send commands back on the same connection (``{"type": "pace", ...}``).
 A controller that is absent (an agent started by hand, or in a test) is not an
 error: the client then drops reports and receives no commands.
 
@@ -25,10 +27,12 @@ import os
 import queue
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from agents.net import codec, handshake, protocol
+from agents.core.config import HEARTBEAT_S
+from agents.net import auth, codec, handshake, protocol
 
 # sun_path holds 108 bytes; keep a margin for the NUL and relative-path surprises.
 MAX_SOCKET_PATH = 100
@@ -89,7 +93,12 @@ class ControlClient:
 
     def __init__(self, path: str | os.PathLike[str] | None, node: str, key: bytes, *,
                  timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
-                 log: handshake.EventSink | None = None) -> None:
+                 log: handshake.EventSink | None = None,
+                 heartbeat_s: float | None = HEARTBEAT_S) -> None:
+        """``heartbeat_s``: how often a thread of its own says ``heartbeat`` (None: never).
+        It is a thread, not the agent's main loop, so an agent blocked on its data path
+        (a zero-rate stretch of a trace) is alive, and one that is stopped (SIGSTOP) or
+        gone is not: the controller declares it lost after ``run.stall_timeout_s``."""
         self.node = node
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self._sock: socket.socket | None = None
@@ -108,6 +117,9 @@ class ControlClient:
             s.settimeout(None)
             self._sock = s
             threading.Thread(target=self._reader, name="control-reader", daemon=True).start()
+            if heartbeat_s:
+                threading.Thread(target=self._beat, args=(heartbeat_s,), daemon=True,
+                                 name="control-heartbeat").start()
 
     @property
     def connected(self) -> bool:
@@ -122,6 +134,11 @@ class ControlClient:
                 self._sock.sendall(msg.encode())
             except OSError:
                 self._sock = None  # controller gone: keep running, stop reporting
+
+    def _beat(self, every_s: float) -> None:
+        while self._sock is not None:
+            self.send("heartbeat")
+            time.sleep(every_s)
 
     def poll(self) -> list[dict[str, Any]]:
         """All commands received since the last poll, oldest first (non-blocking)."""
@@ -153,3 +170,15 @@ class ControlClient:
                 self._sock.close()
             finally:
                 self._sock = None
+
+
+def liveness_client(run_dir: str | os.PathLike[str], keys: auth.KeyBundle | None, *,
+                    timeout_s: float = handshake.DEFAULT_TIMEOUT_S,
+                    log: handshake.EventSink | None = None) -> ControlClient | None:
+    """The control connection of an agent that reports nothing but that it is alive (a
+    pipeline stage, the pipeline's PS, an expert host): its heartbeats. None when it was
+    started without a controller's key bundle (``--auth file``: by hand, or a test)."""
+    if keys is None:
+        return None
+    return ControlClient(control_path(run_dir), keys.node, keys.key, timeout_s=timeout_s,
+                         log=log)

@@ -16,6 +16,13 @@ limits that hold whoever the peer is:
   (:data:`MAX_UNAUTHENTICATED_BYTES`, over the whole handshake, headers included; each
   frame is also held to what its state allows, a hello or a proof).
 
+A listening socket accepts through :func:`accept_forever`: a handshake thread per
+connection, but only for connections that the admission limits of ``[guard]`` let in (per
+source address, in all, new ones a second, a slot kept for each expected agent:
+:mod:`agents.net.admission`); refusals are reported aggregated, one report per (source,
+reason) per interval with a count, so a flood neither holds the real peers out nor fills
+the disk with events.
+
 A dialer that must wait for admission after proving itself (a data-parallel worker waits
 for an iteration boundary) passes ``welcome_timeout_s`` for that last wait.
 
@@ -30,19 +37,16 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
-from agents.net import codec, protocol, wire
+from agents.net import admission, codec, protocol, wire
 from agents.net.codec import FrameError, MsgType
 
 #: The whole handshake's deadline unless the caller passes another (guard.handshake_timeout_s).
 DEFAULT_TIMEOUT_S = 5.0
 #: What a peer that has not proved its key may make this end read, all frames together.
 MAX_UNAUTHENTICATED_BYTES = 64 * 1024
-#: Handshakes under way at once at one listening socket; beyond, a new connection is
-#: closed at once (reported).
-MAX_HANDSHAKES = 1024
 #: accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
 ACCEPT_BACKOFF_S = (0.01, 1.0)
 #: How long a refusal (an ERROR frame) may take to write: a peer that does not read
@@ -102,13 +106,14 @@ def dial(sock: socket.socket, dialer: protocol.Dialer, *, run_tag: int, name: st
 
 def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, name: str,
            welcome: tuple[str, int] | None, timeout_s: float = DEFAULT_TIMEOUT_S,
-           log: EventSink | None = None) -> protocol.Session:
+           log: EventSink | None = None, log_refusal: bool = True) -> protocol.Session:
     """Authenticate a connection this end accepted. ``welcome``: this end's ``(role,
     index)``, said in a WELCOME sealed under the session (which proves we hold the key
     too); None when the caller welcomes later itself (the PS admits a worker at an
     iteration boundary, with the weights). On any failure an ERROR frame tells the peer
     why, and HandshakeError names the connection; the caller closes the socket. The
-    socket's timeout is restored."""
+    socket's timeout is restored. ``log_refusal=False``: a failure is not reported to
+    ``log`` (under :func:`accept_forever`, which reports refusals aggregated)."""
     start_s = time.monotonic()
     deadline_s = start_s + timeout_s
     reader = _reader(sock, run_tag, name)
@@ -126,7 +131,8 @@ def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, na
                   me, 0, name, mac=session.down)
     except (FrameError, OSError) as e:
         why = _why(e)
-        _report(log, "answer", name, _claimed(answerer.hello), start_s, why)
+        _report(log if log_refusal else None, "answer", name, _claimed(answerer.hello),
+                start_s, why)
         _refuse(sock, run_tag, why)
         who = (f"{answerer.hello.role} {answerer.hello.node or answerer.hello.worker}"
                if answerer.hello is not None else "an unknown peer")
@@ -193,43 +199,109 @@ def _refuse(sock: socket.socket, run_tag: int, why: str) -> None:
         pass
 
 
-def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
-                   *, stopped: threading.Event, report: Callable[[str, str], None],
-                   max_at_once: int = MAX_HANDSHAKES) -> None:
-    """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
-    ``on_connection(sock, "addr:port")`` (the answering handshake, then handing the
-    connection over) on a thread of its own, at most ``max_at_once`` at a time; a
-    connection beyond that is closed at once. An accept error that passes (EMFILE,
-    ENFILE, ENOBUFS, ENOMEM, a peer that reset before accept) is reported through
-    ``report(peer, error)`` and retried after a growing pause."""
-    slots = threading.BoundedSemaphore(max_at_once)
+def ip_source(sock: socket.socket, addr: Any) -> str:
+    """A TCP peer's source for admission: its address without the port."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else wire.peer_name(sock)
 
-    def run(sock: socket.socket, peer: str) -> None:
+
+def reason_class(why: str) -> str:
+    """The reason a refused handshake is counted under: a few fixed words, so that a
+    peer cannot make every refusal a new (source, reason) pair by varying what it sends."""
+    return "handshake timed out" if why == "handshake timed out" else "handshake failed"
+
+
+class _Gate:
+    """:class:`agents.net.admission.Admission` and :class:`~agents.net.admission.RefusalLog`
+    under one lock, for the accepting thread and the handshake threads together."""
+
+    def __init__(self, limits: admission.AdmissionLimits, expected: Collection[str],
+                 report: Callable[[admission.RefusalReport], None]) -> None:
+        self.admission = admission.Admission(limits, expected)
+        self.refusals = admission.RefusalLog(limits.report_interval_s)
+        self.report = report
+        self.lock = threading.Lock()
+
+    def admit(self, source: str) -> admission.Ticket | str:
+        with self.lock:
+            return self.admission.admit(source, time.monotonic())
+
+    def release(self, ticket: admission.Ticket) -> None:
+        with self.lock:
+            self.admission.release(ticket)
+
+    def refused(self, source: str, reason: str, example: str) -> None:
+        with self.lock:
+            due = self.refusals.note(source, reason, example, time.monotonic())
+        for r in due:
+            self.report(r)
+
+    def flush(self, everything: bool = False) -> None:
+        with self.lock:
+            due = self.refusals.due(time.monotonic(), everything=everything)
+        for r in due:
+            self.report(r)
+
+
+def accept_forever(srv: socket.socket, on_connection: Callable[[socket.socket, str], None],
+                   *, stopped: threading.Event,
+                   report: Callable[[admission.RefusalReport], None],
+                   limits: admission.AdmissionLimits,
+                   expected: Collection[str] = (),
+                   source: Callable[[socket.socket, Any], str] = ip_source) -> None:
+    """Accept on ``srv`` until ``stopped`` is set or ``srv`` is closed, and run
+    ``on_connection(sock, peer)`` (the answering handshake, then handing the connection
+    over; on HandshakeError the socket is closed here) on a thread of its own for each
+    connection that :class:`agents.net.admission.Admission` admits (``expected``: the
+    sources of the agents this end waits for, each with a slot of its own); any other is
+    closed unread.
+
+    Refusals (a connection not admitted, or an ``on_connection`` that raised
+    HandshakeError) go to ``report`` aggregated (:class:`agents.net.admission.RefusalLog`),
+    at most one report per (source, reason) per ``limits.report_interval_s``, from
+    whichever thread notes one; pending counts are reported when the interval passes and
+    when accepting ends. An accept error that passes (EMFILE, ENFILE, ENOBUFS, ENOMEM, a
+    peer that reset before accept) is counted the same way, and retried after a growing
+    pause."""
+    gate = _Gate(limits, expected, report)
+
+    def run(sock: socket.socket, peer: str, ticket: admission.Ticket) -> None:
         try:
             on_connection(sock, peer)
+        except HandshakeError as e:
+            gate.refused(ticket.source, reason_class(e.why), str(e))
+            sock.close()  # after the report: a peer that sees EOF finds it written
         finally:
-            slots.release()
+            gate.release(ticket)
 
+    srv.settimeout(limits.report_interval_s)  # wakes to report what a quiet flood left
     pause = ACCEPT_BACKOFF_S[0]
-    while not stopped.is_set():
-        try:
-            sock, addr = srv.accept()
-        except OSError as e:
-            if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
-                return  # our own socket was closed: the run is over
-            report("accept", f"accept failed ({e}); retrying in {pause:.2f} s")
-            time.sleep(pause)
-            pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
-            continue
-        pause = ACCEPT_BACKOFF_S[0]
-        peer = f"{addr[0]}:{addr[1]}"
-        if not slots.acquire(blocking=False):
-            report(peer, f"{max_at_once} handshakes under way: closed")
-            sock.close()
-            continue
-        try:
-            threading.Thread(target=run, args=(sock, peer), daemon=True).start()
-        except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
-            slots.release()
-            sock.close()
-            report("accept", f"cannot start a handshake thread: {e}")
+    try:
+        while not stopped.is_set():
+            try:
+                sock, addr = srv.accept()
+            except TimeoutError:
+                gate.flush()
+                continue
+            except OSError as e:
+                if stopped.is_set() or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # our own socket was closed: the run is over
+                gate.refused("accept", "accept failed", f"{e}; retrying in {pause:.2f} s")
+                time.sleep(pause)
+                pause = min(pause * 2, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            src = source(sock, addr)
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else src
+            ticket = gate.admit(src)
+            if isinstance(ticket, str):
+                sock.close()
+                gate.refused(src, ticket, f"{peer}: not admitted: {ticket}")
+                continue
+            try:
+                threading.Thread(target=run, args=(sock, peer, ticket), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: like EMFILE, it passes
+                gate.release(ticket)
+                sock.close()
+                gate.refused(src, "no handshake thread", str(e))
+    finally:
+        gate.flush(everything=True)

@@ -37,7 +37,8 @@ from agents.core import config as cfgmod
 from agents.core.events import now_ns
 from agents.core.nodes import PS_NODE, stage_node
 from agents.core.schedules import Action, Kind, Schedule
-from agents.net import auth, codec, handshake, link, protocol, wire
+from agents.net import admission, auth, codec, handshake, link, protocol, wire
+from agents.net.admission import AdmissionLimits
 from agents.net.pacing import set_max_pacing_rate
 from agents.pipeline import conversation
 from agents.pipeline.common import (
@@ -254,8 +255,9 @@ class StageLinks:
         return link.Link.dialed(sock, session, peer=peer, name=name, run_tag=self.tag)
 
     def _start_accepting(self, up: int) -> queue.Queue[link.Link]:
-        """Answer connections (``handshake.accept_forever``) until the upstream stage has
-        proved itself; its link arrives on the returned queue. Anyone else is refused."""
+        """Answer connections (``handshake.accept_forever``, under the admission limits of
+        ``[guard]``) until the upstream stage has proved itself; its link arrives on the
+        returned queue. Anyone else is refused."""
         got: queue.Queue[link.Link] = queue.Queue()
         done = threading.Event()
         keys = {self._rank(up): self._link_key(up)}
@@ -265,31 +267,30 @@ class StageLinks:
             name = f"stage {self.node} <- {peer}"
             answerer = protocol.Answerer(self.run_id, "stage", protocol.keys_by_index(keys),
                                          accepts=f"stages {sorted(keys)}")
-            try:
-                session = handshake.answer(
-                    sock, answerer, run_tag=self.tag, name=name,
-                    welcome=("stage", self._rank(self.s)),
-                    timeout_s=self.cfg.guard.handshake_timeout_s, log=self.log)
-                with lock:  # only the neighbour holds the key; it is let in once
-                    if done.is_set():
-                        raise handshake.HandshakeError(f"{name}: already connected",
-                                                       "already connected")
-                    done.set()
-            except handshake.HandshakeError as e:
-                self._refused(peer, str(e))
-                sock.close()
-                return
+            session = handshake.answer(
+                sock, answerer, run_tag=self.tag, name=name,
+                welcome=("stage", self._rank(self.s)),
+                timeout_s=self.cfg.guard.handshake_timeout_s, log=self.log)
+            with lock:  # only the neighbour holds the key; it is let in once
+                if done.is_set():
+                    raise handshake.HandshakeError(f"{name}: already connected",
+                                                   "already connected")
+                done.set()
             got.put(link.Link.answered(sock, session, name=name, run_tag=self.tag))
 
         threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
                          args=(self.srv, on_connection),
-                         kwargs=dict(stopped=done, report=self._refused)).start()
+                         kwargs=dict(stopped=done, report=self._refused,
+                                     limits=AdmissionLimits.from_guard(self.cfg.guard))
+                         ).start()
         return got
 
-    def _refused(self, peer: str, why: str) -> None:
-        """A stranger, or a stage claiming to be another: said once, then ignored."""
-        self.log.emit("frame_error", peer=peer, error=why)
-        print(f"{self.node}: {why}", file=sys.stderr, flush=True)
+    def _refused(self, r: admission.RefusalReport) -> None:
+        """Strangers, or a stage claiming to be another (aggregated by the driver)."""
+        self.log.emit("refused", source=r.source, reason=r.reason, count=r.count,
+                      example=r.example)
+        self.log.emit("frame_error", peer=r.source, error=r.example)
+        print(f"{self.node}: {r.example}", file=sys.stderr, flush=True)
 
     def connect(self) -> None:
         """Dial the downstream neighbour, answer the upstream one, and start each link's

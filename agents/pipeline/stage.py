@@ -54,6 +54,7 @@ from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.core.nodes import stage_links, stage_node
 from agents.net import auth, codec, wire
+from agents.net.control import liveness_client
 from agents.pipeline.common import LockedLog, StageError, build_schedule
 from agents.pipeline.compute import StageCompute
 from agents.pipeline.links import StageLinks
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     # With --auth stdin the bundle holds this agent's control key and the key of each link
     # it is an end of (agents.net.link), which only the link's two ends hold.
     keys, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
+    # Heartbeats on the control channel: a hung agent is declared lost by the controller.
+    liveness_client(args.run_dir, keys, timeout_s=cfg.guard.handshake_timeout_s)
     torch.set_num_threads(1)
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,

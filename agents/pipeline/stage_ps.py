@@ -7,11 +7,10 @@ role places it on the fabric's host ``p * d``). Every stage ``s`` of every repli
 dials it and says HELLO as stage ``r * p + s``.
 
 What each connection carries is fixed by the stage's schedule, so the PS knows the one
-message that may come next on each (:func:`agents.pipeline.conversation.to_stage_ps`): for
-every optimizer action (step ``k``, chunk ``c``) of stage ``s``'s schedule, with ``d > 1``,
-a ``GRAD`` holding that chunk's slice gradient; after step ``k``'s last optimizer action,
-from replica 0 and at an evaluated step (:func:`agents.pipeline.common.is_eval_step`), one
-``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
+message that may come next on each: for every optimizer action (step ``k``, chunk ``c``) of
+stage ``s``'s schedule, with ``d > 1``, a ``GRAD`` holding that chunk's slice gradient;
+after step ``k``'s last optimizer action, from replica 0 and at an evaluated step
+(:func:`agents.pipeline.common.is_eval_step`), one ``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
 out of that order, of the wrong size, or a gradient failing the PS's checks
 (:func:`agents.compress.checks.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
 run with a ``frame_error`` naming the peer, and the PS closes every connection, so no stage
@@ -52,7 +51,9 @@ from agents.compress.checks import check_gradient
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
-from agents.net import auth, codec, handshake, link, loop, protocol, wire
+from agents.net import admission, auth, codec, handshake, link, loop, protocol, wire
+from agents.net.admission import AdmissionLimits
+from agents.net.control import liveness_client
 from agents.pipeline import conversation
 from agents.pipeline.common import CONNECT_TIMEOUT_S, LockedLog, build_schedule, ps_index
 from agents.pipeline.partition import balance_by_params, split
@@ -114,6 +115,7 @@ class StagePS:
         self.workload.prepare(self.model, -1, cfg.run.seed)
         self.max_payload_bytes = max(f.numel for f in self.pieces) * 4
         self.conns: dict[tuple[int, int], _StageConn] = {}
+        self.joined: set[tuple[int, int]] = set()  # (replica, stage) authenticated
         self.loop = loop.EventLoop(self)
         self.open_conns = 0  # connections that have not said BYE
         self.grads: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
@@ -133,43 +135,70 @@ class StagePS:
     # -- connections -----------------------------------------------------------------------
 
     def accept(self) -> None:
-        """Every stage of every replica, each once, within ``CONNECT_TIMEOUT_S``."""
+        """Every stage of every replica, each once, within ``CONNECT_TIMEOUT_S``. The
+        handshakes run on threads under the admission limits of ``[guard]``
+        (``agents.net.handshake.accept_forever``), so a stranger that trickles its hello
+        holds one slot, not the stages' way in."""
+        joined: queue.SimpleQueue[link.Link] = queue.SimpleQueue()
+        stopped = threading.Event()
+        limits = AdmissionLimits.from_guard(self.cfg.guard)
+        acceptor = threading.Thread(
+            target=handshake.accept_forever, name="accept", daemon=True,
+            args=(self.srv, lambda sock, peer: joined.put(self._handshake(sock, peer))),
+            kwargs=dict(stopped=stopped, report=self._report_refused, limits=limits))
+        acceptor.start()
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while len(self.conns) < self.p * self.d:
-            self.srv.settimeout(max(0.001, deadline - time.monotonic()))
-            try:
-                sock, addr = self.srv.accept()
-            except TimeoutError:
-                missing = sorted(f"r{r}s{s}" for r in range(self.d) for s in range(self.p)
-                                 if (r, s) not in self.conns)
-                raise StagePSError(f"ps: stages {', '.join(missing)} never connected "
-                                   f"within {CONNECT_TIMEOUT_S:g} s") from None
-            peer = f"{addr[0]}:{addr[1]}"
-            # Challenge-response under the key this PS shares with that stage only: a
-            # stage cannot pass for another, nor can anyone else, and each comes once.
-            waiting = {i: k for i, k in self.link_keys.items()
-                       if divmod(i, self.p) not in self.conns}
-            answerer = protocol.Answerer(self.run_id, "stage", protocol.keys_by_index(waiting),
-                                         accepts=f"stages {sorted(waiting)}")
-            name = f"ps <- {peer}"
-            try:
-                session = handshake.answer(sock, answerer, run_tag=self.tag, name=name,
-                                           welcome=("stage", ps_index(self.p, self.d)),
-                                           timeout_s=self.cfg.guard.handshake_timeout_s,
-                                           log=self.log)
-            except (OSError, codec.FrameError) as e:
-                self.log.emit("frame_error", peer=peer, error=str(e))
-                sock.close()
-                continue  # a stranger: the stages may still come
-            sock.settimeout(None)
-            lk = link.Link.answered(sock, session, name=name, run_tag=self.tag)
-            r, s = divmod(lk.peer, self.p)
-            lk.name = f"{conn_name(r, s)} ({peer})"
-            script = conversation.to_stage_ps(self.schedule, s, r, self.d, self.cfg.run)
-            conn = _StageConn(r, s, lk, conversation.Conversation(script, lk.name))
-            self.conns[(r, s)] = conn
-            self.loop.serve(conn, wire.MessageReceiver(sock, peer=lk.name, mac=lk.recv_mac,
-                                                       max_payload_bytes=self.max_payload_bytes))
+        try:
+            while len(self.conns) < self.p * self.d:
+                try:
+                    lk = joined.get(timeout=max(0.001, deadline - time.monotonic()))
+                except queue.Empty:
+                    missing = sorted(f"r{r}s{s}" for r in range(self.d) for s in range(self.p)
+                                     if (r, s) not in self.conns)
+                    raise StagePSError(f"ps: stages {', '.join(missing)} never connected "
+                                       f"within {CONNECT_TIMEOUT_S:g} s") from None
+                self._add(lk)
+        finally:
+            stopped.set()
+        # Once every stage is in, nothing else may connect, and the run's threads are the
+        # same however many stages there are: the acceptor ends within its interval.
+        acceptor.join(2 * limits.report_interval_s)
+
+    def _report_refused(self, r: admission.RefusalReport) -> None:
+        self.log.emit("refused", source=r.source, reason=r.reason, count=r.count,
+                      example=r.example)
+
+    def _handshake(self, sock: socket.socket, peer: str) -> link.Link:
+        """Challenge-response under the key this PS shares with that stage only: a stage
+        cannot pass for another, nor can anyone else (on an accept thread)."""
+        waiting = {i: k for i, k in self.link_keys.items()
+                   if divmod(i, self.p) not in self.joined}
+        answerer = protocol.Answerer(self.run_id, "stage", protocol.keys_by_index(waiting),
+                                     accepts=f"stages {sorted(waiting)}")
+        name = f"ps <- {peer}"
+        session = handshake.answer(sock, answerer, run_tag=self.tag, name=name,
+                                   welcome=("stage", ps_index(self.p, self.d)),
+                                   timeout_s=self.cfg.guard.handshake_timeout_s,
+                                   log=self.log, log_refusal=False)
+        sock.settimeout(None)
+        lk = link.Link.answered(sock, session, name=name, run_tag=self.tag)
+        r, s = divmod(lk.peer, self.p)
+        self.joined.add((r, s))  # set.add is atomic: a second try for it is refused
+        lk.name = f"{conn_name(r, s)} ({peer})"
+        return lk
+
+    def _add(self, lk: link.Link) -> None:
+        """An authenticated stage's link, served by the event loop from here."""
+        r, s = divmod(lk.peer, self.p)
+        if (r, s) in self.conns:  # two handshakes for one stage raced: the first holds
+            self.log.emit("frame_error", peer=lk.name, error="a second connection refused")
+            lk.sock.close()
+            return
+        script = conversation.to_stage_ps(self.schedule, s, r, self.d, self.cfg.run)
+        conn = _StageConn(r, s, lk, conversation.Conversation(script, lk.name))
+        self.conns[(r, s)] = conn
+        self.loop.serve(conn, wire.MessageReceiver(lk.sock, peer=lk.name, mac=lk.recv_mac,
+                                                   max_payload_bytes=self.max_payload_bytes))
 
     def data_received(self, conn: _StageConn, messages: list[wire.Message]) -> None:
         """A stage's complete messages (the loop's handler); nothing is read after BYE."""
@@ -330,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     # With --auth stdin the bundle holds this agent's control key and the key of each link
     # it is an end of (agents.net.link), which only the link's two ends hold.
     keys, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
+    # Heartbeats on the control channel: a hung agent is declared lost by the controller.
+    liveness_client(args.run_dir, keys, timeout_s=cfg.guard.handshake_timeout_s)
     torch.set_num_threads(1)
     ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
                  keys=keys)

@@ -70,9 +70,10 @@ def _start(run_dir: Path, node: str, argv: list[str]) -> Agent:
     return p
 
 
-def start_ps(run_dir: Path) -> Agent:
+def start_ps(run_dir: Path, expect: tuple[str, ...] = ()) -> Agent:
+    """``expect``: the workers' source addresses (an admission slot each, ``--expect``)."""
     p = _start(run_dir, "ps", ["-m", "agents.dp.ps", "--run-dir", str(run_dir),
-                               "--host", "127.0.0.1"])
+                               "--host", "127.0.0.1", *[a for e in expect for a in ("--expect", e)]])
     time.sleep(0.05)
     return p
 

@@ -5,6 +5,7 @@ what it did about it.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -204,14 +205,92 @@ def huge_header(port: int, run_dir: Path, *, authenticated_as: int | None = None
         s.close()
 
 
-def slow_connections(port: int, n: int) -> list[socket.socket]:
-    """``n`` connections that send 10 bytes of a header and then nothing."""
+def slow_connections(port: int, n: int, source: str = "127.0.0.2") -> list[socket.socket]:
+    """``n`` connections from ``source`` (a background host: loopback answers on all of
+    127/8, so a stranger need not share the real workers' 127.0.0.1) that send 10 bytes
+    of a header and then nothing."""
     socks = []
     for _ in range(n):
-        s = connect(port)
-        s.sendall(b"GBED\x01\x00\x01\x00\x00\x00")
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((source, 0))
+        s.settimeout(30)
+        s.connect(("127.0.0.1", port))
+        try:
+            s.sendall(b"GBED\x01\x00\x01\x00\x00\x00")
+        except OSError:
+            pass  # refused unread already: it counts as closed below
         socks.append(s)
     return socks
+
+
+class Flood(threading.Thread):
+    """A keyless host's flood: keeps ``per_source`` slow connections (10 bytes of a
+    header, then nothing) open from each of ``sources`` to ``port``, opening a new one as
+    soon as the far end closes one, until :meth:`stop`. ``opened``: connections made."""
+
+    REOPEN_PER_ROUND = 200
+
+    def __init__(self, port: int, sources: list[str], per_source: int) -> None:
+        super().__init__(daemon=True, name="flood")
+        self.port = port
+        self.sources = sources
+        self.per_source = per_source
+        self.opened = 0
+        self.peak_open = 0
+        self._halt = threading.Event()
+
+    def _open(self, source: str) -> socket.socket | None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind((source, 0))
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", self.port))
+            self.opened += 1
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    def run(self) -> None:
+        live: dict[socket.socket, str] = {}
+        sent: set[socket.socket] = set()
+        poller = select.poll()
+        try:
+            while not self._halt.is_set():
+                have = {src: 0 for src in self.sources}
+                for src in live.values():
+                    have[src] += 1
+                for src, n in have.items():
+                    # At most REOPEN_PER_ROUND a round: a flood, not a busy loop that
+                    # takes the cores the run under attack needs.
+                    for _ in range(min(self.per_source - n, self.REOPEN_PER_ROUND)):
+                        s = self._open(src)
+                        if s is not None:
+                            live[s] = src
+                            poller.register(s, select.POLLOUT | select.POLLIN | select.POLLHUP)
+                self.peak_open = max(self.peak_open, len(live))
+                by_fd = {s.fileno(): s for s in live}
+                for fd, ev in poller.poll(100):
+                    s = by_fd[fd]
+                    if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                        poller.unregister(s)  # closed (or refused) by the far end
+                        del live[s]
+                        sent.discard(s)
+                        s.close()
+                    elif s not in sent:
+                        try:
+                            s.send(b"GBED\x01\x00\x01\x00\x00\x00")
+                        except OSError:
+                            pass
+                        sent.add(s)
+                        poller.modify(s, select.POLLIN | select.POLLHUP)
+        finally:
+            for s in live:
+                s.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
 
 
 def closed_count(socks: list[socket.socket], wait_s: float) -> int:

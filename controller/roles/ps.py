@@ -10,8 +10,12 @@ from topo.spec import HostSpec
 
 
 def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
-    # The PS reads everything else from the run directory's config.toml.
-    return [RoleCommand(h.name, (ctx.python, "-m", "agents.dp.ps", "--run-dir", str(ctx.run_dir)))
+    # The PS reads everything else from the run directory's config.toml. Each worker's
+    # host keeps an admission slot of its own there while strangers flood.
+    expect = [a for h in ctx.spec.hosts if h.role == "worker" and h.ip
+              for a in ("--expect", h.ip)]
+    return [RoleCommand(h.name, (ctx.python, "-m", "agents.dp.ps", "--run-dir",
+                                 str(ctx.run_dir), *expect))
             for h in hosts]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agents.core import config as cfgmod
-from agents.core.events import EventLog
+from agents.core.events import EventLog, read_jsonl
 from controller import runner as runner_mod
 from controller.roles import (
     Role,
@@ -57,7 +57,9 @@ def test_star_places_ps_then_workers_then_flowgen_with_their_command_lines(tmp_p
     assert [(r.name, [h.name for h in hs]) for r, hs in placement(ctx.spec)] == [
         ("ps", ["ps"]), ("worker", ["w0", "w1"]), ("flowgen", ["bg0"])]
     planned = [(r.name, c.host, c.argv) for r, c in plan_commands(ctx)]
-    assert planned[0] == ("ps", "ps", ("PY", "-m", "agents.dp.ps", "--run-dir", str(tmp_path)))
+    assert planned[0] == ("ps", "ps", ("PY", "-m", "agents.dp.ps", "--run-dir", str(tmp_path),
+                                       "--expect", ctx.spec.host("w0").ip,
+                                       "--expect", ctx.spec.host("w1").ip))
     assert planned[2] == ("worker", "w1", ("PY", "-m", "agents.dp.worker", "--run-dir",
                                            str(tmp_path), "--worker", "1", "--ps", "10.0.0.1",
                                            "--port", "5000", "--gso-segs",
@@ -86,7 +88,8 @@ def make_role(name: str, code: str, *, ends_run: bool, phase: int = 1,
 
 
 def run_roles(tmp_path: Path, hosts: list[tuple[str, str]], timeout_s: float = 20.0,
-              ready_from: tuple[str, ...] = ()) -> tuple[str, RoleRunner, float]:
+              ready_from: tuple[str, ...] = (), heard_from: tuple[str, ...] = (),
+              sets: tuple[str, ...] = ()) -> tuple[str, RoleRunner, float]:
     spec = NetSpec("t", tuple(HostSpec(n, "test", r, f"10.0.0.{10 + i}")
                               for i, (n, r) in enumerate(hosts)), (), ())
     events = EventLog.for_node(tmp_path, "t", "controller")
@@ -96,9 +99,11 @@ def run_roles(tmp_path: Path, hosts: list[tuple[str, str]], timeout_s: float = 2
     def start(cmd: RoleCommand) -> subprocess.Popen[bytes]:
         if cmd.host in ready_from:  # stands in for the agent's "ready" control report
             holder["r"].on_report({"type": "ready", "node": cmd.host})
+        if cmd.host in heard_from:  # one heartbeat, then silence (a hung agent)
+            holder["r"].on_report({"type": "heartbeat", "node": cmd.host})
         return subprocess.Popen(list(cmd.argv))
 
-    r = RoleRunner(RoleContext(cfg(), spec, tmp_path), start, said.append, events)
+    r = RoleRunner(RoleContext(cfg(*sets), spec, tmp_path), start, said.append, events)
     holder["r"] = r
     t0 = time.monotonic()
     r.start_agents()
@@ -126,6 +131,35 @@ def test_a_failing_deciding_role_names_its_host(tmp_path, monkeypatch):
     make_role("t_fail", "raise SystemExit(3)", ends_run=True)
     reason, _, _ = run_roles(tmp_path, [("w0", "t_fail")])
     assert reason == "w0 exited with status 3; see logs/w0.log"
+
+
+def test_a_killed_deciding_process_ends_the_run_at_once_naming_it(tmp_path, monkeypatch):
+    """Its peers would wait for it until run.timeout_s (a pipeline stage's neighbours)."""
+    monkeypatch.setattr(runner_mod, "GRACE_S", 0.1)
+    make_role("t_long_end", "import time; time.sleep(30)", ends_run=True)
+    make_role("t_killed", "import os, signal, time; time.sleep(0.3); "
+              "os.kill(os.getpid(), signal.SIGKILL)", ends_run=True)
+    reason, r, took = run_roles(tmp_path, [("w0", "t_long_end"), ("w1", "t_killed")])
+    assert reason == "w1 exited with status -9; see logs/w1.log" and took < 10, (reason, took)
+    r.events.close()
+    (lost,) = [e for e in read_jsonl(tmp_path / "events" / "controller.jsonl")
+               if e["event"] == "agent_lost"]
+    assert (lost["host"], lost["action"]) == ("w1", "stop")
+    for _, _, p in r.procs:
+        p.kill()
+        p.wait()
+
+
+def test_an_agent_silent_for_stall_timeout_s_is_declared_lost_and_killed(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_mod, "GRACE_S", 0.1)
+    make_role("t_hung", "import time; time.sleep(30)", ends_run=True)
+    reason, r, took = run_roles(tmp_path, [("w0", "t_hung")], heard_from=("w0",),
+                                sets=("run.stall_timeout_s=3",))
+    assert reason.startswith("w0 lost: no heartbeat for 3.") and took < 8, (reason, took)
+    assert reason.endswith("(run.stall_timeout_s = 3)")
+    (_, _, p), = r.procs
+    assert p.returncode == -9  # killed: what follows is what follows its death
 
 
 def test_timeout_and_ready_wait(tmp_path, monkeypatch):

@@ -239,7 +239,7 @@ def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_failed_run_is_a_row_and_the_sweep_goes_on(short_tmp: Path, fake_python: Path) -> None:
     spec = sweep.parse_sweep(_base(), ["compress.name=none,topk,qsgd"])
-    sweep_dir, done = sweep.run_sweep(spec, short_tmp, progress=False)
+    sweep_dir, done, _ = sweep.run_sweep(spec, short_tmp, progress=False)
     assert [r.status for r in done] == ["ok", "failed", "ok"]
     assert "pretend the PS exploded" in done[1].error and done[1].error.startswith("exit 1")
     rows = list(csv.DictReader(open(sweep_dir / "sweep.csv")))
@@ -272,7 +272,7 @@ def test_ctrl_c_stops_the_sweep_and_keeps_the_table(short_tmp: Path, fake_python
 
     t = threading.Thread(target=interrupt_when_dgc_runs, daemon=True)
     t.start()
-    sweep_dir, done = sweep.run_sweep(spec, short_tmp, progress=False)
+    sweep_dir, done, _ = sweep.run_sweep(spec, short_tmp, progress=False)
     t.join()
     assert [r.status for r in done] == ["ok", "interrupted"]
     rows = list(csv.DictReader(open(sweep_dir / "sweep.csv")))

@@ -90,3 +90,36 @@ def agent_pids(run_dir: Path, module: str) -> list[int]:
         if module in text and any(str(run_dir) in c for c in text):
             found.append(int(pid))
     return found
+
+
+def wait_for_event(out: Path, proc: subprocess.Popen[str], event: str, count: int,
+                   timeout_s: float = 600) -> Path:
+    """The run directory under ``out`` once its agents' event logs hold ``count`` events
+    ``event`` in all (``pp_step_done``, ``moe_step``)."""
+    deadline = time.monotonic() + timeout_s
+    needle = f'"event": "{event}"'
+    while time.monotonic() < deadline and proc.poll() is None:
+        for run_dir in out.glob("*/"):
+            logs = (run_dir / "events").glob("*.jsonl")
+            if sum(p.read_text(errors="replace").count(needle) for p in logs) >= count:
+                return run_dir
+        time.sleep(0.1)
+    raise AssertionError(f"the run never logged {count} {event} events (status "
+                         f"{proc.poll()}): {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+
+
+def agent_pid(run_dir: Path, module: str, *args: str) -> int:
+    """The one process running agent ``module`` for ``run_dir`` whose command line holds
+    ``args`` in order (``"--stage", "1"``)."""
+    found = []
+    for pid in agent_pids(run_dir, module):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                text = [c.decode(errors="replace") for c in f.read().split(b"\0")]
+        except OSError:
+            continue
+        n = len(args)
+        if any(tuple(text[i:i + n]) == args for i in range(len(text) - n + 1)):
+            found.append(pid)
+    assert len(found) == 1, (module, args, found)
+    return found[0]

@@ -99,7 +99,8 @@ def test_expert_mesh_refuses_an_impostor(attack: str,
     assert "proof: expert 1 failed the challenge" in seen["result"], seen
     assert "impostor" in seen["result"]  # the dialer's error names its connection
     printed = capsys.readouterr().out
-    assert "expert host 0: refused a connection: expert host 0 <- 127.0.0.1:" in printed
+    assert "expert host 0: refused 1 connection(s) from 127.0.0.1 (handshake failed): " \
+        "expert host 0 <- 127.0.0.1:" in printed
     assert "expert 1: refused: proof: expert 1 failed the challenge" in printed
     for h in range(3):  # the real hosts connected and exchanged after the refusal
         assert not isinstance(out[h], BaseException), out[h]

@@ -1,0 +1,131 @@
+"""Admission of unauthenticated connections (agents.net.admission, the handshake driver's
+``accept_forever``): the pure policy and its aggregated refusals, then a real PS process
+under a flood of slow connections from other loopback addresses while its real workers
+join and train."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.core.config import ConfigError
+from agents.core.config import load as load_config
+from agents.core.events import read_jsonl
+from agents.net.admission import Admission, AdmissionLimits, RefusalLog, Ticket
+from controller.loopback import hostile
+from controller.loopback.dp import make_run_dir, start_ps, start_worker
+
+LIMITS = AdmissionLimits(per_source=2, total=4, connects_per_source_per_s=5,
+                         report_interval_s=1.0)
+
+
+def test_a_source_holds_at_most_per_source_slots_and_gets_them_back() -> None:
+    gate = Admission(LIMITS)
+    a, b = gate.admit("10.0.0.9", 0.0), gate.admit("10.0.0.9", 0.1)
+    assert isinstance(a, Ticket) and isinstance(b, Ticket)
+    assert gate.admit("10.0.0.9", 0.2) == "2 unauthenticated connections already"
+    gate.release(a)
+    assert isinstance(gate.admit("10.0.0.9", 0.3), Ticket)
+    assert gate.unauthenticated == 2
+
+
+def test_connects_per_second_are_counted_even_when_slots_are_free() -> None:
+    gate = Admission(LIMITS)
+    for i in range(5):
+        t = gate.admit("10.0.0.9", 0.1 * i)
+        assert isinstance(t, Ticket)
+        gate.release(t)
+    assert gate.admit("10.0.0.9", 0.6) == "more than 5 connections a second"
+    assert isinstance(gate.admit("10.0.0.9", 1.2), Ticket)  # a new second
+
+
+def test_an_expected_source_gets_in_while_strangers_hold_every_shared_slot() -> None:
+    gate = Admission(LIMITS, expected=["10.0.0.2", "10.0.0.3"])
+    # Two shared slots (4 - 2 reserved), taken by two flooding hosts.
+    assert isinstance(gate.admit("10.0.0.100", 0.0), Ticket)
+    assert isinstance(gate.admit("10.0.0.101", 0.0), Ticket)
+    assert gate.admit("10.0.0.102", 0.0) == "4 unauthenticated connections at once"
+    w2 = gate.admit("10.0.0.2", 0.0)
+    assert isinstance(w2, Ticket) and w2.reserved
+    assert isinstance(gate.admit("10.0.0.3", 0.0), Ticket)
+    # Its own slot is one: a second connection from it waits like a stranger's.
+    assert gate.admit("10.0.0.2", 0.0) == "4 unauthenticated connections at once"
+    gate.release(w2)
+    assert isinstance(gate.admit("10.0.0.2", 0.1), Ticket)
+
+
+def test_refusals_are_one_report_per_source_and_reason_per_interval() -> None:
+    log = RefusalLog(1.0)
+    first = log.note("10.0.0.9", "limit", "e1", 0.0)
+    assert [(r.source, r.reason, r.count) for r in first] == [("10.0.0.9", "limit", 1)]
+    for i in range(999):
+        assert log.note("10.0.0.9", "limit", f"e{i + 2}", 0.0005 * i) == []
+    (later,) = log.note("10.0.0.9", "limit", "last", 1.0)
+    assert (later.count, later.example) == (1000, "last")
+    other = log.note("10.0.0.8", "limit", "x", 1.1)  # another source: its own report
+    assert [r.source for r in other] == ["10.0.0.8"]
+    log.note("10.0.0.8", "limit", "y", 1.2)
+    assert [r.count for r in log.due(1.3, everything=True)] == [1]
+
+
+def test_guard_admission_fields_are_validated_with_the_field_named() -> None:
+    for bad, field in (("guard.max_handshakes_per_source=0", "max_handshakes_per_source"),
+                       ("guard.max_handshakes=4", "max_handshakes"),
+                       ("guard.max_connects_per_source_per_s=0", "max_connects_per_source_per_s"),
+                       ("guard.refusal_report_interval_s=inf", "refusal_report_interval_s")):
+        with pytest.raises(ConfigError, match=f"guard.{field}"):
+            load_config(Path("configs/digits.toml"), [bad])
+
+
+# -- a real PS under a flood --------------------------------------------------------------
+
+# More slow connections than the PS once had handshake slots (1024), from two background
+# addresses: without a bound per source they held every slot and the workers were refused.
+FLOOD_SOURCES = ["127.0.0.2", "127.0.0.3"]
+FLOOD_PER_SOURCE = 700
+ITERATIONS = 10
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run_dir / "events" / "ps.jsonl") if e["event"] == kind]
+
+
+@pytest.mark.loopback
+def test_workers_join_and_train_while_two_hosts_flood_the_ps(tmp_path: Path) -> None:
+    run_dir, cfg = make_run_dir(tmp_path, [
+        "net.workers=2", "workload.hidden=32", f"run.iterations={ITERATIONS}",
+        "run.eval_every=50", "compress.name=none", "run.seed=3", "run.timeout_s=60"])
+    ps = start_ps(run_dir, expect=("127.0.0.1",))
+    flood = hostile.Flood(cfg.net.port, FLOOD_SOURCES, FLOOD_PER_SOURCE)
+    workers = []
+    try:
+        hostile.connect(cfg.net.port).close()  # the PS listens
+        flood.start()
+        deadline = time.monotonic() + 20
+        while flood.opened < len(FLOOD_SOURCES) * FLOOD_PER_SOURCE:  # all at once, once
+            assert time.monotonic() < deadline, flood.opened
+            time.sleep(0.05)
+        workers = [start_worker(run_dir, k, cfg.net.port) for k in range(2)]
+        rcs = [w.wait(timeout=90) for w in workers]
+        ps_rc = ps.wait(timeout=30)
+    finally:
+        flood.stop()
+        for p in [ps, *workers]:
+            if p.poll() is None:
+                p.kill()
+    assert ps_rc == 0 and rcs == [0, 0], (run_dir / "ps.log").read_text()[-2000:]
+    steps = _events(run_dir, "ps_iter_done")
+    assert len(steps) == ITERATIONS and all(e["workers"] == 2 for e in steps)
+    everyone = _events(run_dir, "refused")
+    # 127.0.0.1: the test's own probe for a listening PS, and nothing else.
+    assert sum(e["count"] for e in everyone if e["source"] == "127.0.0.1") == 1, everyone
+    refused = [e for e in everyone if e["source"] != "127.0.0.1"]
+    assert {e["source"] for e in refused} == set(FLOOD_SOURCES), refused
+    # Every refused connection is counted, in a few events per source and second.
+    total = sum(e["count"] for e in refused)
+    assert total >= len(FLOOD_SOURCES) * FLOOD_PER_SOURCE - 2 * 8, (total, flood.opened)
+    wall_s = (steps[-1]["ts_ns"] - refused[0]["ts_ns"]) / 1e9 + 2
+    assert len(refused) <= 4 * len(FLOOD_SOURCES) * wall_s, (len(refused), wall_s)
