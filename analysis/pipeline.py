@@ -22,7 +22,11 @@ its micro-batches, and its optimizer steps):
   (``pp_ps_send`` of kind ``G``, keyed ``(rRsS, "ps")``) and the means down
   (``ps_slice_sent``, keyed ``("ps", rRsS)``); weights sent for evaluation not included;
 - ``peak_act_bytes[stage]`` = the most bytes of activations the stage held at once
-  (autograd's saved tensors plus stashed inputs), from its ``pp_done``.
+  (autograd's saved tensors plus stashed inputs), from its ``pp_done``;
+- ``link_load[(src, dst)]`` (:func:`link_load`) = ``8 * link_bytes_per_step / (rate_bps *
+  wall_s / steps)``: the fraction of a measured step that the stage link ``src -> dst``,
+  shaped at ``rate_bps``, spends carrying that step's bytes at its rate (1.0 = busy the
+  whole step).
 """
 
 from __future__ import annotations
@@ -91,3 +95,10 @@ def pipeline_metrics(events: pd.DataFrame, *, micro_batches: int, micro_batch_si
         bubble_per_stage=per_stage,
         samples_per_s=steps * micro_batches * micro_batch_size * replicas / wall,
         link_bytes_per_step=links, peak_act_bytes=peak, dp_link_bytes_per_step=dp)
+
+
+def link_load(m: PipelineMetrics, rate_mbps: float) -> dict[tuple[str, str], float]:
+    """How busy each stage-to-stage link of rate ``rate_mbps`` was over a measured step
+    (the module docstring gives the formula)."""
+    step_s = m.wall_s / m.steps
+    return {k: 8 * b / (rate_mbps * 1e6 * step_s) for k, b in m.link_bytes_per_step.items()}

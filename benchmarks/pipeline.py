@@ -28,15 +28,26 @@ Mbit/s, the PS evaluating every ``TTA_EVERY`` steps; ``time_to_target_s`` to
 with its one-process reference's (``controller.loopback.pipeline.reference_evals``); then, in
 one process, the synchronous and the 2BW references over ``SWEEP_LR_MOMENTUM``.
 
+Part 5, line rate (Mininet): 1F1B on the fabric sized so its stage links are busy at
+100 Mbit/s (``LINERATE_OVERRIDES``: 2 stages, 256 KB activation messages against two
+64-wide layers per stage, 16 micro-batches a step, no compute pad), at 100 Mbit/s, 1 Gbit/s and "unshaped" (HTB
+at 10 Gbit/s, the config's maximum, above what this host's veths and agents carry), rates
+interleaved over ``--repeats`` rounds. Reported: each stage link's load at 100 Mbit/s
+(:func:`analysis.pipeline.link_load`, target >= 0.8) and 1F1B's samples/s at 1 Gbit/s over
+unshaped (target >= 0.9), with the machine's load average before and after, since a
+loaded host lowers both rates' samples/s alike but not the link loads' meaning.
+
 Run as root: ``.venv/bin/python benchmarks/pipeline.py
-[--quick] [--parts bubble,sweep,memory,tta]``; writes Gantt charts to ``docs/`` and prints one
-JSON line last.
+[--quick] [--parts bubble,sweep,memory,tta,linerate]``; writes Gantt charts to ``docs/`` and
+prints one JSON line last (``--parts linerate`` alone: that part's line, headline the
+1 Gbit/s / unshaped ratio).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +61,7 @@ sys.path.insert(0, str(REPO))
 from agents.core import config as cfgmod  # noqa: E402
 from agents.core.schedules import Costs, make, simulate  # noqa: E402
 from analysis.load import load_events  # noqa: E402
-from analysis.pipeline import pipeline_metrics  # noqa: E402
+from analysis.pipeline import link_load, pipeline_metrics  # noqa: E402
 from analysis.timeline import host_timeline, plot_gantt  # noqa: E402
 from controller.loopback.pipeline import logs, reference_evals, run_pipeline  # noqa: E402
 
@@ -66,6 +77,20 @@ TTA_SETTINGS = (
     ("momentum0.9", [], SCHEDULES),
     ("momentum0", ["workload.momentum=0.0"], ("1f1b", "two_group")),
 )
+# Part 5: 256 KB per activation message (1024 x 64 float32) against two 64-wide layers per
+# stage (a few ms of forward and backward on a loaded core; no pad): at 100 Mbit/s a
+# message takes 21 ms on the wire, so the links, not the compute, set the pace. Two
+# stages: 1F1B keeps at most p micro-batches in flight at stage 0, each waiting a round
+# trip of 2 (p - 1) messages, so a link can be busy at most p / (2 (p - 1)) of the time
+# (0.67 at p = 4, 1 at p = 2). 16 micro-batches a step. At 1 Gbit/s a message takes 2 ms
+# and the compute sets the pace again.
+LINERATE_M, LINERATE_B = 16, 1024
+LINERATE_OVERRIDES = ["workload.name='digits_deep'", "workload.hidden=64", "workload.depth=2",
+                      "pipeline.stages=2", "pipeline.schedule='1f1b'",
+                      f"pipeline.micro_batches={LINERATE_M}",
+                      f"pipeline.micro_batch_size={LINERATE_B}",
+                      "pipeline.compute_pad_ms=0", "topo.hosts=3"]
+LINERATE_RATES = {"100M": 100.0, "1G": 1000.0, "unshaped": 10000.0}
 SWEEP_LR_MOMENTUM = ((0.05, 0.9), (0.02, 0.9), (0.01, 0.9), (0.005, 0.9), (0.002, 0.9),
                      (0.05, 0.5), (0.02, 0.5), (0.05, 0.0), (0.1, 0.0))
 
@@ -125,6 +150,35 @@ def sweep(tmp: Path, rates: tuple[float, ...], repeats: int
             per[f"{sched}_over_1f1b_rounds"] = rs  # type: ignore[assignment]
         ratios[f"{rate:g}"] = per
     return rows, ratios, gantt_runs
+
+
+def line_rate(tmp: Path, repeats: int) -> dict:
+    """Part 5: 1F1B at 100 Mbit/s, 1 Gbit/s and unshaped, interleaved by round."""
+    load_before = os.getloadavg()
+    rows = []
+    for rnd in range(repeats):
+        for label, rate in LINERATE_RATES.items():
+            name = f"linerate-{label}-r{rnd}"
+            run_dir = gradbed_run(REPO / "configs" / "pipeline.toml", name, [
+                *LINERATE_OVERRIDES, f"net.worker_link_mbps={rate}",
+                f"run.iterations={THR_STEPS}"], tmp)
+            met = pipeline_metrics(load_events(run_dir), micro_batches=LINERATE_M,
+                                   micro_batch_size=LINERATE_B)
+            loads = {f"{a}->{b}": v for (a, b), v in link_load(met, rate).items()}
+            rows.append({"round": rnd, "rate": label, "rate_mbps": rate,
+                         "samples_per_s": met.samples_per_s, "bubble": met.bubble,
+                         "link_load": loads})
+            log(f"{name}: {met.samples_per_s:.1f} samples/s, busiest link "
+                f"{max(loads.values()):.3f}, least busy {min(loads.values()):.3f}")
+    by = {(r["round"], r["rate"]): r for r in rows}
+    ratios = [by[(k, "1G")]["samples_per_s"] / by[(k, "unshaped")]["samples_per_s"]
+              for k in range(repeats)]
+    load_100 = [min(by[(k, "100M")]["link_load"].values()) for k in range(repeats)]
+    return {"ratio_1g_over_unshaped": mean(ratios), "ratio_rounds": ratios,
+            "least_link_load_at_100m": min(load_100), "least_link_load_rounds": load_100,
+            "rows": rows, "overrides": LINERATE_OVERRIDES, "steps": THR_STEPS,
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "unshaped_means": "HTB at 10000 Mbit/s (the config's maximum)"}
 
 
 def _steps_to(curve: dict[int, float], target: float) -> int | None:
@@ -201,9 +255,9 @@ def reference_sweep() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="p=2 only, m in {4, 8}, two rates")
-    ap.add_argument("--parts", default="bubble,sweep,memory,tta",
+    ap.add_argument("--parts", default="bubble,sweep,memory,tta,linerate",
                     help="comma-separated: bubble (loopback), sweep (Mininet), memory "
-                         "(loopback), tta (Mininet)")
+                         "(loopback), tta (Mininet), linerate (Mininet)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the sweep")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -256,6 +310,12 @@ def main() -> None:
                          "samples_per_s": r["samples_per_s"]})
         log(f"{name}: peak {max(r['peak_act_bytes'].values())} B, "
             f"{r['samples_per_s']:.1f} samples/s")
+    linerate = line_rate(tmp, args.repeats) if "linerate" in parts else None
+    if parts == {"linerate"} and linerate is not None:
+        emit("pipeline_linerate", round(linerate["ratio_1g_over_unshaped"], 3), "x",
+             "1F1B samples/s at 1 Gbit/s >= 0.9 x unshaped, every stage link >= 0.8 busy "
+             "at 100 Mbit/s", linerate)
+        return
     tta_rows = time_to_accuracy(tmp, (10.0, 100.0)) if "tta" in parts else []
     ref_rows = reference_sweep() if "tta" in parts else []
     docs = REPO / "docs"
@@ -275,7 +335,7 @@ def main() -> None:
           "bubble": bubble_rows, "parts": sorted(parts),
           "sweep_shape": "fabric (Mininet, tc on every access link)",
           "repeats": args.repeats, "throughput": thr_rows, "ratios_to_1f1b": ratios,
-          "memory": mem_rows, "tta": tta_rows, "tta_reference_sweep": ref_rows,
+          "memory": mem_rows, "linerate": linerate, "tta": tta_rows, "tta_reference_sweep": ref_rows,
           "tta_settings": {"steps": TTA_STEPS, "eval_every": TTA_EVERY, "target": TTA_TARGET,
                            "settings": {n: o for n, o, _ in TTA_SETTINGS}},
           "gantt": charts})

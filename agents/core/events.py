@@ -199,6 +199,8 @@ _declare("flow_failed", "flowgen", "one background flow failed",
          error="the message")
 _declare("flow_skipped", "flowgen", "a flow was not started: max_concurrent flows were still running",
          flow="flow index", start_s="planned start (s)", size_bytes="flow size (bytes)")
+_declare("flowgen_error", "flowgen", "the flow source stopped on an error",
+         error="the message")
 _declare("flow_unfinished", "flowgen", "a flow still running when the run ended",
          flow="flow index", start_s="planned start (s)", size_bytes="flow size (bytes)")
 _declare("background", "flowgen, controller", "totals of one background host's traffic",
@@ -317,6 +319,7 @@ _declare("moe_offload", "expert", "this host's expert offload in one training st
          grad_bytes="device-to-host gradient bytes",
          peak_device_bytes="most expert bytes held on the device in the step")
 _declare("moe_done", "expert", "the expert host finished its steps")
+_declare("expert_error", "expert", "the expert host stopped on an error", error="the message")
 
 # -- a DDP rank under gradbed torchrun (gradbed/ddp/instrument.py; node HOST or HOST.L) ----------
 _declare("ddp_bucket", "DDP rank", "a DDP gradient bucket's collective finished (gradbed.ddp "

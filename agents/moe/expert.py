@@ -24,7 +24,6 @@ moved), ``moe_step`` (losses), ``eval`` (held-out accuracy, host 0).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +68,20 @@ def max_frame_bytes(cfg: cfgmod.ExperimentConfig, tokens_per_image: int,
     return max(rows, shard, 4096)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m agents.moe.expert", description=__doc__)
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--host", required=True, type=int, help="this host's index")
     ap.add_argument("--addrs", default=None, help="ip:port of every expert host, in order")
     ap.add_argument("--dump", type=Path, default=None, help="write per-step tensors here")
     auth.add_auth_argument(ap)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the arguments and keys (a bad one exits at once, naming it), then train;
+    a peer's bad frame ends the host with exit code 3 and an ``expert_error`` event."""
+    args = _args(argv)
     torch.set_num_threads(1)
     cfg = cfgmod.load(args.run_dir / "config.toml")
     m = cfg.moe
@@ -84,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--host: {args.host} not in [0, moe.hosts={m.hosts})")
     addrs = (parse_addrs(args.addrs, m.hosts) if args.addrs else
              [("127.0.0.1", cfg.net.port + i) for i in range(m.hosts)])
-    run_id = args.run_dir.name
     # With --auth stdin the bundle holds this host's control key and the key of its link to
     # every other expert host, which only the two ends hold (agents.net.link).
     bundle, secret = auth.agent_keys(args.auth, args.run_dir, codec.PUBLIC_SECRET)
@@ -95,65 +99,76 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"expert host {args.host}: {e.args[0]}") from None
     # Heartbeats on the control channel: a hung host is declared lost by the controller.
     liveness_client(args.run_dir, bundle, timeout_s=cfg.guard.handshake_timeout_s)
-    tag = codec.run_tag(run_id, secret)
-    data = load_data(m.dataset)
-    log = EventLog.for_node(args.run_dir, run_id, f"e{args.host}")
+    log = EventLog.for_node(args.run_dir, args.run_dir.name, f"e{args.host}")
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
+    return wire.run_agent(lambda: _train(cfg, args, addrs, link_keys, secret, log),
+                          name=lambda: f"expert host {args.host}", errors=(codec.FrameError,),
+                          code=3, on_error=lambda e: log.emit("expert_error", error=e),
+                          close=log.close)
+
+
+def _train(cfg: cfgmod.ExperimentConfig, args: argparse.Namespace,
+           addrs: list[tuple[str, int]], link_keys: dict[int, bytes], secret: bytes,
+           log: EventLog) -> int:
+    m = cfg.moe
+    run_id = args.run_dir.name
+    data = load_data(m.dataset)
     # Build once to size the frame limit (the shared classes' sizes).
     probe = ExpertHost(m, data, args.host, None, seed=cfg.run.seed, train=cfg.workload)
     numels = [c.numel for c in probe.opt.classes.values()]
     limit = max_frame_bytes(cfg, data.tokens, numels)
     del probe
-    with Mesh(args.host, addrs, tag, run_id=run_id, keys=link_keys, crc=m.crc,
-              max_payload_bytes=limit, handshake_timeout_s=cfg.guard.handshake_timeout_s,
+    with Mesh(args.host, addrs, codec.run_tag(run_id, secret), run_id=run_id,
+              keys=link_keys, crc=m.crc, max_payload_bytes=limit,
+              handshake_timeout_s=cfg.guard.handshake_timeout_s,
               limits=AdmissionLimits.from_guard(cfg.guard), log=log) as mesh:
         host = ExpertHost(m, data, args.host, mesh, seed=cfg.run.seed, train=cfg.workload)
-        formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
-                   for c, sc in host.opt.classes.items()}
         log.emit("moe_start", hosts=m.hosts, experts=m.experts, owned=host.mine,
                  expert_numel=host.opt.expert_numel,
                  zero3_numel=host.opt.classes[ParamClass.ZERO3].numel,
                  zero2_numel=host.opt.classes[ParamClass.ZERO2].numel, max_frame_bytes=limit)
+        formula = {c.value: class_bytes(sc.numel, m.hosts, c.value)
+                   for c, sc in host.opt.classes.items()}
         for step in range(cfg.run.iterations):
-            dump: dict[str, torch.Tensor] | None = {} if args.dump else None
-            r = host.train_step(step, dump)
-            for ph in host.log.phases:
-                log.emit("moe_phase", step, **ph.as_event())
-            for rt in r["routing"]:
-                log.emit("moe_route", step, **rt)
-            log.emit("moe_class_bytes", step, **{f"{k}_bytes": v
-                                                 for k, v in r["bytes_by_class"].items()},
-                     **{f"{k}_formula_bytes": v for k, v in formula.items()})
-            log.emit("moe_param_bytes", step, **r["param_bytes"])
-            log.emit("moe_grad_bytes", step, **r["grad_bytes"])
-            if r["offload"] is not None:
-                log.emit("moe_offload", step, policy=m.offload_policy,
-                         budget_bytes=m.offload_budget_bytes, device=m.offload_device,
-                         **r["offload"])
-            log.emit("moe_step", step, loss=r["loss"], ce=r["ce"], aux=r["aux"],
-                     step_s=r["step_s"], expert_uses=[f"{lay}.{e}" for lay, e in
-                                                      r["expert_uses"]])
-            if dump is not None:
-                host.opt.gather_before_use(mesh, step + 1)  # complete zero3 weights to dump
-                for n, w in host.weights().items():
-                    dump[f"weight/{n}"] = w
-                arrays: dict[str, Any] = {k: v.numpy() for k, v in dump.items()}
-                np.savez(args.dump / f"h{args.host}_s{step}.npz", **arrays)
-            last = step == cfg.run.iterations - 1
-            if (step + 1) % m.eval_every == 0 or last:
-                ev = host.evaluate(step)
-                if args.host == 0:
-                    log.emit("eval", step, **ev)
+            _step(cfg, args, host, mesh, log, step, formula)
         log.emit("moe_done", cfg.run.iterations - 1)
-    log.close()
     return 0
 
 
+def _step(cfg: cfgmod.ExperimentConfig, args: argparse.Namespace, host: ExpertHost,
+          mesh: Mesh, log: EventLog, step: int, formula: dict[str, int]) -> None:
+    """One training step and its events (and its tensors with ``--dump``)."""
+    m = cfg.moe
+    dump: dict[str, torch.Tensor] | None = {} if args.dump else None
+    r = host.train_step(step, dump)
+    for ph in host.log.phases:
+        log.emit("moe_phase", step, **ph.as_event())
+    for rt in r["routing"]:
+        log.emit("moe_route", step, **rt)
+    log.emit("moe_class_bytes", step, **{f"{k}_bytes": v
+                                         for k, v in r["bytes_by_class"].items()},
+             **{f"{k}_formula_bytes": v for k, v in formula.items()})
+    log.emit("moe_param_bytes", step, **r["param_bytes"])
+    log.emit("moe_grad_bytes", step, **r["grad_bytes"])
+    if r["offload"] is not None:
+        log.emit("moe_offload", step, policy=m.offload_policy,
+                 budget_bytes=m.offload_budget_bytes, device=m.offload_device,
+                 **r["offload"])
+    log.emit("moe_step", step, loss=r["loss"], ce=r["ce"], aux=r["aux"],
+             step_s=r["step_s"], expert_uses=[f"{lay}.{e}" for lay, e in
+                                              r["expert_uses"]])
+    if dump is not None:
+        host.opt.gather_before_use(mesh, step + 1)  # complete zero3 weights to dump
+        for n, w in host.weights().items():
+            dump[f"weight/{n}"] = w
+        arrays: dict[str, Any] = {k: v.numpy() for k, v in dump.items()}
+        np.savez(args.dump / f"h{args.host}_s{step}.npz", **arrays)
+    if (step + 1) % m.eval_every == 0 or step == cfg.run.iterations - 1:
+        ev = host.evaluate(step)
+        if args.host == 0:
+            log.emit("eval", step, **ev)
+
+
 if __name__ == "__main__":
-    try:
-        rc = main()
-    except codec.FrameError as e:
-        print(f"expert host: {e}", file=sys.stderr, flush=True)
-        rc = 3
-    wire.exit_process(rc)
+    wire.exit_process(main())

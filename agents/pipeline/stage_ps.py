@@ -10,7 +10,7 @@ What each connection carries is fixed by the stage's schedule, so the PS knows t
 message that may come next on each: for every optimizer action (step ``k``, chunk ``c``) of
 stage ``s``'s schedule, with ``d > 1``, a ``GRAD`` holding that chunk's slice gradient;
 after step ``k``'s last optimizer action, from replica 0 and at an evaluated step
-(:func:`agents.pipeline.stage.is_eval_step`), one ``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
+(:func:`agents.pipeline.common.is_eval_step`), one ``SLICE_WEIGHTS`` per chunk; then ``BYE``. A frame
 out of that order, of the wrong size, or a gradient failing the PS's checks
 (:func:`agents.compress.checks.check_gradient`: finite, within ``guard.max_abs_grad``) ends the
 run with a ``frame_error`` naming the peer, and the PS closes every connection, so no stage
@@ -51,18 +51,12 @@ from agents.compress.checks import check_gradient
 from agents.core import config as cfgmod
 from agents.core.events import EventLog
 from agents.core.nodes import PS_NODE, stage_node, stage_ps_links
-from agents.core.schedules import Kind, Schedule
 from agents.net import admission, auth, codec, handshake, link, loop, protocol, wire
 from agents.net.admission import AdmissionLimits
 from agents.net.control import liveness_client
+from agents.pipeline import conversation
+from agents.pipeline.common import CONNECT_TIMEOUT_S, LockedLog, build_schedule, ps_index
 from agents.pipeline.partition import balance_by_params, split
-from agents.pipeline.stage import (
-    CONNECT_TIMEOUT_S,
-    _LockedLog,
-    build_schedule,
-    is_eval_step,
-    ps_index,
-)
 from agents.workloads.base import FlatModel
 from agents.workloads.factory import make_workload
 
@@ -78,37 +72,20 @@ class StagePSError(RuntimeError):
 
 class _StageConn(loop.Transport):
     """Stage ``stage`` of replica ``replica`` on the PS's event loop: the transport, its
-    link's MACs, and the messages it still owes (in order)."""
+    link's MACs, and what it may send next (:mod:`agents.pipeline.conversation`)."""
 
     def __init__(self, replica: int, stage: int, lk: link.Link,
-                 expect: list[tuple[codec.MsgType, int, int]]) -> None:
+                 talk: conversation.Conversation) -> None:
         super().__init__(lk.sock, lk.name)
         self.replica = replica
         self.stage = stage
         self.link = lk
-        self.expect = expect
+        self.talk = talk
         self.said_bye = False
 
     @property
     def node(self) -> str:
         return f"r{self.replica}s{self.stage}"
-
-
-def expected_messages(schedule: Schedule, stage: int, replica: int, replicas: int,
-                      run: cfgmod.RunConfig) -> list[tuple[codec.MsgType, int, int]]:
-    """What stage ``stage`` of replica ``replica`` sends the PS, in order (the module
-    docstring says why each)."""
-    actions = schedule.actions[stage]
-    opts = [(a.mb, a.chunk) for a in actions if a.kind is Kind.OPTIMIZER]
-    last = {k: c for k, c in opts}  # the last optimizer chunk of every step
-    out: list[tuple[codec.MsgType, int, int]] = []
-    for k, c in opts:
-        if replicas > 1:
-            out.append((GRAD, k, c))
-        if c == last[k] and replica == 0 and is_eval_step(run, k):
-            out += [(WEIGHTS, k, ch) for ch in range(schedule.chunks)]
-    out.append((BYE, -1, -1))
-    return out
 
 
 class StagePS:
@@ -125,7 +102,7 @@ class StagePS:
         self.link_keys = {r * self.p + s: bundle.link_key("stage", PS_NODE,
                                                           stage_node(r, s, self.d))
                           for r in range(self.d) for s in range(self.p)}
-        self.log = _LockedLog(EventLog.for_node(run_dir, run_id, PS_NODE))
+        self.log = LockedLog(EventLog.for_node(run_dir, run_id, PS_NODE))
         self.tag = codec.run_tag(run_id, secret)
         self.schedule = build_schedule(pc, cfg.run.iterations)
         self.workload = make_workload(cfg.workload, cfg.vision)
@@ -217,7 +194,8 @@ class StagePS:
             self.log.emit("frame_error", peer=lk.name, error="a second connection refused")
             lk.sock.close()
             return
-        conn = _StageConn(r, s, lk, expected_messages(self.schedule, s, r, self.d, self.cfg.run))
+        script = conversation.to_stage_ps(self.schedule, s, r, self.d, self.cfg.run)
+        conn = _StageConn(r, s, lk, conversation.Conversation(script, lk.name))
         self.conns[(r, s)] = conn
         self.loop.serve(conn, wire.MessageReceiver(lk.sock, peer=lk.name, mac=lk.recv_mac,
                                                    max_payload_bytes=self.max_payload_bytes))
@@ -266,19 +244,12 @@ class StagePS:
 
     def _handle(self, conn: _StageConn, h: codec.FrameHeader, tensors: list[torch.Tensor]) -> bool:
         """One message from ``conn``; True when it was its BYE."""
-        want = conn.expect[0] if conn.expect else None
-        if want is None or h.msg_type != want[0] or (
-                want[0] != BYE and (h.iteration, h.chunk) != want[1:]):
-            what = "nothing more" if want is None else (
-                want[0].name if want[0] == BYE else f"{want[0].name} of step {want[1]} "
-                                                    f"chunk {want[2]}")
-            raise StagePSError(f"{conn.peer}: sent {h.describe()}, expected {what}")
-        conn.expect.pop(0)
+        try:
+            conn.talk.receive(h)
+        except codec.FrameError as e:
+            raise StagePSError(str(e)) from None
         if h.msg_type == BYE:
             return True
-        if h.worker != conn.replica * self.p + conn.stage:
-            raise StagePSError(f"{conn.peer}: {h.describe()} names stage {h.worker} on the "
-                               f"connection of {conn.node}")
         numel = self.numel(conn.stage, h.chunk)
         if len(tensors) != 1 or tensors[0].dtype != torch.float32 \
                 or tensors[0].numel() != numel:

@@ -34,6 +34,7 @@ from typing import Any
 
 from agents.core.events import EventLog
 from agents.core.flowsize import flow_arrivals, load_flow_cdf
+from agents.net import wire
 
 HEADER = struct.Struct("!Q")
 _ZEROS = memoryview(bytes(1 << 20))
@@ -188,12 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     log.emit("flows_planned", flows=len(flows), bytes=sum(s for _, s in flows),
              load_mbps=args.load_mbps, duration_s=args.duration_s, cdf=args.cdf)
-    try:
+
+    def run() -> int:
         src.run()
-    finally:
-        log.close()
-    return 0
+        return 0
+
+    # A failed flow is logged and the source goes on; what reaches here (the event log's
+    # disk, the thread limit) ends it with one line naming the node.
+    return wire.run_agent(run, name=lambda: f"flowgen {args.node}", errors=(OSError,),
+                          code=2, on_error=lambda e: log.emit("flowgen_error", error=e),
+                          close=log.close)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    wire.exit_process(main())

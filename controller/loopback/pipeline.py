@@ -13,8 +13,8 @@ from torch import nn
 
 from agents.core import config as cfgmod
 from agents.core.lr_schedule import lr_at
+from agents.pipeline.common import is_eval_step, micro_batch
 from agents.pipeline.partition import balance_by_params, split
-from agents.pipeline.stage import is_eval_step, micro_batch
 from agents.workloads.base import FlatModel, sgd_step_
 from agents.workloads.factory import make_workload
 from controller import warm
@@ -182,7 +182,7 @@ def reference_evals(cfg: cfgmod.ExperimentConfig, fresh: bool = True
                     ) -> dict[int, dict[str, float]]:
     """The one-process reference of ``cfg``'s schedule (plain SGD for GPipe and 1F1B, the
     2BW versions for two-group) evaluated on the workload's held-out set after every step
-    the pipeline's PS evaluates (:func:`agents.pipeline.stage.is_eval_step`): step index -> metrics.
+    the pipeline's PS evaluates (:func:`agents.pipeline.common.is_eval_step`): step index -> metrics.
     The PS's ``eval`` events of a run of ``cfg`` must equal these."""
     w = make_workload(cfg.workload)
     out: dict[int, dict[str, float]] = {}

@@ -206,7 +206,7 @@ def _connect_all(*stages: Stage) -> dict[int, Any]:
 
     def go(st: Stage) -> None:
         try:
-            st.connect()
+            st.links.connect()
             out[st.s] = "ok"
         except BaseException as e:  # noqa: BLE001
             out[st.s] = e
@@ -221,11 +221,7 @@ def _connect_all(*stages: Stage) -> dict[int, Any]:
 
 def _close(*stages: Stage) -> None:
     for st in stages:
-        for peer in (st.down, st.up):
-            if peer is not None:
-                peer.outbox.put(None)
-                peer.sock.close()
-        st.srv.close()
+        st.links.close()
         st.log.close()
 
 
@@ -243,11 +239,11 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
     seen: dict[str, Any] = {}
 
     def impostor() -> None:
-        s = connect(s1.peers_addr[1][1])
+        s = connect(s1.links.peers_addr[1][1])
         try:
             handshake.dial(s, protocol.Dialer(run_dir.name, "stage", me, key,
                                               welcome_from=("stage", 1)),
-                           run_tag=s1.tag, name="impostor", timeout_s=10)
+                           run_tag=s1.links.tag, name="impostor", timeout_s=10)
             seen["result"] = "accepted"
         except handshake.HandshakeError as e:
             seen["result"] = str(e)
@@ -276,28 +272,28 @@ def test_stage_mesh_refuses_an_impostor(tmp_path: Path, attack: str,
 @pytest.mark.loopback
 def test_stage_mesh_refuses_a_replayed_frame(tmp_path: Path) -> None:
     s0, s1, _ = _stages(tmp_path)
-    tap = CapturingProxy(s1.peers_addr[1][1])
+    tap = CapturingProxy(s1.links.peers_addr[1][1])
     tap.start()
-    s0.peers_addr = [s0.peers_addr[0], ("127.0.0.1", tap.port)]  # stage 0 -> tap -> 1
+    s0.links.peers_addr = [s0.links.peers_addr[0], ("127.0.0.1", tap.port)]  # stage 0 -> tap -> 1
     out = _connect_all(s0, s1)
     try:
         assert out == {0: "ok", 1: "ok"}, out
-        numel = int(torch.Size(s1.in_shape[0]).numel())
-        assert s0.down is not None
-        s0.down.link.send_message([torch.randn(numel)], msg_type=MsgType.ACTIVATION,
+        numel = int(torch.Size(s1.compute.in_shape[0]).numel())
+        assert s0.links.down is not None
+        s0.links.down.link.send_message([torch.randn(numel)], msg_type=MsgType.ACTIVATION,
                                   worker=0, iteration=0, chunk=0)
-        act = s1._take(Kind.RECV_ACT, 0, 0)
+        act = s1.links.take(Kind.RECV_ACT, 0, 0)
         assert act.numel() == numel  # the real frame was taken
         frames = [raw for h, raw in tap.frames() if h.msg_type == MsgType.ACTIVATION]
         tap.inject(frames[0])
         for _ in range(200):
-            if s1.failure is not None:
+            if s1.links.inbox.failure is not None:
                 break
             threading.Event().wait(0.05)
-        assert s1.failure is not None
-        assert "stage s1 <- 127.0.0.1:" in s1.failure and "fails its MAC" in s1.failure
+        assert s1.links.inbox.failure is not None
+        assert "stage s1 <- 127.0.0.1:" in s1.links.inbox.failure and "fails its MAC" in s1.links.inbox.failure
         with pytest.raises(StageError, match="fails its MAC"):
-            s1._take(Kind.RECV_ACT, 1, 0)
+            s1.links.take(Kind.RECV_ACT, 1, 0)
     finally:
         _close(s0, s1)
 

@@ -68,8 +68,8 @@ def test_measured_link_bytes_timeline_and_bubble(tmp_path):
     """One 1F1B run: the planner's bytes per link per step equal the measured within 1 %,
     the per-host timeline shows every compute action of every stage, and the measured
     bubble and peak activation bytes come out of the same events."""
+    from agents.pipeline.common import micro_batch
     from agents.pipeline.partition import balance_by_params, boundary_shapes, split
-    from agents.pipeline.stage import micro_batch
     from agents.workloads.base import make_workload
     from analysis.load import load_events, load_links
     from analysis.pipeline import pipeline_metrics
@@ -118,8 +118,8 @@ def test_fp16_both_ways_halves_the_bytes_and_stays_close(tmp_path):
     """fp16 activations and gradients: the planner's bytes at 2 bytes per element equal the
     measured, the weights stay near the exact run's but are not equal to them (the
     compression did happen)."""
+    from agents.pipeline.common import micro_batch
     from agents.pipeline.partition import balance_by_params, boundary_shapes, split
-    from agents.pipeline.stage import micro_batch
     from agents.workloads.base import make_workload
     from analysis.load import load_events
     from analysis.pipeline import pipeline_metrics

@@ -11,7 +11,9 @@ import torch
 
 from agents.net import codec, link, wire
 from agents.net.codec import FrameMac
-from agents.pipeline.stage_ps import StagePS, StagePSError, _StageConn, expected_messages
+from agents.pipeline import conversation
+from agents.pipeline.common import build_schedule
+from agents.pipeline.stage_ps import StagePS, StagePSError, _StageConn
 from controller.loopback.dp import free_port
 from controller.loopback.pipeline import make_run_dir
 
@@ -36,8 +38,9 @@ def ps(tmp_path):
             lk = link.Link(r * 2 + s, a, f"stage {s} of replica {r} (test)",
                            send_mac=FrameMac(SEND_KEY), recv_mac=FrameMac(b"r" * 32),
                            run_tag=0)
+            script = conversation.to_stage_ps(server.schedule, s, r, 2, cfg.run)
             server.conns[(r, s)] = _StageConn(r, s, lk,
-                                         expected_messages(server.schedule, s, r, 2, cfg.run))
+                                              conversation.Conversation(script, lk.name))
             server.peers[(r, s)] = b
     yield server
     server.srv.close()
@@ -55,8 +58,6 @@ def _hdr(kind, step, chunk=0, worker=0, numel=1):
 def test_each_connection_owes_its_schedule_order():
     """1F1B, 2 steps, d = 2, evaluated only after the last step: a gradient per step,
     then (replica 0 only) the weights after the last, then BYE."""
-    from agents.pipeline.stage import build_schedule
-
     class Run:
         iterations, eval_every = 2, 1000
 
@@ -64,10 +65,14 @@ def test_each_connection_owes_its_schedule_order():
         schedule, stages, micro_batches, recompute = "1f1b", 2, 2, False
 
     sch = build_schedule(PC, 2)
-    assert expected_messages(sch, 0, 0, 2, Run) == [(GRAD, 0, 0), (GRAD, 1, 0), (W, 1, 0),
-                                                    (BYE, -1, -1)]
-    assert expected_messages(sch, 1, 1, 2, Run) == [(GRAD, 0, 0), (GRAD, 1, 0), (BYE, -1, -1)]
-    assert expected_messages(sch, 1, 0, 1, Run) == [(W, 1, 0), (BYE, -1, -1)]
+
+    def script(stage, replica, replicas):
+        return [(e.kind, e.iteration, e.chunk, e.sender) for e in
+                conversation.to_stage_ps(sch, stage, replica, replicas, Run)]
+
+    assert script(0, 0, 2) == [(GRAD, 0, 0, 0), (GRAD, 1, 0, 0), (W, 1, 0, 0), (BYE, -1, -1, 0)]
+    assert script(1, 1, 2) == [(GRAD, 0, 0, 3), (GRAD, 1, 0, 3), (BYE, -1, -1, 3)]
+    assert script(1, 0, 1) == [(W, 1, 0, 1), (BYE, -1, -1, 1)]
 
 
 def test_the_mean_goes_back_once_every_replica_sent(ps):
@@ -86,13 +91,13 @@ def test_the_mean_goes_back_once_every_replica_sent(ps):
 
 @pytest.mark.parametrize("make,match", [
     (lambda n: (_hdr(GRAD, 1, numel=n), [torch.zeros(n)]),
-     "expected GRAD of step 0 chunk 0"),  # a step ahead of the schedule
+     "expected GRAD iter=0 chunk=0 from 0"),  # a step ahead of the schedule
     (lambda n: (_hdr(W, 0, numel=n), [torch.zeros(n)]), "expected GRAD"),  # wrong kind
     (lambda n: (_hdr(BYE, 0, numel=n), [torch.zeros(n)]), "expected GRAD"),  # leaves early
     (lambda n: (_hdr(GRAD, 0, numel=n - 1), [torch.zeros(n - 1)]),
      "expected one float32 tensor"),  # not the slice's size
     (lambda n: (_hdr(GRAD, 0, worker=3, numel=n), [torch.zeros(n)]),
-     "names stage 3"),  # claims another stage
+     "sent GRAD worker=3 .*expected GRAD iter=0 chunk=0 from 0"),  # claims another stage
     (lambda n: (_hdr(GRAD, 0, numel=n), [torch.full((n,), float("nan"))]), "non-finite"),
 ])
 def test_rejects_hostile_messages(ps, make, match):
