@@ -18,11 +18,9 @@ section 4: the PS logs a ``frame_error`` event and keeps serving the others).
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import struct
-import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 
@@ -43,6 +41,7 @@ from agents.net.codec import (
     payload_crc32,
     tensor_view,
 )
+from agents.net.ending import exit_process, run_agent  # noqa: F401  (every agent's end)
 
 
 class ConnectionClosed(ConnectionError):
@@ -646,34 +645,3 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def run_agent(body: Callable[[], int], *, name: Callable[[], str],
-              errors: tuple[type[BaseException], ...], code: int,
-              on_error: Callable[[str], None], close: Callable[[], None]) -> int:
-    """The end of every agent's ``main``: run ``body``; an error of ``errors`` (the ones the
-    agent expects from its peers and the network) is recorded with ``on_error`` (its event),
-    said in one line on stderr naming the agent (``name()``), and ends the agent with
-    ``code`` instead of a traceback; ``close`` runs however it ends."""
-    try:
-        return body()
-    except errors as e:
-        on_error(str(e))
-        print(f"{name()}: {e}", file=sys.stderr)
-        return code
-    finally:
-        close()
-
-
-def exit_process(code: int) -> None:
-    """End an agent process once its results are on disk: flush stdio, then ``os._exit``.
-
-    A normal interpreter exit runs C++ static destructors while daemon threads (the
-    PS's accept loop and control reader, a worker's TCP_INFO sampler) may still be inside
-    torch; once in a few dozen runs that ended in ``terminate called without an active
-    exception`` (SIGABRT) after the last iteration was saved, and the run was reported as
-    failed. Every file the agent writes is closed (and atomically renamed) before this.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

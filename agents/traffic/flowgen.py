@@ -34,7 +34,7 @@ from typing import Any
 
 from agents.core.events import EventLog
 from agents.core.flowsize import flow_arrivals, load_flow_cdf
-from agents.net import wire
+from agents.net import ending
 
 HEADER = struct.Struct("!Q")
 _ZEROS = memoryview(bytes(1 << 20))
@@ -196,10 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # A failed flow is logged and the source goes on; what reaches here (the event log's
     # disk, the thread limit) ends it with one line naming the node.
-    return wire.run_agent(run, name=lambda: f"flowgen {args.node}", errors=(OSError,),
+    return ending.run_agent(run, name=lambda: f"flowgen {args.node}", errors=(OSError,),
                           code=2, on_error=lambda e: log.emit("flowgen_error", error=e),
                           close=log.close)
 
 
 if __name__ == "__main__":
-    wire.exit_process(main())
+    ending.exit_process(main())

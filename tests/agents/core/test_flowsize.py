@@ -275,3 +275,16 @@ def test_fct_runs_until_the_sink_answers(tmp_path):
     srv.close()
     done = [r for r in read_jsonl(tmp_path / "events" / "bg0.jsonl") if r["event"] == "flow_done"]
     assert len(done) == 1 and 0.4 <= done[0]["fct_s"] < 2.0, done
+
+
+def test_the_flow_generator_starts_without_importing_torch():
+    """Background flows start while a short run is already training: the generator must
+    not spend a second or more importing torch (a run of 20 iterations once ended before
+    its flows began)."""
+    import subprocess
+    import sys
+
+    code = "import sys, agents.traffic.flowgen; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
