@@ -138,6 +138,17 @@ def _log_sends(log: EventLog, sends: WeightSends, conns: dict[int, _Conn]) -> No
                  end_ns=s.end_ns, bytes=s.bytes)
 
 
+def _accept_in_background(ps: ParameterServer) -> threading.Thread:
+    """The PS's accept loop (``handshake.accept_forever``) on a thread of its own."""
+    t = threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
+                         args=(ps.srv, ps._handshake),
+                         kwargs=dict(stopped=ps.done, report=ps._report_refused,
+                                     limits=AdmissionLimits.from_guard(ps.cfg.guard),
+                                     expected=ps.expected))
+    t.start()
+    return t
+
+
 class ParameterServer:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
                  keys: auth.KeyBundle, *, host: str = "0.0.0.0", port: int = 5000,
@@ -288,11 +299,7 @@ class ParameterServer:
     # -- the iteration loop ------------------------------------------------------------
 
     def serve(self) -> int:
-        threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
-                         args=(self.srv, self._handshake),
-                         kwargs=dict(stopped=self.done, report=self._report_refused,
-                                     limits=AdmissionLimits.from_guard(self.cfg.guard),
-                                     expected=self.expected)).start()
+        accepter = _accept_in_background(self)
         self.ctl.send("ready", port=self.srv.getsockname()[1])
         self.log.emit("ps_ready", numel=self.model.numel, chunks=len(self.chunks),
                       compressor=self.cfg.compress.name)
@@ -331,6 +338,8 @@ class ParameterServer:
                 if self.stop_reason:
                     break
         self._finish()
+        # Its last turn reports the refusals still counted, before the event log closes.
+        accepter.join(timeout=self.cfg.guard.refusal_report_interval_s + 1)
         return 0
 
     def _next_event(self, deadline: float, what: str) -> PSEvent:
