@@ -33,7 +33,7 @@ from typing import Any
 from agents.core.guard_config import GuardConfig
 from agents.net import handshake, protocol
 from agents.net.admission import AdmissionLimits, RefusalReport
-from agents.net.control import CONTROL_RUN_ID, CONTROL_TAG, CONTROLLER_END, read_line
+from agents.net.control import CONTROL_RUN_ID, CONTROL_TAG, CONTROLLER_END, read_objects
 
 Handler = Callable[[dict[str, Any]], None]
 KeyFor = Callable[[str], bytes | None]
@@ -129,17 +129,7 @@ class ControlServer:
         self._report({"type": "control_closed", "node": node})
 
     def _read_reports(self, conn: socket.socket, node: str, rest: bytearray) -> None:
-        while True:
-            try:
-                line = read_line(conn, rest)
-            except (ConnectionError, OSError):
-                return
-            try:
-                msg = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if not isinstance(msg, dict):
-                continue
+        for msg in read_objects(conn, rest):
             msg["node"] = node  # an authenticated peer speaks only for itself
             try:
                 self.handler(msg)

@@ -28,6 +28,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,23 @@ def control_dialer(node: str, key: bytes) -> protocol.Dialer:
     """The agent ``node``'s end of a control-socket handshake, under its own key."""
     return protocol.Dialer(CONTROL_RUN_ID, "agent", 0, key, node=node,
                            welcome_from=CONTROLLER_END)
+
+
+def read_objects(sock: socket.socket, buf: bytearray) -> Iterator[dict[str, Any]]:
+    """The JSON objects ``sock`` sends, one per line (:func:`read_line`), until it closes
+    or fails; a line that is not a JSON object is skipped (a peer's bytes are not trusted
+    to be either)."""
+    while True:
+        try:
+            line = read_line(sock, buf)
+        except (ConnectionError, OSError):
+            return
+        try:
+            msg = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(msg, dict):
+            yield msg
 
 
 def read_line(sock: socket.socket, buf: bytearray) -> bytes:
@@ -152,17 +170,8 @@ class ControlClient:
     def _reader(self) -> None:
         sock = self._sock
         assert sock is not None
-        while True:
-            try:
-                line = read_line(sock, self._rest)
-            except (ConnectionError, OSError):
-                return
-            try:
-                msg = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(msg, dict):
-                self.commands.put(msg)
+        for msg in read_objects(sock, self._rest):
+            self.commands.put(msg)
 
     def close(self) -> None:
         if self._sock is not None:
