@@ -57,7 +57,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -371,25 +370,8 @@ def bounded_inputs(tmp: Path) -> dict[str, tuple[bool, str]]:
     long = tmp / "long.trace"
     long.write_text("0\n5\n1000000000000\n")
     v["trace_spanning_1e12_ms"] = _refused_at_once([f"trace.up='{long}'"])
-    fifo = tmp / "endless.trace"
-    os.mkfifo(fifo)
-    stop = threading.Event()
-
-    def write_forever() -> None:
-        try:
-            with open(fifo, "wb") as f:
-                while not stop.is_set():
-                    f.write(b"1" * 65536)
-        except OSError:
-            pass
-
-    threading.Thread(target=write_forever, daemon=True).start()
-    v["endless_line"] = _refused_at_once([f"trace.up='{fifo}'"])
-    stop.set()
-    try:
-        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-    except OSError:
-        pass
+    with hostile.endless_fifo(tmp / "endless.trace") as fifo:
+        v["endless_line"] = _refused_at_once([f"trace.up='{fifo}'"])
     v["toml_nested_5000_deep"] = _refused_at_once(["run.x=" + "[" * 5000 + "]" * 5000])
     v["run_name_250_chars"] = _refused_at_once(["run.name=" + "a" * 250])
     v["timeout_inf"] = _refused_at_once(["run.timeout_s=inf"])

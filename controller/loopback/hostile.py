@@ -5,10 +5,13 @@ what it did about it.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,6 +21,35 @@ from agents.net import codec, protocol, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from controller.loopback.dp import connect, handshake, public_tag, start_ps, start_worker
+
+
+@contextmanager
+def endless_fifo(path: Path) -> Iterator[Path]:
+    """A FIFO at ``path`` whose writer never stops writing ``1``s and no newline: a file that
+    is one endless line, which only a reader that reads in bounded pieces gets past. The
+    writer is stopped, and unblocked if it still waits for a reader, on the way out."""
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def write_forever() -> None:
+        try:
+            with open(path, "wb") as f:
+                while not stop.is_set():
+                    f.write(b"1" * 65536)
+        except OSError:  # the reader went (BrokenPipeError among them)
+            pass
+
+    writer = threading.Thread(target=write_forever, daemon=True)
+    writer.start()
+    try:
+        yield path
+    finally:
+        stop.set()
+        try:  # unblock a writer still waiting for a reader
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        writer.join(timeout=5)
 
 
 def rss_peak_kb(pid: int) -> int:

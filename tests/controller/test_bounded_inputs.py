@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+
+from controller.loopback.hostile import endless_fifo
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "test_tiny.toml"
@@ -48,29 +49,8 @@ def test_a_trace_spanning_10_to_the_12_ms_is_refused_at_once(tmp_path: Path) -> 
 
 def test_a_file_that_is_one_endless_line_fails_fast(tmp_path: Path) -> None:
     # A FIFO whose writer never stops: only a reader that reads in bounded pieces ends.
-    fifo = tmp_path / "endless.trace"
-    os.mkfifo(fifo)
-    stop = threading.Event()
-
-    def write_forever() -> None:
-        try:
-            with open(fifo, "wb") as f:
-                while not stop.is_set():
-                    f.write(b"1" * 65536)
-        except (BrokenPipeError, OSError):
-            pass
-
-    writer = threading.Thread(target=write_forever, daemon=True)
-    writer.start()
-    try:
+    with endless_fifo(tmp_path / "endless.trace") as fifo:
         refused(dry_run(f"trace.up='{fifo}'", timeout_s=30), f"{fifo}:1", "65536 bytes")
-    finally:
-        stop.set()
-        try:  # unblock a writer still waiting for a reader
-            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-        except OSError:
-            pass
-        writer.join(timeout=5)
 
 
 def test_toml_nested_past_32_levels(tmp_path: Path) -> None:
