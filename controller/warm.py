@@ -77,13 +77,16 @@ def _serve(sock: socket.socket) -> None:
     gc.freeze()
     argv_area = _argv_area()
     children: dict[int, int] = {}  # pidfd -> pid
-    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    _tell(sock, {"ready": os.getpid()})
     while True:
         waiting: list[Any] = [sock, *children]
         readable, _, _ = select.select(waiting, [], [])
         for fd in readable:
             if fd is sock:
-                msg, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 3)
+                try:
+                    msg, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 3)
+                except ConnectionError:  # a shutdown with a reply unread reads as a reset
+                    msg, fds = b"", []
                 if not msg:  # the client went: leave nothing behind
                     for pidfd in children:
                         _try_signal(pidfd, signal.SIGKILL)
@@ -96,17 +99,24 @@ def _serve(sock: socket.socket) -> None:
                     for f in fds:
                         os.close(f)
                     children[os.pidfd_open(pid)] = pid
-                    sock.send(json.dumps({"pid": pid}).encode())
+                    _tell(sock, {"pid": pid})
                 else:  # signal: through the pidfd, so a reaped pid is never hit
                     found = next((p for p, c in children.items() if c == req["pid"]), None)
                     ok = found is not None and _try_signal(found, req["sig"])
-                    sock.send(json.dumps({"ok": ok}).encode())
+                    _tell(sock, {"ok": ok})
             else:
                 pidfd = int(fd)
                 pid = children.pop(pidfd)
                 _, status = os.waitpid(pid, 0)
                 os.close(pidfd)
-                sock.send(json.dumps({"exited": pid, "status": status}).encode())
+                _tell(sock, {"exited": pid, "status": status})
+
+
+def _tell(sock: socket.socket, reply: dict[str, Any]) -> None:
+    try:
+        sock.send(json.dumps(reply).encode())
+    except ConnectionError:  # the client went; the next read sees it and cleans up
+        pass
 
 
 def _try_signal(pidfd: int, sig: int) -> bool:

@@ -94,6 +94,8 @@ def test_closing_the_starter_leaves_no_fork_behind(tmp_path):
         time.sleep(0.05)
     assert not _running(pid), "a fork outlived its warm process"
     assert proc.poll() is not None
+    # A clean end leaves no log: the warm process read the shutdown as the client going.
+    assert not s.log.exists(), s.log.read_text()
 
 
 def _running(pid: int) -> bool:
@@ -103,3 +105,12 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
+
+
+def test_close_before_ready_leaves_no_log():
+    """A caller that gives up while torch still imports (a bad config found during the
+    build) ends the warm process as cleanly as one that used it."""
+    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
+    time.sleep(0.5)
+    s.close()
+    assert not s.log.exists(), s.log.read_text()
