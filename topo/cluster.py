@@ -42,6 +42,7 @@ from agents.core.cluster_config import ClusterConfig
 from topo import clocks
 from topo.placement import LOCAL, crossings, node_servers, servers_used
 from topo.plan import impairments
+from topo.server_lock import Lock, LockSet, ServerLock, lock_order
 from topo.spec import NetSpec, SpecError
 
 # VXLAN over IPv4 adds 50 bytes (outer Ethernet 14, IPv4 20, UDP 8, VXLAN 8) to a frame of
@@ -282,10 +283,27 @@ class Cluster:
         """server -> the address peers reach it at (this machine: its route's source)."""
         out = {s: self.ips[s] for s in self.remote}
         if self.local_used and self.remote:
-            route = subprocess.run(["ip", "route", "get", self.ips[self.remote[0]]],
-                                   capture_output=True, text=True, check=True).stdout
-            out[LOCAL] = route.split(" src ")[1].split()[0]
+            out[LOCAL] = self._local_address()
         return out
+
+    def _local_address(self) -> str:
+        """This machine's address towards the servers (its route's source)."""
+        route = subprocess.run(["ip", "route", "get", self.ips[self.remote[0]]],
+                               capture_output=True, text=True, check=True).stdout
+        return route.split(" src ")[1].split()[0]
+
+    def lock_set(self, here: Lock, timeout_s: float) -> LockSet:
+        """This machine's network lock ``here`` (held even when no node runs here: its
+        cleanup would take what another run started) and every remote server's, in
+        :func:`topo.server_lock.lock_order` of their addresses, this machine's at its
+        address towards the servers."""
+        addresses = {s: self.ips[s] for s in self.remote}
+        addresses[LOCAL] = self._local_address() if self.remote else "127.0.0.1"
+        own = replace(self.access, control_dir="")  # outlives the shared connections
+        locks: dict[str, Lock] = {s: ServerLock(s, own.argv(self.ips[s]), timeout_s,
+                                                log=self.log) for s in self.remote}
+        locks[LOCAL] = here
+        return LockSet([locks[s] for s in lock_order(addresses)])
 
     def mininet(self) -> Any:
         """The spec's nodes and links in a ``MininetCluster`` (not built yet)."""
