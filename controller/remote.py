@@ -337,10 +337,11 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any], wait_s: float = 30.0) 
 _LOCKED_CLEANUP = """import sys
 from topo.cleanup import cleanup
 from topo.lock import LockTimeout, NetLock
+from topo.remote_delayline import remove_folders
 try:
     with NetLock(timeout_s=float(sys.argv[1])):
         print("network lock taken")
-        print("\\n".join(cleanup()))
+        print("\\n".join(cleanup() + remove_folders()))
 except LockTimeout as exc:
     print(exc)
     sys.exit(3)

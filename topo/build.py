@@ -165,7 +165,6 @@ class Network:
         plan = build_plan(spec, self.caps)
         if self.cluster is not None:
             self.cluster.precheck()
-            self.cluster.require_shapeable(self.mechanisms, self._netem)
             self.cluster.record_clocks("start")
         self.removed_at_start = self._cleanup()
         for line in self.removed_at_start:
@@ -189,8 +188,7 @@ class Network:
         # Without netem every delay and loss; with it only a seeded loss.
         if not self._netem or self._seeded:
             for host, imps in _impairments(spec, netem=self._netem).items():
-                # Its rules go in on the host's own server (topo.cluster allows only
-                # rules, no delay line, on another server).
+                # Its rules and its delay line go in on the host's own server.
                 hi = HostImpairment(host, self.pid(host), imps,
                                     tc=self._on_server(self.tc, host))
                 # Appended first: a start that fails halfway is still torn down.

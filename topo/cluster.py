@@ -41,7 +41,6 @@ from mininet.nodelib import LinuxBridge
 from agents.core.cluster_config import ClusterConfig
 from topo import clocks
 from topo.placement import LOCAL, crossings, node_servers, servers_used
-from topo.plan import impairments
 from topo.server_lock import Lock, LockSet, ServerLock, lock_order
 from topo.spec import NetSpec, SpecError
 
@@ -246,21 +245,6 @@ class Cluster:
             raise SpecError("\n".join([*wrong, "every server needs the same gradbed, "
                                        "Mininet and torch (docs/cluster.md)"]))
 
-    def require_shapeable(self, mechanisms: Mapping[str, str | None], netem: bool) -> None:
-        """Refuse what is not built on another server yet, naming it: a delay or a seeded
-        loss arriving at a host there (its NFQUEUE delay line is a process of this
-        machine, watched through its files here). HTB, bfifo, netem, netfilter's unseeded
-        loss rules and a trace's rate changes (``tc class change``) are plain commands
-        and run over ssh on any server."""
-        for host, imps in impairments(self.spec, netem=netem).items():
-            if self.where[host] != LOCAL and any(i.queued for i in imps):
-                raise SpecError(
-                    f"host {host} on {self.where[host]}: a delay or seeded loss by the "
-                    "NFQUEUE delay line on another server is not supported: the delay line "
-                    "is a process of this machine, watched through its files and /proc "
-                    "here (netem, or unseeded netfilter loss, works there; or place the "
-                    "host here)")
-
     def record_clocks(self, when: str) -> None:
         """Measure every remote server's clock offset now (min-RTT ping-pong over its
         ssh session) into ``clocks[when]``."""
@@ -350,7 +334,8 @@ class Cluster:
     def cleanup(self) -> list[str]:
         """``topo.cleanup`` on every remote server over ssh: what this run's names left
         there, nothing else. One line per removed thing, prefixed with its server."""
-        code = "from topo.cleanup import cleanup; print('\\n'.join(cleanup()))"
+        code = ("from topo.cleanup import cleanup; from topo.remote_delayline import "
+                "remove_folders; print('\\n'.join(cleanup() + remove_folders()))")
         out = []
         for s in self.remote:
             p = self.ssh(s, f"cd {shlex.quote(str(REPO))} && "
