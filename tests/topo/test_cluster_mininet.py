@@ -73,8 +73,8 @@ def _all_pairs_reach(net: Network, hosts: list[str]) -> None:
 def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(cluster):
     c = cluster
     _, s1, s2 = c.servers  # the first server stays free for the second network below
-    # 10 ms each way on the bottleneck: without netem, an NFQUEUE delay line in every
-    # host, run on that host's server.
+    # 10 ms on the bottleneck: without netem, an NFQUEUE delay line in every host, run on
+    # that host's server.
     cfg = cfgmod.load("configs/demo.toml", [
         "net.workers=4", "net.delay_ms=10", "net.loss_pct=0", "trace.up=\"\"",
         f'cluster.servers=["{s1}", "{s2}"]',
@@ -99,11 +99,13 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(cluster):
             assert float(clock["error_s"]) < 1.0  # a loaded 2-core machine
         # Every host reaches every other; ps <-> wK crosses the VXLAN tunnel.
         _all_pairs_reach(net, list(spec.host_names()))
-        # The delay lines on both servers hold each way's 10 ms, as on one machine.
+        # The delay lines on both servers give the ping RTT this star has on one machine
+        # (10.1-10.3 ms measured there), within 5 %.
         rtt = net.run("w3", ["ping", "-c", "5", "-i", "0.2", net.ip("ps")]).stdout
         min_ms = float(rtt.split(" = ")[-1].split("/")[0])
-        assert 20.0 <= min_ms <= 21.0, rtt
-        delay_lines = c.ssh(s2, "ps -eo args | grep -c '[t]opo.delayline'").stdout
+        assert 10.0 <= min_ms <= 10.5, rtt
+        delay_lines = c.ssh(s2, "ps -eo args | grep -c '^[^ ]*python[0-9.]* -m "
+                                "topo[.]delayline'").stdout
         assert int(delay_lines) == 4, delay_lines  # w0..w3's, there
         # A worker's end of the tunnel: VXLAN, the run's MTU, shaped on its server.
         link = net.run("w0", ["ip", "-d", "link", "show", "w0-eth0"]).stdout
