@@ -20,15 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import pandas as pd
-
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.files import write_atomic_with
 from agents.core.links import LINK_COLUMNS
 from agents.net import auth
 from agents.net.control import control_path
-from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
 from controller.class_sampler import ClassSampler
@@ -41,7 +38,6 @@ from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
-from controller.summary import summarize
 from controller.warm import WarmStarter
 from topo.build import Network
 from topo.placement import LOCAL, servers_used
@@ -51,7 +47,11 @@ from topo.shapes import shape_spec
 from topo.shapes.star import star_spec
 from topo.spec import NetSpec, SpecError
 
+# pandas (with analysis.load and controller.summary) is imported when the run's tables are
+# written, not at the start: the controller's own start is on every run's critical path.
 if TYPE_CHECKING:  # Mininet Cluster Edition is imported only for a run over several servers
+    import pandas as pd
+
     from controller.remote import RemoteAgents
     from topo.cluster import SshAccess
 
@@ -126,6 +126,8 @@ class LinkSampler(PeriodicSampler):
 
 def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The link samples as ``links.parquet`` holds them (agents/core/links.py's columns)."""
+    import pandas as pd
+
     return pd.DataFrame(rows, columns=list(LINK_COLUMNS))
 
 
@@ -451,6 +453,9 @@ class Experiment:
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        from analysis.load import load_events
+        from controller.summary import summarize
+
         # A full disk may fail any of these but the summary, for which room was kept.
         rundir.convert_events(run_dir)
         links = sampler.frame() if sampler is not None else links_frame([])
