@@ -38,7 +38,7 @@ from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
-from controller.warm import WarmStarter
+from controller.warm import WarmStarter, warm_for_agents
 from topo.build import Network
 from topo.placement import LOCAL, servers_used
 from topo.plan import build_plan, describe_impairments, describe_plan
@@ -135,7 +135,8 @@ class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False, spec: NetSpec | None = None,
-                 report: bool = True, notes: Sequence[str] = ()) -> None:
+                 report: bool = True, notes: Sequence[str] = (),
+                 warm: WarmStarter | None = None) -> None:
         # Relative file names in a config built in Python are the caller's; the agents run
         # elsewhere (controller.paths).
         self.cfg = resolve_paths(cfg, Path.cwd())
@@ -146,6 +147,10 @@ class Experiment:
         self.quiet = quiet
         # False: no report/index.html (a sweep writes one report for all its runs).
         self.report = report
+        # The agents' warm process when the caller started it early (``gradbed run`` does,
+        # before its checks); the run then owns it and closes it at its teardown. None: the
+        # run starts its own (controller.warm.warm_for_agents).
+        self._warm = warm
         self.run_dir: Path | None = None
         self._logf: IO[str] | None = None
         self._bar: Any = None
@@ -289,11 +294,9 @@ class Experiment:
         try:
             ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
                                 guard=cfg.guard)
-            if os.environ.get("GRADBED_WARM", "1") != "0":
-                # Imports torch once while the network is built; each agent of this
-                # machine's hosts is a fork of it.
-                starter = WarmStarter(agent_environment(os.environ, str(rundir.REPO_ROOT),
-                                                        cfg.run.allocator))
+            # Imports torch once while the network is built (or since the command began);
+            # each agent of this machine's hosts is a fork of it.
+            starter = self._warm or warm_for_agents(cfg.run.allocator)
             with Network(self.spec, log=self.say, caps=caps, access=self._access,
                          spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end

@@ -16,6 +16,10 @@ child writes its argv over the warm process's, so ``ps``, ``gradbed cleanup`` an
 ``/proc/PID/cmdline`` see ``python -m agents.dp.worker ...``); what is shared is only the
 import work done before the fork.
 
+``gradbed run`` starts its warm process (:func:`warm_for_agents`) as soon as its config is
+loaded, so that torch's import overlaps the command's checks, the controller's own imports
+and the network's build; closed before any agent was asked for, it is killed at once.
+
 The warm process is started with the agents' own environment (``controller.agent_env``:
 ``GLIBC_TUNABLES`` and ``OMP_NUM_THREADS`` are read when the interpreter and torch load,
 so they must be the warm process's own). A request whose environment differs from it, a
@@ -330,6 +334,10 @@ class WarmStarter:
         except OSError:
             pass
         self.sock.close()
+        if not self.ready and self.proc.poll() is None:
+            # Never asked for an agent, so it has no child: killed now rather than waited
+            # for until its imports are done (a command that ends on a bad file or folder).
+            self.proc.kill()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -405,6 +413,17 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
+
+
+def warm_for_agents(allocator: str) -> WarmStarter | None:
+    """The warm process for one run's agents, started now (its torch import runs while the
+    caller goes on); None when ``GRADBED_WARM=0`` (every agent a fresh interpreter).
+    ``allocator``: the run's ``run.allocator``, which sets the agents' environment."""
+    if os.environ.get("GRADBED_WARM", "1") == "0":
+        return None
+    from controller.agent_env import agent_environment
+
+    return WarmStarter(agent_environment(os.environ, str(REPO), allocator))
 
 
 _WARM: list[WarmStarter] = []

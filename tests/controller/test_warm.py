@@ -114,3 +114,15 @@ def test_close_before_ready_leaves_no_log():
     time.sleep(0.5)
     s.close()
     assert not s.log.exists(), s.log.read_text()
+
+
+def test_close_before_ready_kills_it_at_once():
+    """``gradbed run`` starts the warm process before its checks: a command that then ends
+    on a bad file or folder must not wait for torch's import to finish first."""
+    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
+    t0 = time.monotonic()
+    s.close()
+    # Killed, not the exit it makes once imported, and without waiting for the import
+    # (2 s of CPU at best here).
+    assert s.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 1.5
+    assert not s.log.exists(), s.log.read_text()
