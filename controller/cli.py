@@ -79,7 +79,7 @@ def run_main(argv: Sequence[str]) -> int:
     if os.geteuid() == 0 and not (args.dry_run or args.cli):
         from controller.warm import warm_for_agents
 
-        warm = warm_for_agents(cfg.run.allocator)
+        warm = warm_for_agents(cfg.run.allocator, cfg.workload.name)
     try:
         return _checked_run(args, argv, cfg, notes, warm)
     finally:

@@ -296,7 +296,7 @@ class Experiment:
                                 guard=cfg.guard)
             # Imports torch once while the network is built (or since the command began);
             # each agent of this machine's hosts is a fork of it.
-            starter = self._warm or warm_for_agents(cfg.run.allocator)
+            starter = self._warm or warm_for_agents(cfg.run.allocator, cfg.workload.name)
             with Network(self.spec, log=self.say, caps=caps, access=self._access,
                          spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end

@@ -126,3 +126,20 @@ def test_close_before_ready_kills_it_at_once():
     # (2 s of CPU at best here).
     assert s.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 1.5
     assert not s.log.exists(), s.log.read_text()
+
+
+def test_a_runs_warm_process_preloads_its_agents_imports_and_its_data_reader(tmp_path):
+    env = {**os.environ, "GRADBED_PROBE": "warm"}
+    plain = WarmStarter(env)
+    for_digits = WarmStarter(env, workload="digits_mlp")
+    try:
+        seen = []
+        for s in (plain, for_digits):
+            proc, out = _show(s, tmp_path, env=env)
+            assert proc.wait(timeout=60) == 0
+            seen.append(json.loads(out.read_text())["preloaded"])
+        assert seen == [[], ["agents.net.wire", "sklearn.datasets"]]
+    finally:
+        plain.close()
+        for_digits.close()
+    assert not for_digits.log.exists(), for_digits.log.read_text()  # nothing failed
