@@ -62,7 +62,9 @@ def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
 def png_bytes(fig: Figure) -> bytes:
     """The figure as PNG bytes (for embedding in HTML)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    # The canvas's own print draws the figure once; ``savefig`` draws it twice with a
+    # layout engine (once to lay out, once to render): the same pixels at twice the cost.
+    FigureCanvasAgg(fig).print_png(buf)
     return buf.getvalue()
 
 
