@@ -77,11 +77,14 @@ def run_main(argv: Sequence[str]) -> int:
     # The agents' warm process starts now, before the checks and the network: its torch
     # import (seconds of CPU) overlaps all of them. The run closes it at its teardown;
     # here it is closed when the command ends before that (a bad trace, a bad --out).
+    # The kernel's probe (a throwaway namespace, a qdisc trial each) runs beside them too.
     warm = None
     if os.geteuid() == 0 and not (args.dry_run or args.cli):
         from controller.warm import warm_for_agents
+        from topo.probe import probe_in_background
 
         warm = warm_for_agents(cfg.run.allocator, cfg.workload.name)
+        probe_in_background()
     try:
         return _checked_run(args, argv, cfg, notes, warm)
     finally:
