@@ -1,5 +1,5 @@
 """The report's PNGs (``analysis.plots.png_bytes``): the pixels ``savefig`` makes, drawn once
-rather than twice (a constrained layout otherwise costs a full draw of its own)."""
+rather than twice (with a constrained layout, savefig first draws once only to lay out)."""
 
 from __future__ import annotations
 
