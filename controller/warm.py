@@ -121,6 +121,9 @@ def _serve(sock: socket.socket, workload: str = "") -> None:
                 _tell(sock, {"exited": pid, "status": status})
 
 
+#: ``workload`` for a warm process that serves agents of any workload (the loopback tests'
+#: and benchmarks' one per process, :func:`spawn`): every workload's ``warm_imports``.
+EVERY_WORKLOAD = "*"
 #: What every agent of a run imports of the project before it works (its wire, handshake,
 #: compressors, config and events): imported once here instead of in each agent.
 AGENT_IMPORTS = ("agents.core.config", "agents.core.events", "agents.net.wire",
@@ -141,7 +144,8 @@ def _preload(workload: str) -> None:
             importlib.import_module(module)
         from agents.workloads.base import WORKLOADS
 
-        WORKLOADS.get(workload).warm_imports()
+        for name in WORKLOADS.names() if workload == EVERY_WORKLOAD else [workload]:
+            WORKLOADS.get(name).warm_imports()
     except Exception:  # noqa: BLE001 - any failure is the agent's to report
         print(f"warm process: preloading for workload {workload!r} failed (the agents "
               f"import it themselves):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -238,7 +242,8 @@ class WarmStarter:
     to be forked (the agents' own; default this process's). The warm process imports
     torch while the caller goes on (building the network, say): the first request waits
     for it. workload: a run's ``workload.name``; the warm process then also imports what
-    that run's agents import (:func:`_preload`). Empty: torch, numpy and cryptography only.
+    that run's agents import (:func:`_preload`; :data:`EVERY_WORKLOAD`: what the agents of
+any workload import). Empty: torch, numpy and cryptography only.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None, workload: str = "") -> None:
@@ -486,7 +491,7 @@ def spawn(argv: list[str], *, cwd: Path | str, stdin: Any = None, stdout: Any = 
     this process's one warm process (started at the first call), or a fresh interpreter
     when it may not be (see the module docstring)."""
     if os.environ.get("GRADBED_WARM", "1") != "0" and not _WARM:
-        _WARM.append(WarmStarter())
+        _WARM.append(WarmStarter(workload=EVERY_WORKLOAD))
     proc = _WARM[0].spawn(argv, cwd=cwd, stdin=stdin, stdout=stdout,
                           stderr=stderr) if _WARM else None
     if proc is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.warm import WarmStarter
+from controller.warm import WarmStarter, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="entering a namespace needs root")
@@ -143,3 +143,13 @@ def test_a_runs_warm_process_preloads_its_agents_imports_and_its_data_reader(tmp
         plain.close()
         for_digits.close()
     assert not for_digits.log.exists(), for_digits.log.read_text()  # nothing failed
+
+
+@pytest.mark.skipif(os.environ.get("GRADBED_WARM") == "0", reason="no warm process asked for")
+def test_the_loopback_warm_process_preloads_what_agents_of_any_workload_import(tmp_path):
+    out = tmp_path / "seen.json"
+    with open(out, "wb") as f:
+        proc = spawn([sys.executable, "-m", "tests.support.show_self"], cwd=REPO, stdout=f,
+                     stderr=subprocess.STDOUT)
+    assert proc.wait(timeout=60) == 0
+    assert json.loads(out.read_text())["preloaded"] == ["agents.net.wire", "sklearn.datasets"]
