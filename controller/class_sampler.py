@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from array import array
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from agents.core.class_samples import CLASS_COLUMNS
 from agents.core.events import now_ns
@@ -21,6 +20,9 @@ from agents.core.files import write_atomic_with
 from controller.sampler import PeriodicSampler
 from topo import qdisc
 from topo.build import Network
+
+if TYPE_CHECKING:  # imported when the table is made: not at every controller's start
+    import pandas as pd
 
 _INT_COLUMNS = ("ts_ns", "sent_bytes", "data_bytes", "sent_pkts", "drops", "overlimits",
                 "backlog_bytes")
@@ -56,6 +58,8 @@ class ClassSampler(PeriodicSampler):
             self.rate_mbps.append(self.net.rate_mbps(dev) or 0.0)
 
     def frame(self) -> pd.DataFrame:
+        import pandas as pd
+
         n = len(self.point_index)
         data: dict[str, object] = {c: list(self.cols[c][:n]) for c in _INT_COLUMNS}
         data["point"] = [self.points[i][0] for i in self.point_index[:n]]
