@@ -41,12 +41,11 @@ from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from agents.net import admission, codec, protocol, wire
+from agents.net.answering import MAX_UNAUTHENTICATED_BYTES
 from agents.net.codec import FrameError, MsgType
 
 #: The whole handshake's deadline unless the caller passes another (guard.handshake_timeout_s).
 DEFAULT_TIMEOUT_S = 5.0
-#: What a peer that has not proved its key may make this end read, all frames together.
-MAX_UNAUTHENTICATED_BYTES = 64 * 1024
 #: accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
 ACCEPT_BACKOFF_S = (0.01, 1.0)
 #: How long a refusal (an ERROR frame) may take to write: a peer that does not read
@@ -94,12 +93,12 @@ def dial(sock: socket.socket, dialer: protocol.Dialer, *, run_tag: int, name: st
         iteration = dialer.receive_welcome(reader.last_header, h, body)
     except (FrameError, protocol.Rejected, OSError) as e:
         why = _why(e)
-        _report(log, "dial", name, dialer.welcome_from, start_s, why)
+        report_handshake(log, "dial", name, dialer.welcome_from, start_s, why)
         raise HandshakeError(f"{name}: {dialer.role} {dialer.node or dialer.me}: {why}",
                              why) from e
     finally:
         sock.settimeout(old)
-    _report(log, "dial", name, dialer.welcome_from, start_s, "")
+    report_handshake(log, "dial", name, dialer.welcome_from, start_s, "")
     assert dialer.session is not None
     return dialer.session, iteration
 
@@ -131,15 +130,15 @@ def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, na
                   me, 0, name, mac=session.down)
     except (FrameError, OSError) as e:
         why = _why(e)
-        _report(log if log_refusal else None, "answer", name, _claimed(answerer.hello),
-                start_s, why)
+        report_handshake(log if log_refusal else None, "answer", name,
+                         _claimed(answerer.hello), start_s, why)
         _refuse(sock, run_tag, why)
         who = (f"{answerer.hello.role} {answerer.hello.node or answerer.hello.worker}"
                if answerer.hello is not None else "an unknown peer")
         raise HandshakeError(f"{name}: {who}: refused: {why}", why) from e
     finally:
         sock.settimeout(old)
-    _report(log, "answer", name, _claimed(answerer.hello), start_s, "")
+    report_handshake(log, "answer", name, _claimed(answerer.hello), start_s, "")
     return session
 
 
@@ -180,8 +179,10 @@ def _claimed(hello: codec.Hello | None) -> tuple[str, int] | None:
     return None if hello is None else (hello.role, hello.worker)
 
 
-def _report(log: EventSink | None, end: str, name: str, peer: tuple[str, int] | None,
-            start_s: float, error: str) -> None:
+def report_handshake(log: EventSink | None, end: str, name: str,
+                     peer: tuple[str, int] | None, start_s: float, error: str) -> None:
+    """One ``handshake`` event for ``log`` (none when None): which end, which link, who the
+    peer said it was, how long it took, and the error (empty when it passed)."""
     if log is None:
         return
     role, index = peer if peer is not None else (None, None)
