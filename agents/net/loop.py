@@ -14,7 +14,8 @@ role that uses it (asyncio's ``selector_events.py`` is the model).
 One thread runs the loop and its handler: reader and sender threads per connection
 handed every message over through a queue, and on a busy 2-core host those hand-overs,
 not the network, set an iteration's pace (docs/fidelity.md). The data-parallel PS
-(``agents.dp.ps``) and the pipeline's PS (``agents.pipeline.stage_ps``) run on it.
+(``agents.dp.ps``), the pipeline's PS (``agents.pipeline.stage_ps``) and the controller's
+control server (``controller.control``) run on it.
 """
 
 from __future__ import annotations

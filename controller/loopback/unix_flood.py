@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import select
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: The first bytes of a gradbed frame header: what a slow peer trickles.
@@ -45,12 +48,15 @@ def flood(path: str, n: int, trickle_s: float, seconds: float) -> None:
     """Keep ``n`` slow connections to ``path`` open for ``seconds``, as far as the far end
     lets them stay; prints ``open`` once the first ``n`` are made, and ``opened M`` (all
     connections made) when it ends."""
+    _room_for(n + 64)
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
     live: dict[int, tuple[socket.socket, int]] = {}  # fd -> (socket, bytes sent)
     poller = select.poll()
     opened, said_open = 0, False
     end = time.monotonic() + seconds
     next_byte = time.monotonic()
-    while time.monotonic() < end:
+    while time.monotonic() < end and not stop:
         for _ in range(min(n - len(live), n if opened < n else REOPEN_PER_ROUND)):
             s = _open(path)
             if s is None:
@@ -77,18 +83,39 @@ def flood(path: str, n: int, trickle_s: float, seconds: float) -> None:
     print(f"opened {opened}", flush=True)
 
 
+def _room_for(fds: int) -> None:
+    """Raise this process's descriptor limit to ``fds`` where it is lower (root may)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < fds:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fds, max(hard, fds)))
+        except (ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+@dataclass
+class Flood:
+    """A running flood: its processes' ``pids``; once it has ended, ``opened``: the
+    connections they made in all (each refused one reopened)."""
+
+    pids: list[int]
+    opened: int = 0
+    said: list[str] = field(default_factory=list)
+
+
 @contextmanager
 def unix_flood(path: Path, *, processes: int, per_process: int, trickle_s: float = 1.0,
-               seconds: float = 600.0, ready_s: float = 60.0) -> Iterator[list[int]]:
+               seconds: float = 600.0, ready_s: float = 60.0) -> Iterator[Flood]:
     """``processes`` flooders of ``path``, ``per_process`` slow connections each; yields
-    their pids once every flooder has made its first ``per_process`` (or ``ready_s``
-    passed); they are killed on exit."""
+    the :class:`Flood` once every flooder has made its first ``per_process`` (or
+    ``ready_s`` passed); they are stopped (and their count of connections read) on exit."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "controller.loopback.unix_flood", str(path), str(per_process),
          f"--trickle-s={trickle_s}", f"--seconds={seconds}"],
         stdout=subprocess.PIPE, text=True, env=env) for _ in range(processes)]
+    flood = Flood([p.pid for p in procs])
     try:
         deadline = time.monotonic() + ready_s
         for p in procs:
@@ -97,11 +124,19 @@ def unix_flood(path: Path, *, processes: int, per_process: int, trickle_s: float
                 r, _, _ = select.select([p.stdout], [], [], deadline - time.monotonic())
                 if not r or p.stdout.readline().startswith("open") or p.poll() is not None:
                     break
-        yield [p.pid for p in procs]
+        yield flood
     finally:
         for p in procs:
-            p.kill()
-            p.wait()
+            p.terminate()
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+            for line in out.splitlines():
+                if line.startswith("opened "):
+                    flood.opened += int(line.split()[1])
 
 
 def main() -> None:

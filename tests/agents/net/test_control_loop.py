@@ -107,7 +107,7 @@ def test_one_thread_serves_thousands_of_slow_connections_and_an_agent_gets_throu
     srv = ControlServer(path, got.append, key_for,
                         guard=GuardConfig(handshake_timeout_s=1.0))
     try:
-        with unix_flood(path, processes=6, per_process=400) as flooders:
+        with unix_flood(path, processes=6, per_process=400) as flood:
             _wait(lambda: sum(m.get("count", 0) for m in got
                               if m.get("type") == "control_refused") >= 2000,
                   f"the flood was refused: {got[-3:]}")
@@ -127,19 +127,20 @@ def test_one_thread_serves_thousands_of_slow_connections_and_an_agent_gets_throu
     assert threads - threads_before == 1, "the control plane is one thread"
     # Admitted handshakes (8 per flooder), a pipe from each flooder, and a few of our own
     # (the listening socket, the selector, the wake-up pair).
-    assert fds - fds_before <= 6 * 8 + len(flooders) + 6, (fds, fds_before)
+    assert fds - fds_before <= 6 * 8 + len(flood.pids) + 6, (fds, fds_before)
     assert connect_s < 2.0, connect_s
     refused = [m for m in got if m.get("type") == "control_refused"]
     by_reason: dict[str, int] = {}
     for m in refused:
         by_reason[m["reason"]] = by_reason.get(m["reason"], 0) + m["count"]
-    assert by_reason.get("handshake timed out", 0) >= len(flooders) * 8, by_reason
+    assert by_reason.get("handshake timed out", 0) >= len(flood.pids) * 8, by_reason
     # The rest are closed unread: over the per-process bound, or over its connects a second.
     assert (by_reason.get("8 unauthenticated connections already", 0)
             + by_reason.get("more than 64 connections a second", 0)) >= 2000, by_reason
     # Aggregated: a handful of reports per (source, reason) per second, not one each.
     assert len(refused) < sum(by_reason.values()) / 20, (len(refused), by_reason)
-    assert {m["source"] for m in refused} <= {pid_source(p) for p in flooders}
+    assert {m["source"] for m in refused} <= {pid_source(p) for p in flood.pids}
+    assert flood.opened >= 2400, flood.opened
     assert [m["node"] for m in got if m.get("type") == "hello"] == ["w0"]
 
 
