@@ -1,5 +1,6 @@
-"""The answering end of the run's handshake as a feed of bytes, for an event loop: the
-sans-I/O twin of :func:`agents.net.handshake.answer` (h11's ``Connection`` is the model).
+"""The answering end of the run's handshake as a feed of bytes (h11's ``Connection`` is
+the model): what an event loop drives (the controller's control server) and what the
+blocking :func:`agents.net.handshake.answer` drives, one implementation for both.
 
 A server on :mod:`agents.net.loop` cannot block in ``answer`` for a peer that trickles a
 byte a second: one such peer would hold every other connection. :class:`AnswerFeed`
@@ -40,12 +41,13 @@ class AnswerFeed:
     """One accepted connection's handshake, fed with the bytes it sends.
 
     ``welcome``: this end's ``(role, index)``, said in the WELCOME sealed under the session
-    (proving this end holds the key too). :meth:`receive` raises FrameError (a
+    (proving this end holds the key too); None when the caller welcomes later itself (the
+    data-parallel PS admits a worker at an iteration boundary, with the weights). :meth:`receive` raises FrameError (a
     :class:`agents.net.protocol.ProtocolError` for a refusal by the state machine) naming
     what was wrong; the caller then refuses the peer (:meth:`refusal`) and closes it."""
 
     def __init__(self, answerer: protocol.Answerer, *, run_tag: int,
-                 welcome: tuple[str, int]) -> None:
+                 welcome: tuple[str, int] | None) -> None:
         self.answerer = answerer
         self.run_tag = run_tag
         self.welcome = welcome
@@ -56,8 +58,24 @@ class AnswerFeed:
 
     @property
     def done(self) -> bool:
-        """The peer proved its key and the WELCOME is what :meth:`receive` returned last."""
+        """The peer proved its key (and the WELCOME, if any, is what :meth:`receive`
+        returned last)."""
         return self.session is not None
+
+    def want(self) -> int:
+        """How many more bytes complete the next frame (its header first): what a blocking
+        reader asks for, so that it reads nothing past the handshake. Raises FrameError
+        for a header already in that is refused."""
+        if self.done:
+            return 0
+        if len(self._buf) < HEADER_SIZE:
+            return HEADER_SIZE - len(self._buf)
+        h = self._header()
+        return HEADER_SIZE + h.payload_len - len(self._buf)
+
+    def _header(self) -> codec.FrameHeader:
+        most = protocol.expected_payload_bytes(self.answerer.state)
+        return codec.decode_header(self._buf, expect_tag=self.run_tag, max_payload_bytes=most)
 
     def receive(self, data: bytes) -> bytes:
         """Take ``data`` (what the socket gave now); returns the bytes to write back."""
@@ -83,8 +101,7 @@ class AnswerFeed:
         """The next complete frame in the buffer, checked, or None while one is arriving."""
         if len(self._buf) < HEADER_SIZE:
             return None
-        most = protocol.expected_payload_bytes(self.answerer.state)
-        h = codec.decode_header(self._buf, expect_tag=self.run_tag, max_payload_bytes=most)
+        h = self._header()
         end = HEADER_SIZE + h.payload_len
         if len(self._buf) < end:
             return None
@@ -94,12 +111,14 @@ class AnswerFeed:
         return h, body
 
     def _answer(self, h: codec.FrameHeader, body: bytes) -> bytes:
-        me = self.welcome[1]
+        me = self.welcome[1] if self.welcome is not None else 0
         if self.answerer.state is protocol.AnswererState.AWAIT_HELLO:
             challenge = self.answerer.receive_hello(h, body)
             return sealed_frame(challenge, MsgType.CHALLENGE, run_tag=self.run_tag, worker=me)
         session = self.answerer.receive_proof(h, body)
         self.session = session
+        if self.welcome is None:
+            return b""
         return sealed_frame(codec.hello_payload(*self.welcome), MsgType.WELCOME,
                             run_tag=self.run_tag, worker=me, mac=session.down)
 
