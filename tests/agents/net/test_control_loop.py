@@ -164,3 +164,70 @@ def test_an_expected_agent_gets_its_own_slot_while_floods_hold_every_shared_one(
     finally:
         srv.close()
     assert [m["node"] for m in got if m.get("type") == "hello"] == ["w0"]
+
+
+# What ``ssh -R`` is to a cluster's control plane: one process that accepts on the server's
+# socket and opens a connection to the controller's for each (controller/remote.py).
+FORWARDER = """
+import os, socket, sys, threading
+def pump(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+srv = socket.socket(socket.AF_UNIX)
+srv.bind(sys.argv[1])
+srv.listen(4096)
+print("ready", flush=True)
+while True:
+    a, _ = srv.accept()
+    b = socket.socket(socket.AF_UNIX)
+    try:
+        b.connect(sys.argv[2])
+    except OSError:
+        a.close()
+        continue
+    for x, y in ((a, b), (b, a)):
+        threading.Thread(target=pump, args=(x, y), daemon=True).start()
+"""
+
+
+def test_connections_forwarded_by_one_process_are_admitted_as_that_process(
+        tmp_path: Path) -> None:
+    """Admission holds behind a forwarder: every forwarded connection is the forwarder's
+    (SO_PEERCRED), so a flood behind it is held to one source's slots, and a real agent
+    behind it still authenticates end to end once a slot is free."""
+    import subprocess
+    import sys
+
+    got: list[dict[str, Any]] = []
+    local, remote = tmp_path / "control.sock", tmp_path / "remote.sock"
+    srv = ControlServer(local, got.append, key_for,
+                        guard=GuardConfig(max_handshakes_per_source=2, handshake_timeout_s=1.0))
+    fwd = subprocess.Popen([sys.executable, "-c", FORWARDER, str(remote), str(local)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert fwd.stdout is not None and fwd.stdout.readline().strip() == "ready"
+        with unix_flood(remote, processes=2, per_process=50, trickle_s=5.0, seconds=3.0):
+            _wait(lambda: sum(m.get("count", 0) for m in got
+                              if m.get("type") == "control_refused") >= 50, f"{got[-3:]}")
+        time.sleep(1.5)  # the flood is over and its admitted handshakes timed out
+        agent = ControlClient(remote, "w0", auth.node_key(MASTER, "w0"), heartbeat_s=None)
+        agent.send("iter_done", iter=1)
+        _wait(lambda: any(m.get("type") == "iter_done" for m in got), "the report")
+        agent.close()
+    finally:
+        fwd.kill()
+        fwd.wait()
+        srv.close()
+    refused = [m for m in got if m.get("type") == "control_refused"]
+    assert {m["source"] for m in refused} == {pid_source(fwd.pid)}, refused
+    reasons = {m["reason"] for m in refused}
+    assert "2 unauthenticated connections already" in reasons, reasons
+    assert [m["node"] for m in got if m.get("type") == "hello"] == ["w0"]
