@@ -107,6 +107,11 @@ class RemoteAgents:
     def is_remote(self, host: str) -> bool:
         return self.where.get(host, LOCAL) != LOCAL
 
+    def control_pid(self, host: str) -> int:
+        """The ssh process that forwards ``host``'s server's control connections here: what
+        the control socket's ``SO_PEERCRED`` says of every agent of that server."""
+        return self._links[self.where[host]].pid
+
     def ssh(self, server: str, command: str, stdin: bytes | None = None,
             timeout_s: float = SSH_TIMEOUT_S) -> subprocess.CompletedProcess[bytes]:
         argv = [*self.access.argv(self.ips[server]), command]

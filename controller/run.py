@@ -29,7 +29,7 @@ from agents.net.control import control_path
 from controller import rundir
 from controller.agent_env import agent_environment
 from controller.class_sampler import ClassSampler
-from controller.control import ControlServer
+from controller.control import ControlServer, pid_source
 from controller.driver import check_driver
 from controller.exit_status import failed_start_reason, signal_reason, status_for
 from controller.paths import resolve_paths
@@ -179,6 +179,7 @@ class Experiment:
                                 "leave cluster.servers = [\"localhost\"] (docs/cluster.md)")
             self._access = SshAccess.from_config(self.cfg.cluster)
         self._remote: RemoteAgents | None = None
+        self._ctl: ControlServer | None = None
         # The run's master key lives in this process only; agents get theirs on stdin.
         self._master = auth.new_master()
         self._net: Network | None = None
@@ -203,8 +204,15 @@ class Experiment:
             pass  # a full disk: the line is lost, the run goes on and its summary has room
 
     def _on_report(self, msg: dict[str, Any]) -> None:
-        """Reports from agents over the control socket (runs on its thread)."""
+        """Reports from agents over the control socket, and its own refusals (runs on the
+        control server's thread)."""
         kind, node = msg.get("type"), msg.get("node")
+        if kind == "control_refused":
+            # What keyless peers tried at the control socket, aggregated by its server.
+            if self.events is not None:
+                self.events.emit("refused", source=msg.get("source"), reason=msg.get("reason"),
+                                 count=msg.get("count"), example=msg.get("error"))
+            return
         if self.runner is not None:
             self.runner.on_report(msg)
         progress = self.runner.progress_nodes if self.runner is not None else set()
@@ -294,6 +302,7 @@ class Experiment:
         try:
             ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
                                 guard=cfg.guard)
+            self._ctl = ctl
             # Imports torch once while the network is built (or since the command began);
             # each agent of this machine's hosts is a fork of it.
             starter = self._warm or warm_for_agents(cfg.run.allocator, cfg.workload.name)
@@ -431,6 +440,13 @@ class Experiment:
             p = net.popen(cmd.host, argv, stdin=subprocess.PIPE, stdout=log,
                           stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
                           start_new_session=True)
+        if self._ctl is not None:
+            # Its control connection comes from its own process (SO_PEERCRED), or from the
+            # ssh that forwards its server's: either keeps a slot of its own in a flood.
+            forwarder = (self._remote.control_pid(cmd.host)
+                         if self._remote is not None and self._remote.is_remote(cmd.host)
+                         else p.pid)
+            self._ctl.expect(pid_source(forwarder, os.getuid()))
         assert p.stdin is not None
         p.stdin.write(auth.bundle_for(self._master, cmd.host, cmd.links).encode())
         p.stdin.flush()

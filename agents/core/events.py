@@ -156,7 +156,8 @@ _declare("worker_lost", "ps", "a worker's connection failed or sent garbage",
          worker="index", reason="why")
 _declare("frame_error", "ps", "a malformed or unauthenticated frame, or a failed socket call",
          peer="address:port", worker="index when known", error="the message")
-_declare("refused", "any agent that listens (agents.net.handshake.accept_forever)",
+_declare("refused", "any agent that listens (agents.net.handshake.accept_forever), and the "
+         "controller for its control socket (controller.control)",
          "connections refused at admission or in the handshake, aggregated: at most one "
          "event per (source, reason) per guard.refusal_report_interval_s",
          source="the peer's address (no port)", reason="why, in a few fixed words",
