@@ -41,7 +41,7 @@ from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
-from controller.summary import summarize
+from controller.summary import class_sample_ms, summarize
 from controller.warm import WarmStarter
 from topo.build import Network
 from topo.placement import LOCAL, servers_used
@@ -306,8 +306,8 @@ class Experiment:
                 net.set_congestion_control(cfg.net.congestion)
                 sampler = LinkSampler(net)
                 sampler.start()
-                if cfg.topo.class_sample_ms > 0:
-                    class_sampler = ClassSampler(net, cfg.topo.class_sample_ms / 1000)
+                if (period_ms := class_sample_ms(cfg, net.cluster is not None)) > 0:
+                    class_sampler = ClassSampler(net, period_ms / 1000)
                     class_sampler.start()
                 from controller.driver import NetworkDriver
 
@@ -458,7 +458,9 @@ class Experiment:
             run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
             "links.parquet", self.say)
         events = load_events(run_dir, allow_empty=True)
-        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
+        classes = run_dir / "classes.parquet"
+        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason,
+                            pd.read_parquet(classes) if classes.exists() else None)
         rundir.write_summary(run_dir, summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}

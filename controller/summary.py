@@ -19,7 +19,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import agent_limited, headline, upload_windows, workers_lost
+from analysis.metrics import (
+    agent_limited,
+    agent_limited_points,
+    busiest_point_windows,
+    headline,
+    merged_windows,
+    upload_windows,
+    workers_lost,
+)
+from analysis.moe import dispatch_table
 from analysis.pipeline import pipeline_metrics
 
 
@@ -46,21 +55,38 @@ def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]
             else None}
 
 
-def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any]
-                      ) -> tuple[bool | None, str]:
+#: The HTB class sample period (ms) of an MoE or pipeline run whose config leaves
+#: ``topo.class_sample_ms`` at 0: their transfers cross every access link of the fabric,
+#: which only the class sampler reads, and a stage's send or a dispatch lasts a few to a
+#: few tens of ms at 1 Gbit/s. 5 ms resolves them for about 2 % of a core (8 points).
+FABRIC_CLASS_SAMPLE_MS = 5.0
+#: The fabric roles whose ``agent_limited`` rests on the class samples.
+FABRIC_ROLES = ("expert", "stage")
+
+
+def class_sample_ms(cfg: Any, remote: bool) -> float:
+    """The HTB class sample period the controller runs (ms; 0 = none): the config's
+    ``topo.class_sample_ms``, else :data:`FABRIC_CLASS_SAMPLE_MS` for an MoE or pipeline
+    run all on this machine (class counters are read over rtnetlink, here only)."""
+    t = cfg.topo
+    if t.class_sample_ms > 0 or remote:
+        return float(t.class_sample_ms)
+    return FABRIC_CLASS_SAMPLE_MS if t.role in FABRIC_ROLES else 0.0
+
+
+def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
+                      classes: pd.DataFrame | None = None) -> tuple[bool | None, str]:
     """:func:`analysis.metrics.agent_limited` over the run's transfer windows: a PS run's
-    upload windows after warm-up on its up bottleneck; ``(None, why)`` for a run whose
-    windows the controller's link samples do not cover."""
+    upload windows after warm-up on its up bottleneck; a pipeline's stages' sends and an
+    MoE run's dispatches (after warm-up), each on the busiest access link of the HTB
+    class samples ``classes`` (``classes.parquet``); ``(None, why)`` for a run whose
+    windows the samples do not cover."""
     if events.empty:
         return None, "no events: the run moved no data"
-    if int(cfg.get("pipeline", {}).get("stages", 0)) > 0:
-        return None, ("a pipeline run's stage links are shaped per pair of stages, not at "
-                      "the bottleneck the link sampler watches; see the stages' bubble")
-    if cfg.get("topo", {}).get("role") == "expert":
-        return None, ("an MoE run's dispatch windows cross every access link, which only "
-                      "the HTB class sampler (topo.class_sample_ms) reads; benchmarks/moe.py "
-                      "measures them")
     warmup = int(cfg["run"].get("warmup_iterations", 0))
+    pipeline = int(cfg.get("pipeline", {}).get("stages", 0)) > 0
+    if pipeline or cfg.get("topo", {}).get("role") == "expert":
+        return _fabric_agent_limited(events, cfg, classes, warmup, pipeline)
     windows = [w for w in upload_windows(events) if w[0] >= warmup]
     if not windows:
         return None, ("no upload windows (send_done to grads_in): not a parameter-server "
@@ -68,9 +94,37 @@ def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, 
     return agent_limited(links, windows, "up")
 
 
+def _fabric_agent_limited(events: pd.DataFrame, cfg: dict[str, Any],
+                          classes: pd.DataFrame | None, warmup: int, pipeline: bool
+                          ) -> tuple[bool | None, str]:
+    what = "pipeline" if pipeline else "MoE"
+    if classes is None or classes.empty:
+        return None, (f"no HTB class samples (classes.parquet): a {what} run's transfers "
+                      "cross every access link, which only the class sampler reads, and it "
+                      "reads only this machine's links")
+    if pipeline:
+        windows = merged_windows(events, ("pp_send", "pp_ps_send"))
+    else:
+        rows = [{str(k): v for k, v in r.items()}
+                for r in events[events["event"] == "moe_phase"].to_dict("records")]
+        rate_mbps = float(cfg.get("net", {}).get("worker_link_mbps", 0)) or 1.0
+        try:
+            windows = [(int(d["iter"]), int(d["start_ns"]), int(d["end_ns"]))
+                       for d in dispatch_table(rows, rate_mbps)]
+        except ValueError as e:  # a dispatch of no duration: a run cut short
+            return None, f"the MoE dispatch windows are unusable: {e}"
+    windows = [w for w in windows if w[0] >= warmup]
+    if not windows:
+        return None, f"no {what} transfer windows after warm-up: no step completed"
+    samples = classes.rename(columns={"point": "direction"})
+    return agent_limited_points(samples, busiest_point_windows(samples, windows))
+
+
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
-              wall_s: float, interrupted: bool, stop_reason: str) -> dict[str, Any]:
-    """The summary of one run from its events, link samples and config (as a dict)."""
+              wall_s: float, interrupted: bool, stop_reason: str,
+              classes: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The summary of one run from its events, link samples, config (as a dict) and HTB
+    class samples (``classes.parquet``, where the run took them)."""
     run = cfg["run"]
     warmup = int(run.get("warmup_iterations", 0))
     out: dict[str, Any] = {"workers": int(cfg["net"]["workers"]), "wall_s": round(wall_s, 3),
@@ -86,7 +140,7 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
             and (events["event"] == "pp_action").any():
         out["pipeline"] = pipeline_summary(events, pc)
         out["iterations"] = out["pipeline"]["steps"]
-    out["agent_limited"], out["agent_limited_why"] = run_agent_limited(events, links, cfg)
+    out["agent_limited"], out["agent_limited_why"] = run_agent_limited(events, links, cfg, classes)
     out.update({"interrupted": interrupted, "stop_reason": stop_reason})
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v)
             for k, v in out.items()}

@@ -54,3 +54,33 @@ def test_windows_outside_the_samples_are_unknown() -> None:
     assert limited is None and "unknown" in why
     empty = samples(0.5, 0).iloc[:0]
     assert metrics.agent_limited(empty, WINDOW)[0] is None
+
+
+def two_points(busy: float, backlog_bytes: int = 0) -> pd.DataFrame:
+    """Samples of two access links: ``a.up`` delivers ``busy`` of its rate, ``b.up`` a
+    tenth of that (the acknowledgements of what ``a`` sends)."""
+    a = samples(busy, backlog_bytes).assign(direction="a.up")
+    b = samples(busy / 10, 0).assign(direction="b.up")
+    return pd.concat([a, b], ignore_index=True)
+
+
+def test_each_window_goes_to_the_link_that_carried_most() -> None:
+    links = two_points(0.5)
+    got = metrics.busiest_point_windows(links, WINDOW + [(1, 9_000_000_000, 9_100_000_000)])
+    assert got == {"a.up": WINDOW}  # the window past the samples is left out
+    limited, why = metrics.agent_limited_points(links, got)
+    assert limited is True and "a.up" in why and "0.50" in why
+    assert metrics.agent_limited_points(two_points(0.95), got)[0] is False
+    assert metrics.agent_limited_points(two_points(0.5, 200_000), got)[0] is False
+    # The busy fraction is pooled over every point's windows: 0.5 and 0.05 of the rate.
+    both = metrics.agent_limited_points(links, {"a.up": WINDOW, "b.up": WINDOW})
+    assert both[0] is True and "0.28" in both[1]
+
+
+def test_a_nodes_overlapping_sends_merge_into_one_window() -> None:
+    ev = pd.DataFrame({
+        "event": ["pp_send", "pp_send", "pp_ps_send", "pp_send", "pp_action"],
+        "node": ["s0", "s0", "s0", "s1", "s0"], "iter": [0, 0, 1, 0, 0],
+        "start_ns": [100, 150, 400, 120, 0], "end_ns": [200, 300, 500, 130, 999]})
+    got = metrics.merged_windows(ev, ("pp_send", "pp_ps_send"))
+    assert got == [(0, 100, 300), (0, 120, 130), (1, 400, 500)]

@@ -132,3 +132,55 @@ def test_agent_limited_follows_the_upload_windows_busy_fraction() -> None:
     assert s["agent_limited"] is None and "pipeline" in s["agent_limited_why"]
     s = summarize(ev.iloc[:0], links, _cfg(0), 3.0, False, "done")
     assert s["agent_limited"] is None and s["agent_limited_why"]
+
+
+def _fabric_classes(busy: float, backlog_bytes: int = 0) -> pd.DataFrame:
+    """HTB class samples every 5 ms of two 100 Mbit/s access links over 2 s: ``gbh0.up``
+    delivers ``busy`` of its rate from 0.5 s to 1.5 s and nothing else, ``gbh1.up`` a
+    tenth of that (its acknowledgements)."""
+    rows = []
+    for point, share in (("gbh0.up", 1.0), ("gbh1.up", 0.1)):
+        for k in range(401):
+            t = k * 5_000_000
+            on_s = min(max(t / S - 0.5, 0.0), 1.0)
+            rows.append({"ts_ns": t, "point": point, "dev": point.replace(".up", "-eth0"),
+                         "sent_bytes": int(on_s * busy * share * 100e6 / 8),
+                         "backlog_bytes": backlog_bytes if 0.5 * S <= t <= 1.5 * S else 0,
+                         "rate_mbps": 100.0})
+    return pd.DataFrame(rows)
+
+
+def _fabric_events(role: str) -> tuple[pd.DataFrame, dict]:
+    """One step's transfers from 0.5 s to 1.5 s: a pipeline stage's two sends back to back,
+    or two MoE hosts' dispatch (counts, then tokens)."""
+    cfg = {"net": {"workers": 2, "worker_link_mbps": 100.0}, "run": {"warmup_iterations": 0},
+           "topo": {"role": role}}
+    if role == "stage":
+        cfg["pipeline"] = {"stages": 2}
+        rows = [{"event": k, "node": "s0", "iter": 0, "ts_ns": e, "start_ns": s, "end_ns": e}
+                for k, s, e in (("pp_send", S // 2, S), ("pp_ps_send", S, 3 * S // 2))]
+        return pd.DataFrame(rows), cfg
+    rows = []
+    for h in ("e0", "e1"):
+        for phase, s, e in (("dispatch_counts", S // 2, 6 * S // 10),
+                            ("dispatch_tokens", 6 * S // 10, 3 * S // 2)):
+            rows.append({"event": "moe_phase", "node": h, "iter": 0, "ts_ns": e, "layer": 0,
+                         "phase": phase, "start_ns": s, "end_ns": e, "dur_s": (e - s) / S,
+                         "bytes_up": 1000, "bytes_down": 1000, "payload_up": 900,
+                         "payload_down": 900})
+    return pd.DataFrame(rows), cfg
+
+
+@pytest.mark.parametrize("role", ["stage", "expert"])
+def test_fabric_runs_are_judged_on_the_busiest_access_link(role) -> None:
+    ev, cfg = _fabric_events(role)
+    links = pd.DataFrame(columns=["ts_ns", "direction", "sent_bytes", "rate_mbps"])
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.5))
+    assert s["agent_limited"] is True, s["agent_limited_why"]
+    assert "gbh0.up" in s["agent_limited_why"] and "0.50" in s["agent_limited_why"]
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
+    assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.5, 100_000))
+    assert s["agent_limited"] is False and "queue" in s["agent_limited_why"]
+    s = summarize(ev, links, cfg, 2.0, False, "done", None)
+    assert s["agent_limited"] is None and "class samples" in s["agent_limited_why"]
