@@ -622,28 +622,25 @@ def busiest_point_windows(links: pd.DataFrame, windows: Sequence[tuple[int, int,
     return out
 
 
-def merged_windows(events: pd.DataFrame, kinds: Sequence[str]
-                   ) -> list[tuple[int, int, int]]:
-    """``(iteration, start_ns, end_ns)`` of every stretch in which a node was writing data
-    (events of ``kinds`` with ``start_ns`` and ``end_ns``, e.g. a pipeline stage's
-    ``pp_send``), the overlapping or touching intervals of each node merged; the
-    iteration is the first interval's."""
-    ev = events[events["event"].isin(list(kinds))]
-    if ev.empty or "start_ns" not in ev or "end_ns" not in ev:
-        return []
-    ev = ev.dropna(subset=["start_ns", "end_ns"])
+def merge_windows(intervals: Iterable[tuple[str, int, int, int]]
+                  ) -> list[tuple[int, int, int]]:
+    """``(iteration, start_ns, end_ns)`` windows from ``(key, iteration, start_ns,
+    end_ns)`` intervals (a key per sender), each key's overlapping or touching intervals
+    merged into one whose iteration is its first interval's; in start order, empty ones
+    left out."""
+    by_key: dict[str, list[tuple[int, int, int]]] = {}
+    for key, it, s, e in intervals:
+        by_key.setdefault(key, []).append((s, e, it))
     out: list[tuple[int, int, int]] = []
-    for _, g in ev.groupby(ev["node"].astype(str)):
-        g = g.sort_values("start_ns")
+    for spans in by_key.values():
         cur: list[int] | None = None
-        for it, s, e in zip(g["iter"].to_numpy(), g["start_ns"].to_numpy(dtype=np.int64),
-                            g["end_ns"].to_numpy(dtype=np.int64), strict=True):
+        for s, e, it in sorted(spans):
             if cur is not None and s <= cur[2]:
-                cur[2] = max(cur[2], int(e))
+                cur[2] = max(cur[2], e)
                 continue
             if cur is not None:
                 out.append((cur[0], cur[1], cur[2]))
-            cur = [int(it), int(s), int(e)]
+            cur = [it, s, e]
         if cur is not None:
             out.append((cur[0], cur[1], cur[2]))
     return [w for w in sorted(out, key=lambda w: w[1]) if w[2] > w[1]]
@@ -681,8 +678,9 @@ def agent_limited_points(links: pd.DataFrame,
     ``(None, reason)`` without a window inside the samples.
     """
     points = [p for p, w in windows.items() if w]
-    where = (f"the {points[0]} link" if len(points) == 1 else
-             f"the links ({', '.join(sorted(points)[:4])}{', ...' if len(points) > 4 else ''})")
+    where = (f"the {points[0]} link was" if len(points) == 1 else
+             f"the links ({', '.join(sorted(points)[:4])}{', ...' if len(points) > 4 else ''})"
+             " were")
     delivered = allowed = 0.0
     inside: list[float] = []
     for p in points:
@@ -701,15 +699,15 @@ def agent_limited_points(links: pd.DataFrame,
     queue = float(np.median(inside))
     limited = busy < AGENT_LIMITED_BUSY and queue <= AGENT_LIMITED_QUEUE_BYTES
     if limited:
-        why = (f"agent-limited: {where} was busy {busy:.2f} of the transfer "
+        why = (f"agent-limited: {where} busy {busy:.2f} of the transfer "
                f"windows (< {AGENT_LIMITED_BUSY}) with no queue at the shaper (median "
                f"backlog {queue:.0f} B): data waited in the agents, not in the network, so "
                "the times measure gradbed on this machine")
     elif busy < AGENT_LIMITED_BUSY:
-        why = (f"network-limited: {where} was busy {busy:.2f} of the transfer "
+        why = (f"network-limited: {where} busy {busy:.2f} of the transfer "
                f"windows, but its shaper held a queue (median backlog {queue:.0f} B)")
     else:
-        why = (f"network-limited: {where} was busy {busy:.2f} of the transfer "
+        why = (f"network-limited: {where} busy {busy:.2f} of the transfer "
                f"windows (>= {AGENT_LIMITED_BUSY})")
     return limited, why
 

@@ -24,12 +24,11 @@ from analysis.metrics import (
     agent_limited_points,
     busiest_point_windows,
     headline,
-    merged_windows,
     upload_windows,
     workers_lost,
 )
 from analysis.moe import dispatch_table
-from analysis.pipeline import pipeline_metrics
+from analysis.pipeline import pipeline_metrics, transfer_windows
 
 
 def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]:
@@ -77,8 +76,9 @@ def class_sample_ms(cfg: Any, remote: bool) -> float:
 def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
                       classes: pd.DataFrame | None = None) -> tuple[bool | None, str]:
     """:func:`analysis.metrics.agent_limited` over the run's transfer windows: a PS run's
-    upload windows after warm-up on its up bottleneck; a pipeline's stages' sends and an
-    MoE run's dispatches (after warm-up), each on the busiest access link of the HTB
+    upload windows after warm-up on its up bottleneck; a pipeline's stage-to-stage
+    messages (:func:`analysis.pipeline.transfer_windows`) and an MoE run's dispatches
+    (:func:`analysis.moe.dispatch_table`), after warm-up, each on the busiest access link of the HTB
     class samples ``classes`` (``classes.parquet``); ``(None, why)`` for a run whose
     windows the samples do not cover."""
     if events.empty:
@@ -103,7 +103,7 @@ def _fabric_agent_limited(events: pd.DataFrame, cfg: dict[str, Any],
                       "cross every access link, which only the class sampler reads, and it "
                       "reads only this machine's links")
     if pipeline:
-        windows = merged_windows(events, ("pp_send", "pp_ps_send"))
+        windows = transfer_windows(events)
     else:
         rows = [{str(k): v for k, v in r.items()}
                 for r in events[events["event"] == "moe_phase"].to_dict("records")]

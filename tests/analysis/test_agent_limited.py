@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from analysis import metrics
+from analysis import pipeline as analysis_pipeline
 
 RATE_MBPS = 100.0
 BYTES_PER_S = RATE_MBPS * 1e6 / 8
@@ -77,10 +78,32 @@ def test_each_window_goes_to_the_link_that_carried_most() -> None:
     assert both[0] is True and "0.28" in both[1]
 
 
-def test_a_nodes_overlapping_sends_merge_into_one_window() -> None:
-    ev = pd.DataFrame({
-        "event": ["pp_send", "pp_send", "pp_ps_send", "pp_send", "pp_action"],
-        "node": ["s0", "s0", "s0", "s1", "s0"], "iter": [0, 0, 1, 0, 0],
-        "start_ns": [100, 150, 400, 120, 0], "end_ns": [200, 300, 500, 130, 999]})
-    got = metrics.merged_windows(ev, ("pp_send", "pp_ps_send"))
-    assert got == [(0, 100, 300), (0, 120, 130), (1, 400, 500)]
+def test_a_senders_overlapping_windows_merge_into_one() -> None:
+    got = metrics.merge_windows([("s0", 0, 100, 200), ("s0", 0, 150, 300), ("s1", 0, 120, 130),
+                                 ("s0", 1, 400, 500), ("s0", 1, 300, 350), ("s1", 2, 7, 7)])
+    assert got == [(0, 100, 350), (0, 120, 130), (1, 400, 500)]
+
+
+def test_a_pipeline_message_lasts_from_its_send_to_its_arrival() -> None:
+    ev = pd.DataFrame([
+        # r0s0 -> r0s1 activation, r0s1 -> r0s0 gradient, and replica 1's activation.
+        {"event": "pp_send", "node": "r0s0", "iter": 0, "kind": "SA", "mb": 1, "chunk": 0,
+         "to": 1, "start_ns": 100, "end_ns": 110},
+        {"event": "pp_recv", "node": "r0s1", "iter": 0, "kind": "RA", "mb": 1, "chunk": 0,
+         "from_stage": 0, "arrived_ns": 180},
+        {"event": "pp_send", "node": "r0s1", "iter": 0, "kind": "SG", "mb": 1, "chunk": 0,
+         "to": 0, "start_ns": 200, "end_ns": 205},
+        {"event": "pp_recv", "node": "r0s0", "iter": 0, "kind": "RG", "mb": 1, "chunk": 0,
+         "from_stage": 1, "arrived_ns": 260},
+        {"event": "pp_send", "node": "r1s0", "iter": 1, "kind": "SA", "mb": 5, "chunk": 0,
+         "to": 1, "start_ns": 300, "end_ns": 301},
+        # The same micro-batch's activation reached replica 0's stage 1 too late to match
+        # replica 1's send: only r1s1's arrival counts.
+        {"event": "pp_recv", "node": "r1s1", "iter": 1, "kind": "RA", "mb": 5, "chunk": 0,
+         "from_stage": 0, "arrived_ns": 390},
+        {"event": "pp_recv", "node": "r0s1", "iter": 1, "kind": "RA", "mb": 5, "chunk": 0,
+         "from_stage": 0, "arrived_ns": 999},
+    ])
+    assert analysis_pipeline.transfer_windows(ev) == [(0, 100, 180), (0, 200, 260),
+                                                     (1, 300, 390)]
+    assert analysis_pipeline.transfer_windows(ev[ev["event"] == "pp_send"]) == []

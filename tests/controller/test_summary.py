@@ -151,14 +151,19 @@ def _fabric_classes(busy: float, backlog_bytes: int = 0) -> pd.DataFrame:
 
 
 def _fabric_events(role: str) -> tuple[pd.DataFrame, dict]:
-    """One step's transfers from 0.5 s to 1.5 s: a pipeline stage's two sends back to back,
-    or two MoE hosts' dispatch (counts, then tokens)."""
+    """One step's transfers from 0.5 s to 1.5 s: a pipeline stage's two activations back to
+    back, each from its send to its arrival, or two MoE hosts' dispatch (counts, then
+    tokens)."""
     cfg = {"net": {"workers": 2, "worker_link_mbps": 100.0}, "run": {"warmup_iterations": 0},
            "topo": {"role": role}}
     if role == "stage":
         cfg["pipeline"] = {"stages": 2}
-        rows = [{"event": k, "node": "s0", "iter": 0, "ts_ns": e, "start_ns": s, "end_ns": e}
-                for k, s, e in (("pp_send", S // 2, S), ("pp_ps_send", S, 3 * S // 2))]
+        rows = [{"event": "pp_send", "node": "s0", "iter": 0, "ts_ns": S // 2 + 1000,
+                 "kind": "SA", "mb": mb, "chunk": 0, "to": 1, "start_ns": s,
+                 "end_ns": s + 1000} for mb, s in ((0, S // 2), (1, S))]
+        rows += [{"event": "pp_recv", "node": "s1", "iter": 0, "ts_ns": e, "kind": "RA",
+                  "mb": mb, "chunk": 0, "from_stage": 0, "arrived_ns": e}
+                 for mb, e in ((0, S), (1, 3 * S // 2))]
         return pd.DataFrame(rows), cfg
     rows = []
     for h in ("e0", "e1"):

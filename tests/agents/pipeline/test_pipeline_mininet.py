@@ -2,11 +2,13 @@
 every access link shaped both ways at 100 Mbit/s; each schedule runs to completion, its
 loss falls, the per-host timeline shows every action of every stage, and the PS's
 evaluation gives the summary its final accuracy. Two replicas of a 2-stage pipeline average
-through the PS with the planner's data-parallel bytes."""
+through the PS with the planner's data-parallel bytes, and the summary says whether the
+agents or the links set the pace of the stages' sends."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -68,5 +70,10 @@ def test_two_replicas_average_through_the_ps_on_the_fabric(tmp_path):
     for (r, s), v in want.items():
         for key in (f"r{r}s{s}->ps", f"ps->r{r}s{s}"):
             assert abs(got[key] - v) <= 0.01 * v, (key, got[key], v)
+    # The stages' sends were judged on the access links' class samples, which the
+    # controller took by itself.
+    run_summary = summary(run_dir)
+    assert isinstance(run_summary["agent_limited"], bool), run_summary["agent_limited_why"]
+    assert re.search(r"gbh\d\.(up|down).* busy \d\.\d\d", run_summary["agent_limited_why"]), run_summary
     assert leftovers() == []
 
