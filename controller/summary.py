@@ -103,7 +103,12 @@ def _fabric_agent_limited(events: pd.DataFrame, cfg: dict[str, Any],
                       "cross every access link, which only the class sampler reads, and it "
                       "reads only this machine's links")
     if pipeline:
-        windows = transfer_windows(events)
+        # A message's last byte reaches its receiver the path's one-way delay (the fabric
+        # delays each host's up link) after the link let it out: the network's, not the
+        # agents' time.
+        delay_ns = int(float(cfg.get("net", {}).get("delay_ms", 0.0)) * 1e6)
+        windows = [(i, s, e - delay_ns) for i, s, e in transfer_windows(events)
+                   if e - delay_ns > s]
     else:
         rows = [{str(k): v for k, v in r.items()}
                 for r in events[events["event"] == "moe_phase"].to_dict("records")]

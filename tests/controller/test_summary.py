@@ -189,3 +189,15 @@ def test_fabric_runs_are_judged_on_the_busiest_access_link(role) -> None:
     assert s["agent_limited"] is False and "queue" in s["agent_limited_why"]
     s = summarize(ev, links, cfg, 2.0, False, "done", None)
     assert s["agent_limited"] is None and "class samples" in s["agent_limited_why"]
+
+
+def test_a_pipeline_message_late_by_the_paths_delay_is_not_the_agents() -> None:
+    ev, cfg = _fabric_events("stage")
+    late = ev["event"] == "pp_recv"
+    ev.loc[late, "arrived_ns"] = ev.loc[late, "arrived_ns"] + S // 5  # 200 ms after
+    links = pd.DataFrame(columns=["ts_ns", "direction", "sent_bytes", "rate_mbps"])
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
+    assert s["agent_limited"] is True and "0.81" in s["agent_limited_why"]
+    cfg["net"]["delay_ms"] = 200.0
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
+    assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
