@@ -859,8 +859,9 @@ GLOSSARY: dict[str, str] = {
                     "[jain_mean_over_windows]",
     "drops_up": "packets the up bottleneck's queue dropped",
     "agent_limited": "the shaped link idle while data waited in the agents: busy < 0.9 of "
-                     "the transfer windows with no queue at the shaper; null when unknown "
-                     "[agent_limited]",
+                     "the transfer windows (PS uploads; pipeline messages and MoE "
+                     "dispatches on their busiest access link) with no queue at the "
+                     "shaper; null when unknown [agent_limited_points]",
     "agent_limited_why": "agent_limited in words, with the busy fraction and the backlog",
     "time_to_target_s": "from training start to the first evaluation at run.target_accuracy "
                         "(s) [time_to_accuracy]",
