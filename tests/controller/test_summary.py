@@ -3,11 +3,14 @@ the warm-up iterations left out of the iteration-time percentiles and utilisatio
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
+from agents.core import config as cfgmod
 from analysis.metrics import upload_window_utilization, upload_windows
-from controller.summary import summarize
+from controller.summary import FABRIC_CLASS_SAMPLE_MS, class_sample_ms, summarize
 
 S = 1_000_000_000  # ns
 
@@ -201,3 +204,14 @@ def test_a_pipeline_message_late_by_the_paths_delay_is_not_the_agents() -> None:
     cfg["net"]["delay_ms"] = 200.0
     s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
     assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
+
+
+def test_moe_and_pipeline_runs_sample_the_classes_unless_told_or_remote() -> None:
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("moe.toml", "pipeline.toml"):
+        cfg = cfgmod.load(configs / name)
+        assert class_sample_ms(cfg, remote=False) == FABRIC_CLASS_SAMPLE_MS
+        assert class_sample_ms(cfg, remote=True) == 0.0
+        told = cfgmod.load(configs / name, ["topo.class_sample_ms=2"])
+        assert class_sample_ms(told, remote=False) == 2.0
+    assert class_sample_ms(cfgmod.load(configs / "wire_utilization.toml"), remote=False) == 0.0
