@@ -41,7 +41,7 @@ from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
-from controller.summary import class_sample_ms, summarize
+from controller.summary import class_sample_ms, read_classes, summarize
 from controller.warm import WarmStarter
 from topo.build import Network
 from topo.placement import LOCAL, servers_used
@@ -458,9 +458,8 @@ class Experiment:
             run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
             "links.parquet", self.say)
         events = load_events(run_dir, allow_empty=True)
-        classes = run_dir / "classes.parquet"
         summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason,
-                            pd.read_parquet(classes) if classes.exists() else None)
+                            read_classes(run_dir / "classes.parquet"))
         rundir.write_summary(run_dir, summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}

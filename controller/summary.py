@@ -14,6 +14,7 @@ schedule (BYE) is not lost.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,16 @@ def class_sample_ms(cfg: Any, remote: bool) -> float:
     if t.class_sample_ms > 0 or remote:
         return float(t.class_sample_ms)
     return FABRIC_CLASS_SAMPLE_MS if t.role in FABRIC_ROLES else 0.0
+
+
+def read_classes(path: Path) -> pd.DataFrame | None:
+    """The run's HTB class samples (``classes.parquet``), or None where the run took none
+    or the file cannot be read (a full disk cut it short): the summary is written anyway,
+    its ``agent_limited`` null with the reason."""
+    try:
+        return pd.read_parquet(path) if path.exists() else None
+    except Exception:  # pyarrow raises its own types for a truncated file
+        return None
 
 
 def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],

@@ -1,5 +1,6 @@
-"""summary.json from synthetic events and link samples: the upload-window utilisation and
-the warm-up iterations left out of the iteration-time percentiles and utilisation."""
+"""summary.json from synthetic events, link and class samples: the upload-window
+utilisation, agent_limited of PS, pipeline and MoE runs, and the warm-up iterations left
+out of the iteration-time percentiles and utilisation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from agents.core import config as cfgmod
 from analysis.metrics import upload_window_utilization, upload_windows
-from controller.summary import FABRIC_CLASS_SAMPLE_MS, class_sample_ms, summarize
+from controller.summary import FABRIC_CLASS_SAMPLE_MS, class_sample_ms, read_classes, summarize
 
 S = 1_000_000_000  # ns
 
@@ -215,3 +216,12 @@ def test_moe_and_pipeline_runs_sample_the_classes_unless_told_or_remote() -> Non
         told = cfgmod.load(configs / name, ["topo.class_sample_ms=2"])
         assert class_sample_ms(told, remote=False) == 2.0
     assert class_sample_ms(cfgmod.load(configs / "wire_utilization.toml"), remote=False) == 0.0
+
+
+def test_unreadable_class_samples_leave_the_summary_to_say_unknown(tmp_path) -> None:
+    assert read_classes(tmp_path / "classes.parquet") is None
+    (tmp_path / "classes.parquet").write_bytes(b"PAR1 cut short")
+    assert read_classes(tmp_path / "classes.parquet") is None
+    _fabric_classes(0.5).to_parquet(tmp_path / "classes.parquet")
+    got = read_classes(tmp_path / "classes.parquet")
+    assert got is not None and len(got) == 802
