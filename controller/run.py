@@ -28,7 +28,7 @@ from agents.net import auth
 from agents.net.control import control_path
 from controller import rundir
 from controller.agent_env import agent_environment
-from controller.class_sampler import ClassSampler
+from controller.class_sampler import ClassSampler, class_sample_ms
 from controller.control import ControlServer, pid_source
 from controller.driver import check_driver
 from controller.exit_status import failed_start_reason, signal_reason, status_for
@@ -320,8 +320,8 @@ class Experiment:
                 net.set_congestion_control(cfg.net.congestion)
                 sampler = LinkSampler(net)
                 sampler.start()
-                if cfg.topo.class_sample_ms > 0:
-                    class_sampler = ClassSampler(net, cfg.topo.class_sample_ms / 1000)
+                if (period_ms := class_sample_ms(cfg, net.cluster is not None)) > 0:
+                    class_sampler = ClassSampler(net, period_ms / 1000)
                     class_sampler.start()
                 from controller.driver import NetworkDriver
 
@@ -473,7 +473,7 @@ class Experiment:
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
         from analysis.load import load_events
-        from controller.summary import summarize
+        from controller.summary import read_classes, summarize
 
         # A full disk may fail any of these but the summary, for which room was kept.
         rundir.convert_events(run_dir)
@@ -482,7 +482,8 @@ class Experiment:
             run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
             "links.parquet", self.say)
         events = load_events(run_dir, allow_empty=True)
-        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
+        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason,
+                            read_classes(run_dir / "classes.parquet"))
         rundir.write_summary(run_dir, summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}

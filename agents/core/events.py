@@ -227,6 +227,10 @@ _declare("pp_send", "stage", "a message written to the kernel by the stage's sen
          kind="SA (activation) or SG (gradient)", mb="micro-batch", chunk="model chunk",
          to="the receiving stage", bytes="bytes on the wire (frame included)",
          start_ns="start (CLOCK_MONOTONIC)", end_ns="end (CLOCK_MONOTONIC)")
+_declare("pp_recv", "stage", "a message from a neighbour stage was read whole by its "
+         "reader thread (before decoding)", kind="RA (activation) or RG (gradient)",
+         mb="micro-batch", chunk="model chunk", from_stage="the sending stage",
+         arrived_ns="its last byte read (CLOCK_MONOTONIC)")
 _declare("pp_step_done", "stage", "a pipeline step (all micro-batches and the optimizer) ended",
          step_s="wall seconds of the step", loss="mean loss of its micro-batches (last stage)",
          peak_held_bytes="peak activation bytes held so far",
