@@ -36,6 +36,7 @@ from controller.roles.torchrun import (
     RankPlan,
     check_gpus,
     check_script,
+    check_shaping,
     failure_time,
     rank_exit_codes,
     rank_plans,
@@ -63,6 +64,7 @@ class TorchrunExperiment(Experiment):
                  argv: list[str] | None = None, progress: bool = True, quiet: bool = False,
                  spec: NetSpec | None = None, gpus: int = 0, report: bool = True) -> None:
         script = check_script(cfg.torchrun.script)
+        check_shaping(cfg)
         python = cfg.torchrun.python or sys.executable
         cfg = cfgmod.from_dict({**cfg.to_dict(), "torchrun": {
             **cfg.torchrun.__dict__, "script": str(script), "python": python}})
