@@ -1,9 +1,11 @@
 """4 MoE expert hosts on the fabric at 100 Mbit/s, in real Mininet: training runs and the
-loss falls; the run leaves nothing behind."""
+loss falls; the summary says whether the agents or the links set the dispatches' pace;
+the run leaves nothing behind."""
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
-from tests.support.mininet_run import REPO, gradbed_run, leftovers
+from tests.support.mininet_run import REPO, gradbed_run, leftovers, summary
 from topo.qdisc import htb_burst_bytes
 
 pytestmark = [pytest.mark.mininet,
@@ -40,4 +42,10 @@ def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
         assert d["efficiency"] > 0
         assert d["payload_bytes"] <= d["phase_s"] * 12.5e6 * TCP_GOODPUT_FRACTION + burst, d
     assert [r for r in rows if r.get("event") == "eval"]
+    # The controller sampled every access link's class by itself, and the summary judged
+    # the dispatches on the busiest of them.
+    assert (run_dir / "classes.parquet").exists()
+    run_summary = summary(run_dir)
+    assert isinstance(run_summary["agent_limited"], bool), run_summary["agent_limited_why"]
+    assert re.search(r"gbh\d\.(up|down).* busy \d\.\d\d", run_summary["agent_limited_why"]), run_summary
     assert not leftovers()

@@ -2,11 +2,13 @@
 every access link shaped both ways at 100 Mbit/s; each schedule runs to completion, its
 loss falls, the per-host timeline shows every action of every stage, and the PS's
 evaluation gives the summary its final accuracy. Two replicas of a 2-stage pipeline average
-through the PS with the planner's data-parallel bytes."""
+through the PS with the planner's data-parallel bytes, and at 10 Mbit/s the summary says
+the links, not the agents, set the pace of the stages' messages."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -58,7 +60,10 @@ def test_two_replicas_average_through_the_ps_on_the_fabric(tmp_path):
     p, d = 2, 2
     run_dir, proc = gradbed_run("configs/pipeline.toml", [
         f"pipeline.stages={p}", f"pipeline.replicas={d}", f"topo.hosts={p * d + 1}",
-        "pipeline.schedule='gpipe'", "run.iterations=4"], tmp_path)
+        "pipeline.schedule='gpipe'", "run.iterations=4",
+        # 10 Mbit/s: each 16 KB activation takes 13 ms on the wire, so the links, not the
+        # agents, set the pace even on a loaded machine.
+        "net.worker_link_mbps=10"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = summary(run_dir)["pipeline"]["dp_link_bytes_per_step"]
     model = make_workload(cfgmod.load(run_dir / "config.toml").workload).build_model(0)
@@ -68,5 +73,10 @@ def test_two_replicas_average_through_the_ps_on_the_fabric(tmp_path):
     for (r, s), v in want.items():
         for key in (f"r{r}s{s}->ps", f"ps->r{r}s{s}"):
             assert abs(got[key] - v) <= 0.01 * v, (key, got[key], v)
+    # The stages' messages were judged on the access links' class samples, which the
+    # controller took by itself: busy links, so network-limited.
+    run_summary = summary(run_dir)
+    assert run_summary["agent_limited"] is False, run_summary["agent_limited_why"]
+    assert re.search(r"gbh\d\.(up|down).* busy \d\.\d\d", run_summary["agent_limited_why"]), run_summary
     assert leftovers() == []
 
