@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis import metrics, plots, timeline
+from analysis import metrics, plots, timeline, torchrun
 from analysis.load import Run, flatten, load_run, load_runs
 
 VENDOR = Path(__file__).resolve().parent / "vendor" / "uplot"
@@ -221,6 +221,7 @@ def _run_section(run: Run, label: str, ident: int) -> str:
                               if not isinstance(v, dict | list)}])
         parts.append("<h3>Summary</h3>" + _regime(run.summary)
                      + _transposed(summ, "number", ["value"]))
+    parts.append(_torchrun_hosts(run.summary))
     parts.append("<h3>Iteration time breakdown (mean per iteration, s)</h3>"
                  + _table(metrics.iteration_breakdown(run.events, by="node").reset_index()))
     parts.append(_img(plots.plot_bottleneck(run.links, "up"),
@@ -249,6 +250,25 @@ def _run_section(run: Run, label: str, ident: int) -> str:
     cfg["value"] = cfg["value"].map(str)
     parts.append("<details><summary>Resolved config</summary>" + _table(cfg) + "</details>")
     return "\n".join(parts)
+
+
+def _torchrun_hosts(summary: dict[str, Any]) -> str:
+    """A torchrun run's hosts (ranks, exit codes, bytes) and its shaping points' busy
+    fractions, from summary.json's ``torchrun`` section; "" for any other run."""
+    hosts = torchrun.host_table(summary)
+    if hosts.empty:
+        return ""
+    out = ("<h3>Hosts of the torchrun run: ranks, exit codes and bytes</h3>" + _table(hosts)
+           + '<p class="meta">payload: TCP payload of the ranks\' connections to other '
+             "hosts (sock_diag's bytes acked and received); store: the part sent to the "
+             "rendezvous store; local: over loopback or to the host's own address (no link "
+             "saw it); interface: the emulated interface's counters, headers and ACKs "
+             "included; allreduce_equivalent: the S a ring all-reduce sending the payload "
+             "would have reduced.</p>")
+    points = torchrun.points_table(summary)
+    if not points.empty:
+        out += "<h3>Shaping points: busy fraction</h3>" + _table(points)
+    return out
 
 
 def render_report(paths: Sequence[str | os.PathLike[str]]) -> str:

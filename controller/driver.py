@@ -88,14 +88,17 @@ class NetworkDriver:
                        for p in net.spec.places() if p.point.trace}
         self.active = frozenset(range(cfg.net.workers))
         # The rate policy shaping.policy names (agents/core/policies/), one per direction
-        # of the bottleneck (a shape without up/down points has none).
+        # of the bottleneck (a shape without up/down points has none). The downlink's caps
+        # are the PS pacing its own sockets: a run without the PS (gradbed torchrun, whose
+        # ranks all-reduce among themselves) has no downlink shaper.
         points = set(net.spec.point_names())
+        has_ps = any(h.role == "ps" for h in net.spec.hosts)
         self.shapers: dict[str, RatePolicy] = {
             d: make_rate_policy(cfg.shaping.policy, bottleneck_mbps=b, workers=cfg.net.workers,
                                 worker_link_mbps=cfg.net.worker_link_mbps,
                                 headroom=cfg.shaping.headroom)
             for d, b in (("up", cfg.net.bottleneck_mbps), ("down", cfg.net.down_mbps))
-            if d in points}
+            if d in points and (d == "up" or has_ps)}
         self.bottleneck_mbps = {"up": cfg.net.bottleneck_mbps, "down": cfg.net.down_mbps}
         self.start_ns = 0
         self._stop = threading.Event()

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agents.core.config import ExperimentConfig
+from agents.core.policies import make_rate_policy
 from controller.roles import Role, RoleCommand, RoleContext, register
 from topo.spec import HostSpec, NetSpec, SpecError
 
@@ -145,6 +146,39 @@ def check_gpus(cfg: ExperimentConfig, hosts: int, gpus: int) -> None:
                             f"{hosts} hosts, {gpus} GPU(s) found; use backend 'gloo'")
 
 
+def check_shaping(cfg: ExperimentConfig) -> None:
+    """Link/N caps reach a torchrun script's ranks only through tc: an HTB class on each
+    training host's uplink, set from outside the processes. ``pacing`` and ``pace_guard``
+    set SO_MAX_PACING_RATE on gradbed's own agents' sockets, over their control
+    connections; a script's sockets are its own, so they are refused by name."""
+    sh = cfg.shaping
+    if sh.method == "pacing":
+        raise TorchrunError("shaping.method = 'pacing' paces the sockets of gradbed's own "
+                            "agents; a torchrun script's sockets are its own: use "
+                            "shaping.method = 'tc' (an HTB cap on each host's uplink)")
+    if sh.method == "tc" and sh.pace_guard:
+        raise TorchrunError(f"shaping.pace_guard = {sh.pace_guard:g} paces the sockets of "
+                            "gradbed's own agents; a torchrun script's sockets are its own: "
+                            "set shaping.pace_guard = 0")
+
+
+def planned_mbps(cfg: ExperimentConfig, spec: NetSpec, host: HostSpec) -> float | None:
+    """The rate ``host`` may send at, as the adaptive hook's planned rate: its uplink's,
+    or under ``shaping.method = "tc"`` the link/N cap the driver sets on it (the rate
+    policy's first caps, the one definition of the cap)."""
+    rate = uplink_mbps(spec, host.name)
+    if cfg.shaping.method != "tc" or "up" not in spec.point_names():
+        return rate
+    policy = make_rate_policy(cfg.shaping.policy, bottleneck_mbps=cfg.net.bottleneck_mbps,
+                              workers=cfg.net.workers, worker_link_mbps=cfg.net.worker_link_mbps,
+                              headroom=cfg.shaping.headroom)
+    caps = {c.worker: c.rate_mbps for c in policy.initial()}
+    cap = caps.get(host.rank)
+    if cap is None:
+        return rate
+    return cap if rate is None else min(rate, cap)
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """One host's torchrun: its node rank, the global ranks it runs, argv and the
@@ -191,7 +225,7 @@ def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
                # gradbed.ddp (instrument, the adaptive hook) inside the script: where the
                # run's events go (log_dir is RUN/logs/ranks) and under which host.
                "GRADBED_RUN_DIR": str(log_dir.parent.parent), "GRADBED_HOST": h.name}
-        rate = uplink_mbps(spec, h.name)
+        rate = planned_mbps(cfg, spec, h)
         if rate is not None:  # the adaptive hook's planned rate
             env["GRADBED_LINK_MBPS"] = f"{rate:g}"
         if tr.backend == "nccl":

@@ -81,12 +81,22 @@ def torchrun_main(argv: Sequence[str]) -> int:
     if args.dry_run:
         return _dry_run(cfg)
     # The script, the shape and the GPUs are checked before any folder is made.
-    from controller.roles.torchrun import check_gpus, check_script, torchrun_spec, training_hosts
+    from controller.driver import check_driver
+    from controller.roles.torchrun import (
+        check_gpus,
+        check_script,
+        check_shaping,
+        torchrun_spec,
+        training_hosts,
+    )
     from topo.shapes import shape_spec
 
     try:
         check_script(cfg.torchrun.script)
-        hosts = training_hosts(torchrun_spec(shape_spec(cfg)))
+        check_shaping(cfg)
+        spec = torchrun_spec(shape_spec(cfg))
+        check_driver(cfg, spec)
+        hosts = training_hosts(spec)
         gpus = gpu_count() if cfg.torchrun.backend == "nccl" else 0
         check_gpus(cfg, len(hosts), gpus)
     except (TorchrunError, SpecError) as e:
@@ -137,6 +147,7 @@ def _dry_run(cfg: ExperimentConfig) -> int:
     from controller.roles.torchrun import (
         TorchrunError,
         check_script,
+        check_shaping,
         describe,
         rank_plans,
         torchrun_spec,
@@ -149,6 +160,7 @@ def _dry_run(cfg: ExperimentConfig) -> int:
 
     try:
         script = check_script(cfg.torchrun.script)
+        check_shaping(cfg)
         spec = torchrun_spec(shape_spec(cfg))
         lines = [line for line in plan_commands(cfg, probe(), spec)
                  if "torch.distributed.run" not in line]

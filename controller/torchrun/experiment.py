@@ -36,6 +36,7 @@ from controller.roles.torchrun import (
     RankPlan,
     check_gpus,
     check_script,
+    check_shaping,
     failure_time,
     rank_exit_codes,
     rank_plans,
@@ -63,6 +64,7 @@ class TorchrunExperiment(Experiment):
                  argv: list[str] | None = None, progress: bool = True, quiet: bool = False,
                  spec: NetSpec | None = None, gpus: int = 0, report: bool = True) -> None:
         script = check_script(cfg.torchrun.script)
+        check_shaping(cfg)
         python = cfg.torchrun.python or sys.executable
         cfg = cfgmod.from_dict({**cfg.to_dict(), "torchrun": {
             **cfg.torchrun.__dict__, "script": str(script), "python": python}})
@@ -298,7 +300,13 @@ class TorchrunExperiment(Experiment):
         if self.result.get("bypass"):
             stop_reason = f"failed: {self.result['bypass']}"
             self.stop_reason = stop_reason  # the exit status follows it (status 1)
-        super()._finalize(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
+        # The report reads the summary's torchrun section (the hosts' table): written once
+        # that section is in.
+        report, self.report = self.report, False
+        try:
+            super()._finalize(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
+        finally:
+            self.report = report
         self.result["exit_status"] = self.exit_status
         self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -317,6 +325,18 @@ class TorchrunExperiment(Experiment):
             "hosts": {p.host: {"argv": list(p.argv), "env": dict(p.env)}
                       for p in self.plans.values()}}
         rundir.write_json(run_dir / "meta.json", meta_now)
+        if self.report:
+            self._report(run_dir)
+
+    def _report(self, run_dir: Path) -> None:
+        try:
+            from analysis.report import write_report
+
+            write_report([run_dir], run_dir / "report")
+        except Exception as e:  # plots are a convenience; the data is what must survive
+            self.say(f"warning: report not written: {e}")
+            if not self.quiet:
+                print(f"warning: report not written: {e}", file=sys.stderr)
 
 
 def descendants(pid: int) -> list[int]:

@@ -5,6 +5,7 @@ and on a synthetic sweep."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -195,16 +196,57 @@ def test_report_of_a_run_killed_before_its_first_iteration(tmp_path: Path) -> No
     assert html.count("<img ") >= 4 and "Run run" in html
 
 
-def test_a_torchrun_runs_connections_get_a_plot(tmp_path: Path) -> None:
+def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(tmp_path: Path) -> None:
     """tcp.parquet (a ``gradbed torchrun`` run's sock_diag samples) adds one plot of the
-    connections between hosts; a run without it has none."""
+    connections between hosts, and summary.json's torchrun section a table of each host's
+    ranks, exit codes and bytes and one of each shaping point's busy fraction; a run
+    without them has none."""
     run = make_fake_run(tmp_path / "run", workers=2, iterations=4)
     without = write_report([run], tmp_path / "without").read_text(encoding="utf-8")
     base = int(pd.read_parquet(next((run / "events").glob("*.parquet")))["ts_ns"].min())
     fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["torchrun"] = fake_torchrun_section()
+    (run / "summary.json").write_text(json.dumps(summary))
     page = write_report([run], tmp_path / "with")
     html = page.read_text(encoding="utf-8")
     caption = "TCP connections between hosts (tcp.parquet"
     assert caption in html and caption not in without
     assert html.count("<img ") == without.count("<img ") + 1
+    heading = "Hosts of the torchrun run: ranks, exit codes and bytes"
+    assert heading in html and heading not in without
+    hosts = first_table(html.split(heading)[1])
+    assert [h["host"] for h in hosts] == ["gbh0", "gbh1"]
+    assert [h["exit_codes"] for h in hosts] == ["0:0, 1:0", "2:3, 3:running"]
+    assert [int(h["payload_sent_bytes"]) for h in hosts] == [6_000_123, 40]
+    assert [int(h["interface_tx_bytes"]) for h in hosts] == [6_300_000, 9_000]
+    points = first_table(html.split("Shaping points: busy fraction")[1])
+    assert points == [{"point": "gbh1.up", "busy_utilization": "0.8123"}]
     _check_page(page, tmp_path, min_images=without.count("<img ") + 1)
+
+
+def first_table(page: str) -> list[dict[str, str]]:
+    """The rows of the first <table> in ``page``, as {header: cell text}."""
+    table = page[page.index("<table"):page.index("</table>")]
+
+    def cells(row: str) -> list[str]:
+        return [re.sub(r"<[^>]+>", "", c).strip()
+                for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
+
+    rows = [cells(r) for r in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S)]
+    return [dict(zip(rows[0], r, strict=True)) for r in rows[1:]]
+
+
+def fake_torchrun_section() -> dict:
+    """summary.json's torchrun section of a 2-host run, 2 ranks per host (as
+    ``controller.torchrun.experiment`` writes it)."""
+    hosts = {"gbh0": {"ip": "10.0.0.10", "node_rank": 0, "ranks": [0, 1]},
+             "gbh1": {"ip": "10.0.0.11", "node_rank": 1, "ranks": [2, 3]}}
+    per = {"payload_sent_bytes": [6_000_123, 40], "payload_received_bytes": [6_000_000, 70],
+           "store_sent_bytes": [1_000, 40], "local_bytes": [0, 123_456],
+           "connections": [3, 1], "interface_rx_bytes": [6_200_000, 8_000],
+           "interface_tx_bytes": [6_300_000, 9_000], "interface_over_payload": [1.05, 225.0],
+           "allreduce_equivalent_bytes": [4_000_082, 27]}
+    return {"hosts": hosts, "exit_codes": {"0": 0, "1": 0, "2": 3, "3": None},
+            "bytes": {k: dict(zip(hosts, v, strict=True)) for k, v in per.items()},
+            "points_busy_utilization": {"gbh1.up": 0.8123}}

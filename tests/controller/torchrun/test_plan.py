@@ -15,6 +15,7 @@ from controller.roles.torchrun import (
     TorchrunError,
     check_gpus,
     check_script,
+    check_shaping,
     failure_time,
     rank_exit_codes,
     rank_plans,
@@ -151,3 +152,25 @@ def test_the_config_section_refuses_bad_values_naming_the_field() -> None:
     text = str(e.value)
     for field in ("torchrun.rdzv", "torchrun.backend", "torchrun.stall_s", "torchrun.script"):
         assert field in text
+
+
+def test_under_tc_each_rank_plans_for_its_link_n_cap() -> None:
+    """shaping.method = "tc" caps each of the star's 4 workers at B/4: the adaptive hook's
+    planned rate (GRADBED_LINK_MBPS) is that cap, not the link's rate; pacing and
+    pace_guard, which only gradbed's own agents obey, are refused by name."""
+    star = ["topo.shape='star'", "topo.traces={}", "net.worker_link_mbps=1000",
+            "net.bottleneck_mbps=100"]
+
+    def planned(*more: str) -> list[str]:
+        c = cfg(*star, *more)
+        check_shaping(c)
+        plans = rank_plans(c, torchrun_spec(shape_spec(c)), "/py", Path("/t.py"), Path("/l"))
+        return [p.env["GRADBED_LINK_MBPS"] for p in plans]
+
+    assert planned() == ["1000"] * 4
+    assert planned("shaping.method='tc'") == ["25"] * 4
+    assert planned("shaping.method='tc'", "shaping.headroom=0.8") == ["20"] * 4
+    with pytest.raises(TorchrunError, match="shaping.method = 'pacing' paces the sockets"):
+        planned("shaping.method='pacing'")
+    with pytest.raises(TorchrunError, match="shaping.pace_guard = 2 paces the sockets"):
+        planned("shaping.method='tc'", "shaping.pace_guard=2")

@@ -1,17 +1,21 @@
-"""``gradbed torchrun`` in real Mininet (root), on the example's 4 fabric hosts.
+"""``gradbed torchrun`` in real Mininet (root), on the example's fabric and on the star.
 
-Each run is made once per module and checked by several tests (a run costs a network, two
-torch imports per host and a teardown on a shared 2-core machine):
+A run costs a network, two torch imports per host (torchrun, then the rank) and a teardown
+on a shared 2-core machine, so there are six, each as small as its checks allow, and a
+run that several tests read is made once per module:
 
-- the example's DDP script (5 ms and 0.1 % loss on every uplink, gbh3's replaying the
-  cellular trace) ends with the parameters of the same script on loopback, and its run
-  directory records every rank, connection and shaping point (tcp.parquet in trace.json
-  and the report);
-- a ring all-reduce through c10d rendezvous moves 2(N-1)/N x S per host;
-- an FSDP script's parameters match DDP's on loopback, its bytes those of its collectives;
-- a rank that exits non-zero, one that never reaches init_process_group, one whose group
-  never leaves its host (a bypass), and Ctrl-C each end the run naming the cause, with a
-  loadable run directory and nothing left behind.
+- the example's DDP script on its 4 fabric hosts (5 ms and 0.1 % loss on every uplink,
+  gbh3's replaying the cellular trace) ends with the parameters of the same script on
+  loopback, and its run directory records every rank, connection and shaping point
+  (tcp.parquet in trace.json; the report's per-host table and plot);
+- on the star through c10d rendezvous, each uplink capped by tc at B/N: three ranks'
+  ring all-reduce moves 2(N-1)/N x S per host no faster than the cap allows, while the
+  fourth rank's group never leaves its host and the run fails naming it (a bypass);
+- an FSDP script on 2 hosts: its parameters match DDP's on loopback, its bytes those of
+  its collectives;
+- on 2 hosts without delay lines: a rank that exits non-zero, one that never reaches
+  init_process_group, and Ctrl-C each end the run naming the cause, with a loadable run
+  directory and nothing left behind.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import pytest
 import torch
 
 from analysis.load import load_run
-from tests.support.mininet_run import REPO, leftovers, summary
+from tests.support.mininet_run import REPO, events, leftovers, summary
 
 pytestmark = pytest.mark.mininet
 
@@ -37,6 +41,10 @@ EXAMPLE = REPO / "examples" / "torchrun_ddp"
 CONFIG = EXAMPLE / "fabric4.toml"
 #: DDP and FSDP both train this many steps; the loopback reference runs one more.
 STEPS = 3
+#: The runs that check how a run ends: 2 of the fabric's hosts, no trace, no delay line.
+SMALL = ["net.workers=2", "topo.traces={}", "net.delay_ms=0", "net.loss_pct=0"]
+#: torchrun.stall_s of the rank that never reaches init_process_group (see its test).
+LATE_STALL_S = 30
 
 
 def mine_left() -> list[str]:
@@ -159,124 +167,175 @@ def test_ddp_connections_appear_in_the_trace_and_the_report(ddp: tuple[Done, Pat
     assert max(e["args"]["sent"] for e in rates) > 0
     page = (run.path / "report" / "index.html").read_text(encoding="utf-8")
     assert "TCP connections between hosts (tcp.parquet" in page
+    # The hosts' table: each host, its rank's exit code and its payload as the summary has it.
+    table = page.split("Hosts of the torchrun run: ranks, exit codes and bytes")[1]
+    table = table[:table.index("</table>")]
+    sent = run.summary["torchrun"]["bytes"]["payload_sent_bytes"]
+    for rank, host in enumerate(["gbh0", "gbh1", "gbh2", "gbh3"]):
+        assert f"<td>{host}</td>" in table and f"<td>{rank}:0</td>" in table, table
+        assert f">{sent[host]}</td>" in table, (host, sent[host])
 
 
-# -- collectives: ring all-reduce (c10d rendezvous) and FSDP ---------------------------------
+# -- a ring of three, a bypass and link/N caps by tc, in one run on the star --------------
+
+RING_FLOATS = 1_000_000
+#: The star's bottleneck B: with shaping.method = "tc" each of the 4 workers' uplinks is
+#: capped at B/4 = 25 Mbit/s (their links run at 1000).
+RING_B_MBPS = 100
+
+RING_SCRIPT = (
+    "import os, json, time, datetime, torch, torch.distributed as dist\n"
+    "rank, wait = int(os.environ['RANK']), datetime.timedelta(seconds=120)\n"
+    "# Stores of its own (an init_method URL would be read as torchrun's agent store).\n"
+    "if rank == 2:  # ignores the launcher: a group of one on loopback\n"
+    "    store = dist.TCPStore('127.0.0.1', 29601, 1, True, wait)\n"
+    "    dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+    "else:\n"
+    "    store = dist.TCPStore(os.environ['MASTER_ADDR'], 29602, 3, rank == 0, wait)\n"
+    "    dist.init_process_group('gloo', store=store, rank=[0, 1, 3].index(rank),\n"
+    "                            world_size=3)\n"
+    f"t = torch.ones({RING_FLOATS})\n"
+    "dist.barrier()\n"
+    "t0 = time.monotonic()\n"
+    "dist.all_reduce(t)\n"
+    "if rank == 0:\n"
+    "    print(json.dumps({'allreduce_s': time.monotonic() - t0}), flush=True)\n"
+    "dist.barrier()\n"
+    "dist.destroy_process_group()\n")
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory: pytest.TempPathFactory) -> Done:
+    """4 workers of the star through c10d rendezvous, each uplink capped by tc at B/4:
+    ranks 0, 1 and 3 all-reduce RING_FLOATS floats over the emulated links, rank 2 makes
+    a group of its own on 127.0.0.1, so only its rendezvous crosses its link. Every rank
+    exits 0; the run fails naming rank 2 and the loopback."""
+    d = tmp_path_factory.mktemp("ring")
+    script = write_script(d, "ring.py", RING_SCRIPT)
+    return gradbed_torchrun(d, script, [], [
+        "topo.shape='star'", "topo.traces={}", "net.loss_pct=0", "net.delay_ms=0",
+        "net.worker_link_mbps=1000", f"net.bottleneck_mbps={RING_B_MBPS}",
+        "shaping.method='tc'", "torchrun.rdzv='c10d'"])
 
 
 def test_ring_allreduce_through_c10d_rendezvous_moves_two_n_minus_one_over_n(
-        tmp_path: Path) -> None:
-    floats, hosts = 1_000_000, 4
-    done = gradbed_torchrun(tmp_path, EXAMPLE / "allreduce.py", ["--floats", str(floats)],
-                            ["net.worker_link_mbps=1000", "topo.traces={}", "net.loss_pct=0",
-                             "torchrun.rdzv='c10d'"])
-    assert done.status == 0, done.stderr[-3000:]
-    argv = json.loads((done.run_dir / "meta.json").read_text())["torchrun"]["hosts"]
-    assert argv["gbh1"]["argv"][argv["gbh1"]["argv"].index("--rdzv-backend") + 1] == "c10d"
-    b = summary(done.run_dir)["torchrun"]["bytes"]
-    want = 2 * (hosts - 1) / hosts * 4 * floats
-    for host, sent in b["payload_sent_bytes"].items():
+        ring: Done) -> None:
+    argv = json.loads((ring.run_dir / "meta.json").read_text())["torchrun"]["hosts"]
+    assert argv["w1"]["argv"][argv["w1"]["argv"].index("--rdzv-backend") + 1] == "c10d"
+    b = summary(ring.run_dir)["torchrun"]["bytes"]
+    members = 3
+    want = 2 * (members - 1) / members * 4 * RING_FLOATS
+    for host in ("w0", "w1", "w3"):
+        sent = b["payload_sent_bytes"][host]
         assert abs(sent - want) / want < 0.02, (host, sent, want)
         assert abs(b["payload_received_bytes"][host] - want) / want < 0.02
         # Headers and ACKs ride on top of the payload on the emulated interface.
         assert sent < b["interface_tx_bytes"][host] < 1.1 * sent + 200_000
 
 
+def test_a_rank_whose_group_never_leaves_its_host_is_a_bypass(ring: Done) -> None:
+    assert ring.status == 1, ring.stderr[-3000:]
+    s = load_run(ring.run_dir).summary
+    assert s["stop_reason"].startswith("failed: training traffic bypassed the emulated "
+                                       "links: hosts w2 (rank 2) sent no TCP payload to "
+                                       "another host but rendezvous (w2 over loopback"), s
+    assert s["torchrun"]["exit_codes"] == {"0": 0, "1": 0, "2": 0, "3": 0}
+    assert "w2 (rank 2)" in ring.stderr
+
+
+def test_tc_caps_every_rank_s_uplink_at_b_over_n(ring: Done) -> None:
+    """shaping.method = "tc" under torchrun: each worker's egress class is set to B/N
+    (the controller's shape events) and the ring's all-reduce could go no faster (its
+    links alone would carry it 40 times faster)."""
+    ev = events(ring.run_dir)
+    shape = ev[ev["event"] == "shape"]
+    # Only uplinks: the downlink's caps are the PS pacing its sockets, and no PS runs.
+    assert set(shape["direction"]) == {"up"}, shape
+    caps = {int(w): r for w, r, m in zip(shape["worker"], shape["rate_mbps"],
+                                         shape["method"], strict=True) if m == "tc"}
+    assert caps == {w: RING_B_MBPS / 4 for w in range(4)}, shape
+    line = next(ln for ln in (ring.run_dir / "logs" / "w0.log").read_text().splitlines()
+                if "allreduce_s" in ln)
+    took_s = json.loads(line[line.index("{"):])["allreduce_s"]
+    members = 3
+    floor_s = 2 * (members - 1) / members * 4 * RING_FLOATS * 8 / (RING_B_MBPS / 4 * 1e6)
+    assert took_s > 0.9 * floor_s, (took_s, floor_s)
+
+
+# -- FSDP ------------------------------------------------------------------------------------
+
+
 def test_an_fsdp_script_shards_over_the_emulated_links(
         tmp_path: Path, loopback: list[list[torch.Tensor]]) -> None:
-    """FSDP2 (``fully_shard``) over gloo: the parameters after K steps are the DDP
-    script's on loopback (a reduce-scatter sums in another order: 1e-5), and every host
-    sends between one all-gather plus one reduce-scatter of the parameters per step and
-    five times that (forward and backward all-gathers, a reduce-scatter gloo may run as
-    an all-reduce), plus the rendezvous."""
-    hosts, hidden = 4, 128
+    """FSDP2 (``fully_shard``) over gloo on 2 hosts: the parameters after K steps are the
+    4-rank DDP script's on loopback (both average the gradient over the same global batch;
+    a reduce-scatter sums in another order: 1e-5), and every host sends between one
+    all-gather plus one reduce-scatter of the parameters per step and five times that
+    (forward and backward all-gathers, a reduce-scatter gloo may run as an all-reduce),
+    plus the rendezvous."""
+    hosts, hidden = 2, 128
     done = gradbed_torchrun(tmp_path, EXAMPLE / "fsdp.py",
                             ["--steps", str(STEPS), "--save", str(tmp_path / "f.pt")],
-                            ["topo.traces={}", "net.loss_pct=0"])
+                            SMALL)
     assert done.status == 0, done.stderr[-3000:]
     params_bytes = 4 * (64 * hidden + hidden + hidden * 10 + 10)
     shard = (hosts - 1) / hosts * params_bytes
-    for host, sent in summary(done.run_dir)["torchrun"]["bytes"]["payload_sent_bytes"].items():
-        assert 2 * shard * STEPS < sent < 5 * shard * (STEPS + 1) + 100_000, (host, sent)
+    sent = summary(done.run_dir)["torchrun"]["bytes"]["payload_sent_bytes"]
+    assert sorted(sent) == ["gbh0", "gbh1"]
+    for host, n in sent.items():
+        assert 2 * shard * STEPS < n < 5 * shard * (STEPS + 1) + 100_000, (host, n)
     assert gap(torch.load(tmp_path / "f.pt"), loopback[STEPS - 1]) < 1e-5
 
 
-# -- runs that end otherwise ------------------------------------------------------------------
+# -- runs that end otherwise (2 hosts, no delay line) ----------------------------------------
 
 
 def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
+    """Rank 1 exits 3 while rank 0 waits in a barrier, which then fails (status 1): the
+    run names rank 1, the first to fail, not its peer."""
     script = write_script(tmp_path, "fails.py",
                           "import sys, torch.distributed as dist\n"
                           "dist.init_process_group('gloo')\n"
                           "dist.barrier()\n"
-                          "if dist.get_rank() == 2:\n    sys.exit(3)\n"
+                          "if dist.get_rank() == 1:\n    sys.exit(3)\n"
                           "dist.barrier()\n")
-    done = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}"])
+    done = gradbed_torchrun(tmp_path, script, [], SMALL)
     assert done.status == 4, done.stderr[-3000:]
     s = load_run(done.run_dir).summary
-    assert s["stop_reason"].startswith("rank 2 (host gbh2) exited with status 3"), s
-    assert s["torchrun"]["exit_codes"]["2"] == 3
-    assert "rank 2 (host gbh2) exited with status 3" in done.stderr
+    assert s["stop_reason"].startswith("rank 1 (host gbh1) exited with status 3"), s
+    codes = s["torchrun"]["exit_codes"]
+    assert sorted(codes) == ["0", "1"] and codes["1"] == 3, codes
+    assert "rank 1 (host gbh1) exited with status 3" in done.stderr
 
 
 def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -> None:
-    """Rank 2 sleeps before init_process_group; its peers wait in theirs. After
-    torchrun.stall_s without a byte the run ends naming rank 2 and its variables, long
-    before gloo's 30-minute timeout. stall_s stays above the time torch takes to import
-    on a loaded 2-core machine (10-20 s, twice: torchrun, then the rank)."""
+    """Rank 1 sleeps before init_process_group; rank 0 waits in its. After
+    torchrun.stall_s without a byte the run ends naming rank 1 and its variables, long
+    before gloo's 30-minute timeout. stall_s stays above the time one torch import takes
+    on a loaded 2-core machine (10-20 s: the clock restarts at rendezvous)."""
     script = write_script(tmp_path, "late.py",
                           "import os, time, torch.distributed as dist\n"
-                          "if os.environ['RANK'] == '2':\n    time.sleep(600)\n"
+                          "if os.environ['RANK'] == '1':\n    time.sleep(600)\n"
                           "dist.init_process_group('gloo')\n"
                           "dist.barrier()\n")
-    done = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}", "torchrun.stall_s=30"])
+    done = gradbed_torchrun(tmp_path, script, [], [*SMALL, f"torchrun.stall_s={LATE_STALL_S}"])
     assert done.status == 3, done.stderr[-3000:]  # a rank that never came up: failed start
     reason = load_run(done.run_dir).summary["stop_reason"]
-    assert reason.startswith("failed to start: rank 2 (host gbh2) never reached "
+    assert reason.startswith("failed to start: rank 1 (host gbh1) never reached "
                              "init_process_group"), reason
-    assert "GLOO_SOCKET_IFNAME=gbh2-eth0" in reason and "10.0.0.10:29500" in reason
+    assert "GLOO_SOCKET_IFNAME=gbh1-eth0" in reason and "10.0.0.10:29500" in reason
     assert summary(done.run_dir)["wall_s"] < 200
-
-
-def test_a_rank_whose_group_never_leaves_its_host_is_a_bypass(tmp_path: Path) -> None:
-    """Ranks 0, 1 and 3 all-reduce over the emulated links; rank 2 ignores the launcher
-    and makes a group of its own on 127.0.0.1, so only its rendezvous crossed its link.
-    The run completes (every rank exits 0) but fails naming rank 2 and the loopback."""
-    # Stores of its own (an init_method URL would be read as torchrun's agent store).
-    script = write_script(tmp_path, "alone.py", (
-        "import os, datetime, torch, torch.distributed as dist\n"
-        "rank, wait = int(os.environ['RANK']), datetime.timedelta(seconds=120)\n"
-        "if rank == 2:\n"
-        "    store = dist.TCPStore('127.0.0.1', 29601, 1, True, wait)\n"
-        "    dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
-        "else:\n"
-        "    store = dist.TCPStore(os.environ['MASTER_ADDR'], 29602, 3, rank == 0, wait)\n"
-        "    dist.init_process_group('gloo', store=store, rank=[0, 1, 3].index(rank),\n"
-        "                            world_size=3)\n"
-        "t = torch.ones(100_000)\n"
-        "dist.all_reduce(t)\n"
-        "dist.destroy_process_group()\n"))
-    done = gradbed_torchrun(tmp_path, script, [], ["topo.traces={}", "net.loss_pct=0",
-                                                   "net.delay_ms=0"])
-    assert done.status == 1, done.stderr[-3000:]
-    s = load_run(done.run_dir).summary
-    assert s["stop_reason"].startswith("failed: training traffic bypassed the emulated "
-                                       "links: hosts gbh2 (rank 2) sent no TCP payload to "
-                                       "another host but rendezvous (gbh2 over loopback"), s
-    assert s["torchrun"]["exit_codes"] == {"0": 0, "1": 0, "2": 0, "3": 0}
-    assert "gbh2 (rank 2)" in done.stderr
 
 
 def test_ctrl_c_during_training_stops_the_run_cleanly(tmp_path: Path) -> None:
     """SIGINT to ``gradbed torchrun`` once rank 0 trains (as a terminal's Ctrl-C reaches
     it; the ranks run in sessions of their own): status 130, a run directory that loads
     and says so, every rank stopped, nothing left behind."""
-    proc = start_torchrun(tmp_path, EXAMPLE / "train.py", ["--steps", "1000000"],
-                          ["topo.traces={}"])
+    proc = start_torchrun(tmp_path, EXAMPLE / "train.py", ["--steps", "1000000"], SMALL)
     deadline = time.monotonic() + 1200  # the network lock may be another run's first
     while time.monotonic() < deadline and proc.poll() is None:
         logs = list(tmp_path.glob("*/logs/gbh0.log"))
-        if logs and "step 5/" in logs[0].read_text(errors="replace"):
+        if logs and "step 2/" in logs[0].read_text(errors="replace"):
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-3000:]

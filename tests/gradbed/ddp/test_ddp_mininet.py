@@ -1,7 +1,8 @@
 """gradbed.ddp inside ``gradbed torchrun`` on real Mininet (root): the adaptive top-k hook
-with one host's uplink at a tenth of the others' finishes (no all_gather with unequal
+with one host's uplink at a tenth of the other's finishes (no all_gather with unequal
 shapes, no deadlock) and keeps fewer elements than with equal links; the instrumentation's
-events land in the run directory and in ``trace.json``."""
+events land in the run directory and in ``trace.json``. Two runs of 2 hosts (a ring's
+ranks agree on the slowest rate whatever their number), no report."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ TRAIN = REPO / "examples" / "torchrun_ddp" / "train.py"
 CONFIG = REPO / "examples" / "torchrun_ddp" / "fabric4.toml"
 LINK_MBPS = 100
 STEPS = 8
+HOSTS = ["gbh0", "gbh1"]
 
 
 def torchrun(out: Path, overrides: list[str]) -> Path:
     argv = [sys.executable, "-m", "controller.cli", "torchrun", str(CONFIG), "--out", str(out),
-            "--no-progress", "--set", "net.workers=3", "--set", "net.delay_ms=0",
+            "--no-progress", "--no-report", "--set", f"net.workers={len(HOSTS)}",
+            "--set", "net.delay_ms=0",
             "--set", "net.loss_pct=0", "--set", f"net.worker_link_mbps={LINK_MBPS}"]
     for o in overrides:
         argv += ["--set", o]
@@ -48,12 +51,12 @@ def test_adaptive_topk_with_one_slow_uplink_agrees_on_a_smaller_k(tmp_path: Path
     slow_trace = tmp_path / "tenth.log"
     slow_trace.write_text("".join(f"{t}.0 {LINK_MBPS / 10}\n" for t in range(60)))
     equal = torchrun(tmp_path, ["topo.traces={}"])
-    slow = torchrun(tmp_path, [f'topo.traces={{"gbh2.up" = "{slow_trace}"}}'])
+    slow = torchrun(tmp_path, [f'topo.traces={{"{HOSTS[-1]}.up" = "{slow_trace}"}}'])
     keeps = {}
     for name, run_dir in (("equal", equal), ("slow", slow)):
         assert summary(run_dir)["stop_reason"] == "completed"
         ev = bucket_events(run_dir)
-        assert sorted(ev["node"].unique()) == ["gbh0", "gbh1", "gbh2"]
+        assert sorted(ev["node"].unique()) == HOSTS
         late = ev[ev["iter"] >= STEPS - 3]
         # Every rank used the same keep for every bucket of an iteration.
         assert (late.groupby(["iter", "bucket"])["keep"].nunique() == 1).all(), late
@@ -64,4 +67,4 @@ def test_adaptive_topk_with_one_slow_uplink_agrees_on_a_smaller_k(tmp_path: Path
     names = {e.get("name") for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert any(str(n).startswith("b") for n in names), sorted(map(str, names))[:20]
     iters = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == "ddp_iter"]
-    assert len(iters) >= 3 * (STEPS - 1)
+    assert len(iters) >= len(HOSTS) * (STEPS - 1)
