@@ -132,6 +132,10 @@ def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 class Experiment:
+    #: Whether this kind of run starts gradbed's agents, which fork from one warm
+    #: interpreter (controller.warm); a run of the user's own processes does not.
+    forks_agents = True
+
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False, spec: NetSpec | None = None,
@@ -305,7 +309,8 @@ class Experiment:
             self._ctl = ctl
             # Imports torch once while the network is built (or since the command began);
             # each agent of this machine's hosts is a fork of it.
-            starter = self._warm or warm_for_agents(cfg.run.allocator, cfg.workload.name)
+            starter = self._warm or (warm_for_agents(cfg.run.allocator, cfg.workload.name)
+                                     if self.forks_agents else None)
             with Network(self.spec, log=self.say, caps=caps, access=self._access,
                          spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end

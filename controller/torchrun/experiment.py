@@ -60,6 +60,10 @@ class TorchrunExperiment(Experiment):
     """``TorchrunExperiment(cfg).run()``: the config's shape with ranks on its training
     hosts; ``cfg.torchrun.script`` must name the script (absolute or from the cwd)."""
 
+    # The ranks run the user's interpreter and environment, never a fork of gradbed's
+    # warm process: starting one would import torch for nothing.
+    forks_agents = False
+
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True, quiet: bool = False,
                  spec: NetSpec | None = None, gpus: int = 0, report: bool = True) -> None:
