@@ -18,7 +18,7 @@ Inputs are the tables of :class:`analysis.load.Run` (``events`` with ``t_s``, ``
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -567,9 +567,20 @@ def upload_window_utilization(links: pd.DataFrame, windows: Sequence[tuple[int, 
     HTB rate in force (``rate_mbps`` of the latest sample) over the window. A window outside
     the sampled span is left out. NaN with no usable window.
     """
-    lk = links[links["direction"] == direction].sort_values("ts_ns")
+    delivered, allowed = _window_bytes(_point_samples(links, direction), windows)
+    return delivered / allowed if allowed > 0 else float("nan")
+
+
+def _point_samples(links: pd.DataFrame, point: str) -> pd.DataFrame:
+    return links[links["direction"] == point].sort_values("ts_ns") if len(links) else links
+
+
+def _window_bytes(lk: pd.DataFrame, windows: Sequence[tuple[int, int, int]]
+                  ) -> tuple[float, float]:
+    """(delivered, allowed) bytes of one point's samples ``lk`` (sorted) over ``windows``,
+    as :func:`upload_window_utilization` defines them."""
     if lk.empty or not windows:
-        return float("nan")
+        return 0.0, 0.0
     ts = lk["ts_ns"].to_numpy(dtype=np.float64)
     sent = lk["sent_bytes"].to_numpy(dtype=np.float64)
     rate = lk["rate_mbps"].to_numpy(dtype=np.float64)
@@ -582,7 +593,57 @@ def upload_window_utilization(links: pd.DataFrame, windows: Sequence[tuple[int, 
         grid = np.linspace(s, e, 200)
         r = rate[np.clip(np.searchsorted(ts, grid, side="right") - 1, 0, len(ts) - 1)]
         allowed += float(np.mean(r) * 1e6 / 8 * (e - s) / 1e9)
-    return delivered / allowed if allowed > 0 else float("nan")
+    return delivered, allowed
+
+
+def busiest_point_windows(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]]
+                          ) -> dict[str, list[tuple[int, int, int]]]:
+    """Each window given to the shaped point that let out the most bytes in it
+    (``sent_bytes`` interpolated at its ends, as :func:`upload_window_utilization`):
+    the link whose pace bounds a transfer that crosses several (an MoE dispatch, a
+    pipeline stage's sends on a fabric whose every access link is shaped). A window no
+    point's samples cover is left out. ``links`` holds every point's samples, the point
+    in ``direction`` (``links.parquet``'s columns; ``classes.parquet``'s ``point``)."""
+    points = {str(p): g.sort_values("ts_ns") for p, g in links.groupby("direction")} \
+        if len(links) else {}
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for w in windows:
+        best, most = None, -1.0
+        for p, g in points.items():
+            ts = g["ts_ns"].to_numpy(dtype=np.float64)
+            if w[1] < ts[0] or w[2] > ts[-1]:
+                continue
+            sent = g["sent_bytes"].to_numpy(dtype=np.float64)
+            b = float(np.interp(w[2], ts, sent) - np.interp(w[1], ts, sent))
+            if b > most:
+                best, most = p, b
+        if best is not None:
+            out.setdefault(best, []).append(w)
+    return out
+
+
+def merge_windows(intervals: Iterable[tuple[str, int, int, int]]
+                  ) -> list[tuple[int, int, int]]:
+    """``(iteration, start_ns, end_ns)`` windows from ``(key, iteration, start_ns,
+    end_ns)`` intervals (a key per sender), each key's overlapping or touching intervals
+    merged into one whose iteration is its first interval's; in start order, empty ones
+    left out."""
+    by_key: dict[str, list[tuple[int, int, int]]] = {}
+    for key, it, s, e in intervals:
+        by_key.setdefault(key, []).append((s, e, it))
+    out: list[tuple[int, int, int]] = []
+    for spans in by_key.values():
+        cur: list[int] | None = None
+        for s, e, it in sorted(spans):
+            if cur is not None and s <= cur[2]:
+                cur[2] = max(cur[2], e)
+                continue
+            if cur is not None:
+                out.append((cur[0], cur[1], cur[2]))
+            cur = [it, s, e]
+        if cur is not None:
+            out.append((cur[0], cur[1], cur[2]))
+    return [w for w in sorted(out, key=lambda w: w[1]) if w[2] > w[1]]
 
 
 #: Below this busy fraction of the upload windows, with no queue at the shaper, the run's
@@ -595,25 +656,63 @@ AGENT_LIMITED_QUEUE_BYTES = 1514
 
 def agent_limited(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]],
                   direction: str = "up") -> tuple[bool | None, str]:
-    """Whether the shaped link sat idle while data waited in the agents, and why, in words.
+    """Whether the shaped link sat idle while data waited in the agents, and why, in words:
+    :func:`agent_limited_points` with every window on the one point ``direction``."""
+    return agent_limited_points(links, {direction: windows})
 
-    ``busy = upload_window_utilization(links, windows)``; ``queue`` = the median
-    ``backlog_bytes`` of the link samples taken inside the windows (the sample nearest
-    each window's end when none falls inside). Agent-limited when
-    ``busy < AGENT_LIMITED_BUSY`` (0.9) and ``queue <= AGENT_LIMITED_QUEUE_BYTES`` (one
-    frame): the shaper had nothing to send although the agents had not finished, so the
-    run's times measure the agents (CPU, copies, scheduling), not the emulated network.
-    A TCP stall (a retransmission timeout) looks the same from the shaper; the transport
-    events tell the two apart. ``(None, reason)`` without a window inside the samples.
+
+def agent_limited_points(links: pd.DataFrame,
+                         windows: Mapping[str, Sequence[tuple[int, int, int]]]
+                         ) -> tuple[bool | None, str]:
+    """Whether the shaped links sat idle while data waited in the agents, and why, in words.
+
+    ``windows`` maps a shaping point (``links.direction``) to the transfer windows it
+    carried. ``busy = sum(delivered) / sum(allowed)`` over every point's windows (each as
+    :func:`upload_window_utilization`); ``queue`` = the median ``backlog_bytes`` of the
+    points' samples taken inside their windows (the sample nearest each window's end when
+    none falls inside). Agent-limited when ``busy < AGENT_LIMITED_BUSY`` (0.9) and
+    ``queue <= AGENT_LIMITED_QUEUE_BYTES`` (one frame): the shapers had nothing to send
+    although the agents had not finished, so the run's times measure the agents (CPU,
+    copies, scheduling), not the emulated network. A TCP stall (a retransmission timeout)
+    looks the same from the shaper; the transport events tell the two apart.
+    ``(None, reason)`` without a window inside the samples.
     """
-    lk = links[links["direction"] == direction].sort_values("ts_ns") if len(links) \
-        else links
-    busy = upload_window_utilization(links, windows, direction) if len(lk) else float("nan")
-    if not np.isfinite(busy):
-        return None, (f"no {direction} link samples cover a transfer window, so whether the "
+    points = [p for p, w in windows.items() if w]
+    where = (f"the {points[0]} link was" if len(points) == 1 else
+             f"the links ({', '.join(sorted(points)[:4])}{', ...' if len(points) > 4 else ''})"
+             " were")
+    delivered = allowed = 0.0
+    inside: list[float] = []
+    for p in points:
+        lk = _point_samples(links, p)
+        d, a = _window_bytes(lk, windows[p])
+        delivered, allowed = delivered + d, allowed + a
+        if a > 0 and "backlog_bytes" in lk:
+            inside.extend(_backlog_inside(lk, windows[p]))
+    if allowed <= 0:
+        names = " ".join(points) or "no"
+        return None, (f"no {names} link samples cover a transfer window, so whether the "
                       "agents or the network set the pace is unknown")
-    if "backlog_bytes" not in lk:
+    if not inside:
         return None, "the link samples lack the shaper's backlog (backlog_bytes)"
+    busy = delivered / allowed
+    queue = float(np.median(inside))
+    limited = busy < AGENT_LIMITED_BUSY and queue <= AGENT_LIMITED_QUEUE_BYTES
+    if limited:
+        why = (f"agent-limited: {where} busy {busy:.2f} of the transfer "
+               f"windows (< {AGENT_LIMITED_BUSY}) with no queue at the shaper (median "
+               f"backlog {queue:.0f} B): data waited in the agents, not in the network, so "
+               "the times measure gradbed on this machine")
+    elif busy < AGENT_LIMITED_BUSY:
+        why = (f"network-limited: {where} busy {busy:.2f} of the transfer "
+               f"windows, but its shaper held a queue (median backlog {queue:.0f} B)")
+    else:
+        why = (f"network-limited: {where} busy {busy:.2f} of the transfer "
+               f"windows (>= {AGENT_LIMITED_BUSY})")
+    return limited, why
+
+
+def _backlog_inside(lk: pd.DataFrame, windows: Sequence[tuple[int, int, int]]) -> list[float]:
     ts = lk["ts_ns"].to_numpy(dtype=np.int64)
     backlog = lk["backlog_bytes"].to_numpy(dtype=np.float64)
     inside: list[float] = []
@@ -623,20 +722,7 @@ def agent_limited(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]],
             inside.extend(backlog[sel].tolist())
         else:
             inside.append(float(backlog[int(np.argmin(np.abs(ts - e)))]))
-    queue = float(np.median(inside))
-    limited = busy < AGENT_LIMITED_BUSY and queue <= AGENT_LIMITED_QUEUE_BYTES
-    if limited:
-        why = (f"agent-limited: the {direction} link was busy {busy:.2f} of the transfer "
-               f"windows (< {AGENT_LIMITED_BUSY}) with no queue at the shaper (median "
-               f"backlog {queue:.0f} B): data waited in the agents, not in the network, so "
-               "the times measure gradbed on this machine")
-    elif busy < AGENT_LIMITED_BUSY:
-        why = (f"network-limited: the {direction} link was busy {busy:.2f} of the transfer "
-               f"windows, but its shaper held a queue (median backlog {queue:.0f} B)")
-    else:
-        why = (f"network-limited: the {direction} link was busy {busy:.2f} of the transfer "
-               f"windows (>= {AGENT_LIMITED_BUSY})")
-    return limited, why
+    return inside
 
 
 def bottleneck_utilization(events: pd.DataFrame, links: pd.DataFrame, direction: str = "up",
@@ -773,8 +859,9 @@ GLOSSARY: dict[str, str] = {
                     "[jain_mean_over_windows]",
     "drops_up": "packets the up bottleneck's queue dropped",
     "agent_limited": "the shaped link idle while data waited in the agents: busy < 0.9 of "
-                     "the transfer windows with no queue at the shaper; null when unknown "
-                     "[agent_limited]",
+                     "the transfer windows (PS uploads; pipeline messages and MoE "
+                     "dispatches on their busiest access link) with no queue at the "
+                     "shaper; null when unknown [agent_limited_points]",
     "agent_limited_why": "agent_limited in words, with the busy fraction and the backlog",
     "time_to_target_s": "from training start to the first evaluation at run.target_accuracy "
                         "(s) [time_to_accuracy]",

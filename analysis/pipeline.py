@@ -27,6 +27,11 @@ its micro-batches, and its optimizer steps):
   wall_s / steps)``: the fraction of a measured step that the stage link ``src -> dst``,
   shaped at ``rate_bps``, spends carrying that step's bytes at its rate (1.0 = busy the
   whole step).
+
+Transfer windows (:func:`transfer_windows`, what ``agent_limited`` judges): each
+stage-to-stage message from its sender thread taking it (``pp_send.start_ns``) to the
+receiver's reader thread holding its last byte (``pp_recv.arrived_ns``), a sender's
+overlapping windows merged.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pandas as pd
+
+from analysis.metrics import merge_windows
 
 COMPUTE = ("F", "B", "R")
 
@@ -102,3 +109,31 @@ def link_load(m: PipelineMetrics, rate_mbps: float) -> dict[tuple[str, str], flo
     (the module docstring gives the formula)."""
     step_s = m.wall_s / m.steps
     return {k: 8 * b / (rate_mbps * 1e6 * step_s) for k, b in m.link_bytes_per_step.items()}
+
+
+def transfer_windows(events: pd.DataFrame) -> list[tuple[int, int, int]]:
+    """``(step, start_ns, end_ns)``: every stage-to-stage message from its ``pp_send``
+    start to its ``pp_recv`` arrival (matched by sender, receiver, kind, micro-batch and
+    chunk), the overlapping windows of each sender merged
+    (:func:`analysis.metrics.merge_windows`). Messages to and from the pipeline's PS
+    are not counted: the schedule waits on the stage links. Empty without a match."""
+    snd = events[events["event"] == "pp_send"]
+    rcv = events[events["event"] == "pp_recv"]
+    if snd.empty or rcv.empty:
+        return []
+    node = snd["node"].astype(str)
+    cut = node.str.rfind("s")
+    prefix = [n[:c] for n, c in zip(node, cut, strict=True)]  # replica prefix ("" or "rK")
+    snd = snd[["node", "iter", "kind", "mb", "chunk", "start_ns"]].assign(
+        recv_node=[f"{p}s{int(t)}" for p, t in zip(prefix, snd["to"], strict=True)],
+        from_stage=[int(n[c + 1:]) for n, c in zip(node, cut, strict=True)],
+        recv_kind=snd["kind"].map({"SA": "RA", "SG": "RG"}))
+    keys = ["mb", "chunk"]
+    rcv = rcv[["node", "from_stage", "kind", *keys, "arrived_ns"]].astype(
+        {"from_stage": int, "mb": int, "chunk": int})
+    both = snd.astype({"mb": int, "chunk": int}).merge(
+        rcv, left_on=["recv_node", "from_stage", "recv_kind", *keys],
+        right_on=["node", "from_stage", "kind", *keys], suffixes=("", "_r"))
+    return merge_windows(
+        (str(n), int(i), int(s), int(e)) for n, i, s, e in zip(
+            both["node"], both["iter"], both["start_ns"], both["arrived_ns"], strict=True))

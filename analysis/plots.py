@@ -62,7 +62,10 @@ def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
 def png_bytes(fig: Figure) -> bytes:
     """The figure as PNG bytes (for embedding in HTML)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    # The canvas's own print lays the figure out and renders it in one draw; ``savefig``
+    # with a layout engine draws it twice (a pass that only lays out, then the render):
+    # the same pixels, one pass over every artist less.
+    FigureCanvasAgg(fig).print_png(buf)
     return buf.getvalue()
 
 

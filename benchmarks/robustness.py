@@ -33,7 +33,11 @@ Availability and liveness: ``flood_admission`` keeps 700 slow connections open f
 of two background addresses (more than the 1,024 handshake slots the PS once had) while a
 second run's workers start, join and train; as root, in real Mininet (``gradbed run``), a
 SIGSTOP'ed worker must be dropped after ``run.stall_timeout_s`` and the run complete (0),
-and a SIGSTOP'ed or SIGKILL'ed pipeline stage must end the run with status 4, naming it.
+and a SIGSTOP'ed or SIGKILL'ed pipeline stage must end the run with status 4, naming it;
+``control_socket_flood``: one process (what a background host is to the control socket,
+which tells its peers apart by process) keeps opening 20,000 slow keyless connections to a
+real run's control socket; the run must complete and its median iteration time stay
+within 1.2x of a clean run's, run just before it on the same machine.
 
 Inputs and files, through ``gradbed``'s command line (``--dry-run``: nothing is built): a
 trace spanning 10^12 ms, a trace that is one endless line (a FIFO whose writer never stops),
@@ -66,7 +70,7 @@ from _common import emit, log
 
 from agents.core.events import read_jsonl
 from agents.net import auth, codec
-from agents.net.control import ControlClient
+from agents.net.control import ControlClient, control_path
 from controller.control import ControlServer
 from controller.loopback import hostile
 from controller.loopback.dp import (
@@ -77,6 +81,7 @@ from controller.loopback.dp import (
     start_ps,
     start_worker,
 )
+from controller.loopback.unix_flood import unix_flood
 
 CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval_every=250",
          "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
@@ -339,7 +344,49 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
         "killed_stage": _verdict(lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
             ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"), tmp / "kill_stage"),
+        "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
     }
+
+
+FLOOD_CONNECTIONS = 20_000
+FLOOD_SLOWDOWN = 1.2  # the flooded run's median iteration time, at most this x the clean's
+
+
+def _median_iter_s(run_dir: Path) -> float:
+    from analysis.load import load_run
+    from analysis.metrics import iteration_time_percentiles
+
+    return iteration_time_percentiles(load_run(run_dir).events)["p50"]
+
+
+def control_socket_flood(tmp: Path) -> tuple[bool, str]:
+    """A clean run, then the same run while one process floods its control socket with
+    FLOOD_CONNECTIONS slow connections (a byte a second, never a whole HELLO): in real
+    Mininet (``gradbed run``), root only."""
+    sets = ["run.iterations=60", "run.eval_every=1000", "run.timeout_s=300"]
+    tmp.mkdir(parents=True, exist_ok=True)
+    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
+    clean.communicate(timeout=600)
+    if clean.returncode != 0:
+        return False, f"the clean run exited {clean.returncode}"
+    (clean_dir,) = (tmp / "clean").glob("*/")
+    proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
+    try:
+        run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
+        with unix_flood(control_path(run_dir), processes=1,
+                        per_process=FLOOD_CONNECTIONS) as flood:
+            proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    refused = sum(int(e.get("count", 0)) for e in read_jsonl(run_dir / "events" /
+                                                             "controller.jsonl")
+                  if e.get("event") == "refused")
+    ratio = _median_iter_s(run_dir) / _median_iter_s(clean_dir)
+    ok = proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN
+    return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
+                f"{flood.opened} connections opened, {refused} refused")
 
 
 def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:

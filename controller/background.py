@@ -31,8 +31,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +60,9 @@ class FlowCommand:
     log: str  # its stdout and stderr, in the run's background/ folder
     report: str = ""  # where a client's totals are read from (iperf3 JSON, tcpreplay's log)
     port: int = 0  # a server's listening port
+    # An agent of ours (a flowgen source): started as the controller starts every agent
+    # (its key bundle on stdin, ``--auth stdin``), it sends heartbeats and is watched.
+    agent: bool = False
 
 
 def flow_hosts(spec: NetSpec) -> list[HostSpec]:
@@ -118,7 +121,7 @@ def commands(cfg: cfgmod.ExperimentConfig, spec: NetSpec, run_dir: Path,
                 "--cdf", str(Path(bg.flow_cdf).resolve()), *cdf_options(bg),
                 "--load-mbps", f"{bg.load_mbps:g}",
                 "--duration-s", f"{seconds:g}", "--seed", str(cfg.run.seed * 1000 + j),
-                "--congestion", cc), "client", log))
+                "--congestion", cc), "client", log, agent=True))
             continue
         servers.append(FlowCommand(server.name, ("iperf3", "-s", "-1", "-B", ps_ip, "-p", port),
                                    "server", str(out / f"{server.name}-{port}.log"),
@@ -190,8 +193,14 @@ class BackgroundTraffic:
     the per-host reports. Owns its processes: :meth:`stop` always reaps them."""
 
     def __init__(self, cfg: cfgmod.ExperimentConfig, spec: NetSpec, run_dir: Path,
-                 say: Any, python: str = sys.executable) -> None:
+                 say: Any, python: str = sys.executable,
+                 start_agent: Callable[[FlowCommand], subprocess.Popen[Any]] | None = None
+                 ) -> None:
+        """``start_agent``: how a flowgen source is started (the run's agent start: its
+        key bundle on stdin, its heartbeats watched); None: like the other processes, with
+        no key and no heartbeat (a test, by hand)."""
         self.cfg = cfg
+        self.start_agent = start_agent
         self.out_dir = run_dir / "background"
         self.spec = spec
         self.cmds = commands(cfg, spec, run_dir, python)
@@ -249,6 +258,9 @@ class BackgroundTraffic:
                      f"{self.cfg.background.pcap}, {s.mean_mbps:.2f} Mbit/s at its own timing")
 
     def _popen(self, net: _Net, c: FlowCommand) -> None:
+        if c.agent and self.start_agent is not None:
+            self.procs.append((c, self.start_agent(replace(c, argv=(*c.argv, "--auth", "stdin")))))
+            return
         self.say(f"start background in {c.host}: {' '.join(c.argv)}")
         log = open(c.log, "ab")
         try:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from array import array
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from agents.core.class_samples import CLASS_COLUMNS
 from agents.core.events import now_ns
@@ -22,8 +21,32 @@ from controller.sampler import PeriodicSampler
 from topo import qdisc
 from topo.build import Network
 
+if TYPE_CHECKING:  # imported when the table is made: not at every controller's start
+    import pandas as pd
+
 _INT_COLUMNS = ("ts_ns", "sent_bytes", "data_bytes", "sent_pkts", "drops", "overlimits",
                 "backlog_bytes")
+
+
+
+#: The HTB class sample period (ms) of an MoE or pipeline run whose config leaves
+#: ``topo.class_sample_ms`` at 0: their transfers cross every access link of the fabric,
+#: which only the class sampler reads, and a stage's send or a dispatch lasts a few to a
+#: few tens of ms at 1 Gbit/s. 5 ms resolves them; at ~15 us a read (controller/
+#: class_sampler.py) 8 points cost under 4 % of a core.
+FABRIC_CLASS_SAMPLE_MS = 5.0
+#: The fabric roles whose ``agent_limited`` rests on the class samples.
+FABRIC_ROLES = ("expert", "stage")
+
+
+def class_sample_ms(cfg: Any, remote: bool) -> float:
+    """The HTB class sample period the controller runs (ms; 0 = none): the config's
+    ``topo.class_sample_ms``, else :data:`FABRIC_CLASS_SAMPLE_MS` for an MoE or pipeline
+    run all on this machine (class counters are read over rtnetlink, here only)."""
+    t = cfg.topo
+    if t.class_sample_ms > 0 or remote:
+        return float(t.class_sample_ms)
+    return FABRIC_CLASS_SAMPLE_MS if t.role in FABRIC_ROLES else 0.0
 
 
 class ClassSampler(PeriodicSampler):
@@ -56,6 +79,8 @@ class ClassSampler(PeriodicSampler):
             self.rate_mbps.append(self.net.rate_mbps(dev) or 0.0)
 
     def frame(self) -> pd.DataFrame:
+        import pandas as pd
+
         n = len(self.point_index)
         data: dict[str, object] = {c: list(self.cols[c][:n]) for c in _INT_COLUMNS}
         data["point"] = [self.points[i][0] for i in self.point_index[:n]]

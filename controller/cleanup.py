@@ -25,11 +25,13 @@ from topo.lock import LockTimeout, NetLock
 KILLED = "controller killed"
 
 
-def clean_servers(run_dirs: Sequence[Path] = ()) -> list[str]:
+def clean_servers(run_dirs: Sequence[Path] = (), wait_s: float = 30.0) -> list[str]:
     """The other servers of every killed run placed over several (the record its
     controller kept in root's ``/run/gradbed/clusters``, never one read from the run
-    directory): gradbed's agents, shells and links there removed over ssh, and the run's
-    directory there gathered into the run's own (``controller.remote``)."""
+    directory): gradbed's agents, shells and links there removed over ssh under each
+    server's own network lock (waited for up to ``wait_s``; a server whose lock another
+    run holds is named and left alone), and the run's directory there gathered into the
+    run's own (``controller.remote``)."""
     from controller.remote import RECORD_DIR, cleanup_run, registered
 
     lines: list[str] = []
@@ -40,8 +42,10 @@ def clean_servers(run_dirs: Sequence[Path] = ()) -> list[str]:
         record = registered(run_dir)
         if record is None:
             continue
-        lines += [f"{run_dir}: {line}" for line in cleanup_run(run_dir, record)]
-        (RECORD_DIR / f"{run_dir.name}.json").unlink(missing_ok=True)
+        done = cleanup_run(run_dir, record, wait_s)
+        lines += [f"{run_dir}: {line}" for line in done]
+        if not any(": not cleaned" in line for line in done):  # else kept for a rerun
+            (RECORD_DIR / f"{run_dir.name}.json").unlink(missing_ok=True)
     return lines
 
 
@@ -82,10 +86,13 @@ def cleanup_main(argv: Sequence[str] | None = None) -> int:
                         help="how long to wait for a run in progress to release the network")
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
+        # The other servers first, each under its own network lock and one at a time:
+        # holding this machine's lock meanwhile could deadlock with a run that takes
+        # the servers' locks in address order (topo.server_lock).
+        removed = clean_servers(args.run_dirs, args.wait_s)
         # Under the network lock: a run in progress owns its network; wait for it
         # rather than pull its hosts away. Processes go first, so the events are final.
         with NetLock(timeout_s=args.wait_s):
-            removed = clean_servers(args.run_dirs)
             removed += cleanup()
             removed += finish_orphans(args.run_dirs)
     except LockTimeout as exc:

@@ -19,6 +19,8 @@ ends the command quietly. Every exit status means one thing (``controller.exit_s
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import signal
 import sys
@@ -26,7 +28,11 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from agents.core.config import ExperimentConfig
+    from controller.warm import WarmStarter
 
 
 def _need_root(what: str) -> None:
@@ -39,7 +45,7 @@ def _need_root(what: str) -> None:
 def run_main(argv: Sequence[str]) -> int:
     from agents.core import config as cfgmod
     from controller.exit_status import help_text
-    from controller.paths import OutDirError, check_out_dir, load_config
+    from controller.paths import load_config
 
     ap = argparse.ArgumentParser(prog="gradbed run", description="Run one experiment.",
                                  epilog=help_text(),
@@ -68,8 +74,31 @@ def run_main(argv: Sequence[str]) -> int:
              if issubclass(w.category, cfgmod.ConfigDeprecation)]
     for note in notes:
         print(f"gradbed run: {note}", file=sys.stderr)
+    # The agents' warm process starts now, before the checks and the network: its torch
+    # import (seconds of CPU) overlaps all of them. The run closes it at its teardown;
+    # here it is closed when the command ends before that (a bad trace, a bad --out).
+    # The kernel's probe (a throwaway namespace, a qdisc trial each) runs beside them too.
+    warm = None
+    if os.geteuid() == 0 and not (args.dry_run or args.cli):
+        from controller.warm import warm_for_agents
+        from topo.probe import probe_in_background
+
+        warm = warm_for_agents(cfg.run.allocator, cfg.workload.name)
+        probe_in_background()
+    try:
+        return _checked_run(args, argv, cfg, notes, warm)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _checked_run(args: argparse.Namespace, argv: Sequence[str], cfg: ExperimentConfig,
+                 notes: list[str], warm: WarmStarter | None) -> int:
+    """``gradbed run`` once its config is loaded: the files it names, the shape, then the
+    dry run, the CLI or the run itself (with ``warm``, the agents' warm process)."""
     from agents.core.bandwidth import TraceError, load_trace
     from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
+    from controller.paths import OutDirError, check_out_dir
     from topo.spec import RATE_MAX_MBPS
     from traces.pcap import pcap_summary
 
@@ -161,7 +190,7 @@ def run_main(argv: Sequence[str]) -> int:
 
     exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
                      progress=not args.no_progress, spec=spec, report=not args.no_report,
-                     notes=notes)
+                     notes=notes, warm=warm)
     try:
         run_dir = exp.run()
     except Interrupted as e:  # before _run took over: the directory is finished all the same
@@ -246,6 +275,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # At exit the interpreter's last garbage collections walk every object the command's
+    # pandas, pyarrow and matplotlib made: 0.5-1 s of a loaded 2-core machine after a run
+    # whose files are all written and closed. Frozen, they are left to the process's end;
+    # the atexit handlers, flushes and module teardown still run (docs/performance.md).
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     try:
         try:
             ns, rest = parser().parse_known_args(argv)

@@ -107,6 +107,11 @@ class RemoteAgents:
     def is_remote(self, host: str) -> bool:
         return self.where.get(host, LOCAL) != LOCAL
 
+    def control_pid(self, host: str) -> int:
+        """The ssh process that forwards ``host``'s server's control connections here: what
+        the control socket's ``SO_PEERCRED`` says of every agent of that server."""
+        return self._links[self.where[host]].pid
+
     def ssh(self, server: str, command: str, stdin: bytes | None = None,
             timeout_s: float = SSH_TIMEOUT_S) -> subprocess.CompletedProcess[bytes]:
         argv = [*self.access.argv(self.ips[server]), command]
@@ -301,31 +306,27 @@ def unpack_aligned(tar_bytes: bytes, run_dir: Path,
     return out
 
 
-def cleanup_run(run_dir: Path, record: Mapping[str, Any]) -> list[str]:
+def cleanup_run(run_dir: Path, record: Mapping[str, Any], wait_s: float = 30.0) -> list[str]:
     """What a killed controller left on a run's other servers (``meta.json``'s
-    ``cluster`` record): gradbed's agents, shells and links there (``topo.cleanup``), and
-    the run's directory there, its events gathered first (unaligned: the offsets of a
-    killed run were measured only at its start, and are applied from that)."""
+    ``cluster`` record): gradbed's agents, shells and links there (``topo.cleanup``, under
+    that server's own network lock, waited for up to ``wait_s``: another run in progress
+    there keeps its network, and the line names it), and the run's directory there, its
+    events gathered first (aligned with the offsets measured at the run's start, the only
+    ones a killed run has)."""
     ssh = record.get("ssh", {})
     access = SshAccess(user=str(ssh.get("user", "root")), key_path=str(ssh.get("key_path", "")),
                        ssh_config=str(ssh.get("ssh_config", "")))
     remote_dir = shlex.quote(str(record.get("remote_dir", "")))
     clock_start = record.get("clocks", {}).get("start", {})
-    code = "from topo.cleanup import cleanup; print('\\n'.join(cleanup()))"
     lines: list[str] = []
     for server, ip in dict(record.get("servers", {})).items():
         if server == LOCAL:
             continue
         argv = access.argv(str(ip))
-        clean = subprocess.run(
-            [*argv, f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -c "
-                    f"{shlex.quote(code)}"],
-            capture_output=True, text=True, timeout=SSH_TIMEOUT_S, check=False)
-        if clean.returncode != 0:
-            lines.append(f"{server}: cleanup failed (exit {clean.returncode}): "
-                         f"{clean.stderr.strip()[-300:]}")
+        cleaned = _clean_locked(server, argv, wait_s)
+        lines += cleaned
+        if any(ln.startswith(f"{server}: not cleaned") for ln in cleaned):
             continue
-        lines += [f"{server}: {ln}" for ln in clean.stdout.splitlines() if ln.strip()]
         got = subprocess.run([*argv, f"test -d {remote_dir} || exit 0; tar -C {remote_dir} "
                                      f"-cf - {_excluded()} . && rm -rf {remote_dir}"],
                              capture_output=True, timeout=SSH_TIMEOUT_S, check=False)
@@ -335,6 +336,38 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any]) -> list[str]:
             lines.append(f"{server}: gathered {len(files)} file(s) and removed "
                          f"{record.get('remote_dir')}")
     return lines
+
+
+# Run on a server by ``gradbed cleanup``: topo.cleanup under that server's network lock.
+_LOCKED_CLEANUP = """import sys
+from topo.cleanup import cleanup
+from topo.lock import LockTimeout, NetLock
+from topo.remote_delayline import remove_folders
+try:
+    with NetLock(timeout_s=float(sys.argv[1])):
+        print("network lock taken")
+        print("\\n".join(cleanup() + remove_folders()))
+except LockTimeout as exc:
+    print(exc)
+    sys.exit(3)
+"""
+BUSY_EXIT = 3
+
+
+def _clean_locked(server: str, ssh_argv: Sequence[str], wait_s: float) -> list[str]:
+    """``topo.cleanup`` on ``server`` under its network lock; one line per thing done,
+    prefixed with the server; ``SERVER: not cleaned: ...`` when it could not be."""
+    clean = subprocess.run(
+        [*ssh_argv, f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -c "
+                    f"{shlex.quote(_LOCKED_CLEANUP)} {wait_s:g}"],
+        capture_output=True, text=True, timeout=wait_s + SSH_TIMEOUT_S, check=False)
+    if clean.returncode == BUSY_EXIT:
+        return [f"{server}: not cleaned: another run holds its network lock "
+                f"({clean.stdout.strip()[-300:]})"]
+    if clean.returncode != 0:
+        return [f"{server}: not cleaned: cleanup failed (exit {clean.returncode}): "
+                f"{clean.stderr.strip()[-300:]}"]
+    return [f"{server}: {ln}" for ln in clean.stdout.splitlines() if ln.strip()]
 
 
 def _fixed(start: clocks.ClockOffset | None) -> Callable[[int], int]:

@@ -20,19 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import pandas as pd
-
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.files import write_atomic_with
 from agents.core.links import LINK_COLUMNS
 from agents.net import auth
 from agents.net.control import control_path
-from analysis.load import load_events
 from controller import rundir
 from controller.agent_env import agent_environment
-from controller.class_sampler import ClassSampler
-from controller.control import ControlServer
+from controller.class_sampler import ClassSampler, class_sample_ms
+from controller.control import ControlServer, pid_source
 from controller.driver import check_driver
 from controller.exit_status import failed_start_reason, signal_reason, status_for
 from controller.paths import resolve_paths
@@ -41,8 +38,7 @@ from controller.roles import plan_commands as role_commands
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
-from controller.summary import summarize
-from controller.warm import WarmStarter
+from controller.warm import WarmStarter, warm_for_agents
 from topo.build import Network
 from topo.placement import LOCAL, servers_used
 from topo.plan import build_plan, describe_impairments, describe_plan
@@ -51,7 +47,11 @@ from topo.shapes import shape_spec
 from topo.shapes.star import star_spec
 from topo.spec import NetSpec, SpecError
 
+# pandas (with analysis.load and controller.summary) is imported when the run's tables are
+# written, not at the start: the controller's own start is on every run's critical path.
 if TYPE_CHECKING:  # Mininet Cluster Edition is imported only for a run over several servers
+    import pandas as pd
+
     from controller.remote import RemoteAgents
     from topo.cluster import SshAccess
 
@@ -126,6 +126,8 @@ class LinkSampler(PeriodicSampler):
 
 def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The link samples as ``links.parquet`` holds them (agents/core/links.py's columns)."""
+    import pandas as pd
+
     return pd.DataFrame(rows, columns=list(LINK_COLUMNS))
 
 
@@ -133,7 +135,8 @@ class Experiment:
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
                  argv: list[str] | None = None, progress: bool = True,
                  quiet: bool = False, spec: NetSpec | None = None,
-                 report: bool = True, notes: Sequence[str] = ()) -> None:
+                 report: bool = True, notes: Sequence[str] = (),
+                 warm: WarmStarter | None = None) -> None:
         # Relative file names in a config built in Python are the caller's; the agents run
         # elsewhere (controller.paths).
         self.cfg = resolve_paths(cfg, Path.cwd())
@@ -144,6 +147,10 @@ class Experiment:
         self.quiet = quiet
         # False: no report/index.html (a sweep writes one report for all its runs).
         self.report = report
+        # The agents' warm process when the caller started it early (``gradbed run`` does,
+        # before its checks); the run then owns it and closes it at its teardown. None: the
+        # run starts its own (controller.warm.warm_for_agents).
+        self._warm = warm
         self.run_dir: Path | None = None
         self._logf: IO[str] | None = None
         self._bar: Any = None
@@ -172,6 +179,7 @@ class Experiment:
                                 "leave cluster.servers = [\"localhost\"] (docs/cluster.md)")
             self._access = SshAccess.from_config(self.cfg.cluster)
         self._remote: RemoteAgents | None = None
+        self._ctl: ControlServer | None = None
         # The run's master key lives in this process only; agents get theirs on stdin.
         self._master = auth.new_master()
         self._net: Network | None = None
@@ -196,8 +204,15 @@ class Experiment:
             pass  # a full disk: the line is lost, the run goes on and its summary has room
 
     def _on_report(self, msg: dict[str, Any]) -> None:
-        """Reports from agents over the control socket (runs on its thread)."""
+        """Reports from agents over the control socket, and its own refusals (runs on the
+        control server's thread)."""
         kind, node = msg.get("type"), msg.get("node")
+        if kind == "control_refused":
+            # What keyless peers tried at the control socket, aggregated by its server.
+            if self.events is not None:
+                self.events.emit("refused", source=msg.get("source"), reason=msg.get("reason"),
+                                 count=msg.get("count"), example=msg.get("error"))
+            return
         if self.runner is not None:
             self.runner.on_report(msg)
         progress = self.runner.progress_nodes if self.runner is not None else set()
@@ -287,11 +302,10 @@ class Experiment:
         try:
             ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
                                 guard=cfg.guard)
-            if os.environ.get("GRADBED_WARM", "1") != "0":
-                # Imports torch once while the network is built; each agent of this
-                # machine's hosts is a fork of it.
-                starter = WarmStarter(agent_environment(os.environ, str(rundir.REPO_ROOT),
-                                                        cfg.run.allocator))
+            self._ctl = ctl
+            # Imports torch once while the network is built (or since the command began);
+            # each agent of this machine's hosts is a fork of it.
+            starter = self._warm or warm_for_agents(cfg.run.allocator, cfg.workload.name)
             with Network(self.spec, log=self.say, caps=caps, access=self._access,
                          spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
@@ -306,8 +320,8 @@ class Experiment:
                 net.set_congestion_control(cfg.net.congestion)
                 sampler = LinkSampler(net)
                 sampler.start()
-                if cfg.topo.class_sample_ms > 0:
-                    class_sampler = ClassSampler(net, cfg.topo.class_sample_ms / 1000)
+                if (period_ms := class_sample_ms(cfg, net.cluster is not None)) > 0:
+                    class_sampler = ClassSampler(net, period_ms / 1000)
                     class_sampler.start()
                 from controller.driver import NetworkDriver
 
@@ -426,6 +440,13 @@ class Experiment:
             p = net.popen(cmd.host, argv, stdin=subprocess.PIPE, stdout=log,
                           stderr=subprocess.STDOUT, cwd=str(rundir.REPO_ROOT), env=env,
                           start_new_session=True)
+        if self._ctl is not None:
+            # Its control connection comes from its own process (SO_PEERCRED), or from the
+            # ssh that forwards its server's: either keeps a slot of its own in a flood.
+            forwarder = (self._remote.control_pid(cmd.host)
+                         if self._remote is not None and self._remote.is_remote(cmd.host)
+                         else p.pid)
+            self._ctl.expect(pid_source(forwarder, os.getuid()))
         assert p.stdin is not None
         p.stdin.write(auth.bundle_for(self._master, cmd.host, cmd.links).encode())
         p.stdin.flush()
@@ -451,6 +472,9 @@ class Experiment:
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        from analysis.load import load_events
+        from controller.summary import read_classes, summarize
+
         # A full disk may fail any of these but the summary, for which room was kept.
         rundir.convert_events(run_dir)
         links = sampler.frame() if sampler is not None else links_frame([])
@@ -458,7 +482,8 @@ class Experiment:
             run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
             "links.parquet", self.say)
         events = load_events(run_dir, allow_empty=True)
-        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason)
+        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason,
+                            read_classes(run_dir / "classes.parquet"))
         rundir.write_summary(run_dir, summary)
         meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
                 "stop_reason": stop_reason}

@@ -89,9 +89,19 @@ class RoleRunner:
     def start_sessions(self, net: Any) -> None:
         for role, _ in self.placed:
             if role.session is not None:
-                session = role.session(self.ctx, self.say, self.events)
+                session = role.session(self.ctx, self.say, self.events, self._watched(role))
                 self.sessions.append(session)
                 session.start(net)
+
+    def _watched(self, role: Role) -> Callable[[RoleCommand], subprocess.Popen[Any]]:
+        """A session's start of one of its agents: started as every agent is, and watched
+        like the runner's own (its heartbeats; a role that does not end the run is let go
+        when it is lost, and the run goes on)."""
+        def start(cmd: RoleCommand) -> subprocess.Popen[Any]:
+            proc = self.start(cmd)
+            self.procs.append((role, cmd, proc))
+            return proc
+        return start
 
     def stop_sessions(self) -> None:
         sessions, self.sessions = self.sessions, []

@@ -14,13 +14,22 @@ schedule (BYE) is not lost.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from analysis.metrics import agent_limited, headline, upload_windows, workers_lost
-from analysis.pipeline import pipeline_metrics
+from analysis.metrics import (
+    agent_limited,
+    agent_limited_points,
+    busiest_point_windows,
+    headline,
+    upload_windows,
+    workers_lost,
+)
+from analysis.moe import dispatch_table
+from analysis.pipeline import pipeline_metrics, transfer_windows
 
 
 def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]:
@@ -46,21 +55,30 @@ def pipeline_summary(events: pd.DataFrame, pc: dict[str, Any]) -> dict[str, Any]
             else None}
 
 
-def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any]
-                      ) -> tuple[bool | None, str]:
+def read_classes(path: Path) -> pd.DataFrame | None:
+    """The run's HTB class samples (``classes.parquet``), or None where the run took none
+    or the file cannot be read (a full disk cut it short): the summary is written anyway,
+    its ``agent_limited`` null with the reason."""
+    try:
+        return pd.read_parquet(path) if path.exists() else None
+    except Exception:  # pyarrow raises its own types for a truncated file
+        return None
+
+
+def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
+                      classes: pd.DataFrame | None = None) -> tuple[bool | None, str]:
     """:func:`analysis.metrics.agent_limited` over the run's transfer windows: a PS run's
-    upload windows after warm-up on its up bottleneck; ``(None, why)`` for a run whose
-    windows the controller's link samples do not cover."""
+    upload windows after warm-up on its up bottleneck; a pipeline's stage-to-stage
+    messages (:func:`analysis.pipeline.transfer_windows`) and an MoE run's dispatches
+    (:func:`analysis.moe.dispatch_table`), after warm-up, each on the busiest access link of the HTB
+    class samples ``classes`` (``classes.parquet``); ``(None, why)`` for a run whose
+    windows the samples do not cover."""
     if events.empty:
         return None, "no events: the run moved no data"
-    if int(cfg.get("pipeline", {}).get("stages", 0)) > 0:
-        return None, ("a pipeline run's stage links are shaped per pair of stages, not at "
-                      "the bottleneck the link sampler watches; see the stages' bubble")
-    if cfg.get("topo", {}).get("role") == "expert":
-        return None, ("an MoE run's dispatch windows cross every access link, which only "
-                      "the HTB class sampler (topo.class_sample_ms) reads; benchmarks/moe.py "
-                      "measures them")
     warmup = int(cfg["run"].get("warmup_iterations", 0))
+    pipeline = int(cfg.get("pipeline", {}).get("stages", 0)) > 0
+    if pipeline or cfg.get("topo", {}).get("role") == "expert":
+        return _fabric_agent_limited(events, cfg, classes, warmup, pipeline)
     windows = [w for w in upload_windows(events) if w[0] >= warmup]
     if not windows:
         return None, ("no upload windows (send_done to grads_in): not a parameter-server "
@@ -68,9 +86,42 @@ def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, 
     return agent_limited(links, windows, "up")
 
 
+def _fabric_agent_limited(events: pd.DataFrame, cfg: dict[str, Any],
+                          classes: pd.DataFrame | None, warmup: int, pipeline: bool
+                          ) -> tuple[bool | None, str]:
+    what = "pipeline" if pipeline else "MoE"
+    if classes is None or classes.empty:
+        return None, (f"no HTB class samples (classes.parquet): a {what} run's transfers "
+                      "cross every access link, which only the class sampler reads, and it "
+                      "reads only this machine's links")
+    if pipeline:
+        # A message's last byte reaches its receiver the path's one-way delay (the fabric
+        # delays each host's up link) after the link let it out: the network's, not the
+        # agents' time.
+        delay_ns = int(float(cfg.get("net", {}).get("delay_ms", 0.0)) * 1e6)
+        windows = [(i, s, e - delay_ns) for i, s, e in transfer_windows(events)
+                   if e - delay_ns > s]
+    else:
+        rows = [{str(k): v for k, v in r.items()}
+                for r in events[events["event"] == "moe_phase"].to_dict("records")]
+        rate_mbps = float(cfg.get("net", {}).get("worker_link_mbps", 0)) or 1.0
+        try:
+            windows = [(int(d["iter"]), int(d["start_ns"]), int(d["end_ns"]))
+                       for d in dispatch_table(rows, rate_mbps)]
+        except ValueError as e:  # a dispatch of no duration: a run cut short
+            return None, f"the MoE dispatch windows are unusable: {e}"
+    windows = [w for w in windows if w[0] >= warmup]
+    if not windows:
+        return None, f"no {what} transfer windows after warm-up: no step completed"
+    samples = classes.rename(columns={"point": "direction"})
+    return agent_limited_points(samples, busiest_point_windows(samples, windows))
+
+
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
-              wall_s: float, interrupted: bool, stop_reason: str) -> dict[str, Any]:
-    """The summary of one run from its events, link samples and config (as a dict)."""
+              wall_s: float, interrupted: bool, stop_reason: str,
+              classes: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The summary of one run from its events, link samples, config (as a dict) and HTB
+    class samples (``classes.parquet``, where the run took them)."""
     run = cfg["run"]
     warmup = int(run.get("warmup_iterations", 0))
     out: dict[str, Any] = {"workers": int(cfg["net"]["workers"]), "wall_s": round(wall_s, 3),
@@ -86,7 +137,7 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
             and (events["event"] == "pp_action").any():
         out["pipeline"] = pipeline_summary(events, pc)
         out["iterations"] = out["pipeline"]["steps"]
-    out["agent_limited"], out["agent_limited_why"] = run_agent_limited(events, links, cfg)
+    out["agent_limited"], out["agent_limited_why"] = run_agent_limited(events, links, cfg, classes)
     out.update({"interrupted": interrupted, "stop_reason": stop_reason})
     return {k: (None if isinstance(v, float) and not np.isfinite(v) else v)
             for k, v in out.items()}

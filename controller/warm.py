@@ -6,7 +6,9 @@ processes talking real TCP. Most of what such a process costs before it does any
 the interpreter importing torch (1.3-3 s of CPU on a 2-core machine, per agent, all of
 them at once at a run's start). :class:`WarmStarter` starts each agent instead as a fork
 of a *warm* process (``python -m controller.warm``, one per run or test session) that has
-imported torch, numpy and cryptography and nothing of the project; the child enters the
+imported torch, numpy and cryptography (for a run, also what its agents import of the
+project and its workload's data set reader, never an agent's own module nor any data:
+:func:`_preload`); the child enters the
 emulated host's network namespace when it has one (``setns``, what ``nsenter -n`` does),
 starts a new session when asked, and runs the agent's module as ``__main__`` with the
 agent's argv, cwd, environment and stdio, exactly as ``python -m`` would
@@ -15,6 +17,10 @@ its own process with its own pid, sockets, signals, exit status and command line
 child writes its argv over the warm process's, so ``ps``, ``gradbed cleanup`` and
 ``/proc/PID/cmdline`` see ``python -m agents.dp.worker ...``); what is shared is only the
 import work done before the fork.
+
+``gradbed run`` starts its warm process (:func:`warm_for_agents`) as soon as its config is
+loaded, so that torch's import overlaps the command's checks, the controller's own imports
+and the network's build; closed before any agent was asked for, it is killed at once.
 
 The warm process is started with the agents' own environment (``controller.agent_env``:
 ``GLIBC_TUNABLES`` and ``OMP_NUM_THREADS`` are read when the interpreter and torch load,
@@ -66,11 +72,14 @@ _ENV_IGNORED = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK
 
 # -- the warm process ------------------------------------------------------------------
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, workload: str = "") -> None:
     """The warm process: import, then fork a child per request until the client goes."""
     import numpy  # noqa: F401  (imported for the children: the point of this process)
     import torch  # noqa: F401
     from cryptography.hazmat.primitives import poly1305  # noqa: F401
+
+    if workload:
+        _preload(workload)
 
     # What the imports made stays shared with the children: a child's collector would
     # otherwise write to every one of those objects' headers and copy all their pages.
@@ -110,6 +119,36 @@ def _serve(sock: socket.socket) -> None:
                 _, status = os.waitpid(pid, 0)
                 os.close(pidfd)
                 _tell(sock, {"exited": pid, "status": status})
+
+
+#: ``workload`` for a warm process that serves agents of any workload (the loopback tests'
+#: and benchmarks' one per process, :func:`spawn`): every workload's ``warm_imports``.
+EVERY_WORKLOAD = "*"
+#: What every agent of a run imports of the project before it works (its wire, handshake,
+#: compressors, config and events): imported once here instead of in each agent.
+AGENT_IMPORTS = ("agents.core.config", "agents.core.events", "agents.net.wire",
+                 "agents.net.handshake", "agents.net.control", "agents.compress")
+
+
+def _preload(workload: str) -> None:
+    """Import what the agents of a run of ``workload`` import before they work: the
+    modules of :data:`AGENT_IMPORTS`, the workloads' registry, and what the workload
+    names in ``warm_imports`` (its data set's reader). No data is loaded: that stays each
+    agent's own. A failure is logged, not raised: the agent that needs the module then
+    fails on it itself, in its own log, as without the warm process."""
+    import importlib
+    import traceback
+
+    try:
+        for module in AGENT_IMPORTS:
+            importlib.import_module(module)
+        from agents.workloads.base import WORKLOADS
+
+        for name in WORKLOADS.names() if workload == EVERY_WORKLOAD else [workload]:
+            WORKLOADS.get(name).warm_imports()
+    except Exception:  # noqa: BLE001 - any failure is the agent's to report
+        print(f"warm process: preloading for workload {workload!r} failed (the agents "
+              f"import it themselves):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
 
 def _tell(sock: socket.socket, reply: dict[str, Any]) -> None:
@@ -202,10 +241,12 @@ class WarmStarter:
     env: the environment the warm process starts with, and so the one a request must carry
     to be forked (the agents' own; default this process's). The warm process imports
     torch while the caller goes on (building the network, say): the first request waits
-    for it.
+    for it. workload: a run's ``workload.name``; the warm process then also imports what
+    that run's agents import (:func:`_preload`; :data:`EVERY_WORKLOAD`: what the agents of
+any workload import). Empty: torch, numpy and cryptography only.
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, workload: str = "") -> None:
         start_env = dict(os.environ if env is None else env)
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.log = Path(tempfile.gettempdir()) / f"gradbed-warm-{os.getpid()}-{id(self)}.log"
@@ -213,7 +254,7 @@ class WarmStarter:
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "controller.warm", str(theirs.fileno()),
-                 "-" * ARGV_ROOM_BYTES], cwd=REPO, env=start_env,
+                 workload or "-", "-" * ARGV_ROOM_BYTES], cwd=REPO, env=start_env,
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=err,
                 # A terminal's Ctrl-C or hangup is for the caller, which stops the agents
@@ -330,6 +371,10 @@ class WarmStarter:
         except OSError:
             pass
         self.sock.close()
+        if not self.ready and self.proc.poll() is None:
+            # Never asked for an agent, so it has no child: killed now rather than waited
+            # for until its imports are done (a command that ends on a bad file or folder).
+            self.proc.kill()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -407,6 +452,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def warm_for_agents(allocator: str, workload: str) -> WarmStarter | None:
+    """The warm process for one run's agents, started now (its imports run while the
+    caller goes on); None when ``GRADBED_WARM=0`` (every agent a fresh interpreter).
+    ``allocator``: the run's ``run.allocator``, which sets the agents' environment;
+    ``workload``: its ``workload.name`` (what the agents import, :func:`_preload`)."""
+    if os.environ.get("GRADBED_WARM", "1") == "0":
+        return None
+    from controller.agent_env import agent_environment
+
+    return WarmStarter(agent_environment(os.environ, str(REPO), allocator), workload)
+
+
 _WARM: list[WarmStarter] = []
 
 
@@ -434,7 +491,7 @@ def spawn(argv: list[str], *, cwd: Path | str, stdin: Any = None, stdout: Any = 
     this process's one warm process (started at the first call), or a fresh interpreter
     when it may not be (see the module docstring)."""
     if os.environ.get("GRADBED_WARM", "1") != "0" and not _WARM:
-        _WARM.append(WarmStarter())
+        _WARM.append(WarmStarter(workload=EVERY_WORKLOAD))
     proc = _WARM[0].spawn(argv, cwd=cwd, stdin=stdin, stdout=stdout,
                           stderr=stderr) if _WARM else None
     if proc is None:
@@ -443,4 +500,4 @@ def spawn(argv: list[str], *, cwd: Path | str, stdin: Any = None, stdout: Any = 
 
 
 if __name__ == "__main__":
-    _serve(socket.socket(fileno=int(sys.argv[1])))
+    _serve(socket.socket(fileno=int(sys.argv[1])), "" if sys.argv[2] == "-" else sys.argv[2])

@@ -47,6 +47,7 @@ from topo.tc import Tc, TcError
 
 if TYPE_CHECKING:  # topo.cluster imports Mininet, needed only for a spread network
     from topo.cluster import Cluster, SshAccess
+    from topo.server_lock import LockSet
 
 Direction = Literal["up", "down"]
 DIRECTIONS: tuple[Direction, ...] = ("up", "down")
@@ -112,6 +113,8 @@ class Network:
         self.caps = caps
         self.tc = Tc(log=log)
         self._lock = NetLock(lock_path, lock_timeout_s, log=log)
+        self._lock_timeout_s = lock_timeout_s
+        self._locks: NetLock | LockSet = self._lock
         self._net: Any = None
         self._procs: list[Any] = []  # Popen, or what the spawner returned
         self._rates: dict[str, float | None] = {}
@@ -130,7 +133,11 @@ class Network:
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> Network:
         t0 = time.monotonic()
-        self._lock.acquire()
+        if self.cluster is not None:
+            # Each server's lock too, in the order every run takes them
+            # (topo.server_lock): two runs sharing a server never build over each other.
+            self._locks = self.cluster.lock_set(self._lock, self._lock_timeout_s)
+        self._locks.acquire()
         # Waiting for another run's network is not bring-up time: keep them apart.
         self.lock_wait_s = time.monotonic() - t0
         try:
@@ -158,7 +165,6 @@ class Network:
         plan = build_plan(spec, self.caps)
         if self.cluster is not None:
             self.cluster.precheck()
-            self.cluster.require_shapeable(self.mechanisms, self._netem)
             self.cluster.record_clocks("start")
         self.removed_at_start = self._cleanup()
         for line in self.removed_at_start:
@@ -182,8 +188,7 @@ class Network:
         # Without netem every delay and loss; with it only a seeded loss.
         if not self._netem or self._seeded:
             for host, imps in _impairments(spec, netem=self._netem).items():
-                # Its rules go in on the host's own server (topo.cluster allows only
-                # rules, no delay line, on another server).
+                # Its rules and its delay line go in on the host's own server.
                 hi = HostImpairment(host, self.pid(host), imps,
                                     tc=self._on_server(self.tc, host))
                 # Appended first: a start that fails halfway is still torn down.
@@ -264,7 +269,7 @@ class Network:
                 if self.cluster is not None:
                     self.cluster.close()
             finally:
-                self._lock.release()
+                self._locks.release()
 
     # ----------------------------------------------------------------- shaping
     def set_offload(self, on: bool) -> None:

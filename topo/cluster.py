@@ -31,9 +31,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mininet.examples.cluster import MininetCluster, Placer, RemoteGRELink, RemoteHost, RemoteMixin
 from mininet.nodelib import LinuxBridge
@@ -41,8 +42,10 @@ from mininet.nodelib import LinuxBridge
 from agents.core.cluster_config import ClusterConfig
 from topo import clocks
 from topo.placement import LOCAL, crossings, node_servers, servers_used
-from topo.plan import impairments
+from topo.server_lock import Lock, LockSet, ServerLock, lock_order
 from topo.spec import NetSpec, SpecError
+
+T = TypeVar("T")
 
 # VXLAN over IPv4 adds 50 bytes (outer Ethernet 14, IPv4 20, UDP 8, VXLAN 8) to a frame of
 # the tunnel's MTU; with a 1500-byte underlay that leaves 1450, upstream's GRE figure too.
@@ -232,9 +235,9 @@ class Cluster:
         if not self.access.control_dir:
             self.access = replace(self.access, control_dir=tempfile.mkdtemp(prefix="gbssh-"))
         here, wrong = local_versions(), []
-        for s in self.remote:
-            p = self.ssh(s, f"id -u && cd {shlex.quote(str(REPO))} && "
-                            f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSION_PROBE)}")
+        probe = (f"id -u && cd {shlex.quote(str(REPO))} && "
+                 f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSION_PROBE)}")
+        for s, p in self._on_each(lambda s: self.ssh(s, probe)).items():
             lines = p.stdout.splitlines()
             if p.returncode != 0 or not lines or lines[0].strip() != "0":
                 raise SpecError(f"cluster server {s}: ssh {self.access.user}@{self.ips[s]} "
@@ -245,47 +248,64 @@ class Cluster:
             raise SpecError("\n".join([*wrong, "every server needs the same gradbed, "
                                        "Mininet and torch (docs/cluster.md)"]))
 
-    def require_shapeable(self, mechanisms: Mapping[str, str | None], netem: bool) -> None:
-        """Refuse what is not built on another server yet, naming it: a delay or a seeded
-        loss arriving at a host there (its NFQUEUE delay line is a process of this
-        machine, watched through its files here). HTB, bfifo, netem, netfilter's unseeded
-        loss rules and a trace's rate changes (``tc class change``) are plain commands
-        and run over ssh on any server."""
-        for host, imps in impairments(self.spec, netem=netem).items():
-            if self.where[host] != LOCAL and any(i.queued for i in imps):
-                raise SpecError(
-                    f"host {host} on {self.where[host]}: a delay or seeded loss by the "
-                    "NFQUEUE delay line on another server is not supported: the delay line "
-                    "is a process of this machine, watched through its files and /proc "
-                    "here (netem, or unseeded netfilter loss, works there; or place the "
-                    "host here)")
-
     def record_clocks(self, when: str) -> None:
         """Measure every remote server's clock offset now (min-RTT ping-pong over its
         ssh session) into ``clocks[when]``."""
         self.clocks[when] = {}
-        for s in self.remote:
+
+        def measure(s: str) -> clocks.ClockOffset | Exception:
             try:
-                off = clocks.measure(self.access.argv(self.ips[s]))
+                return clocks.measure(self.access.argv(self.ips[s]))
             except (OSError, subprocess.TimeoutExpired) as e:
+                return e
+
+        for s, off in self._on_each(measure).items():
+            if isinstance(off, Exception):
                 # At the end a server may be gone: recorded, and teardown goes on.
                 if when == "start":
-                    raise
-                self.clocks[when][s] = {"error": str(e)}
+                    raise off
+                self.clocks[when][s] = {"error": str(off)}
                 continue
             self.clocks[when][s] = off.describe()
             if self.log is not None:
                 self.log(f"clock of {s}: {off.offset_ns / 1e9:+.6f} s "
                          f"(+- {off.error_ns / 1e6:.3f} ms, {when})")
 
+    def _on_each(self, fn: Callable[[str], T]) -> dict[str, T]:
+        """``fn(server)`` for every remote server at once (each waits on its own ssh
+        round trips, so a run's start and end cost one server's time, not their sum);
+        the results in the servers' order."""
+        if len(self.remote) < 2:
+            return {s: fn(s) for s in self.remote}
+        with ThreadPoolExecutor(max_workers=len(self.remote)) as pool:
+            futures = {s: pool.submit(fn, s) for s in self.remote}
+            return {s: f.result() for s, f in futures.items()}
+
     def _underlay(self) -> dict[str, str]:
         """server -> the address peers reach it at (this machine: its route's source)."""
         out = {s: self.ips[s] for s in self.remote}
         if self.local_used and self.remote:
-            route = subprocess.run(["ip", "route", "get", self.ips[self.remote[0]]],
-                                   capture_output=True, text=True, check=True).stdout
-            out[LOCAL] = route.split(" src ")[1].split()[0]
+            out[LOCAL] = self._local_address()
         return out
+
+    def _local_address(self) -> str:
+        """This machine's address towards the servers (its route's source)."""
+        route = subprocess.run(["ip", "route", "get", self.ips[self.remote[0]]],
+                               capture_output=True, text=True, check=True).stdout
+        return route.split(" src ")[1].split()[0]
+
+    def lock_set(self, here: Lock, timeout_s: float) -> LockSet:
+        """This machine's network lock ``here`` (held even when no node runs here: its
+        cleanup would take what another run started) and every remote server's, in
+        :func:`topo.server_lock.lock_order` of their addresses, this machine's at its
+        address towards the servers."""
+        addresses = {s: self.ips[s] for s in self.remote}
+        addresses[LOCAL] = self._local_address() if self.remote else "127.0.0.1"
+        own = replace(self.access, control_dir="")  # outlives the shared connections
+        locks: dict[str, Lock] = {s: ServerLock(s, own.argv(self.ips[s]), timeout_s,
+                                                log=self.log) for s in self.remote}
+        locks[LOCAL] = here
+        return LockSet([locks[s] for s in lock_order(addresses)])
 
     def mininet(self) -> Any:
         """The spec's nodes and links in a ``MininetCluster`` (not built yet)."""
@@ -332,11 +352,12 @@ class Cluster:
     def cleanup(self) -> list[str]:
         """``topo.cleanup`` on every remote server over ssh: what this run's names left
         there, nothing else. One line per removed thing, prefixed with its server."""
-        code = "from topo.cleanup import cleanup; print('\\n'.join(cleanup()))"
+        code = ("from topo.cleanup import cleanup; from topo.remote_delayline import "
+                "remove_folders; print('\\n'.join(cleanup() + remove_folders()))")
         out = []
-        for s in self.remote:
-            p = self.ssh(s, f"cd {shlex.quote(str(REPO))} && "
-                            f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}")
+        command = f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -c " \
+                  f"{shlex.quote(code)}"
+        for s, p in self._on_each(lambda s: self.ssh(s, command)).items():
             if p.returncode != 0:
                 out.append(f"{s}: cleanup failed (exit {p.returncode}): {p.stderr.strip()}")
             out += [f"{s}: {line}" for line in p.stdout.splitlines() if line.strip()]

@@ -51,9 +51,14 @@ class NetLock:
         for pid in pids:
             try:
                 with open(f"/proc/{pid}/comm") as f:
-                    named.append(f"pid {pid} ({f.read().strip()})")
+                    comm = f.read().strip()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
             except OSError:
                 continue  # gone since: not a holder to blame
+            # A lock held for a run on other servers (topo.server_lock) names that run.
+            who = argv[argv.index("--who") + 1] if "--who" in argv[:-1] else ""
+            named.append(f"pid {pid} ({comm}{', ' + who if who else ''})")
         return ", ".join(named) or "unknown"
 
     def acquire(self) -> None:

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
+from topo.remote_delayline import DelayLineNotStarted, ServerDelayLine
 from topo.tc import Tc, TcError
 
 # Marks every rule gradbed adds, so a listing shows whose they are.
@@ -199,7 +200,7 @@ class HostImpairment:
         self.tc = (tc or Tc()).in_netns(pid, host)
         self.python = python
         self.realtime = realtime
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ServerDelayLine | None = None
         self._dir: str | None = None
         self._installed: list[list[str]] = []
         self.stats: dict[str, Any] | None = None
@@ -225,8 +226,11 @@ class HostImpairment:
 
     def _start(self) -> None:
         queues = delay_queues(self.imps)
+        # On another server the delay line runs there, over the run's ssh (tc.via).
+        remote = (ServerDelayLine(self.tc.via, self.tc.server, self.pid)
+                  if self.tc.via and queues and not self.tc.dry_run else None)
         if queues:
-            self._dir = tempfile.mkdtemp(prefix="gbdelay-")
+            self._dir = remote.mkdtemp() if remote else tempfile.mkdtemp(prefix="gbdelay-")
             ready = os.path.join(self._dir, "ready")
             argv = [self.python, "-m", DELAYLINE_MODULE, "--ready", ready,
                     "--stats", os.path.join(self._dir, "stats.json"),
@@ -238,7 +242,13 @@ class HostImpairment:
             if spin:
                 argv += ["--spin-us", spin]
             self.tc.echo(argv, "delay line")
-            if not self.tc.dry_run:
+            if remote is not None:
+                self.proc = remote
+                try:
+                    remote.start(argv, ready, READY_TIMEOUT_S)
+                except DelayLineNotStarted as e:
+                    raise ImpairmentError(f"host {self.host}: {e}") from e
+            elif not self.tc.dry_run:
                 env = {**os.environ, "PYTHONPATH": _project_root() + os.pathsep
                        + os.environ.get("PYTHONPATH", "")}
                 self.proc = subprocess.Popen(
@@ -258,6 +268,8 @@ class HostImpairment:
     def _stderr(self) -> str:
         if self._dir is None:
             return ""
+        if isinstance(self.proc, ServerDelayLine):
+            return (self.proc.read("stderr") or "").strip()[-2000:] or "(no stderr)"
         try:
             with open(os.path.join(self._dir, "stderr"), errors="replace") as f:
                 return f.read().strip()[-2000:] or "(no stderr)"
@@ -298,7 +310,8 @@ class HostImpairment:
             self.counters = self.read_counters()
             if self.proc.poll() is not None and self.died is None:
                 self.died = f"exit {self.proc.returncode}: {self._stderr()}"
-            self.cpu_s = process_cpu_s(self.proc.pid)
+            self.cpu_s = (self.proc.cpu_s() if isinstance(self.proc, ServerDelayLine)
+                          else process_cpu_s(self.proc.pid))
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
                 try:
@@ -306,15 +319,24 @@ class HostImpairment:
                 except subprocess.TimeoutExpired:
                     self.proc.kill()
                     self.proc.wait()
-            try:
-                with open(os.path.join(self._dir or "", "stats.json")) as f:
-                    self.stats = json.load(f)
-            except (OSError, ValueError):
-                self.stats = None
-        if self._dir is not None:
+            self.stats = self._read_stats()
+        if isinstance(self.proc, ServerDelayLine):
+            self.proc.remove()
+        elif self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._dir = None
         self.teardown_errors = errors
+
+    def _read_stats(self) -> dict[str, Any] | None:
+        """The delay line's stats file (where it ran), or None."""
+        try:
+            if isinstance(self.proc, ServerDelayLine):
+                text = self.proc.read("stats.json")
+                return json.loads(text) if text else None
+            with open(os.path.join(self._dir or "", "stats.json")) as f:
+                return dict(json.load(f))
+        except (OSError, ValueError):
+            return None
 
     def record(self) -> dict[str, Any]:
         """What was applied and how it went, for the run's meta.json."""

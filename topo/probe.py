@@ -13,6 +13,7 @@ import platform
 import re
 import shutil
 import subprocess
+import threading
 from typing import Any
 
 # Each qdisc with the smallest arguments the kernel accepts for it.
@@ -29,6 +30,9 @@ QDISC_TRIALS: dict[str, list[str]] = {
 }
 
 _cache: dict[str, Any] | None = None
+# One probe at a time: ``gradbed run`` starts one on a thread of its own while it checks its
+# files (:func:`probe_in_background`), and the run's own call waits for its result.
+_lock = threading.Lock()
 
 
 #: The programs gradbed runs, and what cannot be done or checked without each. A machine
@@ -153,9 +157,22 @@ def probe(refresh: bool = False) -> dict[str, Any]:
     ``missing_tools`` (programs of :data:`TOOLS` not on ``PATH``) and ``unchecked`` (for
     each, what that leaves unchecked or impossible).
     """
+    with _lock:
+        return dict(_probe(refresh))
+
+
+def probe_in_background() -> threading.Thread:
+    """Start :func:`probe` on a thread (not a daemon: its throwaway namespace is always
+    deleted), so that the process's next ``probe()`` finds its result or waits for it."""
+    thread = threading.Thread(target=probe, name="probe", daemon=False)
+    thread.start()
+    return thread
+
+
+def _probe(refresh: bool) -> dict[str, Any]:
     global _cache
     if _cache is not None and not refresh:
-        return dict(_cache)
+        return _cache
     caps: dict[str, Any] = {"kernel": platform.release(), "root": os.geteuid() == 0}
     missing = sorted(t for t in TOOLS if shutil.which(t) is None)
     caps["missing_tools"] = missing
@@ -172,4 +189,4 @@ def probe(refresh: bool = False) -> dict[str, Any]:
     mech = mechanisms(caps)
     caps["delay_mechanism"], caps["loss_mechanism"] = mech["delay"], mech["loss"]
     _cache = caps
-    return dict(caps)
+    return caps

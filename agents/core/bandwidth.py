@@ -349,16 +349,46 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1,
     if not (math.isfinite(granularity_s) and granularity_s > 0.0):
         raise ValueError(f"granularity_s={granularity_s} must be a positive number")
     name = str(path)
-    counts: dict[int, int] = {}  # window -> opportunities (memory: the output's windows)
-    last_line_of: dict[int, int] = {}
-    prev_ms = -1
-    prev_line = 0
-    run_at_prev = 0  # opportunities at exactly prev_ms (at the period they wrap to 0)
-    n = 0
+    op = _MahimahiCounts(name, granularity_s)
     for lineno, raw in iter_lines(path):
         s = raw.strip()
-        if not s:
+        if s:
+            op.add(lineno, s)
+    period_s, n_windows = op.close()
+    times: list[float] = []
+    rates: list[float] = []
+    for k in range(n_windows):
+        c = op.counts.get(k, 0)
+        a = k * granularity_s
+        b = min((k + 1) * granularity_s, period_s)
+        rate = c * MAHIMAHI_PACKET_BYTES * 8 / (b - a) / 1e6
+        if max_rate_mbps is not None and rate > max_rate_mbps:
+            raise TraceError(f"{name}:{op.last_line_of.get(k, op.prev_line)}: {c} opportunities "
+                             f"in the {granularity_s:g} s window at {a:g} s are {rate:g} "
+                             f"Mbit/s, above the shaper's maximum of {max_rate_mbps:g} Mbit/s")
+        if rates and _same_rate(rates[-1], rate):
             continue
+        times.append(a)
+        rates.append(rate)
+    return BandwidthTrace(tuple(times), tuple(rates), period_s, name)
+
+
+class _MahimahiCounts:
+    """Delivery opportunities per ``granularity_s`` window, read line by line (memory: the
+    output's windows, not the file's lines), with each line's checks."""
+
+    def __init__(self, name: str, granularity_s: float) -> None:
+        self.name = name
+        self.granularity_s = granularity_s
+        self.counts: dict[int, int] = {}  # window -> opportunities
+        self.last_line_of: dict[int, int] = {}
+        self.prev_ms = -1
+        self.prev_line = 0
+        self.run_at_prev = 0  # opportunities at exactly prev_ms (at the period they wrap to 0)
+        self.n = 0
+
+    def add(self, lineno: int, s: str) -> None:
+        name = self.name
         try:
             ms = int(s)
         except ValueError:
@@ -369,48 +399,40 @@ def load_mahimahi(path: str | os.PathLike[str], granularity_s: float = 0.1,
         if ms > MAX_SPAN_S * 1000:
             raise TraceError(f"{name}:{lineno}: timestamp {ms} ms is past {MAX_SPAN_S * 1000:g} "
                              f"ms; a trace spans at most a week")
-        if ms < prev_ms:
+        if ms < self.prev_ms:
             raise TraceError(f"{name}:{lineno}: timestamp {ms} ms goes backwards (line "
-                             f"{prev_line} has {prev_ms} ms)")
-        run_at_prev = run_at_prev + 1 if ms == prev_ms else 1
-        k = int(ms / 1000.0 / granularity_s + 1e-9)
-        counts[k] = counts.get(k, 0) + 1
-        last_line_of[k] = lineno
-        prev_ms, prev_line = ms, lineno
-        n += 1
-    if not n:
-        raise TraceError(f"{name}:1: empty trace: no delivery opportunities")
-    period_ms = prev_ms
-    if period_ms <= 0:
-        raise TraceError(f"{name}:{prev_line}: trace lasts 0 ms; Mahimahi needs the last "
-                         f"timestamp to be > 0")
-    period_s = period_ms / 1000.0
-    n_windows = max(1, math.ceil(period_s / granularity_s - 1e-9))
-    if n_windows > MAX_LINES:
-        raise TraceError(f"{name}:{prev_line}: {period_s:g} s in {granularity_s:g} s windows "
-                         f"are {n_windows} steps; a trace has at most {MAX_LINES}")
-    # The opportunities at exactly the period are time 0 of the next loop (Mahimahi).
-    k_end = int(period_ms / 1000.0 / granularity_s + 1e-9)
-    counts[k_end] -= run_at_prev
-    counts[0] = counts.get(0, 0) + run_at_prev
-    if k_end >= n_windows:  # only the wrapped ones were there
-        counts.pop(k_end)
-    times: list[float] = []
-    rates: list[float] = []
-    for k in range(n_windows):
-        c = counts.get(k, 0)
-        a = k * granularity_s
-        b = min((k + 1) * granularity_s, period_s)
-        rate = c * MAHIMAHI_PACKET_BYTES * 8 / (b - a) / 1e6
-        if max_rate_mbps is not None and rate > max_rate_mbps:
-            raise TraceError(f"{name}:{last_line_of.get(k, prev_line)}: {c} opportunities in "
-                             f"the {granularity_s:g} s window at {a:g} s are {rate:g} Mbit/s, "
-                             f"above the shaper's maximum of {max_rate_mbps:g} Mbit/s")
-        if rates and _same_rate(rates[-1], rate):
-            continue
-        times.append(a)
-        rates.append(rate)
-    return BandwidthTrace(tuple(times), tuple(rates), period_s, name)
+                             f"{self.prev_line} has {self.prev_ms} ms)")
+        self.run_at_prev = self.run_at_prev + 1 if ms == self.prev_ms else 1
+        k = self.window(ms)
+        self.counts[k] = self.counts.get(k, 0) + 1
+        self.last_line_of[k] = lineno
+        self.prev_ms, self.prev_line = ms, lineno
+        self.n += 1
+
+    def window(self, ms: int) -> int:
+        return int(ms / 1000.0 / self.granularity_s + 1e-9)
+
+    def close(self) -> tuple[float, int]:
+        """The period (s) and the number of windows, once every line is read; the
+        opportunities at exactly the period move to time 0 of the next loop (Mahimahi)."""
+        name, period_ms = self.name, self.prev_ms
+        if not self.n:
+            raise TraceError(f"{name}:1: empty trace: no delivery opportunities")
+        if period_ms <= 0:
+            raise TraceError(f"{name}:{self.prev_line}: trace lasts 0 ms; Mahimahi needs the "
+                             f"last timestamp to be > 0")
+        period_s = period_ms / 1000.0
+        n_windows = max(1, math.ceil(period_s / self.granularity_s - 1e-9))
+        if n_windows > MAX_LINES:
+            raise TraceError(f"{name}:{self.prev_line}: {period_s:g} s in "
+                             f"{self.granularity_s:g} s windows are {n_windows} steps; a "
+                             f"trace has at most {MAX_LINES}")
+        k_end = self.window(period_ms)
+        self.counts[k_end] -= self.run_at_prev
+        self.counts[0] = self.counts.get(0, 0) + self.run_at_prev
+        if k_end >= n_windows:  # only the wrapped ones were there
+            self.counts.pop(k_end)
+        return period_s, n_windows
 
 
 def load_rate_log(path: str | os.PathLike[str], period_s: float | None = None,

@@ -156,7 +156,8 @@ _declare("worker_lost", "ps", "a worker's connection failed or sent garbage",
          worker="index", reason="why")
 _declare("frame_error", "ps", "a malformed or unauthenticated frame, or a failed socket call",
          peer="address:port", worker="index when known", error="the message")
-_declare("refused", "any agent that listens (agents.net.handshake.accept_forever)",
+_declare("refused", "any agent that listens (agents.net.handshake.accept_forever), and the "
+         "controller for its control socket (controller.control)",
          "connections refused at admission or in the handshake, aggregated: at most one "
          "event per (source, reason) per guard.refusal_report_interval_s",
          source="the peer's address (no port)", reason="why, in a few fixed words",
@@ -226,6 +227,10 @@ _declare("pp_send", "stage", "a message written to the kernel by the stage's sen
          kind="SA (activation) or SG (gradient)", mb="micro-batch", chunk="model chunk",
          to="the receiving stage", bytes="bytes on the wire (frame included)",
          start_ns="start (CLOCK_MONOTONIC)", end_ns="end (CLOCK_MONOTONIC)")
+_declare("pp_recv", "stage", "a message from a neighbour stage was read whole by its "
+         "reader thread (before decoding)", kind="RA (activation) or RG (gradient)",
+         mb="micro-batch", chunk="model chunk", from_stage="the sending stage",
+         arrived_ns="its last byte read (CLOCK_MONOTONIC)")
 _declare("pp_step_done", "stage", "a pipeline step (all micro-batches and the optimizer) ended",
          step_s="wall seconds of the step", loss="mean loss of its micro-batches (last stage)",
          peak_held_bytes="peak activation bytes held so far",

@@ -30,7 +30,9 @@ class TopoConfig:
     hosts: int = 0                    # fabric: hosts gbh0..gbh{N-1}; 0 = net.workers
     role: str = ""                    # fabric: the role every host runs ("" = none)
     # Read every shaped point's HTB class counters this often into classes.parquet
-    # (controller/class_sampler.py; 0 = off). Finer = one all-to-all phase resolved.
+    # (controller/class_sampler.py). Finer = one all-to-all phase resolved. 0 = off,
+    # except MoE and pipeline runs on this machine, which take them every 5 ms for
+    # agent_limited (controller.summary.FABRIC_CLASS_SAMPLE_MS).
     class_sample_ms: float = 0.0
     # fabric: every access link's HTB bucket (burst and cburst), as ms at the link rate
     # (topo.spec.LinkSpec.burst_ms); 0 = gradbed's default, 10 ms. An idle link drains

@@ -199,6 +199,26 @@ class SparseAccumulator:
         return idx, self._sum[idx] / (self._scale * mean_over)
 
 
+def _sparse_forms(payloads: Sequence[Payload], compressor: Compressor, names: list[str]
+                  ) -> list[tuple[Tensor, Tensor] | None]:
+    """Each payload's sparse form (None where it has none), once every payload is checked
+    to have the first one's shape and ``compressor``'s name; errors name the sender."""
+    first = payloads[0]
+    for who, p in zip(names, payloads, strict=True):
+        if p.numel != first.numel or p.shape != first.shape:
+            raise PayloadError(f"{who}: payload shape {p.shape} differs from {first.shape}")
+        if p.compressor != compressor.name:
+            raise PayloadError(f"{who}: payload from compressor {p.compressor!r}, expected "
+                               f"{compressor.name!r}")
+    sparse: list[tuple[Tensor, Tensor] | None] = []
+    for who, p in zip(names, payloads, strict=True):
+        try:
+            sparse.append(compressor.decompress_sparse(p))
+        except PayloadError as exc:
+            raise PayloadError(f"{who}: {exc}") from exc
+    return sparse
+
+
 def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
               workers: Sequence[str] | None = None, mean: bool = True,
               acc: SparseAccumulator | None = None, out: Tensor | None = None) -> Tensor:
@@ -219,18 +239,7 @@ def aggregate(payloads: Sequence[Payload], compressor: Compressor, *,
     if len(names) != len(payloads):
         raise ValueError(f"aggregate: {len(payloads)} payloads but {len(names)} worker names")
     first = payloads[0]
-    for who, p in zip(names, payloads, strict=True):
-        if p.numel != first.numel or p.shape != first.shape:
-            raise PayloadError(f"{who}: payload shape {p.shape} differs from {first.shape}")
-        if p.compressor != compressor.name:
-            raise PayloadError(f"{who}: payload from compressor {p.compressor!r}, expected "
-                               f"{compressor.name!r}")
-    sparse: list[tuple[Tensor, Tensor] | None] = []
-    for who, p in zip(names, payloads, strict=True):
-        try:
-            sparse.append(compressor.decompress_sparse(p))
-        except PayloadError as exc:
-            raise PayloadError(f"{who}: {exc}") from exc
+    sparse = _sparse_forms(payloads, compressor, names)
     if acc is None:
         acc = SparseAccumulator(first.numel, first.dtype)
     elif acc.numel != first.numel or acc.dtype != first.dtype:

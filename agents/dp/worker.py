@@ -30,6 +30,7 @@ import math
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,17 +38,17 @@ from typing import Any
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, Payload
+from agents.compress.base import Compressor
 from agents.compress.builder import CompressionSpec, Sender
-from agents.compress.staging import PayloadStager, Staged
+from agents.compress.staging import PayloadStager
 from agents.core import config as cfgmod
 from agents.core.drain import WAIT_MIN_NS, queued_departure_rate_bps
 from agents.core.ethernet import GSO_SEGS_MAX, TCP_GOODPUT_FRACTION, TCP_MSS_BYTES
 from agents.core.events import EventLog, now_ns
-from agents.core.feedback_config import warmup_keep
 from agents.core.nodes import worker_node
 from agents.core.policies import RatioContext, ratio_policy_class, ratio_policy_from_config
 from agents.core.policies.adaptive import ack_clock_rate_bps
+from agents.dp.upload import Compressed, Upload
 from agents.net import auth, codec, handshake, protocol, wire
 from agents.net.control import ControlClient, control_path
 from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
@@ -272,9 +273,6 @@ class Worker:
                       loss=loss)
         return loss
 
-    def _compress(self, c: int, grad: torch.Tensor, ratio: float) -> tuple[Payload, dict[str, Any]]:
-        return self.sender.compress(grad, f"c{c}", ratio, clip_norm=self.clip)
-
     def element_ratio(self, keep: float) -> float:
         """The compressor ratio that spends ``keep`` of the chunk's dense bytes.
 
@@ -331,85 +329,53 @@ class Worker:
             self.observe_rate(rate_bps, now_ns())
 
     def send_gradient(self) -> tuple[float, float, int]:
+        """Upload this iteration's gradient chunk by chunk (:mod:`agents.dp.upload`), then
+        take the upload's rate sample. Returns (compress s, send s, wire bytes)."""
+        upload = Upload(self, self._start_upload())
+        t0 = time.perf_counter()
+        # On CUDA chunk c's payload is copied to pinned host memory while chunk c+1 is
+        # compressed (one chunk of look-ahead); on the CPU each chunk is sent before the next
+        # is compressed, so the ratio policy sees every byte sent before it decides.
+        lookahead = 1 if self.stager.asynchronous else 0
+        ready: deque[Compressed] = deque()
+        try:
+            for c in range(len(self.chunks)):
+                ready.append(upload.compress(c))
+                while len(ready) > lookahead:
+                    upload.send(ready.popleft())
+            while ready:
+                upload.send(ready.popleft())
+        finally:
+            self.sampler.active.clear()
+        send_s = time.perf_counter() - t0 - upload.compress_s
+        if self.cfg.adaptive.rate_source == "upload" and self.policy.decides_in_flight:
+            self.time_upload()
+        if upload.stamps is not None:
+            self.time_drain()
+        self.log.emit("send_done", iter=self.iteration, bytes=upload.wire_bytes,
+                      send_s=send_s, start_ns=upload.start_ns)
+        return upload.compress_s, send_s, upload.wire_bytes
+
+    def _start_upload(self) -> TxStampReader | None:
+        """Start the ratio policy's upload from its first rate estimate and wake the rate
+        sampler; the kernel's stamp reader for this upload when the policy times the upload
+        by it (``adaptive.rate_source = "drain"``, agents.net.txstamps)."""
         assert self.sock is not None
-        total_raw = self.model.numel * 4
         if self.cfg.adaptive.r0 == "planned":
             r0: float | None = self.planned_bps
         else:
             info = read_tcp_info(self.sock)
             r0 = (info.delivery_rate_bytes_per_s or 0) * 8 or None
         with self.policy_lock:
-            self.policy.start(total_raw, r0, now_ns())
+            self.policy.start(self.model.numel * 4, r0, now_ns())
         self.sampler.last = None
         self.sampler.active.set()
-        start_ns = now_ns()
-        t0 = time.perf_counter()
-        compress_s = 0.0
-        sent_raw = 0
-        wire_bytes = 0
-        # On CUDA chunk c's payload is copied to pinned host memory while chunk c+1 is
-        # compressed (one chunk of look-ahead); on the CPU each chunk is sent before the next
-        # is compressed, so the ratio policy sees every byte sent before it decides.
-        lookahead = 1 if self.stager.asynchronous else 0
-        ready: list[tuple[int, Staged, dict[str, Any], float, float, float]] = []
-        # rate_source "drain": the kernel stamps this upload's writes (agents.net.txstamps).
-        stamps: TxStampReader | None = None
-        if self.cfg.adaptive.rate_source == "drain" and self.policy.decides_in_flight:
-            if self.stamps is None:
-                self.stamps = TxStampReader(self.sock)
-            stamps = self.stamps
-            stamps.start_upload()
-
-        def send(c: int, staged: Staged, stats: dict[str, Any], ratio: float, keep: float,
-                 dt: float) -> None:
-            nonlocal wire_bytes, sent_raw
-            assert self.sock is not None
-            s, e = self.chunks[c]
-            assert self.session is not None
-            n = wire.send_message(self.sock, list(staged.host_tensors()),
-                                  msg_type=codec.MsgType.GRAD, run_tag=self.tag,
-                                  worker=self.rank, iteration=self.iteration, chunk=c,
-                                  mac=self.session.up)
-            wire_bytes += n
-            sent_raw += (e - s) * 4
-            if stamps is not None:
-                stamps.wrote(n)
-            self.log.emit("compress_done", iter=self.iteration, key=f"c{c}",
-                          ratio=ratio, keep=keep,
-                          raw_bytes=stats.get("raw_bytes", (e - s) * 4), wire_bytes=n,
-                          residual_norm=float(stats.get("residual_norm", 0.0)),
-                          compress_s=dt)
-
-        try:
-            for c, (s, e) in enumerate(self.chunks):
-                with self.policy_lock:
-                    d = self.policy.keep_for_next_chunk(sent_raw)
-                if d.reason != "fixed":
-                    self.log.emit("decision", iter=self.iteration, chunk=c, **d.as_event())
-                tc0 = time.perf_counter()
-                grad = self.model.flat_grad[s:e]
-                # DGC's sparsity warm-up loosens the keep over the first iterations.
-                keep = warmup_keep(self.iteration, d.keep, self.cfg.feedback.warmup_iterations)
-                ratio = self.element_ratio(keep)
-                payload, stats = self._compress(c, grad, ratio)
-                staged = self.stager.stage(c, payload)
-                dt = time.perf_counter() - tc0
-                compress_s += dt
-                ready.append((c, staged, stats, ratio, keep, dt))
-                while len(ready) > lookahead:
-                    send(*ready.pop(0))
-            while ready:
-                send(*ready.pop(0))
-        finally:
-            self.sampler.active.clear()
-        send_s = time.perf_counter() - t0 - compress_s
-        if self.cfg.adaptive.rate_source == "upload" and self.policy.decides_in_flight:
-            self.time_upload()
-        if stamps is not None:
-            self.time_drain()
-        self.log.emit("send_done", iter=self.iteration, bytes=wire_bytes, send_s=send_s,
-                      start_ns=start_ns)
-        return compress_s, send_s, wire_bytes
+        if self.cfg.adaptive.rate_source != "drain" or not self.policy.decides_in_flight:
+            return None
+        if self.stamps is None:
+            self.stamps = TxStampReader(self.sock)
+        self.stamps.start_upload()
+        return self.stamps
 
     def recv_weights(self) -> tuple[int, int]:
         """Receive every chunk of the new weights (or the sparse delta) into the model.

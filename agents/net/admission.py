@@ -71,6 +71,15 @@ class Admission:
         self.shared_in_use = 0
         self._window: dict[str, tuple[float, int]] = {}  # source -> (second began, connects)
 
+    def expect(self, source: str) -> None:
+        """Keep a slot of its own for ``source`` too (an agent started after this began:
+        the control socket learns each agent's process as it starts). The shared pool
+        gives the slot up, so ``total`` still bounds everything."""
+        if source in self.expected:
+            return
+        self.expected = self.expected | {source}
+        self.shared_slots = max(0, self.shared_slots - 1)
+
     def admit(self, source: str, now_s: float) -> Ticket | str:
         """A ticket when ``source`` may start a handshake now, else why not."""
         began, count = self._window.get(source, (now_s, 0))

@@ -16,8 +16,10 @@ new one in its place: forgetting to give back costs speed, never correctness.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a buffer is made: agents.net.wire is the controller's too
+    import torch
 
 
 class ReceivePool:
@@ -39,6 +41,8 @@ class ReceivePool:
         if free:
             self.reused += 1
             return free.pop()
+        import torch
+
         self.allocated += 1
         return torch.empty(numel, dtype=dtype)
 

@@ -68,10 +68,14 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+# torch (and numpy) are imported where a tensor is framed or built, not here: the header
+# codec and the handshake also serve the controller's control socket, and a controller that
+# imported torch would pay seconds of CPU at every run's start for nothing it uses.
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"GBED"
 VERSION = 1
@@ -138,7 +142,7 @@ class DType(IntEnum):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_OF[self]
+        return _torch_of()[self]
 
     @property
     def itemsize(self) -> int:
@@ -146,27 +150,43 @@ class DType(IntEnum):
 
     @classmethod
     def from_torch(cls, dtype: torch.dtype) -> DType:
+        code_of = _code_of()
         try:
-            return _CODE_OF[dtype]
+            return code_of[dtype]
         except KeyError:
-            allowed = ", ".join(str(d) for d in _CODE_OF)
+            allowed = ", ".join(str(d) for d in code_of)
             raise FrameError(f"dtype: {dtype} cannot be sent; allowed: {allowed}") from None
 
 
-_TORCH_OF: dict[DType, torch.dtype] = {
-    DType.FLOAT32: torch.float32,
-    DType.FLOAT16: torch.float16,
-    DType.BFLOAT16: torch.bfloat16,
-    DType.FLOAT64: torch.float64,
-    DType.INT8: torch.int8,
-    DType.UINT8: torch.uint8,
-    DType.INT16: torch.int16,
-    DType.INT32: torch.int32,
-    DType.INT64: torch.int64,
-    DType.BOOL: torch.bool,
+@cache
+def _torch_of() -> dict[DType, torch.dtype]:
+    import torch
+
+    return {
+        DType.FLOAT32: torch.float32,
+        DType.FLOAT16: torch.float16,
+        DType.BFLOAT16: torch.bfloat16,
+        DType.FLOAT64: torch.float64,
+        DType.INT8: torch.int8,
+        DType.UINT8: torch.uint8,
+        DType.INT16: torch.int16,
+        DType.INT32: torch.int32,
+        DType.INT64: torch.int64,
+        DType.BOOL: torch.bool,
+    }
+
+
+@cache
+def _code_of() -> dict[torch.dtype, DType]:
+    return {v: k for k, v in _torch_of().items()}
+
+
+# Written out rather than read from torch, so that a header is checked without torch; a
+# test holds it equal to torch's own itemsizes.
+_ITEMSIZE_OF: dict[DType, int] = {
+    DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT64: 8, DType.INT8: 1,
+    DType.UINT8: 1, DType.INT16: 2, DType.INT32: 4, DType.INT64: 8, DType.BOOL: 1,
 }
-_CODE_OF: dict[torch.dtype, DType] = {v: k for k, v in _TORCH_OF.items()}
-_ITEMSIZE_OF: dict[DType, int] = {k: v.itemsize for k, v in _TORCH_OF.items()}
 _MSG_TYPES = frozenset(int(m) for m in MsgType)
 _DTYPES = frozenset(int(d) for d in DType)
 
@@ -444,6 +464,8 @@ def tensor_view(tensor: torch.Tensor) -> memoryview:
     history is dropped (detach). The view's exporter is a numpy uint8 array whose
     data pointer equals the (possibly copied) tensor's ``data_ptr()``.
     """
+    import torch
+
     DType.from_torch(tensor.dtype)  # reject unsupported dtypes with a named error
     t = tensor.detach()
     if t.device.type != "cpu":
@@ -504,6 +526,8 @@ def tensor_from_buffer(h: FrameHeader, buf: bytes | bytearray | memoryview) -> t
     The tensor aliases ``buf``: it is valid only as long as the buffer is not reused.
     A read-only buffer (bytes) gives a tensor that must not be written to.
     """
+    import torch
+
     if len(buf) != h.payload_len:
         raise FrameError(f"payload_len: buffer has {len(buf)} bytes, header says "
                          f"{h.payload_len} ({h.describe()})")
@@ -519,6 +543,8 @@ def tensor_from_buffer(h: FrameHeader, buf: bytes | bytearray | memoryview) -> t
 
 def buffer_address(mv: memoryview) -> int:
     """Address of a buffer's first byte (used to verify zero-copy in tests/benchmarks)."""
+    import numpy as np
+
     if len(mv) == 0:
         return 0
     arr: Any = np.frombuffer(mv, dtype=np.uint8)

@@ -40,13 +40,12 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
-from agents.net import admission, codec, protocol, wire
+from agents.net import admission, answering, codec, protocol, wire
+from agents.net.answering import MAX_UNAUTHENTICATED_BYTES
 from agents.net.codec import FrameError, MsgType
 
 #: The whole handshake's deadline unless the caller passes another (guard.handshake_timeout_s).
 DEFAULT_TIMEOUT_S = 5.0
-#: What a peer that has not proved its key may make this end read, all frames together.
-MAX_UNAUTHENTICATED_BYTES = 64 * 1024
 #: accept() errors that pass (descriptors or memory run out, a peer gave up): back off.
 ACCEPT_BACKOFF_S = (0.01, 1.0)
 #: How long a refusal (an ERROR frame) may take to write: a peer that does not read
@@ -94,12 +93,12 @@ def dial(sock: socket.socket, dialer: protocol.Dialer, *, run_tag: int, name: st
         iteration = dialer.receive_welcome(reader.last_header, h, body)
     except (FrameError, protocol.Rejected, OSError) as e:
         why = _why(e)
-        _report(log, "dial", name, dialer.welcome_from, start_s, why)
+        report_handshake(log, "dial", name, dialer.welcome_from, start_s, why)
         raise HandshakeError(f"{name}: {dialer.role} {dialer.node or dialer.me}: {why}",
                              why) from e
     finally:
         sock.settimeout(old)
-    _report(log, "dial", name, dialer.welcome_from, start_s, "")
+    report_handshake(log, "dial", name, dialer.welcome_from, start_s, "")
     assert dialer.session is not None
     return dialer.session, iteration
 
@@ -116,31 +115,43 @@ def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, na
     ``log`` (under :func:`accept_forever`, which reports refusals aggregated)."""
     start_s = time.monotonic()
     deadline_s = start_s + timeout_s
-    reader = _reader(sock, run_tag, name)
-    buf = bytearray(codec.MAX_HELLO_BYTES)
-    me = welcome[1] if welcome is not None else 0
+    # The same feed an event loop drives (controller.control), here fed exactly the bytes
+    # of the next frame, so nothing after the PROOF is read from a socket handed on.
+    feed = answering.AnswerFeed(answerer, run_tag=run_tag, welcome=welcome)
     old = sock.gettimeout()
     try:
-        h, body = _read(reader, buf, deadline_s, codec.MAX_HELLO_BYTES)
-        challenge = answerer.receive_hello(h, body)
-        _send(sock, deadline_s, challenge, MsgType.CHALLENGE, run_tag, me, 0, name)
-        h, body = _read(reader, buf, deadline_s, protocol.PROOF_BYTES)
-        session = answerer.receive_proof(h, body)
-        if welcome is not None:
-            _send(sock, deadline_s, codec.hello_payload(*welcome), MsgType.WELCOME, run_tag,
-                  me, 0, name, mac=session.down)
+        while not feed.done:
+            reply = feed.receive(_recv(sock, feed.want(), deadline_s, name))
+            if reply:
+                _settimeout_left(sock, deadline_s, name)
+                sock.sendall(reply)
     except (FrameError, OSError) as e:
         why = _why(e)
-        _report(log if log_refusal else None, "answer", name, _claimed(answerer.hello),
-                start_s, why)
-        _refuse(sock, run_tag, why)
-        who = (f"{answerer.hello.role} {answerer.hello.node or answerer.hello.worker}"
-               if answerer.hello is not None else "an unknown peer")
-        raise HandshakeError(f"{name}: {who}: refused: {why}", why) from e
+        report_handshake(log if log_refusal else None, "answer", name,
+                         _claimed(answerer.hello), start_s, why)
+        _refuse(sock, feed.refusal(why))
+        raise HandshakeError(f"{name}: {answering.claimed(feed)}: refused: {why}", why) from e
     finally:
         sock.settimeout(old)
-    _report(log, "answer", name, _claimed(answerer.hello), start_s, "")
-    return session
+    report_handshake(log, "answer", name, _claimed(answerer.hello), start_s, "")
+    assert feed.session is not None
+    return feed.session
+
+
+def _settimeout_left(sock: socket.socket, deadline_s: float, name: str) -> None:
+    left_s = deadline_s - time.monotonic()
+    if left_s <= 0:
+        raise TimeoutError(f"{name}: deadline passed")
+    sock.settimeout(left_s)
+
+
+def _recv(sock: socket.socket, n: int, deadline_s: float, name: str) -> bytes:
+    """Up to ``n`` bytes (at least one) before ``deadline_s``."""
+    _settimeout_left(sock, deadline_s, name)
+    data = sock.recv(n)
+    if not data:
+        raise wire.ConnectionClosed(f"{name}: connection closed by peer")
+    return data
 
 
 def _reader(sock: socket.socket, run_tag: int, name: str) -> wire.FrameReader:
@@ -180,8 +191,10 @@ def _claimed(hello: codec.Hello | None) -> tuple[str, int] | None:
     return None if hello is None else (hello.role, hello.worker)
 
 
-def _report(log: EventSink | None, end: str, name: str, peer: tuple[str, int] | None,
-            start_s: float, error: str) -> None:
+def report_handshake(log: EventSink | None, end: str, name: str,
+                     peer: tuple[str, int] | None, start_s: float, error: str) -> None:
+    """One ``handshake`` event for ``log`` (none when None): which end, which link, who the
+    peer said it was, how long it took, and the error (empty when it passed)."""
     if log is None:
         return
     role, index = peer if peer is not None else (None, None)
@@ -190,11 +203,10 @@ def _report(log: EventSink | None, end: str, name: str, peer: tuple[str, int] | 
              error=error)
 
 
-def _refuse(sock: socket.socket, run_tag: int, why: str) -> None:
+def _refuse(sock: socket.socket, error_frame: bytes) -> None:
     try:
         sock.settimeout(REFUSE_TIMEOUT_S)
-        wire.send_bytes(sock, why.encode()[:protocol.MAX_ERROR_BYTES],
-                        msg_type=MsgType.ERROR, run_tag=run_tag, worker=0)
+        sock.sendall(error_frame)
     except OSError:
         pass
 

@@ -14,7 +14,8 @@ role that uses it (asyncio's ``selector_events.py`` is the model).
 One thread runs the loop and its handler: reader and sender threads per connection
 handed every message over through a queue, and on a busy 2-core host those hand-overs,
 not the network, set an iteration's pace (docs/fidelity.md). The data-parallel PS
-(``agents.dp.ps``) and the pipeline's PS (``agents.pipeline.stage_ps``) run on it.
+(``agents.dp.ps``), the pipeline's PS (``agents.pipeline.stage_ps``) and the controller's
+control server (``controller.control``) run on it.
 """
 
 from __future__ import annotations
@@ -26,15 +27,27 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, Protocol, TypeVar
 
 from agents.net import wire
 from agents.net.codec import FrameError
 
 
-class Transport:
-    """One connection served by an :class:`EventLoop`. Frames are sealed when written
+class Receiver(Protocol):
+    """What reads a served transport's socket (non-blocking): the messages the bytes there
+    now complete. :class:`agents.net.wire.MessageReceiver` reads framed messages; a
+    control connection reads bytes (``controller.control``). It raises FrameError or an
+    OSError (:class:`agents.net.wire.ConnectionClosed` for an orderly close)."""
+
+    def receive(self) -> list[Any]: ...
+
+
+R = TypeVar("R", bound=Receiver)
+
+
+class Transport(Generic[R]):
+    """One connection served by an :class:`EventLoop` (``R``: what reads it). Frames are sealed when written
     (so in order, under the connection's MAC) and wait in ``unsent`` until the kernel
     takes them. ``receiver`` is None until the loop serves it, and again after the last
     message the role wants (a BYE): nothing more is read."""
@@ -42,7 +55,7 @@ class Transport:
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
-        self.receiver: wire.MessageReceiver | None = None
+        self.receiver: R | None = None
         self.unsent: list[memoryview] = []
         self.closed = False  # the role dropped it
         self.failed = False  # reading or writing failed: the handler was told
@@ -98,8 +111,8 @@ class Transport:
 class Handler(Protocol):
     """What a role does with what its transports bring (called on the loop's thread)."""
 
-    def data_received(self, t: Any, messages: list[wire.Message]) -> None:
-        """Complete messages, in order. To stop reading (after a BYE) set
+    def data_received(self, t: Any, messages: list[Any]) -> None:
+        """Complete messages (what ``t.receiver`` returns), in order. To stop reading (after a BYE) set
         ``t.receiver = None``; to drop the connection, :meth:`EventLoop.lose` it."""
 
     def connection_lost(self, t: Any, error: Exception, during: str) -> None:
@@ -127,12 +140,24 @@ class EventLoop:
         except OSError:
             pass  # a wake-up already pending (a full pipe), or the loop is closed
 
-    def serve(self, t: Transport, receiver: wire.MessageReceiver) -> None:
+    def serve(self, t: Transport[R], receiver: R) -> None:
         """Start reading ``t``'s messages with ``receiver`` (the socket goes non-blocking)."""
         t.sock.setblocking(False)
         t.receiver = receiver
         t.heard_s = time.monotonic()
         self.selector.register(t.sock, selectors.EVENT_READ, t)
+
+    def add_reader(self, sock: socket.socket, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the loop's thread whenever ``sock`` is readable (a
+        listening socket: its callback accepts), as asyncio's ``add_reader``."""
+        sock.setblocking(False)
+        self.selector.register(sock, selectors.EVENT_READ, callback)
+
+    def remove_reader(self, sock: socket.socket) -> None:
+        try:
+            self.selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass  # never watched, or already let go
 
     def unwatch(self, t: Transport) -> None:
         try:
@@ -160,6 +185,9 @@ class EventLoop:
             t = key.data
             if t is None:
                 self._wake_r.recv(4096)
+                continue
+            if not isinstance(t, Transport):
+                t()  # a reader's callback (add_reader)
                 continue
             if mask & selectors.EVENT_WRITE:
                 self._write_ready(t)

@@ -23,8 +23,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Generator, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from agents.net.buffers import ReceivePool
 from agents.net.codec import (
@@ -42,6 +41,11 @@ from agents.net.codec import (
     tensor_view,
 )
 from agents.net.ending import exit_process, run_agent  # noqa: F401  (every agent's end)
+
+# torch is imported where a tensor is made (as in agents.net.codec): the handshake reads and
+# writes frames through this module for the controller's control socket too, without torch.
+if TYPE_CHECKING:
+    import torch
 
 
 class ConnectionClosed(ConnectionError):
@@ -415,6 +419,8 @@ class FrameReader:
         buffers passes ``out`` (contiguous, CPU, same dtype, at least ``h.numel``
         elements) and gets back ``out.reshape(-1)[:h.numel]``.
         """
+        import torch
+
         if out is None:
             t = torch.empty(h.numel, dtype=h.dtype.torch_dtype)
         else:
@@ -475,7 +481,7 @@ class FrameReader:
                              f"({first.describe()})")
 
 
-Message = list[tuple[FrameHeader, torch.Tensor]]
+Message = list[tuple[FrameHeader, "torch.Tensor"]]
 
 
 class MessageReceiver(FrameReader):
@@ -512,6 +518,8 @@ class MessageReceiver(FrameReader):
 
     def _message_steps(self) -> Generator[memoryview, None, None]:
         """The parse as a generator: yields each buffer to fill, checks it once full."""
+        import torch
+
         while True:
             self._at_boundary = True
             yield self._hdr_mv

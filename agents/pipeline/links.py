@@ -376,8 +376,13 @@ class StageLinks:
         try:
             while not nb.talk.finished:
                 parts = reader.read_message()
+                arrived_ns = now_ns()  # before decoding: when the network was done with it
                 want = nb.talk.receive(parts[0][0])
                 if want.kind != codec.MsgType.BYE:
+                    self.log.emit("pp_recv", iter=want.iteration // self.pc.micro_batches,
+                                  kind="RA" if want.kind == ACT else "RG",
+                                  mb=want.iteration, chunk=want.chunk, from_stage=nb.stage,
+                                  arrived_ns=arrived_ns)
                     self._file(nb, want, [t for _, t in parts])
         except wire.ConnectionClosed as e:
             owed = nb.talk.next

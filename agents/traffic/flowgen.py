@@ -149,6 +149,21 @@ class Source:
                       skipped=self.skipped, unfinished=len(unfinished))
 
 
+def heartbeats(mode: str, run_dir: Path) -> None:
+    """With ``--auth stdin`` (the controller started us): read the key bundle, end when the
+    controller goes, and send heartbeats on the control socket like every other agent, so
+    that a hung source is declared lost (and the run goes on without it). Imported here,
+    not at the top: the module itself stays as light as a source started by hand needs."""
+    if mode != "stdin":
+        return
+    from agents.net import auth
+    from agents.net.control import liveness_client
+
+    keys = auth.read_bundle()
+    auth.exit_with_controller()
+    liveness_client(run_dir, keys)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agents.traffic.flowgen", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--congestion", default="")
     so.add_argument("--max-concurrent", type=int, default=256)
+    so.add_argument("--auth", choices=("stdin", "file"), default="file",
+                    help="stdin: started by the controller (its key bundle on stdin, "
+                         "heartbeats on the control socket, exit when the controller goes); "
+                         "file: by hand or a test, no heartbeat")
     args = ap.parse_args(argv)
     if args.role == "sink":
         return sink(args.bind, args.port)
@@ -178,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         packet_bytes=args.cdf_packet_bytes,
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     flows = flow_arrivals(cdf, args.load_mbps, args.duration_s, args.seed)
+    heartbeats(args.auth, args.run_dir)
     log = EventLog.for_node(args.run_dir, args.run_dir.name, args.node)
     src = Source(flows, (host, int(port)), args.bind, log, args.congestion,
                  args.max_concurrent)

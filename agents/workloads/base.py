@@ -191,6 +191,14 @@ class Workload(ABC):
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
 
+    @classmethod
+    def warm_imports(cls) -> None:
+        """Import the modules :meth:`prepare` will need (a data set's reader), without
+        loading any data. The agents' warm process (``controller.warm``) calls it once
+        per run, so that every agent forked from it has them: otherwise the PS and then
+        each worker import them in turn, on the run's critical path. Default: none."""
+        return None
+
     def prepare(self, model: nn.Module, worker: int, seed: int) -> None:
         """Whatever must not be paid inside iteration 0 (loading data, drawing synthetic
         gradients). Agents call it before they connect; the default does nothing."""

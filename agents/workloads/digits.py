@@ -45,6 +45,11 @@ def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 class Digits(Workload):
     """The digits data, batches and evaluation; subclasses give the model."""
 
+    @classmethod
+    def warm_imports(cls) -> None:
+        # scikit-learn's dataset module (with scipy): 1-2 s of CPU in every agent.
+        import sklearn.datasets  # noqa: F401
+
     def prepare(self, model: nn.Module, worker: int, seed: int) -> None:
         """Load the data now: importing scikit-learn and reading the set took 1-2 s,
         which fell inside iteration 0 on the workers and the PS's first evaluation."""

@@ -55,6 +55,10 @@ class RoleCommand:
         return run_dir / (self.log or f"logs/{self.host}.log")
 
 
+#: Starts one process of a role as the controller starts every agent, and watches it.
+Starter = Callable[[RoleCommand], Any]
+
+
 class RoleSession(Protocol):
     """A role that starts and stops its processes itself (background traffic: servers
     before clients, a delayed start, reports read at the end)."""
@@ -79,7 +83,8 @@ class Role:
     wait_ready: wait for a ``ready`` report from each of its hosts before going on.
     reports_progress: its ``iter_done`` reports drive the progress bar.
     session: builds a :class:`RoleSession` that starts and stops this role's processes
-        itself, after the process roles are up and the network driver has started;
+        itself, after the process roles are up and the network driver has started (given
+        the runner's :data:`Starter` for those of its processes that are agents of ours);
         ``None``: the runner starts ``commands`` itself.
     """
 
@@ -91,8 +96,8 @@ class Role:
     phase: int = 1
     wait_ready: bool = False
     reports_progress: bool = False
-    session: Callable[[RoleContext, Callable[[str], None], Any], RoleSession] | None = \
-        field(default=None)
+    session: Callable[[RoleContext, Callable[[str], None], Any, Starter], RoleSession] \
+        | None = field(default=None)
 
 
 ROLE = RegistryKind("role", "controller.roles", "register")

@@ -10,7 +10,7 @@ from typing import Any
 
 from agents.core.events import EventLog
 from controller.background import BackgroundTraffic, commands
-from controller.roles import Role, RoleCommand, RoleContext, register
+from controller.roles import Role, RoleCommand, RoleContext, Starter, register
 from topo.spec import HostSpec
 
 
@@ -25,8 +25,14 @@ class FlowgenSession:
     """Starts the flows ``background.start_s`` after the agents (servers before clients),
     and on :meth:`stop` interrupts them and logs one ``background`` event per host."""
 
-    def __init__(self, ctx: RoleContext, say: Callable[[str], None], events: EventLog) -> None:
-        self.traffic = BackgroundTraffic(ctx.cfg, ctx.spec, ctx.run_dir, say, ctx.python)
+    def __init__(self, ctx: RoleContext, say: Callable[[str], None], events: EventLog,
+                 start: Starter | None = None) -> None:
+        """``start``: the runner's start of a watched agent, for the flowgen sources (their
+        heartbeats); iperf3 and tcpreplay are not ours and send none."""
+        self.traffic = BackgroundTraffic(
+            ctx.cfg, ctx.spec, ctx.run_dir, say, ctx.python,
+            start_agent=None if start is None else
+            lambda c: start(RoleCommand(c.host, c.argv, c.log)))
         self.say = say
         self.events = events
 

@@ -3,6 +3,9 @@ servers' Mininet hosts, speak to the controller through forwarded control socket
 their events come back onto the controller's clock. Real Mininet, ssh and training; root.
 
 One cluster of two servers serves the module; the test that kills a server runs last.
+Each kind of run (data-parallel, pipeline, MoE, a killed controller, a killed server) is
+one ``gradbed run``, the smallest that still shows what its test asserts; the reference
+for identical weights is a loopback run of the same config (no network at all).
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ import pandas as pd
 import pytest
 
 from controller.exit_status import SERVER_LOST, status_for
+from controller.loopback.dp import run_loopback
+from controller.remote import cleanup_run
 from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, gradbed_run, start_run, summary
+from topo.cluster import SshAccess
+from topo.server_lock import ServerLock
 
 pytestmark = [pytest.mark.mininet,
               pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(),
@@ -51,6 +58,12 @@ def _weights_digest(run_dir: Path) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
+def _eval_losses(events_jsonl: Path) -> list[float]:
+    rows = [json.loads(ln) for ln in events_jsonl.read_text().splitlines() if ln.strip()]
+    return [r["loss"] for r in sorted((r for r in rows if r.get("event") == "eval"),
+                                      key=lambda r: r["iter"])]
+
+
 def _server_leftovers(c: FakeCluster) -> list[str]:
     """Agents, host shells, gradbed links and run directories still on any server."""
     out = []
@@ -66,21 +79,31 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
     return out
 
 
-def test_digits_on_one_server_and_on_two_end_with_identical_weights(cluster, tmp_path):
+# configs/digits.toml made small: 2 workers, 12 iterations, sparse (top-k with error
+# feedback) so that every worker's residual must match too.
+DIGITS_SMALL = ("net.workers=2", "run.iterations=12", "run.eval_every=3",
+                "workload.hidden=256", "compress.name='topk'", "compress.ratio=0.1",
+                "run.seed=7")
+
+
+def test_digits_in_one_process_tree_and_on_two_servers_end_with_identical_weights(
+        cluster, tmp_path):
     s1, s2 = cluster.servers
+    # The reference: the same agents and config over loopback TCP on this machine, no
+    # network in between at all.
+    one, rc = run_loopback(tmp_path / "one", list(DIGITS_SMALL))
+    assert rc == 0, (one / "ps.log").read_text()[-3000:]
     # w0's uplink replays a trace: its rate changes run on w0's server; and every host
     # drops 0.5 % of what arrives (netfilter rules on that host's server).
     shaped = ('topo.traces={"w0.up"="traces/data/square_10_50.log"}', "net.loss_pct=0.5")
-    one, p1 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s1, *shaped),
-                          tmp_path / "one", timeout_s=RUN_TIMEOUT_S)
-    assert p1.returncode == 0, p1.stderr[-3000:]
-    two, p2 = gradbed_run("configs/test_tiny.toml", _placed(cluster, s1, s2, *shaped),
+    two, p2 = gradbed_run("configs/digits.toml",
+                          _placed(cluster, s1, s2, *DIGITS_SMALL, *shaped),
                           tmp_path / "two", timeout_s=RUN_TIMEOUT_S)
     assert p2.returncode == 0, p2.stderr[-3000:]
     # The network changes timing, never the numbers.
     assert _weights_digest(one) == _weights_digest(two)
-    losses = [events(d).query("event == 'eval'").sort_values("iter")["loss"].tolist()
-              for d in (one, two)]
+    losses = [_eval_losses(one / "events" / "ps.jsonl"),
+              events(two).query("event == 'eval'").sort_values("iter")["loss"].tolist()]
     assert losses[0] == losses[1] and len(losses[0]) >= 3
     # The workers ran on server 2 and their events came back, moved onto this clock:
     # inside the controller's run_start .. run_end, not 2000 s ahead.
@@ -108,7 +131,7 @@ def test_digits_on_one_server_and_on_two_end_with_identical_weights(cluster, tmp
 def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(cluster, tmp_path):
     s1, s2 = cluster.servers
     run_dir, proc = gradbed_run("configs/pipeline.toml", [
-        "pipeline.stages=2", "topo.hosts=3", "run.iterations=4", "pipeline.schedule='gpipe'",
+        "pipeline.stages=2", "topo.hosts=3", "run.iterations=2", "pipeline.schedule='gpipe'",
         f'cluster.servers=["{s1}", "{s2}"]', 'cluster.placement="roundrobin"',
         f'cluster.ssh_config="{cluster.ssh_config}"'], tmp_path, timeout_s=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,7 +141,7 @@ def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(clus
     ev = events(run_dir)
     assert sorted(ev[ev["event"] == "pp_done"]["node"]) == ["s0", "s1"]
     loss = ev[(ev["event"] == "pp_step_done") & ev["loss"].notna()]
-    assert len(loss) == 4
+    assert len(loss) == 2
     # Every stage's final weights came back from its server.
     assert (run_dir / "s0_final_weights.pt").exists() and (run_dir / "s1_final_weights.pt").exists()
     assert _server_leftovers(cluster) == []
@@ -127,7 +150,7 @@ def test_a_pipeline_spread_round_robin_sends_its_activations_across_servers(clus
 def test_moe_expert_hosts_on_two_servers_exchange_tokens_across_them(cluster, tmp_path):
     s1, s2 = cluster.servers
     run_dir, proc = gradbed_run("configs/moe.toml", [
-        "topo.hosts=2", "moe.hosts=2", "moe.experts=4", "run.iterations=4",
+        "topo.hosts=2", "moe.hosts=2", "moe.experts=4", "run.iterations=2",
         "moe.eval_every=100", f'cluster.servers=["{s1}", "{s2}"]',
         'cluster.placement="roundrobin"', f'cluster.ssh_config="{cluster.ssh_config}"'],
         tmp_path, timeout_s=RUN_TIMEOUT_S)
@@ -161,7 +184,7 @@ def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster
     s1, s2 = cluster.servers
     proc = start_run("configs/test_tiny.toml",
                      _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
-    _wait_remote_iterations(cluster, s1, proc, 3)
+    _wait_remote_iterations(cluster, s1, proc, 1)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     (run_dir,) = tmp_path.glob("tiny-*")
@@ -178,11 +201,32 @@ def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster
     assert len(pd.read_parquet(run_dir / "events" / "w0.parquet")) > 0
 
 
+def test_cleanup_leaves_a_server_whose_lock_another_run_holds_and_names_that_run(
+        cluster, tmp_path):
+    s1, s2 = cluster.servers
+    record = {"servers": {s1: s1, s2: s2}, "ssh": {"ssh_config": str(cluster.ssh_config)},
+              "remote_dir": f"{REMOTE_ROOT}/{tmp_path.name}"}
+    access = SshAccess(ssh_config=str(cluster.ssh_config))
+    other = ServerLock(s2, access.argv(s2), timeout_s=5, who="the other run")
+    other.acquire()
+    try:
+        lines = cleanup_run(tmp_path, record, wait_s=1)
+    finally:
+        other.release()
+    assert f"{s1}: network lock taken" in lines, lines
+    busy = [ln for ln in lines if ln.startswith(f"{s2}: ")]
+    assert len(busy) == 1 and busy[0].startswith(f"{s2}: not cleaned: another run holds "
+                                                 "its network lock"), lines
+    assert "the other run" in busy[0], busy
+    # Once that run has let go, the server is cleaned under its lock.
+    assert f"{s2}: network lock taken" in cleanup_run(tmp_path, record, wait_s=5)
+
+
 def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path):
     s1, s2 = cluster.servers
     proc = start_run("configs/test_tiny.toml",
                      _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
-    _wait_remote_iterations(cluster, s1, proc, 3)
+    _wait_remote_iterations(cluster, s1, proc, 1)
     killed_at = time.monotonic()
     killed_clock = time.localtime()
     subprocess.run(["kill", "-9", str(cluster.sshd_pid(s2))], check=True)  # all of server 2

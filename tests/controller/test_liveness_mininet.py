@@ -1,7 +1,8 @@
 """Every agent's liveness, in real Mininet: a hung (SIGSTOP'ed) agent is declared lost after
-``run.stall_timeout_s`` of silence on the control channel, whatever its role, and a killed
-pipeline stage ends the run at once with the lost-agent status (4), naming the agent,
-instead of leaving its peers waiting until ``run.timeout_s``."""
+``run.stall_timeout_s`` of silence on the control channel, whatever its role (a worker and a
+flow generator go on without it; a stage and an expert host end the run), and a killed
+pipeline stage or expert host ends the run at once with the lost-agent status (4), naming
+the agent, instead of leaving its peers waiting until ``run.timeout_s``."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ STALL_S = 8  # the default is 10; a stage starting on a loaded 2-core machine on
 # 100,000 steps: a stage builds and checks its whole schedule before it starts.)
 PIPELINE = ["pipeline.stages=2", "topo.hosts=3", "pipeline.schedule='gpipe'",
             "run.iterations=400", "run.timeout_s=300", f"run.stall_timeout_s={STALL_S}"]
+# The smallest mesh: two expert hosts of one expert each.
+MOE = ["topo.hosts=2", "moe.hosts=2", "moe.experts=2", "moe.top_k=1", "moe.d_model=16",
+       "moe.d_hidden=16", "moe.eval_every=100000", "run.iterations=400", "run.timeout_s=300",
+       f"run.stall_timeout_s={STALL_S}"]
+# Flows drawn from a CDF by a flow generator (agents.traffic.flowgen), one background host.
+FLOWS = ["net.background_hosts=1", 'background.kind="flows"', "background.load_mbps=5",
+         'background.flow_cdf="traces/data/pareto_flows.cdf"', "background.start_s=0"]
 
 
 def _lost(run_dir: Path) -> list[dict]:
@@ -36,18 +44,24 @@ def _lost(run_dir: Path) -> list[dict]:
     return ev[ev["event"] == "agent_lost"].to_dict("records")
 
 
-def test_a_hung_worker_is_declared_lost_and_the_run_goes_on_without_it(tmp_path: Path) -> None:
+def test_a_hung_worker_and_flow_generator_are_declared_lost_and_the_run_goes_on(
+        tmp_path: Path) -> None:
+    # One run for both roles that the run survives: each is declared lost on its own.
     proc = start_run("configs/test_tiny.toml", [
         "run.iterations=30", "run.on_agent_death='continue'", "run.timeout_s=120",
-        f"run.stall_timeout_s={STALL_S}"], tmp_path)
+        f"run.stall_timeout_s={STALL_S}", *FLOWS], tmp_path)
     run_dir = wait_for_iterations(tmp_path, proc, 3)
+    os.kill(agent_pid(run_dir, "agents.traffic.flowgen", "source"), signal.SIGSTOP)
     os.kill(agent_pid(run_dir, "agents.dp.worker", "--worker", "1"), signal.SIGSTOP)
     stopped_ns = time.time_ns()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    (lost,) = _lost(run_dir)
-    assert lost["role"] == "worker" and "no heartbeat" in lost["reason"], lost
-    assert (lost["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
+    lost = {r["role"]: r for r in _lost(run_dir)}
+    assert sorted(lost) == ["flowgen", "worker"], lost
+    for r in lost.values():
+        assert "no heartbeat" in r["reason"], r
+        assert (r["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, r
+    assert lost["flowgen"]["host"] == "bg0" and lost["flowgen"]["action"] == "peers decide"
     s = load_run(run_dir).summary
     assert [w["worker"] for w in s["workers_lost"]] == [1], s["workers_lost"]
     assert s["iterations"] == 30 and s["stop_reason"] == "completed", s["stop_reason"]
@@ -82,4 +96,35 @@ def test_a_hung_stage_is_declared_lost_and_ends_the_run_with_status_4(tmp_path: 
     assert (lost["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
     s = load_run(run_dir).summary
     assert s["stop_reason"] == lost["reason"], s["stop_reason"]
+    assert leftovers() == []
+
+
+def test_a_killed_expert_host_ends_the_run_at_once_with_status_4(tmp_path: Path) -> None:
+    proc = start_run("configs/moe.toml", MOE, tmp_path)
+    run_dir = wait_for_event(tmp_path, proc, "moe_step", 2)
+    os.kill(agent_pid(run_dir, "agents.moe.expert", "--host", "1"), signal.SIGKILL)
+    killed_ns = time.time_ns()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err[-3000:]
+    lost = _lost(run_dir)
+    assert lost[0]["host"] == "gbh1" and lost[0]["role"] == "expert", lost
+    assert "exited with status -9" in lost[0]["reason"], lost
+    # The decision, not the teardown after it (a loaded machine's); run.timeout_s is 300.
+    assert (lost[0]["ts_ns"] - killed_ns) / 1e9 < 10, lost
+    assert load_run(run_dir).summary["stop_reason"] == lost[0]["reason"]
+    assert leftovers() == []
+
+
+def test_a_hung_expert_host_is_declared_lost_and_ends_the_run_with_status_4(
+        tmp_path: Path) -> None:
+    proc = start_run("configs/moe.toml", MOE, tmp_path)
+    run_dir = wait_for_event(tmp_path, proc, "moe_step", 2)
+    os.kill(agent_pid(run_dir, "agents.moe.expert", "--host", "0"), signal.SIGSTOP)
+    stopped_ns = time.time_ns()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 4, err[-3000:]
+    lost = _lost(run_dir)
+    assert lost[0]["host"] == "gbh0" and "no heartbeat" in lost[0]["reason"], lost
+    assert (lost[0]["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
+    assert load_run(run_dir).summary["stop_reason"] == lost[0]["reason"]
     assert leftovers() == []

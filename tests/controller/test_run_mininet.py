@@ -19,9 +19,12 @@ SUMMARY_KEYS = {"workers", "iterations", "wall_s", "iter_time_s_p50", "iter_time
 
 def test_two_worker_run_learns_and_cleans_up(tmp_path_factory: pytest.TempPathFactory) -> None:
     # The dense digits run test_compress_mininet.py compares top-k with (one run for both).
-    run_dir, proc = real_run.shared_run(tmp_path_factory.mktemp("run"), real_run.DIGITS,
-                                        real_run.DIGITS_DENSE)
+    run_dir, proc = real_run.digits_dense(tmp_path_factory.mktemp("run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # What a user opens first: the page, with the run's figures and its timeline.
+    page = (run_dir / "report" / "index.html").read_text(encoding="utf-8")
+    assert f"Run {run_dir.name}" in page and "Iteration time CDF" in page
+    assert page.count("data:image/png;base64,") >= 5 and 'class="gb-timeline"' in page
     s = summary(run_dir)
     assert SUMMARY_KEYS <= s.keys(), SUMMARY_KEYS - s.keys()
     assert s["iterations"] == 20 and s["workers"] == 2

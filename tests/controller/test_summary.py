@@ -1,13 +1,18 @@
-"""summary.json from synthetic events and link samples: the upload-window utilisation and
-the warm-up iterations left out of the iteration-time percentiles and utilisation."""
+"""summary.json from synthetic events, link and class samples: the upload-window
+utilisation, agent_limited of PS, pipeline and MoE runs, and the warm-up iterations left
+out of the iteration-time percentiles and utilisation."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from agents.core import config as cfgmod
 from analysis.metrics import upload_window_utilization, upload_windows
-from controller.summary import summarize
+from controller.class_sampler import FABRIC_CLASS_SAMPLE_MS, class_sample_ms
+from controller.summary import read_classes, summarize
 
 S = 1_000_000_000  # ns
 
@@ -132,3 +137,92 @@ def test_agent_limited_follows_the_upload_windows_busy_fraction() -> None:
     assert s["agent_limited"] is None and "pipeline" in s["agent_limited_why"]
     s = summarize(ev.iloc[:0], links, _cfg(0), 3.0, False, "done")
     assert s["agent_limited"] is None and s["agent_limited_why"]
+
+
+def _fabric_classes(busy: float, backlog_bytes: int = 0) -> pd.DataFrame:
+    """HTB class samples every 5 ms of two 100 Mbit/s access links over 2 s: ``gbh0.up``
+    delivers ``busy`` of its rate from 0.5 s to 1.5 s and nothing else, ``gbh1.up`` a
+    tenth of that (its acknowledgements)."""
+    rows = []
+    for point, share in (("gbh0.up", 1.0), ("gbh1.up", 0.1)):
+        for k in range(401):
+            t = k * 5_000_000
+            on_s = min(max(t / S - 0.5, 0.0), 1.0)
+            rows.append({"ts_ns": t, "point": point, "dev": point.replace(".up", "-eth0"),
+                         "sent_bytes": int(on_s * busy * share * 100e6 / 8),
+                         "backlog_bytes": backlog_bytes if 0.5 * S <= t <= 1.5 * S else 0,
+                         "rate_mbps": 100.0})
+    return pd.DataFrame(rows)
+
+
+def _fabric_events(role: str) -> tuple[pd.DataFrame, dict]:
+    """One step's transfers from 0.5 s to 1.5 s: a pipeline stage's two activations back to
+    back, each from its send to its arrival, or two MoE hosts' dispatch (counts, then
+    tokens)."""
+    cfg = {"net": {"workers": 2, "worker_link_mbps": 100.0}, "run": {"warmup_iterations": 0},
+           "topo": {"role": role}}
+    if role == "stage":
+        cfg["pipeline"] = {"stages": 2}
+        rows = [{"event": "pp_send", "node": "s0", "iter": 0, "ts_ns": S // 2 + 1000,
+                 "kind": "SA", "mb": mb, "chunk": 0, "to": 1, "start_ns": s,
+                 "end_ns": s + 1000} for mb, s in ((0, S // 2), (1, S))]
+        rows += [{"event": "pp_recv", "node": "s1", "iter": 0, "ts_ns": e, "kind": "RA",
+                  "mb": mb, "chunk": 0, "from_stage": 0, "arrived_ns": e}
+                 for mb, e in ((0, S), (1, 3 * S // 2))]
+        return pd.DataFrame(rows), cfg
+    rows = []
+    for h in ("e0", "e1"):
+        for phase, s, e in (("dispatch_counts", S // 2, 6 * S // 10),
+                            ("dispatch_tokens", 6 * S // 10, 3 * S // 2)):
+            rows.append({"event": "moe_phase", "node": h, "iter": 0, "ts_ns": e, "layer": 0,
+                         "phase": phase, "start_ns": s, "end_ns": e, "dur_s": (e - s) / S,
+                         "bytes_up": 1000, "bytes_down": 1000, "payload_up": 900,
+                         "payload_down": 900})
+    return pd.DataFrame(rows), cfg
+
+
+@pytest.mark.parametrize("role", ["stage", "expert"])
+def test_fabric_runs_are_judged_on_the_busiest_access_link(role) -> None:
+    ev, cfg = _fabric_events(role)
+    links = pd.DataFrame(columns=["ts_ns", "direction", "sent_bytes", "rate_mbps"])
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.5))
+    assert s["agent_limited"] is True, s["agent_limited_why"]
+    assert "gbh0.up" in s["agent_limited_why"] and "0.50" in s["agent_limited_why"]
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
+    assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.5, 100_000))
+    assert s["agent_limited"] is False and "queue" in s["agent_limited_why"]
+    s = summarize(ev, links, cfg, 2.0, False, "done", None)
+    assert s["agent_limited"] is None and "class samples" in s["agent_limited_why"]
+
+
+def test_a_pipeline_message_late_by_the_paths_delay_is_not_the_agents() -> None:
+    ev, cfg = _fabric_events("stage")
+    late = ev["event"] == "pp_recv"
+    ev.loc[late, "arrived_ns"] = ev.loc[late, "arrived_ns"] + S // 5  # 200 ms after
+    links = pd.DataFrame(columns=["ts_ns", "direction", "sent_bytes", "rate_mbps"])
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
+    assert s["agent_limited"] is True and "0.81" in s["agent_limited_why"]
+    cfg["net"]["delay_ms"] = 200.0
+    s = summarize(ev, links, cfg, 2.0, False, "done", _fabric_classes(0.97))
+    assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
+
+
+def test_moe_and_pipeline_runs_sample_the_classes_unless_told_or_remote() -> None:
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("moe.toml", "pipeline.toml"):
+        cfg = cfgmod.load(configs / name)
+        assert class_sample_ms(cfg, remote=False) == FABRIC_CLASS_SAMPLE_MS
+        assert class_sample_ms(cfg, remote=True) == 0.0
+        told = cfgmod.load(configs / name, ["topo.class_sample_ms=2"])
+        assert class_sample_ms(told, remote=False) == 2.0
+    assert class_sample_ms(cfgmod.load(configs / "wire_utilization.toml"), remote=False) == 0.0
+
+
+def test_unreadable_class_samples_leave_the_summary_to_say_unknown(tmp_path) -> None:
+    assert read_classes(tmp_path / "classes.parquet") is None
+    (tmp_path / "classes.parquet").write_bytes(b"PAR1 cut short")
+    assert read_classes(tmp_path / "classes.parquet") is None
+    _fabric_classes(0.5).to_parquet(tmp_path / "classes.parquet")
+    got = read_classes(tmp_path / "classes.parquet")
+    assert got is not None and len(got) == 802

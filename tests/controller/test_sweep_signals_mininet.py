@@ -22,7 +22,7 @@ def test_sighup_stops_the_sweep_and_leaves_a_loadable_run(tmp_path: Path) -> Non
     proc = subprocess.Popen(
         [sys.executable, "-m", "controller.cli", "sweep", str(REPO / "configs/test_tiny.toml"),
          "--grid", "run.seed=1,2", "--set", "run.iterations=100000", "--out", str(tmp_path),
-         "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--no-progress", "--no-report"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while not any(p.read_text().count('"ps_iter_done"') >= 3
                   for p in tmp_path.glob("sweep-*/*/events/ps.jsonl")):

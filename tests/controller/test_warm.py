@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.warm import WarmStarter
+from controller.warm import WarmStarter, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="entering a namespace needs root")
@@ -114,3 +114,42 @@ def test_close_before_ready_leaves_no_log():
     time.sleep(0.5)
     s.close()
     assert not s.log.exists(), s.log.read_text()
+
+
+def test_close_before_ready_kills_it_at_once():
+    """``gradbed run`` starts the warm process before its checks: a command that then ends
+    on a bad file or folder must not wait for torch's import to finish first."""
+    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
+    t0 = time.monotonic()
+    s.close()
+    # Killed, not the exit it makes once imported, and without waiting for the import
+    # (2 s of CPU at best here).
+    assert s.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 1.5
+    assert not s.log.exists(), s.log.read_text()
+
+
+def test_a_runs_warm_process_preloads_its_agents_imports_and_its_data_reader(tmp_path):
+    env = {**os.environ, "GRADBED_PROBE": "warm"}
+    plain = WarmStarter(env)
+    for_digits = WarmStarter(env, workload="digits_mlp")
+    try:
+        seen = []
+        for s in (plain, for_digits):
+            proc, out = _show(s, tmp_path, env=env)
+            assert proc.wait(timeout=60) == 0
+            seen.append(json.loads(out.read_text())["preloaded"])
+        assert seen == [[], ["agents.net.wire", "sklearn.datasets"]]
+    finally:
+        plain.close()
+        for_digits.close()
+    assert not for_digits.log.exists(), for_digits.log.read_text()  # nothing failed
+
+
+@pytest.mark.skipif(os.environ.get("GRADBED_WARM") == "0", reason="no warm process asked for")
+def test_the_loopback_warm_process_preloads_what_agents_of_any_workload_import(tmp_path):
+    out = tmp_path / "seen.json"
+    with open(out, "wb") as f:
+        proc = spawn([sys.executable, "-m", "tests.support.show_self"], cwd=REPO, stdout=f,
+                     stderr=subprocess.STDOUT)
+    assert proc.wait(timeout=60) == 0
+    assert json.loads(out.read_text())["preloaded"] == ["agents.net.wire", "sklearn.datasets"]

@@ -17,13 +17,21 @@ from topo.lock import NetLock
 REPO = Path(__file__).resolve().parents[2]
 
 
-def gradbed_run(config: str, overrides: list[str], out: Path, timeout_s: float = 240
-                ) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """Run ``gradbed run`` as a user would; returns (run_dir, completed process)."""
+def _run_argv(config: str, overrides: list[str], out: Path, report: bool) -> list[str]:
+    """``gradbed run``'s command line. Without ``report`` it passes ``--no-report``: the
+    page's figures cost seconds a run, and only a test that reads report/ needs them."""
     argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / config), "--out", str(out),
-            "--no-progress"]
+            "--no-progress", *([] if report else ["--no-report"])]
     for o in overrides:
         argv += ["--set", o]
+    return argv
+
+
+def gradbed_run(config: str, overrides: list[str], out: Path, timeout_s: float = 240,
+                report: bool = False) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Run ``gradbed run`` as a user would; returns (run_dir, completed process).
+    ``report``: write report/index.html too (``--no-report`` otherwise)."""
+    argv = _run_argv(config, overrides, out, report)
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     lines = proc.stdout.strip().splitlines()
     assert lines, f"gradbed run printed nothing; stderr:\n{proc.stderr[-3000:]}"
@@ -53,12 +61,11 @@ def summary(run_dir: Path) -> dict:
 
 
 def start_run(config: str, overrides: list[str], out: Path,
-              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """``gradbed run`` in the background, as a user starts it from a terminal."""
-    argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / config), "--out", str(out),
-            "--no-progress"]
-    for o in overrides:
-        argv += ["--set", o]
+              env: dict[str, str] | None = None, report: bool = False
+              ) -> subprocess.Popen[str]:
+    """``gradbed run`` in the background, as a user starts it from a terminal
+    (``report``: as :func:`gradbed_run`)."""
+    argv = _run_argv(config, overrides, out, report)
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
 

@@ -31,29 +31,10 @@ def test_the_ssh_command_carries_the_configs_user_key_and_options():
     assert "ControlPath=/run/x/%C" in shared and "-tt" not in shared
 
 
-def test_what_is_not_built_on_another_server_yet_is_refused_by_name():
-    spec = shape_spec(cfg("net.delay_ms=10", 'cluster.pins={ps="10.99.0.2"}'))
-    c = cluster.Cluster(spec, cluster.SshAccess())
-    assert c.remote == ["10.99.0.1", "10.99.0.2"] and not c.local_used
-    with pytest.raises(SpecError, match=r"host ps on 10.99.0.2: a delay or seeded loss by "
-                                        r"the NFQUEUE delay line on another server"):
-        c.require_shapeable({"delay": "nfqueue", "loss": None}, netem=False)
-    # Unseeded loss is only netfilter rules: they go in on the host's own server.
-    lossy = cluster.Cluster(shape_spec(cfg("net.delay_ms=0", "net.loss_pct=1",
-                                           'cluster.pins={ps="10.99.0.2"}')),
-                            cluster.SshAccess())
-    lossy.require_shapeable({"delay": None, "loss": "statistic"}, netem=False)
-    seeded = cluster.Cluster(shape_spec(cfg("net.delay_ms=0", "net.loss_pct=1",
-                                            'net.loss_model="seeded"',
-                                            'cluster.pins={ps="10.99.0.2"}')),
-                             cluster.SshAccess())
-    with pytest.raises(SpecError, match=r"a delay or seeded loss"):
-        seeded.require_shapeable({"delay": None, "loss": "seeded"}, netem=False)
-    c.require_shapeable({"delay": "netem", "loss": "netem"}, netem=True)  # netem is a qdisc
+def test_class_counters_on_another_server_are_refused_by_name():
     # A trace's rate changes are tc commands run there; class counters go over netlink.
     traced = shape_spec(cfg('topo.traces={"w1.up"="traces/data/cellular_like.trace"}'))
     c = cluster.Cluster(traced, cluster.SshAccess())
-    c.require_shapeable({"delay": None, "loss": None}, netem=True)
     with pytest.raises(SpecError, match=r"w1-eth0 on 10.99.0.1: class counters over netlink"):
         c.require_here("w1", "w1-eth0")
 

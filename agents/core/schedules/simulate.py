@@ -83,73 +83,99 @@ def bubble_total(busy_s: list[float], wall_s: float) -> float:
     return 1.0 - sum(busy_s) / (len(busy_s) * wall_s) if wall_s > 0 else 0.0
 
 
+@dataclass
+class _Stage:
+    """One stage's state as the simulator steps it."""
+    ptr: int = 0  # the next action
+    clock_s: float = 0.0
+    link_free_s: float = 0.0  # when its outgoing link is free
+    busy_s: float = 0.0
+    held: int = 0  # activations held for a backward
+    stashed: int = 0  # forwards without their backward yet
+    peak_held: int = 0
+    peak_stash: int = 0
+
+
+class _Simulation:
+    def __init__(self, sch: Schedule, c: Costs) -> None:
+        self.sch, self.c = sch, c
+        self.rec = c.recompute_s or c.forward_s
+        self.stages = [_Stage() for _ in range(sch.stages)]
+        self.arrival: dict[tuple[int, int, Action], float] = {}
+        self.timeline: list[Interval] = []
+        self.recomputed = {(s, a.mb, a.chunk) for s, acts in enumerate(sch.actions)
+                           for a in acts if a.kind is Kind.RECOMPUTE}
+
+    def step(self, s: int, a: Action) -> bool:
+        """Run stage ``s``'s action ``a`` if it can start (False: it waits on a message)."""
+        st, c = self.stages[s], self.c
+        start = end = st.clock_s
+        if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            key = _message_key(self.sch, s, a)
+            if key is None or key not in self.arrival:
+                return False
+            start = end = max(start, self.arrival[key])
+        elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+            key = _message_key(self.sch, s, a)
+            assert key is not None
+            size = (c.act_bytes(s, a.chunk) if a.kind is Kind.SEND_ACT
+                    else c.grad_bytes(s, a.chunk))
+            depart = max(start, st.link_free_s)
+            st.link_free_s = depart + size * 8 / c.link_bps
+            self.arrival[key] = st.link_free_s + c.latency_s
+            self.timeline.append(Interval(s, a, depart, st.link_free_s))
+        else:
+            end = start + self.compute(s, a)
+            self.timeline.append(Interval(s, a, start, end))
+        st.clock_s = end
+        st.ptr += 1
+        return True
+
+    def compute(self, s: int, a: Action) -> float:
+        """A compute action's duration, and what it holds in memory."""
+        st, c = self.stages[s], self.c
+        cost = {Kind.FORWARD: c.forward_s, Kind.BACKWARD: c.backward_s,
+                Kind.RECOMPUTE: self.rec}.get(a.kind)
+        dur = cost(s, a.chunk) if cost is not None else c.opt_s
+        if a.kind in COMPUTE_KINDS:
+            st.busy_s += dur
+        if a.kind is Kind.FORWARD:
+            st.stashed += 1
+            # A forward that will be recomputed keeps only its input.
+            st.held += 0 if (s, a.mb, a.chunk) in self.recomputed else 1
+        elif a.kind is Kind.RECOMPUTE:
+            st.held += 1
+        elif a.kind is Kind.BACKWARD:
+            st.stashed -= 1
+            st.held -= 1
+        st.peak_held = max(st.peak_held, st.held)
+        st.peak_stash = max(st.peak_stash, st.stashed)
+        return dur
+
+    def run(self) -> None:
+        acts = self.sch.actions
+        left = sum(len(a) for a in acts)
+        while left:
+            progressed = False
+            for s, st in enumerate(self.stages):
+                while st.ptr < len(acts[s]) and self.step(s, acts[s][st.ptr]):
+                    left -= 1
+                    progressed = True
+            if not progressed:
+                raise ScheduleError("simulate: deadlock (validate the schedule first): " +
+                                    "; ".join(f"stage {s} at {acts[s][st.ptr]}"
+                                              for s, st in enumerate(self.stages)
+                                              if st.ptr < len(acts[s])))
+
+
 def simulate(sch: Schedule, costs: Costs | None = None) -> SimResult:
-    c = costs or Costs()
-    rec = c.recompute_s or c.forward_s
-    p = sch.stages
-    ptr = [0] * p
-    clock = [0.0] * p
-    link_free = [0.0] * p
-    arrival: dict[tuple[int, int, Action], float] = {}
-    busy = [0.0] * p
-    held = [0] * p
-    stashed = [0] * p
-    peak_held = [0] * p
-    peak_stash = [0] * p
-    timeline: list[Interval] = []
-    recomputed = {(s, a.mb, a.chunk) for s, acts in enumerate(sch.actions) for a in acts
-                  if a.kind is Kind.RECOMPUTE}
-    left = sum(len(a) for a in sch.actions)
-    while left:
-        progressed = False
-        for s in range(p):
-            acts = sch.actions[s]
-            while ptr[s] < len(acts):
-                a = acts[ptr[s]]
-                start = clock[s]
-                if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                    key = _message_key(sch, s, a)
-                    if key is None or key not in arrival:
-                        break
-                    start = max(start, arrival[key])
-                    end = start
-                elif a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                    key = _message_key(sch, s, a)
-                    assert key is not None
-                    size = (c.act_bytes(s, a.chunk) if a.kind is Kind.SEND_ACT
-                            else c.grad_bytes(s, a.chunk))
-                    depart = max(start, link_free[s])
-                    link_free[s] = depart + size * 8 / c.link_bps
-                    arrival[key] = link_free[s] + c.latency_s
-                    timeline.append(Interval(s, a, depart, link_free[s]))
-                    end = start
-                else:
-                    cost = {Kind.FORWARD: c.forward_s, Kind.BACKWARD: c.backward_s,
-                            Kind.RECOMPUTE: rec}.get(a.kind)
-                    dur = cost(s, a.chunk) if cost is not None else c.opt_s
-                    end = start + dur
-                    if a.kind in COMPUTE_KINDS:
-                        busy[s] += dur
-                    if a.kind is Kind.FORWARD:
-                        stashed[s] += 1
-                        # A forward that will be recomputed keeps only its input.
-                        held[s] += 0 if (s, a.mb, a.chunk) in recomputed else 1
-                    elif a.kind is Kind.RECOMPUTE:
-                        held[s] += 1
-                    elif a.kind is Kind.BACKWARD:
-                        stashed[s] -= 1
-                        held[s] -= 1
-                    peak_held[s] = max(peak_held[s], held[s])
-                    peak_stash[s] = max(peak_stash[s], stashed[s])
-                    timeline.append(Interval(s, a, start, end))
-                clock[s] = end
-                ptr[s] += 1
-                left -= 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError("simulate: deadlock (validate the schedule first): " +
-                                "; ".join(f"stage {s} at {sch.actions[s][ptr[s]]}"
-                                          for s in range(p) if ptr[s] < len(sch.actions[s])))
+    sim = _Simulation(sch, costs or Costs())
+    sim.run()
+    timeline = sim.timeline
+    clock = [st.clock_s for st in sim.stages]
+    busy = [st.busy_s for st in sim.stages]
+    peak_held = [st.peak_held for st in sim.stages]
+    peak_stash = [st.peak_stash for st in sim.stages]
     wall = max(clock) if clock else 0.0
     t0 = min((iv.start_s for iv in timeline if iv.action.kind in COMPUTE_KINDS), default=0.0)
     wall -= t0

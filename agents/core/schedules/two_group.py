@@ -34,31 +34,35 @@ from __future__ import annotations
 from agents.core.schedules.actions import OPT, Action, B, F, Kind, Schedule, with_comms
 from agents.core.schedules.registry import register
 
+_KINDS = ((Kind.FORWARD, 0), (Kind.BACKWARD, 0), (Kind.FORWARD, 1), (Kind.BACKWARD, 1))
 
-def _unit_order(p: int, m: int, steps: int, cap_a: int, cap_b: int) -> list[list[Action]]:
-    """Each worker's compute order from a unit-time run of the four-slot rule."""
-    total = m * steps
-    done: dict[tuple[Kind, int, int, int], int] = {}  # (kind, mb, chunk, worker) -> finish
-    nxt = {(slot, j): 0 for slot in range(4) for j in range(p)}  # next mb per slot queue
-    opt_done: dict[tuple[int, int, int], int] = {}  # (step, chunk, worker) -> time
-    order: list[list[Action]] = [[] for _ in range(p)]
-    slot_ptr = [0] * p
-    busy_until = [0] * p
-    kinds = ((Kind.FORWARD, 0), (Kind.BACKWARD, 0), (Kind.FORWARD, 1), (Kind.BACKWARD, 1))
 
-    def fin(kind: Kind, mb: int, chunk: int, j: int, t: int) -> bool:
-        return done.get((kind, mb, chunk, j), t + 1) <= t
+class _SlotRule:
+    """A unit-time run of the four-slot rule: each worker, when free, takes the first ready
+    slot after the last one it ran."""
 
-    def ready(slot: int, j: int, t: int) -> int | None:
-        mb = nxt[(slot, j)]
-        if mb >= total:
+    def __init__(self, p: int, m: int, steps: int, cap_a: int, cap_b: int) -> None:
+        self.p, self.m, self.cap_a, self.cap_b = p, m, cap_a, cap_b
+        self.total = m * steps
+        self.done: dict[tuple[Kind, int, int, int], int] = {}  # (kind, mb, chunk, j) -> end
+        self.nxt = {(slot, j): 0 for slot in range(4) for j in range(p)}  # next mb per slot
+        self.opt_done: dict[tuple[int, int, int], int] = {}  # (step, chunk, worker) -> time
+        self.order: list[list[Action]] = [[] for _ in range(p)]
+        self.slot_ptr = [0] * p
+
+    def fin(self, kind: Kind, mb: int, chunk: int, j: int, t: int) -> bool:
+        return self.done.get((kind, mb, chunk, j), t + 1) <= t
+
+    def ready(self, slot: int, j: int, t: int) -> int | None:
+        """The micro-batch worker ``j``'s ``slot`` may run at ``t``, if any."""
+        p, fin, mb = self.p, self.fin, self.nxt[(slot, j)]
+        if mb >= self.total:
             return None
-        k = mb // m
-        kind, chunk = kinds[slot]
+        k = mb // self.m
         if slot == 0:  # forward A
-            if mb - nxt[(1, j)] >= cap_a:
+            if mb - self.nxt[(1, j)] >= self.cap_a:
                 return None
-            if k >= 2 and opt_done.get((k - 2, 0, j), t + 1) > t:
+            if k >= 2 and self.opt_done.get((k - 2, 0, j), t + 1) > t:
                 return None
             ok = j == 0 or fin(Kind.FORWARD, mb, 0, j - 1, t)
         elif slot == 1:  # backward A
@@ -66,9 +70,9 @@ def _unit_order(p: int, m: int, steps: int, cap_a: int, cap_b: int) -> list[list
                 fin(Kind.BACKWARD, mb, 1, 0, t) if j == p - 1
                 else fin(Kind.BACKWARD, mb, 0, j + 1, t))
         elif slot == 2:  # forward B
-            if mb - nxt[(3, j)] >= cap_b:
+            if mb - self.nxt[(3, j)] >= self.cap_b:
                 return None
-            if k >= 1 and opt_done.get((k - 1, 1, j), t + 1) > t:
+            if k >= 1 and self.opt_done.get((k - 1, 1, j), t + 1) > t:
                 return None
             ok = fin(Kind.FORWARD, mb, 0, p - 1, t) if j == 0 else fin(Kind.FORWARD, mb, 1,
                                                                         j - 1, t)
@@ -77,35 +81,37 @@ def _unit_order(p: int, m: int, steps: int, cap_a: int, cap_b: int) -> list[list
                 j == p - 1 or fin(Kind.BACKWARD, mb, 1, j + 1, t))
         return mb if ok else None
 
-    t = 0
-    remaining = 4 * total * p
-    while remaining:
-        ran = False
-        for j in range(p):
-            if busy_until[j] > t:
-                ran = True
+    def take(self, j: int, t: int) -> bool:
+        """Worker ``j`` runs its first ready slot at ``t`` (False: none is ready)."""
+        for d in range(4):
+            slot = (self.slot_ptr[j] + d) % 4
+            mb = self.ready(slot, j, t)
+            if mb is None:
                 continue
-            for d in range(4):
-                slot = (slot_ptr[j] + d) % 4
-                mb = ready(slot, j, t)
-                if mb is None:
-                    continue
-                kind, chunk = kinds[slot]
-                order[j].append(F(mb, chunk) if kind is Kind.FORWARD else B(mb, chunk))
-                done[(kind, mb, chunk, j)] = t + 1
-                nxt[(slot, j)] = mb + 1
-                busy_until[j] = t + 1
-                slot_ptr[j] = (slot + 1) % 4
-                remaining -= 1
-                ran = True
-                if kind is Kind.BACKWARD and (mb + 1) % m == 0:
-                    order[j].append(OPT(mb // m, chunk))
-                    opt_done[(mb // m, chunk, j)] = t + 1
-                break
-        if not ran:  # pragma: no cover - the rule above cannot stall; guard anyway
+            kind, chunk = _KINDS[slot]
+            self.order[j].append(F(mb, chunk) if kind is Kind.FORWARD else B(mb, chunk))
+            self.done[(kind, mb, chunk, j)] = t + 1
+            self.nxt[(slot, j)] = mb + 1
+            self.slot_ptr[j] = (slot + 1) % 4
+            if kind is Kind.BACKWARD and (mb + 1) % self.m == 0:
+                self.order[j].append(OPT(mb // self.m, chunk))
+                self.opt_done[(mb // self.m, chunk, j)] = t + 1
+            return True
+        return False
+
+
+def _unit_order(p: int, m: int, steps: int, cap_a: int, cap_b: int) -> list[list[Action]]:
+    """Each worker's compute order from a unit-time run of the four-slot rule."""
+    rule = _SlotRule(p, m, steps, cap_a, cap_b)
+    t = 0
+    remaining = 4 * rule.total * p
+    while remaining:
+        took = [j for j in range(p) if rule.take(j, t)]
+        if not took:  # pragma: no cover - the rule above cannot stall; guard anyway
             raise RuntimeError(f"two_group p={p} m={m}: the slot rule stalled at t={t}")
+        remaining -= len(took)
         t += 1
-    return order
+    return rule.order
 
 
 @register("two_group")

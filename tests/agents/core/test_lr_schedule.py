@@ -1,7 +1,8 @@
 """The learning-rate schedule (agents/core/lr_schedule.py): the pure lr-at-iteration function
-against hand-computed values, the config's checks naming the field, a real ``agents.dp.ps``
-process (loopback, no Mininet) stepping with the scheduled lr at each iteration, and real
-pipeline stages (GPipe, two-group) matching their one-process references under it."""
+against hand-computed values, the config's checks naming the field, and a real ``agents.dp.ps``
+process (loopback, no Mininet) stepping with the scheduled lr at each iteration. Real
+pipeline stages (GPipe, two-group) match their one-process references under a step schedule
+in tests/agents/pipeline/test_pipeline_transparency.py, whose runs use one."""
 
 from __future__ import annotations
 
@@ -16,16 +17,6 @@ from agents.net import codec, wire
 from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 from controller.loopback.dp import connect, make_run_dir, prove, start_ps, welcome
-from controller.loopback.pipeline import (
-    logs,
-    pipeline_pieces,
-    reference_pieces,
-    reference_two_group,
-    run_pipeline,
-)
-
-STEP_DECAY = ['workload.lr_schedule="step"', "workload.lr_decay_at=[0.5]",
-              "workload.lr_decay_factor=0.1"]
 
 
 def test_constant_is_the_base_lr_everywhere() -> None:
@@ -116,25 +107,3 @@ def test_ps_steps_with_the_scheduled_lr(tmp_path) -> None:
     finally:
         if ps.poll() is None:
             ps.kill()
-
-
-def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
-
-
-@pytest.mark.loopback
-@pytest.mark.parametrize("schedule,reference", [
-    ("gpipe", reference_pieces), ("two_group", reference_two_group)])
-def test_pipeline_stages_step_with_the_scheduled_lr(tmp_path, schedule, reference) -> None:
-    # 4 steps, lr /10 from step 2: every stage's weights are the reference's with the same
-    # schedule, and far from the reference at a constant lr (the test can tell them apart).
-    steps = 4
-    run_dir, cfg, rcs = run_pipeline(tmp_path, [
-        "pipeline.stages=2", f"pipeline.schedule='{schedule}'", "pipeline.micro_batches=4",
-        "pipeline.micro_batch_size=8", f"run.iterations={steps}", *STEP_DECAY])
-    assert rcs == [0] * len(rcs), logs(run_dir)
-    got = pipeline_pieces(run_dir, cfg)
-    want = reference(cfg, steps)
-    assert _max_diff(got, want) < 1e-5
-    constant = cfgmod.load(run_dir / "config.toml", ['workload.lr_schedule="constant"'])
-    assert _max_diff(reference(constant, steps), want) > 1e-3

@@ -123,7 +123,8 @@ def hostile_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         for f in fakes:
             f.start()
-        assert fakes[1].admitted.wait(timeout=180), "fake worker 3 was never admitted"
+        assert fakes[1].admitted.wait(timeout=180), \
+            f"fake worker 3 was never admitted: {fakes[1].error!r}"
         # Mid-run: the PS is in iteration 0, waiting for worker 3's gradient.
         s = connect(port)
         try:

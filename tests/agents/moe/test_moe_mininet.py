@@ -1,9 +1,11 @@
 """4 MoE expert hosts on the fabric at 100 Mbit/s, in real Mininet: training runs and the
-loss falls; the run leaves nothing behind."""
+loss falls; the summary says whether the agents or the links set the dispatches' pace;
+the run leaves nothing behind."""
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from pathlib import Path
 
@@ -12,26 +14,31 @@ import pytest
 from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
-from tests.support.mininet_run import REPO, gradbed_run, leftovers
+from tests.support.mininet_run import REPO, gradbed_run, leftovers, summary
 from topo.qdisc import htb_burst_bytes
 
 pytestmark = [pytest.mark.mininet,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for Mininet")]
 
 
+ITERATIONS = 12
+
+
 def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
     run_dir, proc = gradbed_run("configs/moe.toml",
-                                ["run.iterations=24", "net.worker_link_mbps=100",
+                                [f"run.iterations={ITERATIONS}", "net.worker_link_mbps=100",
                                  "moe.eval_every=1000"], tmp_path, timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = amoe.load_events(run_dir)
     for h in range(4):
         ce = [r["ce"] for r in sorted((r for r in rows if r.get("event") == "moe_step"
                                        and r["node"] == f"e{h}"), key=lambda r: r["iter"])]
-        assert len(ce) == 24
-        assert statistics.mean(ce[-6:]) < 0.8 * statistics.mean(ce[:6]), ce
+        assert len(ce) == ITERATIONS
+        # The seeded run's last three steps are at 0.65-0.67 of its first three on every
+        # host (after 24 steps the last six were at 0.49-0.56 of the first six).
+        assert statistics.mean(ce[-3:]) < 0.8 * statistics.mean(ce[:3]), ce
     disp = amoe.dispatch_table(rows, 100.0)
-    assert len(disp) == 24 and all(d["hosts"] == 4 for d in disp)
+    assert len(disp) == ITERATIONS and all(d["hosts"] == 4 for d in disp)
     # The busiest link cannot carry more payload than its shaped rate allows in the
     # phase, plus the HTB bucket it may have filled while idle.
     burst = htb_burst_bytes(100.0, False, cfgmod.load(REPO / "configs" / "moe.toml")
@@ -40,4 +47,10 @@ def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
         assert d["efficiency"] > 0
         assert d["payload_bytes"] <= d["phase_s"] * 12.5e6 * TCP_GOODPUT_FRACTION + burst, d
     assert [r for r in rows if r.get("event") == "eval"]
+    # The controller sampled every access link's class by itself, and the summary judged
+    # the dispatches on the busiest of them.
+    assert (run_dir / "classes.parquet").exists()
+    run_summary = summary(run_dir)
+    assert isinstance(run_summary["agent_limited"], bool), run_summary["agent_limited_why"]
+    assert re.search(r"gbh\d\.(up|down).* busy \d\.\d\d", run_summary["agent_limited_why"]), run_summary
     assert not leftovers()

@@ -126,6 +126,13 @@ def test_unsupported_dtype_names_field() -> None:
                          run_tag=TAG, worker=0, iteration=0, chunk=0)
 
 
+@pytest.mark.parametrize("dtype", list(DType))
+def test_every_wire_dtype_has_torch_itemsize_and_round_trips_its_code(dtype: DType) -> None:
+    # The header's payload_len check reads a written-out table (no torch there).
+    assert dtype.itemsize == dtype.torch_dtype.itemsize
+    assert DType.from_torch(dtype.torch_dtype) is dtype
+
+
 def _good_frame() -> tuple[bytes, memoryview]:
     t = torch.linspace(-1, 1, 33)
     return frame_for_tensor(t, msg_type=MsgType.GRAD, run_tag=TAG, worker=7, iteration=9,

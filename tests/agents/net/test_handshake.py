@@ -82,20 +82,17 @@ def test_worker_ps_and_control_connections_go_through_the_driver(tmp_path: Path)
 
 
 def test_stage_and_stage_ps_connections_go_through_the_driver(tmp_path: Path) -> None:
+    # One replica: each kind of pipeline connection once (a second replica adds two
+    # processes and the same kinds again).
     run_dir, cfg, rcs = run_pipeline(tmp_path, [
-        "pipeline.stages=2", "pipeline.replicas=2", "pipeline.micro_batches=2",
-        "pipeline.micro_batch_size=8", "run.iterations=1"])
-    assert rcs == [0] * 5, rcs
-    p = cfg.pipeline.stages
-    ps_index = p * cfg.pipeline.replicas
-    for r in range(2):
-        # stage -> stage: the upstream stage answers its downstream neighbour's dial...
-        # (stage 0 dials stage 1 of its replica, which answers)
-        assert passed(run_dir, f"r{r}s0", "dial") == sorted(
-            [("stage", r * p + 1), ("stage", ps_index)])
-        assert passed(run_dir, f"r{r}s1", "answer") == [("stage", r * p)]
-        # stage -> the pipeline's PS
-        assert ("stage", ps_index) in passed(run_dir, f"r{r}s1", "dial")
+        "pipeline.stages=2", "pipeline.replicas=1", "pipeline.micro_batches=2",
+        "pipeline.micro_batch_size=8", "run.iterations=1"], ps=True)
+    assert rcs == [0] * 3, rcs
+    ps_index = cfg.pipeline.stages  # the pipeline's PS's index, after every stage's
+    # stage -> stage: stage 0 dials stage 1, which answers; each stage dials the PS.
+    assert passed(run_dir, "s0", "dial") == [("stage", 1), ("stage", ps_index)]
+    assert passed(run_dir, "s1", "answer") == [("stage", 0)]
+    assert ("stage", ps_index) in passed(run_dir, "s1", "dial")
     assert passed(run_dir, "ps", "answer") == [("stage", i) for i in range(ps_index)]
 
 

@@ -3,16 +3,21 @@ processes on loopback, activations and gradients through the frame codec.
 
 GPipe and 1F1B must reach the unsplit model's weights (plain SGD on the whole batch); the
 two-group schedule must reach a one-process reference that applies the same two weight
-versions (PipeDream-2BW for sub-model A). Each test also checks it could fail: one extra
-step of the reference moves the weights far past the tolerance, and for the two-group
-schedule the synchronous reference differs from the 2BW one.
+versions (PipeDream-2BW for sub-model A). GPipe and two-group run under a step lr schedule,
+so they also show the stages stepping with the scheduled lr. Each test also checks it could
+fail: one extra step of the reference, or a constant lr, moves the weights far past the
+tolerance, and for the two-group schedule the synchronous reference differs from the 2BW
+one.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from agents.core import config as cfgmod
 from controller.loopback.pipeline import (
     logs,
     pipeline_pieces,
@@ -24,6 +29,10 @@ from controller.loopback.pipeline import (
 pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 STEPS = 3
+# The lr divided by 10 from step 1 (half of 3 steps, rounded down): the stages must step
+# with the scheduled lr (agents/core/lr_schedule.py), which a constant lr reference misses.
+STEP_DECAY = ['workload.lr_schedule="step"', "workload.lr_decay_at=[0.5]",
+              "workload.lr_decay_factor=0.1"]
 
 
 def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -32,34 +41,42 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def _constant_lr(cfg: cfgmod.ExperimentConfig) -> cfgmod.ExperimentConfig:
+    return replace(cfg, workload=replace(cfg.workload, lr_schedule="constant"))
+
+
 def _far(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-3) -> bool:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) > tol
 
 
-@pytest.mark.parametrize("schedule,extra", [
-    ("gpipe", []),
-    ("1f1b", ["pipeline.recompute=true", "pipeline.replicas=2"]),
-])
-def test_gpipe_1f1b_equal_the_unsplit_model(tmp_path, schedule, extra):
+def test_gpipe_replicas_equal_the_unsplit_model_under_a_step_lr(tmp_path):
+    """GPipe, two replicas averaging through the PS, the lr divided by 10 after the first
+    step: every replica ends at the unsplit model's weights with the same lr schedule, far
+    from the reference at a constant lr and from one more step."""
     run_dir, cfg, rcs = run_pipeline(tmp_path, [
-        "pipeline.stages=2", f"pipeline.schedule='{schedule}'", "pipeline.micro_batches=4",
-        "pipeline.micro_batch_size=8", f"run.iterations={STEPS}", *extra])
+        "pipeline.stages=2", "pipeline.schedule='gpipe'", "pipeline.micro_batches=4",
+        "pipeline.micro_batch_size=8", "pipeline.replicas=2", f"run.iterations={STEPS}",
+        *STEP_DECAY])
     assert rcs == [0] * len(rcs), logs(run_dir)
     want = reference_pieces(cfg, STEPS)
     for r in range(cfg.pipeline.replicas):  # every replica ends with the same weights
         _close(pipeline_pieces(run_dir, cfg, r), want)
     assert _far(reference_pieces(cfg, STEPS + 1), want)
+    assert _far(reference_pieces(_constant_lr(cfg), STEPS), want)
 
 
 def test_two_group_equals_the_two_version_reference(tmp_path):
     run_dir, cfg, rcs = run_pipeline(tmp_path, [
         "pipeline.stages=2", "pipeline.schedule='two_group'", "pipeline.micro_batches=4",
-        "pipeline.micro_batch_size=8", f"run.iterations={STEPS}", "pipeline.recompute=true"])
+        "pipeline.micro_batch_size=8", f"run.iterations={STEPS}", "pipeline.recompute=true",
+        *STEP_DECAY])
     assert rcs == [0, 0], logs(run_dir)
     got = pipeline_pieces(run_dir, cfg)
     want = reference_two_group(cfg, STEPS)
     _close(got, want)
     assert _far(reference_two_group(cfg, STEPS + 1), want)
+    # Each version stepped with its step's scheduled lr, not the base lr.
+    assert _far(reference_two_group(_constant_lr(cfg), STEPS), want)
     # 2BW is not plain synchronous SGD (8e-5 apart at p=3 after 3 steps; tolerance 1e-6)
     assert _far(reference_pieces(cfg, STEPS), want, 1e-5)
 
@@ -146,7 +163,7 @@ def test_fp16_both_ways_halves_the_bytes_and_stays_close(tmp_path):
 
 
 def test_replicas_average_through_the_ps_as_the_planner_predicts(tmp_path):
-    """d = 3 pipelines of 2 stages: the PS (agents.pipeline.stage_ps) averages every stage's
+    """d = 3 pipelines of 2 stages, 1F1B recomputing its activations: the PS (agents.pipeline.stage_ps) averages every stage's
     gradient once per step; every replica ends at the unsplit model's weights on the
     combined batch, and the measured data-parallel bytes per link per step equal the
     planner's (t = 1, p, d) prediction within 1 %, both ways."""
@@ -158,8 +175,9 @@ def test_replicas_average_through_the_ps_as_the_planner_predicts(tmp_path):
 
     p, d, m, b, steps = 2, 3, 2, 8, 2
     run_dir, cfg, rcs = run_pipeline(tmp_path, [
-        f"pipeline.stages={p}", "pipeline.schedule='gpipe'", f"pipeline.micro_batches={m}",
-        f"pipeline.micro_batch_size={b}", f"pipeline.replicas={d}", f"run.iterations={steps}"])
+        f"pipeline.stages={p}", "pipeline.schedule='1f1b'", f"pipeline.micro_batches={m}",
+        f"pipeline.micro_batch_size={b}", f"pipeline.replicas={d}", f"run.iterations={steps}",
+        "pipeline.recompute=true"])
     assert rcs == [0] * (p * d + 1), logs(run_dir)
     want = reference_pieces(cfg, steps)
     for r in range(d):

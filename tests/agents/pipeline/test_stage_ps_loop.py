@@ -1,26 +1,26 @@
 """The pipeline's PS serves every stage connection on one event loop (agents/net/loop.py,
-loopback processes): it runs as many threads with 8 stages as with 2."""
+loopback processes): it runs as many threads with 8 stages as with 2 (the two runs of
+conftest.py: one replica of 2 stages, four of 2)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from controller.loopback.pipeline import logs, run_pipeline
+import pytest
+
+pytestmark = pytest.mark.loopback  # starts real agent processes on 127.0.0.1
 
 
-def test_the_stage_ps_runs_the_same_threads_with_2_and_8_stages(tmp_path: Path) -> None:
-    threads = {}
-    for replicas in (1, 4):  # 2 stages each: 2 and 8 stage connections
-        run_dir, cfg, rcs = run_pipeline(tmp_path / f"d{replicas}", [
-            "pipeline.stages=2", f"pipeline.replicas={replicas}", "pipeline.schedule='1f1b'",
-            "pipeline.micro_batches=4", "pipeline.micro_batch_size=16", "workload.depth=2",
-            "workload.hidden=64", "run.iterations=2", "run.eval_every=2"],
-            timeout_s=300, ps=True)
-        assert rcs == [0] * len(rcs), logs(run_dir)
-        rows = [json.loads(line) for line in
-                (run_dir / "events" / "ps.jsonl").read_text().splitlines()]
-        (ev,) = [r for r in rows if r["event"] == "ps_connected"]
-        assert ev["stages"] == 2 * replicas
-        threads[ev["stages"]] = ev["threads"]
-    assert threads[2] == threads[8], threads
+def _connected(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in
+            (run_dir / "events" / "ps.jsonl").read_text().splitlines()]
+    (ev,) = [r for r in rows if r["event"] == "ps_connected"]
+    return ev
+
+
+def test_the_stage_ps_runs_the_same_threads_with_2_and_8_stages(one_f_one_b_run,
+                                                                 two_group_run) -> None:
+    two, eight = _connected(one_f_one_b_run[0]), _connected(two_group_run[0])
+    assert (two["stages"], eight["stages"]) == (2, 8)
+    assert two["threads"] == eight["threads"], (two, eight)
