@@ -25,18 +25,20 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # Appended to a copy of the page (never to the report itself): once everything has loaded,
-# write how many <img> decoded into the title, which --dump-dom then shows.
+# write how many <img> decoded into the root element's data-imgcheck, which --dump-dom
+# then shows.
 CHECK_SCRIPT = """<script>
 window.addEventListener('load', function () {
   var imgs = Array.prototype.slice.call(document.images);
   var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
-  document.title = 'IMGCHECK ' + ok + '/' + imgs.length;
+  document.documentElement.setAttribute('data-imgcheck', ok + '/' + imgs.length);
 });
 </script>"""
 
 # The layout probe: once loaded, count the tables wider than their box (scrollWidth over the
 # box's clientWidth), read the first timeline's visible range, send it a wheel event (zoom
-# in about its middle), and after the chart has redrawn read the range again.
+# in about its middle), and after the chart has redrawn write both ranges into the root
+# element's data-layout. The two probes can share a page, so one Chromium start does both.
 LAYOUT_SCRIPT = """<script>
 window.addEventListener('load', function () {
   setTimeout(function () {
@@ -51,8 +53,8 @@ window.addEventListener('load', function () {
     over.dispatchEvent(new WheelEvent('wheel', {deltaY: -120, clientX: r.left + r.width / 2,
       clientY: r.top + r.height / 2, bubbles: true, cancelable: true}));
     setTimeout(function () {
-      document.title = 'LAYOUT ' + tables.length + ' ' + wide.length + ' ' + before + ' ' +
-        range() + ' ' + wide.join(',');
+      document.documentElement.setAttribute('data-layout', tables.length + ' ' + wide.length +
+        ' ' + before + ' ' + range() + ' ' + wide.join(','));
     }, 100);
   }, 100);
 });
@@ -68,32 +70,46 @@ def _chromium(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+def probe(page: Path, tmp: Path, scripts: str) -> dict[str, str]:
+    """The data-* attributes of the root element in Chromium's DOM dump of a copy of
+    ``page`` with ``scripts`` appended, in a 1400 px wide window."""
+    copy = tmp / f"probe-{page.parent.name}.html"
+    copy.write_text(page.read_text(encoding="utf-8").replace("</body>", scripts + "</body>"),
+                    encoding="utf-8")
+    proc = _chromium(["--dump-dom", "--window-size=1400,1000", "--virtual-time-budget=10000",
+                      copy.as_uri()], tmp)
+    root = re.search(r"<html[^>]*>", proc.stdout)
+    attrs = dict(re.findall(r'(data-[a-z]+)="([^"]*)"', root.group(0) if root else ""))
+    assert attrs, (f"no probe result in Chromium's DOM dump:\n{proc.stdout[:500]}\n"
+                   f"{proc.stderr[-2000:]}")
+    return attrs
+
+
+def _images(attrs: dict[str, str]) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", attrs.get("data-imgcheck", ""))
+    assert m, f"no image count in {attrs}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def _layout(attrs: dict[str, str]) -> tuple[int, int, float, float]:
+    m = re.fullmatch(r"(\d+) (\d+) (\S+) (\S+) ?(.*)", attrs.get("data-layout", ""))
+    assert m, f"no layout in {attrs}"
+    return int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))
+
+
 def images_loaded(page: Path, tmp: Path) -> tuple[int, int]:
     """(decoded, total) <img> elements of ``page`` as Chromium sees them."""
-    probe = tmp / f"probe-{page.parent.name}.html"
-    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", CHECK_SCRIPT
-                                                              + "</body>"), encoding="utf-8")
-    proc = _chromium(["--dump-dom", "--virtual-time-budget=10000", probe.as_uri()], tmp)
-    m = re.search(r"<title>IMGCHECK (\d+)/(\d+)</title>", proc.stdout)
-    assert m, f"no IMGCHECK title in Chromium's DOM dump:\n{proc.stdout[:500]}\n{proc.stderr[-2000:]}"
-    return int(m.group(1)), int(m.group(2))
+    return _images(probe(page, tmp, CHECK_SCRIPT))
 
 
 def layout(page: Path, tmp: Path) -> tuple[int, int, float, float]:
     """(tables, tables wider than their box, visible seconds of the timeline before and
     after one wheel event) of ``page`` in a 1400 px wide Chromium window."""
-    probe = tmp / f"layout-{page.parent.name}.html"
-    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", LAYOUT_SCRIPT
-                                                              + "</body>"), encoding="utf-8")
-    proc = _chromium(["--dump-dom", "--window-size=1400,1000", "--virtual-time-budget=10000",
-                      probe.as_uri()], tmp)
-    m = re.search(r"<title>LAYOUT (\d+) (\d+) (\S+) (\S+) ?([^<]*)</title>", proc.stdout)
-    assert m, f"no LAYOUT title in Chromium's DOM dump:\n{proc.stdout[:500]}\n{proc.stderr[-2000:]}"
-    return int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))
+    return _layout(probe(page, tmp, LAYOUT_SCRIPT))
 
 
-def _check_layout(page: Path, tmp: Path) -> None:
-    tables, wide, before, after = layout(page, tmp)
+def _check_layout(values: tuple[int, int, float, float]) -> None:
+    tables, wide, before, after = values
     assert tables >= 3 and wide == 0
     assert 0 < after < 0.9 * before, (before, after)
 
@@ -106,12 +122,17 @@ def screenshot_std(page: Path, tmp: Path) -> float:
     return float(np.asarray(imread(shot))[..., :3].std())
 
 
-def _check_page(page: Path, tmp: Path, min_images: int) -> None:
+def _check_page(page: Path, tmp: Path, min_images: int, with_layout: bool = False) -> None:
+    """Every image decodes, the page is not blank and, ``with_layout``, its tables fit and
+    its timeline zooms (the image and layout probes share one Chromium start)."""
     html = page.read_text(encoding="utf-8")
     n_img = html.count("<img ")
     assert n_img >= min_images
     assert "src=\"http" not in html and "src='http" not in html  # self-contained
-    assert images_loaded(page, tmp) == (n_img, n_img)
+    attrs = probe(page, tmp, CHECK_SCRIPT + (LAYOUT_SCRIPT if with_layout else ""))
+    assert _images(attrs) == (n_img, n_img)
+    if with_layout:
+        _check_layout(_layout(attrs))
     assert screenshot_std(page, tmp) > 0.05
 
 
@@ -124,8 +145,7 @@ def real_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_report_of_a_real_run_renders_in_chromium(real_run_dir: Path, tmp_path: Path) -> None:
     assert report_main([str(real_run_dir), "--out", str(tmp_path / "rep")]) == 0
     page = tmp_path / "rep" / "index.html"
-    _check_page(page, tmp_path, min_images=5)
-    _check_layout(page, tmp_path)
+    _check_page(page, tmp_path, min_images=5, with_layout=True)
 
 
 def test_report_of_a_synthetic_sweep_renders_in_chromium(tmp_path: Path) -> None:
@@ -136,8 +156,7 @@ def test_report_of_a_synthetic_sweep_renders_in_chromium(tmp_path: Path) -> None
     html = page.read_text(encoding="utf-8")
     assert "topk-100" in html and "dense-50" in html and "compress.name" in html
     assert not list(page.parent.glob("*.tmp"))  # atomic write leaves no temporary behind
-    _check_page(page, tmp_path, min_images=10)
-    _check_layout(page, tmp_path)
+    _check_page(page, tmp_path, min_images=10, with_layout=True)
     html_text = page.read_text(encoding="utf-8")
     assert "uPlot" in html_text and "<script src" not in html_text  # inlined, not fetched
 
@@ -155,7 +174,7 @@ def test_a_wide_overview_wraps_to_the_page_and_the_checks_can_fail(
     page = write_report(runs, tmp_path / "rep")
     html_text = page.read_text(encoding="utf-8")
     assert html_text.count("<th>") > 20  # one column per number
-    _check_layout(page, tmp_path)
+    _check_layout(layout(page, tmp_path))
     broken = tmp_path / "broken" / "index.html"
     broken.parent.mkdir()
     broken.write_text(html_text.replace("overflow-wrap: anywhere;", "white-space: nowrap;")

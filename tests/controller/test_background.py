@@ -17,6 +17,7 @@ import pytest
 from agents.core import config as cfgmod
 from controller.background import BASE_PORT, commands, read_report
 from controller.run import plan_commands, shape_spec
+from tests.support import real_run
 from tests.support.mininet_run import events, gradbed_run, leftovers, summary
 from topo.qdisc import htb_burst_bytes
 
@@ -120,38 +121,38 @@ def test_missing_or_bad_report_is_an_error_field(tmp_path):
 
 
 @pytest.mark.mininet
-def test_background_flows_share_the_bottleneck(tmp_path):
-    base = ["run.iterations=12", "run.eval_every=12"]
-    quiet_dir, p0 = gradbed_run("configs/test_tiny.toml", base, tmp_path)
-    assert p0.returncode == 0, p0.stderr[-3000:]
-    quiet = summary(quiet_dir)
-    for direction in ("up", "down"):
-        busy_dir, p1 = gradbed_run("configs/test_tiny.toml", [
-            *base, "net.background_hosts=1", "background.flows=2",
-            f'background.direction="{direction}"'], tmp_path)
-        assert p1.returncode == 0, p1.stderr[-3000:]
-        s = summary(busy_dir)
-        bg = events(busy_dir)
-        bg = bg[bg["event"] == "background"]
-        assert list(bg["host"]) == ["bg0"] and bg["bytes"].iloc[0] > 1_000_000
-        # Two greedy flows against two workers on a 50 Mbit/s link take a real share...
-        assert 5 < s["background_mbps"] < 50, (direction, s)
-        # ... the link carried both (wire bytes >= payload bytes) in the flows' direction...
-        links = pd.read_parquet(busy_dir / "links.parquet")
-        sent = links[links["direction"] == direction]["sent_bytes"]
-        training = s["bytes_up"] if direction == "up" else s["bytes_down"]
-        assert sent.max() - sent.min() > 0.8 * (s["background_bytes"] + training), direction
-        # ... and the training is slower for it: uploads wait behind the flows one way,
-        # the weights the other.
-        assert s["iter_time_s_mean"] > 1.3 * quiet["iter_time_s_mean"], (direction, s, quiet)
-        assert (busy_dir / "background" / "bg0.json").exists()
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_background_flows_share_the_bottleneck(tmp_path, tmp_path_factory, direction):
+    # The quiet baseline is the session's run of test_tiny.toml as shipped (the report and
+    # notebook tests read it too); the busy run is the same config with the flows added.
+    quiet = summary(real_run.real_run(tmp_path_factory.mktemp("real")))
+    busy_dir, p1 = gradbed_run("configs/test_tiny.toml", [
+        "net.background_hosts=1", "background.flows=2", f'background.direction="{direction}"'],
+        tmp_path)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    s = summary(busy_dir)
+    assert s["iterations"] == quiet["iterations"], (s, quiet)
+    bg = events(busy_dir)
+    bg = bg[bg["event"] == "background"]
+    assert list(bg["host"]) == ["bg0"] and bg["bytes"].iloc[0] > 1_000_000
+    # Two greedy flows against two workers on a 50 Mbit/s link take a real share...
+    assert 5 < s["background_mbps"] < 50, (direction, s)
+    # ... the link carried both (wire bytes >= payload bytes) in the flows' direction...
+    links = pd.read_parquet(busy_dir / "links.parquet")
+    sent = links[links["direction"] == direction]["sent_bytes"]
+    training = s["bytes_up"] if direction == "up" else s["bytes_down"]
+    assert sent.max() - sent.min() > 0.8 * (s["background_bytes"] + training), direction
+    # ... and the training is slower for it: uploads wait behind the flows one way,
+    # the weights the other.
+    assert s["iter_time_s_mean"] > 1.3 * quiet["iter_time_s_mean"], (direction, s, quiet)
+    assert (busy_dir / "background" / "bg0.json").exists()
     assert leftovers() == []
 
 
 @pytest.mark.mininet
 def test_flows_from_a_cdf_report_completion_times(tmp_path):
     run_dir, proc = gradbed_run("configs/test_tiny.toml", [
-        "run.iterations=20", "run.eval_every=20", "net.background_hosts=1",
+        "run.iterations=12", "run.eval_every=12", "net.background_hosts=1",
         'background.kind="flows"', "background.load_mbps=10",
         'background.flow_cdf="traces/data/pareto_flows.cdf"'], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -166,5 +167,5 @@ def test_flows_from_a_cdf_report_completion_times(tmp_path):
     assert (done["fct_s"] > 0).all()
     s = summary(run_dir)
     assert s["background_flows"] == len(done) and 0 < s["fct_s_p50"] <= s["fct_s_p99"]
-    assert s["iterations"] == 20
+    assert s["iterations"] == 12
     assert leftovers() == []

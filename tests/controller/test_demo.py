@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +23,7 @@ import torch
 from agents.core import config as cfgmod
 from agents.dp.keep_response import TrainingSpec, train
 from agents.workloads.base import make_workload
+from tests.support import real_run
 from tests.support.readme_demo import readme_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,23 +69,17 @@ def test_the_full_length_demo_ends_within_3_points_of_dense(one_thread: None) ->
     assert abs(accuracy["none"] - accuracy["topk"]) <= 0.03, accuracy
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    # pytest's tmp_path is too deep for the runs' AF_UNIX control sockets (108 bytes).
-    d = Path(tempfile.mkdtemp(prefix="gbdemo", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The shortened demo sweep (shared with test_sweep.py) and what it printed on stderr."""
+    assert real_run.DEMO_GRID == tuple(_grid())  # the grid scripts/demo.sh runs
+    sweep_dir, proc = real_run.demo_sweep(tmp_path_factory.mktemp("demo"))
+    return sweep_dir, proc.stderr
 
 
 @pytest.mark.mininet
-def test_shortened_demo_shows_the_network_mattering(short_tmp: Path) -> None:
-    argv = [sys.executable, "-m", "controller.cli", "sweep", str(DEMO),
-            *(a for g in _grid() for a in ("--grid", g)),
-            "--set", "run.iterations=12", "--set", "run.eval_every=12",
-            "--out", str(short_tmp), "--no-progress", "--no-report"]
-    p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    sweep_dir = Path(p.stdout.strip().splitlines()[-1])
+def test_shortened_demo_shows_the_network_mattering(demo_run: tuple[Path, str]) -> None:
+    sweep_dir, stderr = demo_run
     summaries = {}
     for d in (d for d in sweep_dir.iterdir() if (d / "summary.json").exists()):
         cfg = cfgmod.load(d / "config.toml")
@@ -105,6 +96,6 @@ def test_shortened_demo_shows_the_network_mattering(short_tmp: Path) -> None:
     # still trails dense's accuracy by far more than 3 points, so the verdict may not say
     # "pays" yet; its figures must be these runs'.
     ratio = topk["iter_time_s_p50"] / dense["iter_time_s_p50"]
-    assert f"topk's median iteration took {ratio:.2f}x dense's" in p.stderr
-    assert f"kept the bottleneck {dense['bottleneck_utilization']:.2f} busy" in p.stderr
-    assert (sweep_dir / "comparison.txt").read_text() in p.stderr
+    assert f"topk's median iteration took {ratio:.2f}x dense's" in stderr
+    assert f"kept the bottleneck {dense['bottleneck_utilization']:.2f} busy" in stderr
+    assert (sweep_dir / "comparison.txt").read_text() in stderr

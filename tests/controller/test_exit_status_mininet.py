@@ -1,6 +1,8 @@
 """``gradbed run``'s exit status tells how the run ended (controller/exit_status.py), in real
-Mininet: a killed PS, a run past ``run.timeout_s`` and a start that fails each give their
-own status, and the summary says the same. (A completed run's 0: test_run_mininet.py.)"""
+Mininet: a killed PS and a start that fails each give their own status, and the summary says
+the same. (A completed run's 0: test_run_mininet.py; a run past ``run.timeout_s``, 5:
+test_adaptive_run.py, whose run ends on its timeout; a signal's 128 + n:
+test_signals_mininet.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import pytest
 from analysis.load import load_run
 from tests.support.mininet_run import (
     agent_pids,
-    gradbed_run,
     leftovers,
     start_run,
     wait_for_iterations,
@@ -35,13 +36,6 @@ def test_a_killed_ps_exits_4_and_names_the_ps(tmp_path: Path) -> None:
     s = load_run(run_dir).summary
     assert s["stop_reason"].startswith("ps exited with status -9"), s["stop_reason"]
     assert leftovers() == []
-
-
-def test_a_run_past_its_timeout_exits_5(tmp_path: Path) -> None:
-    run_dir, proc = gradbed_run("configs/test_tiny.toml", [*LONG, "run.timeout_s=8"], tmp_path)
-    assert proc.returncode == 5, proc.stderr[-3000:]
-    s = load_run(run_dir).summary
-    assert s["stop_reason"] == "timeout after 8 s" and s["iterations"] < 100000
 
 
 def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ LEAVE_ITER = 4
 
 def gradbed_run(tmp_path: Path, *overrides: str) -> Path:
     argv = [sys.executable, "-m", "controller.cli", "run", str(CONFIG), "--no-progress",
-            "--out", str(tmp_path)]
+            "--no-report", "--out", str(tmp_path)]
     for o in overrides:
         argv += ["--set", o]
     res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -1,6 +1,7 @@
 """SIGHUP, SIGTERM and SIGINT at any moment of a run, and again while it finishes, leave a
 loadable run directory whose summary names the signal, exit 128+n, and leave no network,
-agent, control socket or registry entry behind (controller/signals.py), in real Mininet."""
+agent, control socket or registry entry behind (controller/signals.py), in real Mininet.
+A run stopped mid-training keeps what it trained, converted to Parquet as a finished run's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from agents.net.control import control_path
@@ -46,6 +48,11 @@ def test_a_signal_leaves_a_complete_run_and_nothing_else(tmp_path: Path, when: s
     run = load_run(run_dir)
     assert run.summary["stop_reason"] == f"interrupted by {signal.Signals(signals[0]).name}"
     assert run.summary["interrupted"] is True
+    if when == "training":  # what it trained before the signal is kept, in Parquet
+        assert 3 <= run.summary["iterations"] < 100000, run.summary
+        assert (run.events["event"] == "iter_done").sum() >= 3
+        assert list((run_dir / "events").glob("*.parquet"))
+        pd.read_parquet(run_dir / "links.parquet")
     assert not control_path(run_dir).exists()
     assert not (rundir.ACTIVE_DIR / f"{run_dir.name}.json").exists()
     assert not list(run_dir.rglob("*.tmp"))

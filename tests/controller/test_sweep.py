@@ -1,5 +1,6 @@
 """Tests of ``gradbed sweep`` (controller/sweep.py): grid parsing, expansion and up-front
-validation without root, the tables it writes, and one tiny real sweep in Mininet."""
+validation without root, the tables it writes, and one real sweep in Mininet (the demo's,
+shared with test_demo.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from agents.core import config as cfgmod
 from agents.net.control import control_path
 from controller import sweep
+from tests.support import real_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -168,22 +170,19 @@ def short_tmp() -> Iterator[Path]:
 
 
 @pytest.mark.mininet
-def test_tiny_real_sweep_writes_both_rows(short_tmp: Path) -> None:
-    argv = [sys.executable, "-m", "controller.cli", "sweep", str(REPO / "configs/test_tiny.toml"),
-            "--grid", "compress.name=none,topk", "--set", "run.iterations=6",
-            "--set", "run.eval_every=3", "--out", str(short_tmp), "--no-progress"]
-    p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:] + str(list(short_tmp.glob("*/sweep.md")))
-    sweep_dir = Path(p.stdout.strip().splitlines()[-1])
-    assert sweep_dir.parent == short_tmp and sweep_dir.name.startswith("sweep-tiny-")
+def test_a_real_sweep_writes_both_rows(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The demo's shortened sweep (test_demo.py reads the same one): a real two-run sweep.
+    sweep_dir, p = real_run.demo_sweep(tmp_path_factory.mktemp("sweep"))
+    assert sweep_dir.name.startswith("sweep-demo-"), sweep_dir
+    iterations = int(real_run.DEMO_SHORT[0].split("=")[1])
     rows = list(csv.DictReader(open(sweep_dir / "sweep.csv")))
     assert [r["compress.name"] for r in rows] == ["none", "topk"]
-    assert all(r["status"] == "ok" and int(r["iterations"]) == 6 for r in rows), rows
-    # topk at ratio 0.1 sends far fewer bytes than dense.
+    assert all(r["status"] == "ok" and int(r["iterations"]) == iterations for r in rows), rows
+    # topk at ratio 0.03 sends far fewer bytes than dense.
     assert float(rows[1]["bytes_up_per_iter"]) < 0.3 * float(rows[0]["bytes_up_per_iter"])
     for r in rows:
         run_dir = sweep_dir / r["run_dir"]
-        assert json.loads((run_dir / "summary.json").read_text())["iterations"] == 6
+        assert json.loads((run_dir / "summary.json").read_text())["iterations"] == iterations
     md = (sweep_dir / "sweep.md").read_text().splitlines()
     assert len(md) == 2 + 2
     assert (sweep_dir / "report" / "index.html").exists()

@@ -139,7 +139,7 @@ def test_gradbed_run_names_a_bad_capture(tmp_path, capsys):
 def test_replayed_capture_crosses_the_bottleneck(tmp_path):
     src = capture(tmp_path / "udp.pcap", n_udp=200)
     run_dir, proc = gradbed_run("configs/test_tiny.toml", [
-        "run.iterations=20", "run.eval_every=20", "net.background_hosts=1",
+        "run.iterations=12", "run.eval_every=12", "net.background_hosts=1",
         'background.kind="pcap"', f'background.pcap="{src}"', "background.pcap_mbps=10"],
         tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
