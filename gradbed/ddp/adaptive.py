@@ -13,7 +13,10 @@ all_gather ever sees unequal sizes.
 
 The policy's keep is a byte budget (``adaptive.budget = "bytes"``): a sparse element costs
 its value and its int32 index, so the compressor gets ``keep x 4 / (4 + 4)`` of the
-elements, and a keep of 1 sends the bucket dense, as the PS path's worker does.
+elements, and a keep of 1 sends the bucket dense, as the PS path's worker does. On a ring
+the bucket also goes dense from the sparse break-even on (:func:`bucket_ratio`): past 1/N
+of the elements, values and indices gathered from every rank outweigh the dense
+all_reduce.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from agents.core.config import AdaptiveConfig
 from agents.core.events import now_ns
 from agents.core.policies import AdaptiveRatio, Decision
 from gradbed.ddp.record import BucketRecord
+from gradbed.ddp.wire import sparse_breakeven_ratio
 
 # The DDP defaults: a rate sample per iteration (rate_source "upload", carried across
 # iterations with a fixed planned r0), and a wide stability band, since one sample per
@@ -41,6 +45,17 @@ def element_ratio(keep: float, value_bytes: int, keep_min: float) -> float:
     if keep >= 1.0:
         return 1.0
     return max(keep_min, keep * value_bytes / (value_bytes + 4))
+
+
+def bucket_ratio(keep: float, value_bytes: int, keep_min: float, world: int) -> float:
+    """The compressor ratio for a bucket the policy gave ``keep``: :func:`element_ratio`,
+    or 1.0 (the compressor's dense fallback, summed by all_reduce) from the ring's
+    break-even on. The policy budgets the bytes as if the payload crossed the link once;
+    all_gather carries each rank's sparse payload N - 1 times, so above
+    :func:`gradbed.ddp.wire.sparse_breakeven_ratio` (1/N for float32) the dense bucket
+    costs less."""
+    ratio = element_ratio(keep, value_bytes, keep_min)
+    return 1.0 if ratio >= sparse_breakeven_ratio(world, value_bytes) else ratio
 
 
 class AdaptiveKeep:

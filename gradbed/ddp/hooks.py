@@ -34,7 +34,7 @@ from torch import Tensor
 from agents.compress.base import Payload
 from agents.compress.builder import CompressionSpec, Sender
 from agents.core.events import now_ns
-from gradbed.ddp.adaptive import AdaptiveKeep, element_ratio
+from gradbed.ddp.adaptive import AdaptiveKeep, bucket_ratio
 from gradbed.ddp.record import BucketRecord, Listeners
 from gradbed.ddp.wire import sent_bytes
 
@@ -99,7 +99,7 @@ class CompressState:
         if self.adaptive is None:
             return self.config.ratio
         d = self.adaptive.decide(iteration, bucket, size_bytes)
-        return element_ratio(d.keep, value_bytes, self.adaptive.config.keep_min)
+        return bucket_ratio(d.keep, value_bytes, self.adaptive.config.keep_min, self.world)
 
 
 def compress_hook(state: CompressState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:

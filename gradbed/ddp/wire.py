@@ -39,6 +39,16 @@ def sent_bytes(collective: str, payload_bytes: int, world: int) -> float:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
 
 
+def sparse_breakeven_ratio(world: int, value_bytes: int, index_bytes: int = 4) -> float:
+    """The element ratio above which a sparse bucket (values and int32 indices through
+    ``allgather``) sends more than the dense bucket through ``allreduce``: ``(N - 1) x r x
+    (value + index)`` against ``2 (N - 1) / N x value`` per element, so ``r = 2 value /
+    (N (value + index))``; 1/N for float32."""
+    if world < 2:
+        return 1.0  # nothing crosses a wire: either costs nothing
+    return 2.0 * value_bytes / (world * (value_bytes + index_bytes))
+
+
 def own_tcp_bytes() -> tuple[int, int]:
     """``(bytes_acked, bytes_received)`` summed over this process's TCP sockets, read
     through a duplicate of each descriptor (closing the duplicate leaves the connection

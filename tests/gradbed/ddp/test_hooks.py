@@ -166,3 +166,24 @@ def test_bad_arguments_name_what_is_allowed():
         gradbed.ddp.hook("topk", policy="adaptive")
     with pytest.raises(ValueError, match="policy must be one of"):
         gradbed.ddp.hook("topk", policy="fast")
+
+
+def test_the_adaptive_ratio_goes_dense_where_gathered_sparse_outweighs_the_ring():
+    """Per element, all_gather moves (N - 1) x r x (value + index) bytes and a dense
+    all_reduce 2 (N - 1) / N x value: the hook sends sparse only below r = 1/N (float32),
+    checked here on the formula the byte test holds against the kernel's counters."""
+    from gradbed.ddp.adaptive import bucket_ratio, element_ratio
+    from gradbed.ddp.wire import sent_bytes, sparse_breakeven_ratio
+
+    numel = 1_000_000
+    for world in (2, 4, 8):
+        assert sparse_breakeven_ratio(world, 4) == pytest.approx(1 / world)
+        for keep in (0.05, 0.2, 0.3, 0.45, 0.6, 0.9):
+            r = bucket_ratio(keep, 4, 0.001, world)
+            sparse = sent_bytes("allgather", round(element_ratio(keep, 4, 0.001) * numel) * 8,
+                                world)
+            dense = sent_bytes("allreduce", numel * 4, world)
+            assert r == (1.0 if sparse >= dense else element_ratio(keep, 4, 0.001)), \
+                (world, keep, sparse, dense)
+    assert bucket_ratio(0.9, 4, 0.001, 1) == element_ratio(0.9, 4, 0.001)  # no wire
+    assert bucket_ratio(1.0, 4, 0.001, 4) == 1.0
