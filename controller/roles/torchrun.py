@@ -236,6 +236,26 @@ def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
     return out
 
 
+ADMISSION_RULE_COMMENT = "gradbed-torchrun-admission"
+
+
+def admission_rules(spec: NetSpec) -> dict[str, list[list[str]]]:
+    """Per training host, the iptables commands, run there before any rank starts, that
+    let only the training hosts (and the host itself) open TCP connections to it; a
+    connection from any other host of the run (a background host flooding the c10d store
+    or a rank's gloo listener, say) is reset. The stores (the rendezvous store on the
+    endpoint's port, the ranks' store on a port torchrun picks) and gloo's listeners are
+    torch's own, outside gradbed's handshake; this is their admission. Only connection
+    attempts (SYN) are matched: what the ranks open themselves, and every reply, pass."""
+    hosts = training_hosts(spec)
+    rule = ["iptables", "-w", "-A", "INPUT", "-p", "tcp", "--syn"]
+    tag = ["-m", "comment", "--comment", ADMISSION_RULE_COMMENT]
+    cmds = [[*rule, "-s", ip, *tag, "-j", "ACCEPT"]
+            for ip in ("127.0.0.1", *(h.ip for h in hosts))]
+    cmds.append([*rule, *tag, "-j", "REJECT", "--reject-with", "tcp-reset"])
+    return {h.name: cmds for h in hosts}
+
+
 def describe(plans: list[RankPlan]) -> list[str]:
     """The dry run's lines: each host's variables and command."""
     return [f"$ {' '.join(f'{k}={v}' for k, v in sorted(p.env.items()))} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import subprocess
 import sys
 import traceback
@@ -146,6 +147,7 @@ def _dry_run(cfg: ExperimentConfig) -> int:
     from controller.roles import RoleError
     from controller.roles.torchrun import (
         TorchrunError,
+        admission_rules,
         check_script,
         check_shaping,
         describe,
@@ -165,6 +167,8 @@ def _dry_run(cfg: ExperimentConfig) -> int:
         lines = [line for line in plan_commands(cfg, probe(), spec)
                  if "torch.distributed.run" not in line]
         python = cfg.torchrun.python or sys.executable
+        lines += [f"$ {shlex.join(c)}   # in {host}"
+                  for host, cmds in admission_rules(spec).items() for c in cmds]
         lines += describe(rank_plans(cfg, spec, python, script,
                                      Path("RUN/logs/ranks")))
     except (TorchrunError, SpecError, RoleError, CapabilityError) as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from controller.exit_status import failed_start_reason, timeout_reason
 from controller.roles import RoleCommand
 from controller.roles.torchrun import (
     RankPlan,
+    admission_rules,
     check_gpus,
     check_script,
     check_shaping,
@@ -139,6 +141,7 @@ class TorchrunExperiment(Experiment):
         # "completed" run, so its missing bytes are no bypass to report.
         reason = ""
         try:
+            self._admit_training_hosts_only(net)
             runner.start_agents()
             if self.progress:
                 tail = _Tail(runner.procs[0][1].log_path(self.run_dir), sys.stdout)
@@ -157,6 +160,14 @@ class TorchrunExperiment(Experiment):
             if tail is not None:
                 tail.stop()
             self._collect(net, runner, hosts, reason, stopped)
+
+    def _admit_training_hosts_only(self, net: Network) -> None:
+        """Only the training hosts may open connections to a training host: its stores
+        and gloo's listeners are torch's (roles.torchrun.admission_rules)."""
+        for host, cmds in admission_rules(net.spec).items():
+            for c in cmds:
+                self.say(f"$ {shlex.join(c)}  # in {host}")
+                net.run(host, c)
 
     def _wait(self, runner: RoleRunner) -> str:
         """Until every host's torchrun has exited, one fails, one stalls, or the timeout."""

@@ -13,6 +13,7 @@ from agents.core import config as cfgmod
 from controller.roles import RoleContext, get, plan_commands
 from controller.roles.torchrun import (
     TorchrunError,
+    admission_rules,
     check_gpus,
     check_script,
     check_shaping,
@@ -174,3 +175,16 @@ def test_under_tc_each_rank_plans_for_its_link_n_cap() -> None:
         planned("shaping.method='pacing'")
     with pytest.raises(TorchrunError, match="shaping.pace_guard = 2 paces the sockets"):
         planned("shaping.method='tc'", "shaping.pace_guard=2")
+
+
+def test_training_hosts_admit_each_other_and_reset_every_other_host() -> None:
+    c = cfg("topo.shape='star'", "topo.traces={}")
+    spec = torchrun_spec(shape_spec(c))
+    rules = admission_rules(spec)
+    assert list(rules) == ["w0", "w1", "w2", "w3"]  # not the PS host: it trains nothing
+    for cmds in rules.values():
+        accepted = [cmd[cmd.index("-s") + 1] for cmd in cmds if cmd[-1] == "ACCEPT"]
+        assert accepted == ["127.0.0.1", *(h.ip for h in training_hosts(spec))]
+        assert spec.ip("ps") not in accepted
+        assert cmds[-1][-4:] == ["-j", "REJECT", "--reject-with", "tcp-reset"]
+        assert all(cmd[:2] == ["iptables", "-w"] and "--syn" in cmd for cmd in cmds)

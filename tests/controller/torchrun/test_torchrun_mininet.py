@@ -200,8 +200,57 @@ RING_SCRIPT = (
     "dist.all_reduce(t)\n"
     "if rank == 0:\n"
     "    print(json.dumps({'allreduce_s': time.monotonic() - t0}), flush=True)\n"
+    "    # Hold the run while the test knocks on the store from other hosts.\n"
+    "    with open('store_probe.wait', 'w') as f:\n"
+    "        f.write(os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'])\n"
+    "    end = time.monotonic() + 90\n"
+    "    while not os.path.exists('store_probe.done') and time.monotonic() < end:\n"
+    "        time.sleep(0.1)\n"
     "dist.barrier()\n"
     "dist.destroy_process_group()\n")
+
+PROBE = ("import socket, sys\n"
+         "try:\n"
+         "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()\n"
+         "    print('connected')\n"
+         "except ConnectionRefusedError:\n"
+         "    print('refused')\n"
+         "except OSError as e:\n"
+         "    print(type(e).__name__)\n")
+
+
+def _host_shell_pid(host: str) -> int:
+    """The pid of Mininet's shell for ``host`` (its network namespace)."""
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and (p / "cmdline").read_bytes().split(b"\0")[-2:-1] == \
+                    [f"mininet:{host}".encode()]:
+                return int(p.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no Mininet shell for {host}")
+
+
+def _knock_on_the_store(d: Path, proc: subprocess.Popen[str]) -> None:
+    """While rank 0 holds the run, connect to the c10d store from the PS host (not a
+    training host) and from w1 (one), and write what each got to store_probe.json."""
+    wait = d / "store_probe.wait"
+    deadline = time.monotonic() + 900  # the network lock may be another run's first
+    while not wait.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    got: dict[str, str] = {}
+    try:
+        if wait.exists():
+            time.sleep(0.2)  # the address is written
+            addr, port = wait.read_text().split()
+            for host in ("ps", "w1"):
+                out = subprocess.run(["nsenter", "-t", str(_host_shell_pid(host)), "-n",
+                                      sys.executable, "-c", PROBE, addr, port],
+                                     capture_output=True, text=True, timeout=30)
+                got[host] = out.stdout.strip() or out.stderr.strip()[-300:]
+    finally:
+        (d / "store_probe.json").write_text(json.dumps(got))
+        (d / "store_probe.done").touch()
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +261,23 @@ def ring(tmp_path_factory: pytest.TempPathFactory) -> Done:
     exits 0; the run fails naming rank 2 and the loopback."""
     d = tmp_path_factory.mktemp("ring")
     script = write_script(d, "ring.py", RING_SCRIPT)
-    return gradbed_torchrun(d, script, [], [
+    proc = start_torchrun(d, script, [], [
         "topo.shape='star'", "topo.traces={}", "net.loss_pct=0", "net.delay_ms=0",
         "net.worker_link_mbps=1000", f"net.bottleneck_mbps={RING_B_MBPS}",
         "shaping.method='tc'", "torchrun.rdzv='c10d'"])
+    _knock_on_the_store(d, proc)
+    return finish(proc)
+
+
+def test_only_training_hosts_reach_the_c10d_store(ring: Done) -> None:
+    """torch's stores and gloo's listeners are outside gradbed's admission: a training
+    host lets only the training hosts connect (roles.torchrun.admission_rules). The PS
+    host, which trains nothing in a torchrun run, is reset at the ranks' store on rank 0's
+    host (the port torchrun picked); w1 connects."""
+    got = json.loads((ring.run_dir.parent / "store_probe.json").read_text())
+    assert got == {"ps": "refused", "w1": "connected"}, got
+    log = (ring.run_dir / "run.log").read_text()
+    assert log.count("--comment gradbed-torchrun-admission -j REJECT") == 4, log[-3000:]
 
 
 def test_ring_allreduce_through_c10d_rendezvous_moves_two_n_minus_one_over_n(
