@@ -506,8 +506,11 @@ class Experiment:
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
         rundir.write_timelines(run_dir, self.say)  # every run, a sweep's too
-        if not self.report:
-            return
+        if self.report:
+            self._write_report(run_dir)
+
+    def _write_report(self, run_dir: Path) -> None:
+        """report/index.html for this run; a failure is a warning, never the run's end."""
         try:
             from analysis.report import write_report
 

@@ -341,17 +341,7 @@ class TorchrunExperiment(Experiment):
                       for p in self.plans.values()}}
         rundir.write_json(run_dir / "meta.json", meta_now)
         if self.report:
-            self._report(run_dir)
-
-    def _report(self, run_dir: Path) -> None:
-        try:
-            from analysis.report import write_report
-
-            write_report([run_dir], run_dir / "report")
-        except Exception as e:  # plots are a convenience; the data is what must survive
-            self.say(f"warning: report not written: {e}")
-            if not self.quiet:
-                print(f"warning: report not written: {e}", file=sys.stderr)
+            self._write_report(run_dir)
 
 
 def descendants(pid: int) -> list[int]:
