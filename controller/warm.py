@@ -99,6 +99,7 @@ def _serve(sock: socket.socket, workload: str = "") -> None:
                 if not msg:  # the client went: leave nothing behind
                     for pidfd in children:
                         _try_signal(pidfd, signal.SIGKILL)
+                    _drop_empty_log()
                     os._exit(0)
                 req = json.loads(msg)
                 if req["op"] == "spawn":
@@ -149,6 +150,18 @@ def _preload(workload: str) -> None:
     except Exception:  # noqa: BLE001 - any failure is the agent's to report
         print(f"warm process: preloading for workload {workload!r} failed (the agents "
               f"import it themselves):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+
+def _drop_empty_log() -> None:
+    """Remove this process's log (its stderr, :attr:`WarmStarter.log`) when it says
+    nothing: a caller that was killed never got to remove it itself."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        if (Path(path).name.startswith("gradbed-warm-") and path.endswith(".log")
+                and os.fstat(2).st_size == 0):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _tell(sock: socket.socket, reply: dict[str, Any]) -> None:

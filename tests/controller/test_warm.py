@@ -153,3 +153,23 @@ def test_the_loopback_warm_process_preloads_what_agents_of_any_workload_import(t
                      stderr=subprocess.STDOUT)
     assert proc.wait(timeout=60) == 0
     assert json.loads(out.read_text())["preloaded"] == ["agents.net.wire", "sklearn.datasets"]
+
+
+def test_a_killed_caller_leaves_no_empty_log():
+    """The caller (a controller) is SIGKILLed once its warm process is ready: the warm
+    process, reading EOF, removes its own empty log, which its caller never got to."""
+    code = ("import os, sys\n"
+            "from controller.warm import WarmStarter\n"
+            "s = WarmStarter()\n"
+            "s._wait_ready()\n"
+            "print(s.log, s.proc.pid, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    log, pid = out.stdout.split()
+    deadline = time.monotonic() + 20
+    while _running(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(int(pid)), "the warm process outlived its killed caller"
+    assert not Path(log).exists(), "the killed caller's warm process left its empty log"
