@@ -31,7 +31,6 @@ exactly this; the invariant ``original == sent + residual`` is tested in test_co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,14 +56,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dense": real_run.digits_dense(root)[0],
             "topk": real_run.shared_run(root, real_run.DIGITS, TOPK)[0]}
 
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    # A small MLP: two threads only fight over a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def one_process(name: str, iterations: int) -> tuple[torch.Tensor, list[tuple[int, float]]]:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from agents.core import config as cfgmod
 from agents.dp.keep_response import TrainingSpec, train
@@ -44,14 +42,6 @@ def test_demo_compares_dense_with_topk_and_error_feedback_over_one_bottleneck() 
     assert 0 < cfg.compress.ratio < 0.1
     _grid()
 
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    # A tiny MLP: two threads only fight over a shared machine (10x slower under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_the_full_length_demo_ends_within_3_points_of_dense(one_thread: None) -> None:
