@@ -44,6 +44,28 @@ def _lost(run_dir: Path) -> list[dict]:
     return ev[ev["event"] == "agent_lost"].to_dict("records")
 
 
+def _fault_ends_the_run(tmp_path: Path, config: str, overrides: list[str], event: str,
+                        sig: signal.Signals, *agent: str) -> tuple[list[dict], int, float]:
+    """Start the run, send ``sig`` to the agent ``agent`` names (module, then arguments)
+    once two ``event`` events are logged, and wait: the run must exit with the lost-agent
+    status (4), its stop_reason the first lost agent's reason, nothing left behind.
+    Returns the ``agent_lost`` events, when the signal went (time_ns) and the seconds from
+    it to the controller's exit, teardown included."""
+    proc = start_run(config, overrides, tmp_path)
+    run_dir = wait_for_event(tmp_path, proc, event, 2)
+    os.kill(agent_pid(run_dir, *agent), sig)
+    sent_ns, sent = time.time_ns(), time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took_s = time.monotonic() - sent
+    assert proc.returncode == 4, err[-3000:]
+    lost = _lost(run_dir)
+    assert lost, "no agent_lost event"
+    s = load_run(run_dir).summary
+    assert s["stop_reason"] == lost[0]["reason"], (s["stop_reason"], lost)
+    assert leftovers() == []
+    return lost, sent_ns, took_s
+
+
 def test_a_hung_worker_and_flow_generator_are_declared_lost_and_the_run_goes_on(
         tmp_path: Path) -> None:
     # One run for both roles that the run survives: each is declared lost on its own.
@@ -69,62 +91,34 @@ def test_a_hung_worker_and_flow_generator_are_declared_lost_and_the_run_goes_on(
 
 
 def test_a_killed_stage_ends_the_pipeline_at_once_with_status_4(tmp_path: Path) -> None:
-    proc = start_run("configs/pipeline.toml", PIPELINE, tmp_path)
-    run_dir = wait_for_event(tmp_path, proc, "pp_step_done", 2)
-    os.kill(agent_pid(run_dir, "agents.pipeline.stage", "--stage", "1"), signal.SIGKILL)
-    killed = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    took_s = time.monotonic() - killed
-    assert proc.returncode == 4, err[-3000:]
-    (lost,) = _lost(run_dir)
+    (lost,), _, took_s = _fault_ends_the_run(tmp_path, "configs/pipeline.toml", PIPELINE,
+                                             "pp_step_done", signal.SIGKILL,
+                                             "agents.pipeline.stage", "--stage", "1")
     assert lost["role"] == "stage" and "exited with status -9" in lost["reason"], lost
-    s = load_run(run_dir).summary
-    assert s["stop_reason"] == lost["reason"], (s["stop_reason"], lost)
-    assert took_s < 20, took_s  # teardown included; run.timeout_s is 120
-    assert leftovers() == []
+    assert took_s < 20, took_s  # teardown included; run.timeout_s is 300
 
 
 def test_a_hung_stage_is_declared_lost_and_ends_the_run_with_status_4(tmp_path: Path) -> None:
-    proc = start_run("configs/pipeline.toml", PIPELINE, tmp_path)
-    run_dir = wait_for_event(tmp_path, proc, "pp_step_done", 2)
-    os.kill(agent_pid(run_dir, "agents.pipeline.stage", "--stage", "0"), signal.SIGSTOP)
-    stopped_ns = time.time_ns()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 4, err[-3000:]
-    (lost,) = _lost(run_dir)
+    (lost,), stopped_ns, _ = _fault_ends_the_run(tmp_path, "configs/pipeline.toml", PIPELINE,
+                                                 "pp_step_done", signal.SIGSTOP,
+                                                 "agents.pipeline.stage", "--stage", "0")
     assert lost["role"] == "stage" and "no heartbeat" in lost["reason"], lost
     assert (lost["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
-    s = load_run(run_dir).summary
-    assert s["stop_reason"] == lost["reason"], s["stop_reason"]
-    assert leftovers() == []
 
 
 def test_a_killed_expert_host_ends_the_run_at_once_with_status_4(tmp_path: Path) -> None:
-    proc = start_run("configs/moe.toml", MOE, tmp_path)
-    run_dir = wait_for_event(tmp_path, proc, "moe_step", 2)
-    os.kill(agent_pid(run_dir, "agents.moe.expert", "--host", "1"), signal.SIGKILL)
-    killed_ns = time.time_ns()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 4, err[-3000:]
-    lost = _lost(run_dir)
+    lost, killed_ns, _ = _fault_ends_the_run(tmp_path, "configs/moe.toml", MOE, "moe_step",
+                                             signal.SIGKILL, "agents.moe.expert", "--host", "1")
     assert lost[0]["host"] == "gbh1" and lost[0]["role"] == "expert", lost
     assert "exited with status -9" in lost[0]["reason"], lost
     # The decision, not the teardown after it (a loaded machine's); run.timeout_s is 300.
     assert (lost[0]["ts_ns"] - killed_ns) / 1e9 < 10, lost
-    assert load_run(run_dir).summary["stop_reason"] == lost[0]["reason"]
-    assert leftovers() == []
 
 
 def test_a_hung_expert_host_is_declared_lost_and_ends_the_run_with_status_4(
         tmp_path: Path) -> None:
-    proc = start_run("configs/moe.toml", MOE, tmp_path)
-    run_dir = wait_for_event(tmp_path, proc, "moe_step", 2)
-    os.kill(agent_pid(run_dir, "agents.moe.expert", "--host", "0"), signal.SIGSTOP)
-    stopped_ns = time.time_ns()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 4, err[-3000:]
-    lost = _lost(run_dir)
+    lost, stopped_ns, _ = _fault_ends_the_run(tmp_path, "configs/moe.toml", MOE, "moe_step",
+                                              signal.SIGSTOP, "agents.moe.expert", "--host",
+                                              "0")
     assert lost[0]["host"] == "gbh0" and "no heartbeat" in lost[0]["reason"], lost
     assert (lost[0]["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
-    assert load_run(run_dir).summary["stop_reason"] == lost[0]["reason"]
-    assert leftovers() == []
