@@ -44,7 +44,7 @@ STEPS = 3
 #: The runs that check how a run ends: 2 of the fabric's hosts, no trace, no delay line.
 SMALL = ["net.workers=2", "topo.traces={}", "net.delay_ms=0", "net.loss_pct=0"]
 #: torchrun.stall_s of the rank that never reaches init_process_group (see its test).
-LATE_STALL_S = 30
+LATE_STALL_S = 5
 
 
 def mine_left() -> list[str]:
@@ -372,9 +372,10 @@ def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
 
 def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -> None:
     """Rank 1 sleeps before init_process_group; rank 0 waits in its. After
-    torchrun.stall_s without a byte the run ends naming rank 1 and its variables, long
-    before gloo's 30-minute timeout. stall_s stays above the time one torch import takes
-    on a loaded 2-core machine (10-20 s: the clock restarts at rendezvous)."""
+    torchrun.stall_s without a byte or CPU the run ends naming rank 1 and its variables,
+    long before gloo's 30-minute timeout. stall_s is far below the 10-20 s a torch import
+    takes on a loaded 2-core machine: a host importing uses CPU, so it is not judged, and
+    rank 0's host, waiting in init_process_group for rank 1, is not judged either."""
     script = write_script(tmp_path, "late.py",
                           "import os, time, torch.distributed as dist\n"
                           "if os.environ['RANK'] == '1':\n    time.sleep(600)\n"
