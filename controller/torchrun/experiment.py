@@ -211,6 +211,8 @@ class TorchrunExperiment(Experiment):
         self._cpu_read_ns = now
         roots = {c.host: p.pid for c, p in procs
                  if p.poll() is None and not self._reached_init(c.host)}
+        if not roots:  # every rank trains: only bytes count from here on
+            return
         for host, cpu_s in tree_cpu_s(roots).items():
             self.busy.update(host, cpu_s, now)
 
