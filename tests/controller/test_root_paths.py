@@ -16,7 +16,8 @@ from controller import rundir
 
 REPO = Path(__file__).resolve().parents[2]
 USER = 65534
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as sudo would")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as sudo would"),
+              pytest.mark.netlock]  # ``gradbed cleanup`` waits for the network lock
 
 
 def sudo_cleanup(*dirs: Path) -> subprocess.CompletedProcess[str]:
