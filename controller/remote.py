@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.core.events import clock_fields
+from controller.warm_remote import ServerWarms
 from topo import clocks
 from topo.cluster import REPO, Cluster, SshAccess
 from topo.placement import LOCAL
@@ -90,7 +91,7 @@ class RemoteAgents:
     they run, ``gather(clocks)`` and ``close()`` once the network is down."""
 
     def __init__(self, cluster: Cluster, run_dir: Path, local_socket: Path,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], warms: ServerWarms | None = None) -> None:
         self.where = dict(cluster.where)
         self.servers = list(cluster.remote)
         self.ips = dict(cluster.ips)
@@ -103,6 +104,8 @@ class RemoteAgents:
         self.log = log
         self._links: dict[str, subprocess.Popen[bytes]] = {}
         self._lost: dict[str, str] = {}
+        # Each server's warm process (controller.warm_remote): its agents fork from it.
+        self.warms = warms
 
     def is_remote(self, host: str) -> bool:
         return self.where.get(host, LOCAL) != LOCAL
@@ -180,7 +183,10 @@ class RemoteAgents:
             return a
 
         extra = [f"{k}={v}" for k, v in sorted(remote_env(env, base_env).items())]
-        return ["env", "-C", str(REPO), *extra, *(mapped(a) for a in argv)]
+        agent = [mapped(a) for a in argv]
+        if self.warms is not None:
+            agent = self.warms.wrap(self.where[host], agent)
+        return ["env", "-C", str(REPO), *extra, *agent]
 
     # -- while it runs ---------------------------------------------------------------
 

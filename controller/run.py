@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # Mininet Cluster Edition is imported only for a run over sev
     import pandas as pd
 
     from controller.remote import RemoteAgents
+    from controller.warm_remote import ServerWarms
     from topo.cluster import SshAccess
 
 __all__ = ["Experiment", "LinkSampler", "links_frame", "plan_commands", "shape_spec",
@@ -301,6 +302,7 @@ class Experiment:
         class_sampler: ClassSampler | None = None
         ctl: ControlServer | None = None
         starter: WarmStarter | None = None
+        warms: ServerWarms | None = None
         assert self.events is not None
         self.say("building the network")
         try:
@@ -311,12 +313,14 @@ class Experiment:
             # each agent of this machine's hosts is a fork of it.
             starter = self._warm or (warm_for_agents(cfg.run.allocator, cfg.workload.name)
                                      if self.forks_agents else None)
+            # And one on each other server, over ssh, for that server's agents.
+            warms = self._server_warms(run_dir)
             with Network(self.spec, log=self.say, caps=caps, access=self._access,
                          spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
                 if net.cluster is not None:
-                    self._remote = self._remote_agents(net, ctl.path, meta)
+                    self._remote = self._remote_agents(net, ctl.path, meta, warms)
                 rundir.write_json(run_dir / "meta.json", meta)
                 # Time zero of the experiment proper: after any wait for the network lock.
                 setup_s = time.monotonic() - t_start
@@ -368,6 +372,9 @@ class Experiment:
                     ctl.close()
                 if starter is not None:
                     rundir.best_effort(starter.close, "warm process", self.say)
+                if warms is not None:
+                    for line in warms.close():
+                        self.say(line)
                 # Also when a signal cut the control server's start short (ctl unset).
                 rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:
@@ -394,14 +401,27 @@ class Experiment:
         known = any(h.name == node and h.role for h in self.spec.hosts)
         return auth.node_key(self._master, node) if known else None
 
-    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any]
-                       ) -> RemoteAgents:
+    def _server_warms(self, run_dir: Path) -> ServerWarms | None:
+        """A warm process on each other server (``controller.warm_remote``), or None."""
+        if self._access is None or not self.forks_agents:
+            return None
+        from controller.remote import remote_env
+        from controller.warm_remote import ServerWarms
+        from topo.cluster import server_ip
+
+        env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
+        ips = {s: server_ip(s) for s in servers_used(self.spec) if s != LOCAL}
+        return ServerWarms(ips, self._access, run_dir.name, remote_env(env, os.environ),
+                           self.cfg.workload.name, self.say)
+
+    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any],
+                       warms: ServerWarms | None) -> RemoteAgents:
         """The run directories and control connections on the other servers, recorded
         first (in meta.json, and where ``gradbed cleanup`` finds the servers)."""
         from controller.remote import RemoteAgents
 
         assert net.cluster is not None
-        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say)
+        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say, warms)
         meta["cluster"] = remote.record(net.cluster.clocks)
         assert self.run_dir is not None
         rundir.write_json(self.run_dir / "meta.json", meta)
