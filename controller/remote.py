@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import select
 import shlex
 import shutil
@@ -40,11 +41,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from agents.core.config import ExperimentConfig
 from agents.core.events import clock_fields
+from controller.agent_env import agent_environment
 from controller.warm_remote import ServerWarms
 from topo import clocks
-from topo.cluster import REPO, Cluster, SshAccess
-from topo.placement import LOCAL
+from topo.cluster import REPO, Cluster, SshAccess, server_ip
+from topo.placement import LOCAL, servers_used
+from topo.spec import NetSpec
 
 # Each server's run directories: /run is a tmpfs on every Linux server (events are small)
 # and private to each fake server; not /run/gradbed/runs, the controller's run registry.
@@ -68,6 +72,16 @@ def remote_env(agent_env: Mapping[str, str], base: Mapping[str, str]) -> dict[st
     never the rest of this machine's environment (its PATH, HOME, terminal)."""
     return {k: v for k, v in agent_env.items()
             if base.get(k) != v or k.startswith(FORWARDED_PREFIX)}
+
+
+def server_warms(spec: NetSpec, access: SshAccess, run_name: str,
+                 cfg: ExperimentConfig, log: Callable[[str], None]) -> ServerWarms:
+    """A warm process on each other server of ``spec``, started now, with the environment
+    that server's agents get (``controller.warm_remote``)."""
+    env = agent_environment(os.environ, str(REPO), cfg.run.allocator)
+    ips = {s: server_ip(s) for s in servers_used(spec) if s != LOCAL}
+    return ServerWarms(ips, access, run_name, remote_env(env, os.environ),
+                       cfg.workload.name, log)
 
 
 def align_line(line: str, offset_ns: Callable[[int], int]) -> str:

@@ -59,9 +59,11 @@ from controller.warm import (
 WARM_ROOT = Path("/run/gradbed/warm")
 # Signals the client passes on to its agent (what the controller or a user sends).
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# What each ssh session sets for itself (its own client port, terminal): never a reason to
-# start an agent cold.
+# What each ssh session sets for itself (its own client port, terminal) and what its
+# shell sets for each command (``_``, the command's path): never a reason to start an
+# agent cold.
 _SESSION_PREFIXES = ("SSH_",)
+_SESSION_NAMES = ("_",)
 
 
 def socket_path(run_name: str) -> Path:
@@ -70,7 +72,8 @@ def socket_path(run_name: str) -> Path:
 
 def _comparable(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items()
-            if k not in _ENV_IGNORED and not k.startswith(_SESSION_PREFIXES)}
+            if k not in _ENV_IGNORED and k not in _SESSION_NAMES
+            and not k.startswith(_SESSION_PREFIXES)}
 
 
 # -- the warm process on a server -------------------------------------------------------
@@ -182,19 +185,19 @@ def run_client(path: Path, argv: list[str]) -> None:
     """Start ``argv`` (``python -m MODULE ...``) as a fork of the warm process at ``path``
     and end as it ends; exec it cold when there is none, or it may not be forked."""
     if len(argv) < 3 or argv[1] != "-m":
-        _cold(argv)
+        _cold(argv, "not a python -m command line")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(str(path))
-    except OSError:
-        _cold(argv)
+    except OSError as e:
+        _cold(argv, f"no warm process at {path} ({e.strerror})")
     req = {"op": "spawn", "executable": argv[0], "module": argv[2], "args": argv[3:],
            "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
     reply = _reply(conn)
     if "pid" not in reply:
         conn.close()
-        _cold(argv)
+        _cold(argv, str(reply.get("cold", "the warm process is gone")))
     for sig in RELAYED:
         signal.signal(sig, lambda s, _f: socket.send_fds(
             conn, [json.dumps({"op": "signal", "sig": s}).encode()], []))
@@ -217,7 +220,10 @@ def _reply(conn: socket.socket) -> dict[str, Any]:
         return json.loads(msg) if msg else {}
 
 
-def _cold(argv: list[str]) -> None:
+def _cold(argv: list[str], why: str = "") -> None:
+    """Become the agent's own interpreter; ``why`` goes to its log."""
+    if why:
+        print(f"warm start: {why}; starting cold", file=sys.stderr, flush=True)
     os.execv(argv[0], argv)
 
 

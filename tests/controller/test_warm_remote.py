@@ -23,9 +23,17 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="entering a namespace 
 SHOW = [sys.executable, "-m", "tests.support.show_self"]
 
 
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment, less what pytest's terminal sets while it runs: the
+    warm process and its clients start with the same one, as on a server."""
+    return {**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+            **extra}
+
+
 def _serve(sock: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-m", "controller.warm_remote", "serve",
-                             str(sock), "-", "-" * 4096], cwd=REPO, stdin=subprocess.PIPE,
+                             str(sock), "-", "-" * 4096], cwd=REPO, env=_env(),
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready", \
         proc.stderr.read() if proc.stderr else ""
@@ -47,7 +55,7 @@ def _client(sock: Path, *args: str, prefix: tuple[str, ...] = (),
     return subprocess.Popen([*prefix, sys.executable, "-m", "controller.warm_remote", "run",
                              str(sock), "--", *SHOW, *args], cwd=REPO, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+                            stderr=subprocess.PIPE, env=env or _env())
 
 
 def _parent(pid: int) -> int:
@@ -82,17 +90,19 @@ def _zombie_or_gone(pid: int) -> bool:
 
 def test_the_client_ends_with_its_agents_exit_code_and_output(warm) -> None:
     sock, warm_pid = warm
-    c = _client(sock, "--exit", "7")
-    out, _ = c.communicate(timeout=30)
+    # What each ssh session and its shell set for themselves does not make it cold.
+    c = _client(sock, "--exit", "7", env=_env(SSH_CLIENT="10.99.0.9 5 22",
+                                                   _="/usr/bin/env"))
+    out, err = c.communicate(timeout=30)
     seen = json.loads(out)
-    assert c.returncode == 7 and seen["pid"] != c.pid
+    assert c.returncode == 7 and seen["pid"] != c.pid, err
 
 
 def test_a_client_with_another_environment_starts_its_agent_cold(warm) -> None:
     sock, _ = warm
     # GLIBC_TUNABLES, OMP_NUM_THREADS... are read when torch loads: a fork would not have
     # what the agent was given.
-    c = _client(sock, "--exit", "4", env={**os.environ, "GRADBED_PROBE": "other"})
+    c = _client(sock, "--exit", "4", env=_env(GRADBED_PROBE="other"))
     out, _ = c.communicate(timeout=60)
     seen = json.loads(out)
     assert c.returncode == 4 and seen["pid"] == c.pid and seen["probe"] == "other"
