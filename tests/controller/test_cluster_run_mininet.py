@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -68,8 +69,7 @@ def _eval_losses(events_jsonl: Path) -> list[float]:
 def _server_leftovers(c: FakeCluster) -> list[str]:
     """Agents (and their warm processes and clients), delay lines, host shells, gradbed
     links, run directories and warm sockets still on any server."""
-    out = []
-    for s in c.servers:
+    def on(s: str) -> list[str]:
         try:
             text = c.ssh(s, "ps -eo args | grep -E '[a]gents\\.|[m]ininet:|[w]arm_remote|"
                             "[t]opo[.]delayline' || true; "
@@ -77,10 +77,11 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
                             f"ls {REMOTE_ROOT} 2>/dev/null; ls {WARM_ROOT} 2>/dev/null; "
                             "true").stdout
         except subprocess.CalledProcessError as e:
-            out.append(f"{s}: ssh failed: {e.stderr}")
-            continue
-        out += [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
-    return out
+            return [f"{s}: ssh failed: {e.stderr}"]
+        return [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
+
+    with ThreadPoolExecutor() as pool:  # each ssh is mostly waiting: all servers at once
+        return [ln for lines in pool.map(on, c.servers) for ln in lines]
 
 
 # configs/digits.toml made small: 2 workers, 12 iterations, sparse (top-k with error

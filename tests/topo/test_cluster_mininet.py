@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,15 +52,18 @@ def _lock_is_free(c: FakeCluster, server: str) -> bool:
 
 def _server_leftovers(c: FakeCluster) -> list[str]:
     """gradbed's interfaces, bridges, tunnels and host shells still on any fake server."""
-    out = []
-    for s in c.servers:
+    def on(s: str) -> list[str]:
         text = c.ssh(s, "ip -o link show; ps -eo args | grep '[m]ininet:\\|[t]opo.delayline' "
                         f"|| true; ls -d {DELAY_ROOT}/* 2>/dev/null || true").stdout
+        out = []
         for line in text.splitlines():
             name = line.split(":")[1].strip().split("@")[0] if ": " in line else ""
             if "mininet:" in line or "delay" in line or name.startswith(("gbsw", "ps-", "w")):
                 out.append(f"{s}: {line.strip()}")
-    return out
+        return out
+
+    with ThreadPoolExecutor() as pool:  # each ssh is mostly waiting: all servers at once
+        return [ln for lines in pool.map(on, c.servers) for ln in lines]
 
 
 def _all_pairs_reach(net: Network, hosts: list[str]) -> None:
