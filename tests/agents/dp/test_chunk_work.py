@@ -13,7 +13,7 @@ from torch import nn
 import agents.compress  # noqa: F401  (registers every compressor)
 from agents.compress.base import make
 from agents.dp.aggregate import SparseAccumulator
-from agents.dp.chunk_work import Added, AddJob, ChunkWork, Outcome, Stepped, StepJob
+from agents.dp.chunk_work import Added, AddJob, ChunkWork, Outcome, StepJob, Stepped
 from agents.net import codec
 from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
 
