@@ -17,7 +17,10 @@ iteration:
    event loop on the main thread (:mod:`agents.net.loop`): it reads whatever bytes have
    arrived, adds the messages they complete, and writes each connection's queued
    downlink as its socket takes it, so the downlink of chunk c overlaps the uplink
-   of chunk c+1 and a slow receiver never blocks the loop. When every chunk is out,
+   of chunk c+1 and a slow receiver never blocks the loop. The arithmetic of steps 1-3
+   (decoding, the gradient checks, the add, the mean, the SGD step) runs on a thread of
+   its own (:mod:`agents.dp.chunk_work`), in arrival order, so the loop reads chunk c+1
+   while chunk c is added and stepped. When every chunk is out,
    the PS evaluates held-out accuracy every ``run.eval_every`` iterations. Each
    worker's weight send is logged as its own span (``weights_sent``, from the first
    chunk queued to the kernel taking the last byte: :mod:`agents.dp.weight_sends`).
@@ -43,7 +46,7 @@ above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a
 logged ``frame_error``; the PS keeps serving the others (or stops, as
 ``run.on_worker_death`` says). A model that becomes non-finite stops the run.
 
-Aggregation is streamed: each payload is added as it arrives, so the order of the
+Aggregation is streamed: each payload is added in the order it arrived, so the order of the
 floating-point additions follows arrival order, and two runs that differ only in
 timing can differ in the last bits of the weights (then more, for chaotic training).
 Dense SGD is exact to float tolerance (``tests/agents/dp/test_transparency.py``). A worker that
@@ -113,6 +116,18 @@ class _Conn(loop.Transport):
         super().__init__(sock, peer)
         self.worker = worker
         self.session = session
+
+
+def _max_grad_bytes(cfg: cfgmod.ExperimentConfig, chunks: list[tuple[int, int]]) -> int:
+    """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
+    return max(max_message_bytes(cfg.compress.name, e - s) for s, e in chunks)
+
+
+def _lr(cfg: cfgmod.ExperimentConfig, iteration: int) -> float:
+    """The PS's learning rate at ``iteration`` (``workload.lr_schedule``)."""
+    wl = cfg.workload
+    return lr_at(wl.lr, iteration, cfg.run.iterations, wl.lr_schedule, wl.lr_decay_at,
+                 wl.lr_decay_factor)
 
 
 def _listening_socket(host: str, port: int, congestion: str) -> socket.socket:
@@ -221,18 +236,13 @@ class ParameterServer:
         self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
         self.loop.wake()
 
-    @property
-    def max_message_bytes(self) -> int:
-        """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
-        return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
-
     # -- the event loop (agents.net.loop): every worker socket on this one thread -----
 
     def _serve_conn(self, conn: _Conn) -> None:
         """Start reading an authenticated connection's messages."""
         self.loop.serve(conn, wire.MessageReceiver(
             conn.sock, peer=conn.peer, mac=conn.session.up,
-            max_payload_bytes=self.max_message_bytes,
+            max_payload_bytes=_max_grad_bytes(self.cfg, self.chunks),
             bound=uplink_bound(self.cfg.compress.name, self.chunks), pool=self.rx_pool))
 
     def _poll(self, deadline: float, what: str) -> None:
@@ -421,8 +431,7 @@ class ParameterServer:
     def _added(self, out: Added) -> None:
         """A chunk's add came back: the barrier counts it, or its worker is dropped."""
         self.outstanding -= 1
-        job = out.job
-        conn, w = job.conn, job.worker
+        job, conn, w = out.job, out.job.conn, out.job.worker
         assert isinstance(conn, _Conn)
         self.in_work.discard((w, job.header.chunk))
         if out.dense:
@@ -432,8 +441,7 @@ class ParameterServer:
         if out.skipped or self.conns.get(w) is not conn or w not in self.active:
             return  # its connection was dropped meanwhile; the step counts what was added
         if out.error is not None:
-            self._drop_for(conn, out.error)
-            return
+            return self._drop_for(conn, out.error)
         self.barrier.record(w, job.header.chunk)
         self.bytes_in += _wire_bytes(job.tensors)
 
@@ -451,11 +459,8 @@ class ParameterServer:
         if c == len(self.chunks) - 1:
             # The last byte of this iteration's gradients is in: the end of the upload window.
             self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
-        wl = self.cfg.workload
         self.outstanding += 1
-        self.work.submit(StepJob(c, self.iteration, lr_at(
-            wl.lr, self.iteration, self.cfg.run.iterations, wl.lr_schedule, wl.lr_decay_at,
-            wl.lr_decay_factor)))
+        self.work.submit(StepJob(c, self.iteration, _lr(self.cfg, self.iteration)))
 
     def _send_chunk(self, out: Stepped) -> None:
         """Chunk ``c`` is stepped: its new weights (or the delta) go down to every active
