@@ -57,6 +57,13 @@ def test_tables() -> None:
     # Counts: the window's start (e1 in at 1.05 s) to the last host holding them (1.06 s).
     assert d["counts_window_s"] == pytest.approx(0.01)
     assert d["combine_hosts_in_window"] == 0  # e0's combine began at 2.0 s, after 1.15 s
+    # The counts in the token message (no counts round): e0 sends its tokens as soon as
+    # it enters at 1.01 s, so the window opens there, not when e1 enters at 1.06 s.
+    merged = [r for r in rows if r.get("phase") != "dispatch_counts"]
+    (m,) = amoe.dispatch_table(merged, 100.0)
+    assert m["phase_s"] == pytest.approx(0.14) and m["start_ns"] == int(1.01e9)
+    assert m["arrival_spread_s"] == pytest.approx(0.05) and m["counts_window_s"] == 0
+    assert m["efficiency"] == pytest.approx(dispatch_efficiency(1_000_000, 0.14, 100.0))
     (d2,) = amoe.dispatch_table([*rows, phase("e1", 1, "combine", 1.12, 1.3, 9, 9)], 100.0)
     assert d2["combine_hosts_in_window"] == 1  # e1's began at 1.12 s, inside the window
     (r,) = amoe.route_table(rows)
