@@ -188,11 +188,19 @@ def test_a_wide_overview_wraps_to_the_page_and_the_checks_can_fail(
     assert wide > 0 and after == before > 0
 
 
-def test_image_check_detects_a_broken_image(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A short synthetic run of two workers and its report page, written once: the image
+    check reads a broken copy of the page, the torchrun test a copy of the run."""
+    tmp = tmp_path_factory.mktemp("small")
+    run = make_fake_run(tmp / "run", workers=2, iterations=4)
+    return run, write_report([run], tmp / "rep")
+
+
+def test_image_check_detects_a_broken_image(small_run: tuple[Path, Path], tmp_path: Path
+                                            ) -> None:
     """The image check itself can fail: a corrupt data URI is reported as not decoded."""
-    run = make_fake_run(tmp_path / "run", iterations=6)
-    page = write_report([run], tmp_path / "rep")
-    html = page.read_text(encoding="utf-8")
+    html = small_run[1].read_text(encoding="utf-8")
     broken = tmp_path / "broken" / "index.html"
     broken.parent.mkdir()
     broken.write_text(html.replace("data:image/png;base64,iVBOR", "data:image/png;base64,AAAA",
@@ -218,13 +226,14 @@ def test_report_of_a_run_killed_before_its_first_iteration(tmp_path: Path) -> No
     assert html.count("<img ") >= 4 and "Run run" in html
 
 
-def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(tmp_path: Path) -> None:
+def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(
+        small_run: tuple[Path, Path], tmp_path: Path) -> None:
     """tcp.parquet (a ``gradbed torchrun`` run's sock_diag samples) adds one plot of the
     connections between hosts, and summary.json's torchrun section a table of each host's
     ranks, exit codes and bytes and one of each shaping point's busy fraction; a run
-    without them has none."""
-    run = make_fake_run(tmp_path / "run", workers=2, iterations=4)
-    without = write_report([run], tmp_path / "without").read_text(encoding="utf-8")
+    without them (``small_run``, of which this is a copy) has none."""
+    without = small_run[1].read_text(encoding="utf-8")
+    run = Path(shutil.copytree(small_run[0], tmp_path / "run"))
     base = int(pd.read_parquet(next((run / "events").glob("*.parquet")))["ts_ns"].min())
     fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
     summary = json.loads((run / "summary.json").read_text())
