@@ -18,4 +18,6 @@ def parse_args(doc: str, iterations: int) -> argparse.Namespace:
                     help=f"training iterations (default {iterations})")
     ap.add_argument("--out", type=Path, default=Path("runs"), help="parent of the run dir")
     ap.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    ap.add_argument("--no-report", action="store_true",
+                    help="write no report/index.html (gradbed report RUN writes it later)")
     return ap.parse_args()

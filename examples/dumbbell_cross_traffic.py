@@ -31,7 +31,8 @@ def main() -> None:
     trunk = spec.place("up")
     print(f"trunk: {trunk.dev} -> {spec.place('down').dev}, "
           f"{trunk.point.link.rate_mbps:g} Mbit/s, queue {trunk.point.link.queue_bytes} B")
-    run_dir = gradbed.run(cfg, spec, out=args.out, quiet=args.quiet)
+    run_dir = gradbed.run(cfg, spec, out=args.out, quiet=args.quiet,
+                          report=not args.no_report)
     s = gradbed.summary(run_dir)
     print(f"training: {s['iterations']} iterations, p50 {s['iter_time_s_p50']:.3f} s, "
           f"trunk utilisation {s['bottleneck_utilization']:.3f}")

@@ -27,7 +27,8 @@ def main() -> None:
     ])
     spec = gradbed.shape_spec(cfg).with_traces(
         {"w0.up": str(ROOT / "traces" / "data" / "cellular_like.trace")})
-    run_dir = gradbed.run(cfg, spec, out=args.out, quiet=args.quiet)
+    run_dir = gradbed.run(cfg, spec, out=args.out, quiet=args.quiet,
+                          report=not args.no_report)
     events = pd.concat([pd.read_parquet(p) for p in (run_dir / "events").glob("*.parquet")],
                        ignore_index=True, sort=False)
     sends = events[events["event"] == "send_done"].groupby("node")["send_s"].median()

@@ -24,7 +24,8 @@ def main() -> None:
     for place in spec.places():
         print(f"{place.point.name:>8}: {place.dev} ({place.host or 'switch'}), "
               f"{place.point.link.rate_mbps:g} Mbit/s")
-    run_dir = gradbed.run(cfg, spec, out=args.out, quiet=args.quiet)
+    run_dir = gradbed.run(cfg, spec, out=args.out, quiet=args.quiet,
+                          report=not args.no_report)
     s = gradbed.summary(run_dir)
     print(f"{s['iterations']} iterations, p50 {s['iter_time_s_p50']:.3f} s, "
           f"accuracy {s['final_accuracy']:.3f}, bottleneck utilisation "

@@ -103,13 +103,15 @@ def place(spec: NetSpec, roles: Mapping[str, str]) -> NetSpec:
 
 
 def run(cfg: ExperimentConfig, spec: NetSpec | None = None, *, out: str | Path = "runs",
-        progress: bool = True, quiet: bool = False) -> Path:
+        progress: bool = True, quiet: bool = False, report: bool = True) -> Path:
     """Run one experiment (root): build ``spec`` (the config's shape when None), start
-    every host's role, and return the run directory, loadable even when interrupted."""
+    every host's role, and return the run directory, loadable even when interrupted.
+    ``report``: write report/index.html at the end (``gradbed run --no-report`` is False;
+    ``gradbed report RUN`` writes it later)."""
     from controller.run import Experiment
 
     exp = Experiment(cfg, out_root=Path(out), progress=progress, quiet=quiet, spec=spec,
-                     argv=["gradbed.run"])
+                     argv=["gradbed.run"], report=report)
     return exp.run()
 
 

@@ -70,18 +70,23 @@ def _chromium(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def probe(page: Path, tmp: Path, scripts: str) -> dict[str, str]:
+def probe(page: Path, tmp: Path, scripts: str, shot: Path | None = None) -> dict[str, str]:
     """The data-* attributes of the root element in Chromium's DOM dump of a copy of
-    ``page`` with ``scripts`` appended, in a 1400 px wide window."""
+    ``page`` with ``scripts`` appended, in a 1400 px wide window; ``shot``: the same
+    Chromium start also writes a 1400x2000 screenshot there (after the probe's scripts ran:
+    they only set attributes and zoom the timeline, so the page is as blank or not as the
+    report itself). One start instead of two: each costs seconds."""
     copy = tmp / f"probe-{page.parent.name}.html"
     copy.write_text(page.read_text(encoding="utf-8").replace("</body>", scripts + "</body>"),
                     encoding="utf-8")
-    proc = _chromium(["--dump-dom", "--window-size=1400,1000", "--virtual-time-budget=10000",
-                      copy.as_uri()], tmp)
+    extra = [f"--screenshot={shot}"] if shot else []
+    proc = _chromium(["--dump-dom", *extra, "--window-size=1400,2000",
+                      "--virtual-time-budget=10000", copy.as_uri()], tmp)
     root = re.search(r"<html[^>]*>", proc.stdout)
     attrs = dict(re.findall(r'(data-[a-z]+)="([^"]*)"', root.group(0) if root else ""))
     assert attrs, (f"no probe result in Chromium's DOM dump:\n{proc.stdout[:500]}\n"
                    f"{proc.stderr[-2000:]}")
+    assert shot is None or shot.exists(), f"Chromium wrote no screenshot:\n{proc.stderr[-2000:]}"
     return attrs
 
 
@@ -114,26 +119,24 @@ def _check_layout(values: tuple[int, int, float, float]) -> None:
     assert 0 < after < 0.9 * before, (before, after)
 
 
-def screenshot_std(page: Path, tmp: Path) -> float:
-    """Pixel standard deviation of a 1280x2000 screenshot (0 for a blank page)."""
-    shot = tmp / f"shot-{page.parent.name}.png"
-    proc = _chromium([f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()], tmp)
-    assert shot.exists(), f"Chromium wrote no screenshot:\n{proc.stderr[-2000:]}"
+def screenshot_std(shot: Path) -> float:
+    """Pixel standard deviation of a screenshot (0 for a blank page)."""
     return float(np.asarray(imread(shot))[..., :3].std())
 
 
 def _check_page(page: Path, tmp: Path, min_images: int, with_layout: bool = False) -> None:
     """Every image decodes, the page is not blank and, ``with_layout``, its tables fit and
-    its timeline zooms (the image and layout probes share one Chromium start)."""
+    its timeline zooms (the probes and the screenshot share one Chromium start)."""
     html = page.read_text(encoding="utf-8")
     n_img = html.count("<img ")
     assert n_img >= min_images
     assert "src=\"http" not in html and "src='http" not in html  # self-contained
-    attrs = probe(page, tmp, CHECK_SCRIPT + (LAYOUT_SCRIPT if with_layout else ""))
+    shot = tmp / f"shot-{page.parent.name}.png"
+    attrs = probe(page, tmp, CHECK_SCRIPT + (LAYOUT_SCRIPT if with_layout else ""), shot)
     assert _images(attrs) == (n_img, n_img)
     if with_layout:
         _check_layout(_layout(attrs))
-    assert screenshot_std(page, tmp) > 0.05
+    assert screenshot_std(shot) > 0.05
 
 
 @pytest.fixture(scope="session")
@@ -185,11 +188,19 @@ def test_a_wide_overview_wraps_to_the_page_and_the_checks_can_fail(
     assert wide > 0 and after == before > 0
 
 
-def test_image_check_detects_a_broken_image(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A short synthetic run of two workers and its report page, written once: the image
+    check reads a broken copy of the page, the torchrun test a copy of the run."""
+    tmp = tmp_path_factory.mktemp("small")
+    run = make_fake_run(tmp / "run", workers=2, iterations=4)
+    return run, write_report([run], tmp / "rep")
+
+
+def test_image_check_detects_a_broken_image(small_run: tuple[Path, Path], tmp_path: Path
+                                            ) -> None:
     """The image check itself can fail: a corrupt data URI is reported as not decoded."""
-    run = make_fake_run(tmp_path / "run", iterations=6)
-    page = write_report([run], tmp_path / "rep")
-    html = page.read_text(encoding="utf-8")
+    html = small_run[1].read_text(encoding="utf-8")
     broken = tmp_path / "broken" / "index.html"
     broken.parent.mkdir()
     broken.write_text(html.replace("data:image/png;base64,iVBOR", "data:image/png;base64,AAAA",
@@ -215,13 +226,14 @@ def test_report_of_a_run_killed_before_its_first_iteration(tmp_path: Path) -> No
     assert html.count("<img ") >= 4 and "Run run" in html
 
 
-def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(tmp_path: Path) -> None:
+def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(
+        small_run: tuple[Path, Path], tmp_path: Path) -> None:
     """tcp.parquet (a ``gradbed torchrun`` run's sock_diag samples) adds one plot of the
     connections between hosts, and summary.json's torchrun section a table of each host's
     ranks, exit codes and bytes and one of each shaping point's busy fraction; a run
-    without them has none."""
-    run = make_fake_run(tmp_path / "run", workers=2, iterations=4)
-    without = write_report([run], tmp_path / "without").read_text(encoding="utf-8")
+    without them (``small_run``, of which this is a copy) has none."""
+    without = small_run[1].read_text(encoding="utf-8")
+    run = Path(shutil.copytree(small_run[0], tmp_path / "run"))
     base = int(pd.read_parquet(next((run / "events").glob("*.parquet")))["ts_ns"].min())
     fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
     summary = json.loads((run / "summary.json").read_text())

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.mininet
 def example(name: str, iterations: int, out: Path, timeout_s: float = 240
             ) -> tuple[Path, str]:
     proc = subprocess.run([sys.executable, str(REPO / "examples" / f"{name}.py"),
-                           "--iterations", str(iterations), "--out", str(out), "--quiet"],
+                           "--iterations", str(iterations), "--out", str(out), "--quiet",
+                           "--no-report"],
                           capture_output=True, text=True, timeout=timeout_s, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -33,6 +34,7 @@ def test_star_demo(tmp_path: Path) -> None:
     assert "up: gbsw0-eth1 (switch), 100 Mbit/s" in out
     net = json.loads((run_dir / "network.json").read_text())
     assert net["shape"] == "star" and net["points"]["down"]["dev"] == "ps-eth0"
+    assert not (run_dir / "report").exists()  # --no-report: the page costs seconds a run
     assert leftovers() == []
 
 

@@ -29,8 +29,10 @@ def _show(starter: WarmStarter, tmp_path: Path, *args: str, **kw):
     return proc, out
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def starter():
+    """One warm process for the tests that only fork from it (each fork is a process of its
+    own, and the warm process stays as it was): its start imports torch, seconds each."""
     s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
     yield s
     s.close()
@@ -128,19 +130,18 @@ def test_close_before_ready_kills_it_at_once():
     assert not s.log.exists(), s.log.read_text()
 
 
-def test_a_runs_warm_process_preloads_its_agents_imports_and_its_data_reader(tmp_path):
+def test_a_runs_warm_process_preloads_its_agents_imports_and_its_data_reader(starter,
+                                                                            tmp_path):
     env = {**os.environ, "GRADBED_PROBE": "warm"}
-    plain = WarmStarter(env)
-    for_digits = WarmStarter(env, workload="digits_mlp")
+    for_digits = WarmStarter(env, workload="digits_mlp")  # ``starter`` is one for no workload
     try:
         seen = []
-        for s in (plain, for_digits):
+        for s in (starter, for_digits):
             proc, out = _show(s, tmp_path, env=env)
             assert proc.wait(timeout=60) == 0
             seen.append(json.loads(out.read_text())["preloaded"])
         assert seen == [[], ["agents.net.wire", "sklearn.datasets"]]
     finally:
-        plain.close()
         for_digits.close()
     assert not for_digits.log.exists(), for_digits.log.read_text()  # nothing failed
 
