@@ -35,8 +35,8 @@ short. Timed, side by side, best of several repeats (the machine is shared):
 The VM this runs on has two speeds. On a quiet machine, a round of ``validated_add`` at
 W = 16 takes either about 120 ms or about 210 ms, and the switch happens between rounds of
 one process, for every function measured here, with one thread or two, on old and new code
-alike; a pure-Python loop timed in the same rounds (CPU time of its own thread) slows by
-1.4-1.5x at the same times (docs/performance.md). Best of 7 rounds therefore gave 34 or
+alike; a pure-Python loop timed between the rounds swings by 1.4-1.5x in the CPU time of
+its own thread too, so the core itself runs at two speeds (docs/performance.md). Best of 7 rounds therefore gave 34 or
 19-22 M elements/s by whether a fast stretch came up. The three interleaved functions now
 run ``--rounds`` rounds (21), spread over about three times as long, the headline stays the
 best round, and every function also reports its median and how many rounds were within
