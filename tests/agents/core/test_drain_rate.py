@@ -143,6 +143,30 @@ def test_a_writer_stall_breaks_the_run_and_the_rate_holds() -> None:
     assert timed(stamps, writes) == pytest.approx(8e6, rel=0.02)
 
 
+US = 1_000
+
+
+def test_a_writer_behind_its_link_is_not_timed_from_the_qdiscs_own_delay() -> None:
+    # Recorded in Mininet on a quiet machine (load 0.3): 11 writes of 5 KB every 3-8 ms onto
+    # a 100 Mbit/s uplink with its 125 KB bucket full (8-segment packets, one a write).
+    # No packet waited for tokens, but the qdisc ran 15-71 us late after each sched stamp
+    # (times in us from the first): stamps 6 and 7 waited 47 and 71 us, 5.3 ms apart.
+    writes = [-57, 4349, 7851, 11082, 20367, 23685, 27256, 32490, 36438, 44032, 52425]
+    sched_snd = [(0, 35), (4389, 4418), (7890, 7912), (11114, 11135), (20423, 20464),
+                 (23731, 23764), (27333, 27380), (32636, 32707), (36502, 36541),
+                 (44089, 44124), (52517, 52580)]
+    stamps = [TxStamp(5_000 * (k + 1) - 1, a * US, b * US) for k, (a, b) in enumerate(sched_snd)]
+    upload = [(t * US, 5_000) for t in writes]
+    # With the threshold under those two waits (45 us), the pair reads as a run of 5 KB in
+    # 5.3 ms: a 7.5 Mbit/s "link", as the slow writer of tests/topo/test_drain_mininet.py
+    # read 9-11 Mbit/s. Write 7 was begun 5.2 ms after stamp 6 left: the link had idled.
+    assert upload[7][0] > stamps[6].snd_ns
+    ahead = [(-10**18, size) for _, size in upload]   # the old estimator: no write times
+    assert timed(stamps, ahead, wait_min_ns=45 * US) == pytest.approx(7.5e6, rel=0.02)
+    assert timed(stamps, upload, wait_min_ns=45 * US) is None
+    assert timed(stamps, upload) is None
+
+
 def random_writes(rng: random.Random, same_size: bool) -> list[tuple[int, int]]:
     t, writes, size = 0, [], rng.randint(500, 40_000)
     for _ in range(rng.randint(3, 20)):
