@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,9 +45,15 @@ def uploads(net: StarNetwork, n: int, chunks: int, chunk_bytes: int,
                               str(PORT)], cwd=REPO, env=env)
     try:
         assert net.wait_listening("ps", PORT)
-        out = net.run("w0", [py, str(REPO / "tests" / "support" / "stamp_probe.py"), "probe",
-                             net.ip("ps"), str(PORT), str(n), str(chunks), str(chunk_bytes),
-                             str(gap_ms), str(packet_bytes)], timeout_s=60).stdout
+        try:
+            # net.run passes no environment of ours: name this checkout, as for the server.
+            out = net.run("w0", ["env", f"PYTHONPATH={REPO}", py,
+                                 str(REPO / "tests" / "support" / "stamp_probe.py"),
+                                 "probe", net.ip("ps"), str(PORT), str(n), str(chunks),
+                                 str(chunk_bytes), str(gap_ms), str(packet_bytes)],
+                          timeout_s=60).stdout
+        except subprocess.CalledProcessError as e:
+            pytest.fail(f"the probe exited {e.returncode}: {e.stderr[-3000:]}")
         server.wait(timeout=10)
     finally:
         if server.poll() is None:
