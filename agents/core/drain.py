@@ -30,7 +30,8 @@ qdisc itself runs late (its softirq deferred, a core waking from idle): measured
 2-core VM, a single 5 KB write on an idle 100 Mbit/s link waited 15-70 us between the two
 stamps, with the bucket full. Two such waits, on consecutive writes 3 ms apart, read as a
 run of 5 KB in 3 ms: an 11 Mbit/s "link" where a writer slower than its link left it idle
-(tests/topo/test_drain_mininet.py saw this in about half of its runs). The stamps alone
+(tests/topo/test_drain_mininet.py's slow writer read 9-11 Mbit/s so in about half of its
+runs on a quiet machine). The stamps alone
 cannot tell that pair from a real 11 Mbit/s link whose writer kept pace with it: both
 give the same four times. What tells them apart is whether the data waited: on a link
 that set the pace, the bytes after a departing packet were already in the kernel (in the
