@@ -12,7 +12,9 @@ w0's uplink is the HTB on its own interface, as in every gradbed run. Through it
   an idle gap before an unstamped one reads low; and on a busy CPU a packet can wait for
   the qdisc to run while the bucket still holds credit (125 KB at this rate), which reads
   high. Above the plan a sample counts as the plan, so neither cuts the worker;
-- a writer slower than its 100 Mbit/s link (5 KB every 3 ms) gives no sample at all.
+- a writer slower than its 100 Mbit/s link (5 KB every 3 ms) gives no sample at all: on a
+  quiet machine two of its packets can each wait 50 us on the qdisc's own delay, but the
+  next write was never begun before the last packet left (agents.core.drain).
 """
 
 from __future__ import annotations
