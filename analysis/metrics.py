@@ -662,7 +662,8 @@ def agent_limited(links: pd.DataFrame, windows: Sequence[tuple[int, int, int]],
 
 
 def agent_limited_points(links: pd.DataFrame,
-                         windows: Mapping[str, Sequence[tuple[int, int, int]]]
+                         windows: Mapping[str, Sequence[tuple[int, int, int]]],
+                         agents: str = "the agents", measured: str = "gradbed"
                          ) -> tuple[bool | None, str]:
     """Whether the shaped links sat idle while data waited in the agents, and why, in words.
 
@@ -675,7 +676,9 @@ def agent_limited_points(links: pd.DataFrame,
     although the agents had not finished, so the run's times measure the agents (CPU,
     copies, scheduling), not the emulated network. A TCP stall (a retransmission timeout)
     looks the same from the shaper; the transport events tell the two apart.
-    ``(None, reason)`` without a window inside the samples.
+    ``(None, reason)`` without a window inside the samples. ``agents`` and ``measured``
+    name, in the reason, who held the data and what the times then measure (a torchrun
+    run's ranks rather than gradbed's agents).
     """
     points = [p for p, w in windows.items() if w]
     where = (f"the {points[0]} link was" if len(points) == 1 else
@@ -701,8 +704,8 @@ def agent_limited_points(links: pd.DataFrame,
     if limited:
         why = (f"agent-limited: {where} busy {busy:.2f} of the transfer "
                f"windows (< {AGENT_LIMITED_BUSY}) with no queue at the shaper (median "
-               f"backlog {queue:.0f} B): data waited in the agents, not in the network, so "
-               "the times measure gradbed on this machine")
+               f"backlog {queue:.0f} B): data waited in {agents}, not in the network, so "
+               f"the times measure {measured} on this machine")
     elif busy < AGENT_LIMITED_BUSY:
         why = (f"network-limited: {where} busy {busy:.2f} of the transfer "
                f"windows, but its shaper held a queue (median backlog {queue:.0f} B)")

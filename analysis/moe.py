@@ -48,15 +48,19 @@ def _plain(v: Any) -> Any:
 
 
 def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
-    """One row per (step, layer): the dispatch over all hosts, counts phase included
-    (from the last host entering ``dispatch_counts`` to the last host leaving
-    ``dispatch_tokens``: see :func:`~agents.core.moe_metrics.dispatch_efficiency`), the
+    """One row per (step, layer): the dispatch over all hosts, from the moment a token
+    may first move to the last host leaving ``dispatch_tokens`` (see
+    :func:`~agents.core.moe_metrics.dispatch_efficiency`): the first host entering the
+    dispatch where the counts ride in the token message, the last host entering its
+    ``dispatch_counts`` round where a run sent them in a round of their own (no host
+    sent a token before it held every host's counts); then the
     busiest link's payload and frame bytes, the dispatch efficiency (payload) and the
     link utilisation during dispatch (every frame byte, counts included, same formula);
     ``arrival_spread_s``: last minus first host entering (waiting on the previous
     phase's stragglers); ``counts_s``/``tokens_s`` are the hosts' medians;
     ``counts_window_s``: the window's start to the last host holding every count (the
-    counts phase's share of the window, pure latency); ``combine_hosts_in_window``: how
+    counts phase's share of the window, pure latency; 0 where the counts ride with the
+    tokens); ``combine_hosts_in_window``: how
     many hosts began the same layer's combine before the window ended (their outputs
     then share links with the dispatch; 0 with ``moe.combine_after_dispatch``)."""
     acc: dict[tuple[int, int], dict[str, Row]] = defaultdict(dict)
@@ -75,6 +79,8 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
             host["counts_end_ns"] = int(r["end_ns"])
             host["counts_s"] = float(r["dur_s"])
         else:
+            if host["start_ns"] is None:  # the counts rode with the tokens
+                host["start_ns"] = host["counts_end_ns"] = int(r["start_ns"])
             host["end_ns"] = int(r["end_ns"])
             host["tokens_s"] = float(r["dur_s"])
             host["payload"] = max(int(r["payload_up"]), int(r["payload_down"]))
@@ -85,14 +91,18 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
         hs = [h for h in hosts.values() if h["start_ns"] is not None and h["end_ns"]]
         if len(hs) != len(hosts) or not hs:
             continue  # a host's phases are missing (a run cut short)
-        last_in = max(h["start_ns"] for h in hs)
+        # With its own counts round no host sends a token before the last host entered;
+        # with the counts in the token message the first host to enter sends at once.
+        merged = all(h["counts_s"] == 0.0 and h["counts_end_ns"] == h["start_ns"] for h in hs)
+        last_in = (min if merged else max)(h["start_ns"] for h in hs)
         phase_s = (max(h["end_ns"] for h in hs) - last_in) / 1e9
-        spread_s = (last_in - min(h["start_ns"] for h in hs)) / 1e9
+        spread_s = (max(h["start_ns"] for h in hs) - min(h["start_ns"] for h in hs)) / 1e9
         payload = max(h["payload"] for h in hs)
         frames = max(max(h["frames_up"], h["frames_down"]) for h in hs)
         end = max(h["end_ns"] for h in hs)
         out.append({"iter": it, "layer": layer, "hosts": len(hs), "phase_s": phase_s,
-                    "counts_window_s": (max(h["counts_end_ns"] for h in hs) - last_in) / 1e9,
+                    "counts_window_s": 0.0 if merged else
+                    (max(h["counts_end_ns"] for h in hs) - last_in) / 1e9,
                     "combine_hosts_in_window": sum(t < end for t in
                                                    combine_start[(it, layer)]),
                     "start_ns": last_in, "end_ns": max(h["end_ns"] for h in hs),
@@ -113,9 +123,10 @@ ROW_EXCHANGES = ("combine", "combine_grad", "tokens_grad")
 
 def exchange_windows(rows: Iterable[Row], phase: str) -> list[tuple[int, int, int]]:
     """``(step, start_ns, end_ns)`` of each (step, layer) ``phase`` exchange that every
-    host ran (hosts: those with any ``moe_phase`` row), from the last host entering it to
-    the last host leaving it: before the last host is in, the exchange cannot end and the
-    early hosts wait on a straggler, as :func:`dispatch_table`'s window; in step order."""
+    host ran (hosts: those with any ``moe_phase`` row), from the first host entering it
+    (its rows leave at once) to the last host leaving it: a straggler still computing
+    while the others wait for its rows is the agents' time, as in :func:`dispatch_table`'s
+    window where the counts ride with the tokens; in step order."""
     hosts: set[str] = set()
     acc: dict[tuple[int, int], dict[str, tuple[int, int]]] = defaultdict(dict)
     for r in rows:
@@ -129,7 +140,7 @@ def exchange_windows(rows: Iterable[Row], phase: str) -> list[tuple[int, int, in
     for (it, _layer), spans in sorted(acc.items()):
         if set(spans) != hosts:
             continue  # a host's phase is missing (a run cut short)
-        out.append((it, max(s for s, _ in spans.values()), max(e for _, e in spans.values())))
+        out.append((it, min(s for s, _ in spans.values()), max(e for _, e in spans.values())))
     return out
 
 

@@ -33,7 +33,8 @@ Availability and liveness: ``flood_admission`` keeps 700 slow connections open f
 of two background addresses (more than the 1,024 handshake slots the PS once had) while a
 second run's workers start, join and train; as root, in real Mininet (``gradbed run``), a
 SIGSTOP'ed worker must be dropped after ``run.stall_timeout_s`` and the run complete (0),
-and a SIGSTOP'ed or SIGKILL'ed pipeline stage must end the run with status 4, naming it;
+and a SIGSTOP'ed or SIGKILL'ed pipeline stage, a SIGSTOP'ed data-parallel PS and a
+SIGKILL'ed pipeline PS must each end the run with status 4, naming it;
 ``control_socket_flood``: one process (what a background host is to the control socket,
 which tells its peers apart by process) keeps opening 20,000 slow keyless connections to a
 real run's control socket; the run must complete and its median iteration time stay
@@ -288,7 +289,9 @@ def _wait_events(out: Path, proc: subprocess.Popen[str], event: str, n: int) -> 
     raise RuntimeError(f"no {n} {event} events (status {proc.poll()})")
 
 
-def _agent_pid(run_dir: Path, module: str, flag: str, value: str) -> int:
+def _agent_pid(run_dir: Path, module: str, *args: str) -> int:
+    """The process of agent ``module`` for ``run_dir`` whose command line holds ``args`` in
+    order (none: the run's only process of that module)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -296,13 +299,13 @@ def _agent_pid(run_dir: Path, module: str, flag: str, value: str) -> int:
         except OSError:
             continue
         if module in cmd and str(run_dir) in cmd and any(
-                cmd[i:i + 2] == [flag, value] for i in range(len(cmd) - 1)):
+                tuple(cmd[i:i + len(args)]) == args for i in range(len(cmd) - len(args) + 1)):
             return int(pid)
-    raise RuntimeError(f"no {module} {flag} {value} for {run_dir}")
+    raise RuntimeError(f"no {module} {' '.join(args)} for {run_dir}")
 
 
 def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: str,
-                 who: tuple[str, str], sig: signal.Signals, status: int, lost: str
+                 who: tuple[str, ...], sig: signal.Signals, status: int, lost: str
                  ) -> tuple[bool, str]:
     """Start a real run (Mininet), send ``sig`` to one agent once it is under way, and
     judge the exit status, the summary's stop reason and the time to the decision."""
@@ -325,7 +328,8 @@ def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: st
 
 
 def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
-    """A hung worker, a hung stage and a killed stage, in real Mininet (root only)."""
+    """A hung worker, a hung stage, a killed stage, a hung PS and a killed pipeline PS, in
+    real Mininet (root only)."""
     if os.geteuid() != 0:
         return {}
     stall = "run.stall_timeout_s=8"
@@ -344,6 +348,16 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
         "killed_stage": _verdict(lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
             ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"), tmp / "kill_stage"),
+        # The PS of either kind: the run stops with 4, naming it; hung, it is found by its
+        # silence on the control channel (its sockets stay open).
+        "sigstopped_ps": _verdict(lambda t: _agent_fault(
+            t, "configs/test_tiny.toml", ["run.iterations=100000", "run.timeout_s=240", stall],
+            "ps_iter_done", "agents.dp.ps", (), signal.SIGSTOP, 4, "ps lost: no heartbeat"),
+            tmp / "sigstop_ps"),
+        "killed_pipeline_ps": _verdict(lambda t: _agent_fault(
+            t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
+            ("--auth", "stdin"), signal.SIGKILL, 4, "exited with status -9"),
+            tmp / "kill_pipeline_ps"),
         "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
     }
 

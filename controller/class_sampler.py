@@ -29,7 +29,7 @@ _INT_COLUMNS = ("ts_ns", "sent_bytes", "data_bytes", "sent_pkts", "drops", "over
 
 
 
-#: The HTB class sample period (ms) of an MoE or pipeline run whose config leaves
+#: The HTB class sample period (ms) of an MoE, pipeline or torchrun run whose config leaves
 #: ``topo.class_sample_ms`` at 0: their transfers cross every access link of the fabric,
 #: which only the class sampler reads, and a stage's send or a dispatch lasts a few to a
 #: few tens of ms at 1 Gbit/s. 5 ms resolves them; at ~15 us a read (controller/
@@ -46,7 +46,8 @@ def class_sample_ms(cfg: Any, remote: bool) -> float:
     t = cfg.topo
     if t.class_sample_ms > 0 or remote:
         return float(t.class_sample_ms)
-    return FABRIC_CLASS_SAMPLE_MS if t.role in FABRIC_ROLES else 0.0
+    # A torchrun run's collectives cross every training host's access link too.
+    return FABRIC_CLASS_SAMPLE_MS if t.role in FABRIC_ROLES or cfg.torchrun.script else 0.0
 
 
 class ClassSampler(PeriodicSampler):

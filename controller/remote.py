@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import select
 import shlex
 import shutil
@@ -40,10 +41,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from agents.core.config import ExperimentConfig
 from agents.core.events import clock_fields
+from controller.agent_env import agent_environment
+from controller.warm_remote import ServerWarms
 from topo import clocks
-from topo.cluster import REPO, Cluster, SshAccess
-from topo.placement import LOCAL
+from topo.cluster import REPO, Cluster, SshAccess, server_ip
+from topo.placement import LOCAL, servers_used
+from topo.spec import NetSpec
 
 # Each server's run directories: /run is a tmpfs on every Linux server (events are small)
 # and private to each fake server; not /run/gradbed/runs, the controller's run registry.
@@ -69,6 +74,16 @@ def remote_env(agent_env: Mapping[str, str], base: Mapping[str, str]) -> dict[st
             if base.get(k) != v or k.startswith(FORWARDED_PREFIX)}
 
 
+def server_warms(spec: NetSpec, access: SshAccess, run_name: str,
+                 cfg: ExperimentConfig, log: Callable[[str], None]) -> ServerWarms:
+    """A warm process on each other server of ``spec``, started now, with the environment
+    that server's agents get (``controller.warm_remote``)."""
+    env = agent_environment(os.environ, str(REPO), cfg.run.allocator)
+    ips = {s: server_ip(s) for s in servers_used(spec) if s != LOCAL}
+    return ServerWarms(ips, access, run_name, remote_env(env, os.environ),
+                       cfg.workload.name, log)
+
+
 def align_line(line: str, offset_ns: Callable[[int], int]) -> str:
     """One JSONL event written on another server, with every CLOCK_MONOTONIC field moved
     onto the controller's clock (``stamp - offset_ns(stamp)``); other lines unchanged."""
@@ -90,7 +105,7 @@ class RemoteAgents:
     they run, ``gather(clocks)`` and ``close()`` once the network is down."""
 
     def __init__(self, cluster: Cluster, run_dir: Path, local_socket: Path,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], warms: ServerWarms | None = None) -> None:
         self.where = dict(cluster.where)
         self.servers = list(cluster.remote)
         self.ips = dict(cluster.ips)
@@ -103,6 +118,8 @@ class RemoteAgents:
         self.log = log
         self._links: dict[str, subprocess.Popen[bytes]] = {}
         self._lost: dict[str, str] = {}
+        # Each server's warm process (controller.warm_remote): its agents fork from it.
+        self.warms = warms
 
     def is_remote(self, host: str) -> bool:
         return self.where.get(host, LOCAL) != LOCAL
@@ -180,7 +197,10 @@ class RemoteAgents:
             return a
 
         extra = [f"{k}={v}" for k, v in sorted(remote_env(env, base_env).items())]
-        return ["env", "-C", str(REPO), *extra, *(mapped(a) for a in argv)]
+        agent = [mapped(a) for a in argv]
+        if self.warms is not None:
+            agent = self.warms.wrap(self.where[host], agent)
+        return ["env", "-C", str(REPO), *extra, *agent]
 
     # -- while it runs ---------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from controller.agent_env import agent_environment
 from controller.class_sampler import ClassSampler, class_sample_ms
 from controller.control import ControlServer, pid_source
 from controller.driver import check_driver
-from controller.exit_status import failed_start_reason, signal_reason, status_for
+from controller.exit_status import FAILED_PREFIX, failed_start_reason, signal_reason, status_for
 from controller.paths import resolve_paths
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # Mininet Cluster Edition is imported only for a run over sev
     import pandas as pd
 
     from controller.remote import RemoteAgents
+    from controller.warm_remote import ServerWarms
     from topo.cluster import SshAccess
 
 __all__ = ["Experiment", "LinkSampler", "links_frame", "plan_commands", "shape_spec",
@@ -129,6 +130,30 @@ def links_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     import pandas as pd
 
     return pd.DataFrame(rows, columns=list(LINK_COLUMNS))
+
+
+# How long a delay line that died on another server waits for that server's own watch
+# (its control connection) to say the server is gone: a dead server takes both.
+SERVER_GRACE_S = 3.0
+
+
+def network_broken(server_lost: Callable[[], str], net: Network, grace_s: float) -> str:
+    """Why the network stops the run now, or "": a server lost, or a delay line that died
+    (its link drops every packet: what the run goes on to measure would be a cut link,
+    not the configured one). The line names the host and, on another server, the
+    server; the stop reason is ``failed: ...`` (exit status 1). A delay line that died
+    with its server leaves the reason to that server's watch, given ``grace_s``."""
+    if lost := server_lost():
+        return lost
+    dead = net.dead_delay_line()
+    if not dead:
+        return ""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if lost := server_lost():
+            return lost
+        time.sleep(0.1)
+    return f"{FAILED_PREFIX} {dead}"
 
 
 class Experiment:
@@ -301,6 +326,7 @@ class Experiment:
         class_sampler: ClassSampler | None = None
         ctl: ControlServer | None = None
         starter: WarmStarter | None = None
+        warms: ServerWarms | None = None
         assert self.events is not None
         self.say("building the network")
         try:
@@ -311,12 +337,17 @@ class Experiment:
             # each agent of this machine's hosts is a fork of it.
             starter = self._warm or (warm_for_agents(cfg.run.allocator, cfg.workload.name)
                                      if self.forks_agents else None)
+            # And one on each other server, over ssh, for that server's agents.
+            if self._access is not None and self.forks_agents:
+                from controller.remote import server_warms
+
+                warms = server_warms(self.spec, self._access, run_dir.name, cfg, self.say)
             with Network(self.spec, log=self.say, caps=caps, access=self._access,
                          spawner=starter.popen_in_netns if starter else None) as net:
                 self._net = net  # its impairment record goes into meta.json at the end
                 meta["impairment"] = net.impairment_record()
                 if net.cluster is not None:
-                    self._remote = self._remote_agents(net, ctl.path, meta)
+                    self._remote = self._remote_agents(net, ctl.path, meta, warms)
                 rundir.write_json(run_dir / "meta.json", meta)
                 # Time zero of the experiment proper: after any wait for the network lock.
                 setup_s = time.monotonic() - t_start
@@ -368,6 +399,9 @@ class Experiment:
                     ctl.close()
                 if starter is not None:
                     rundir.best_effort(starter.close, "warm process", self.say)
+                if warms is not None:
+                    for line in warms.close():
+                        self.say(line)
                 # Also when a signal cut the control server's start short (ctl unset).
                 rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
                 if self._bar is not None:
@@ -394,14 +428,14 @@ class Experiment:
         known = any(h.name == node and h.role for h in self.spec.hosts)
         return auth.node_key(self._master, node) if known else None
 
-    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any]
-                       ) -> RemoteAgents:
+    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any],
+                       warms: ServerWarms | None) -> RemoteAgents:
         """The run directories and control connections on the other servers, recorded
         first (in meta.json, and where ``gradbed cleanup`` finds the servers)."""
         from controller.remote import RemoteAgents
 
         assert net.cluster is not None
-        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say)
+        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say, warms)
         meta["cluster"] = remote.record(net.cluster.clocks)
         assert self.run_dir is not None
         rundir.write_json(self.run_dir / "meta.json", meta)
@@ -471,7 +505,8 @@ class Experiment:
         assert self.driver is not None
         self.driver.start()
         runner.start_sessions(net)
-        reason = runner.wait(cfg.run.timeout_s, watch=self._server_lost)
+        reason = runner.wait(cfg.run.timeout_s, watch=lambda: network_broken(
+            self._server_lost, net, SERVER_GRACE_S if self._remote is not None else 0.0))
         # A server that died takes its agents with it: that is the reason, not theirs.
         return self._server_lost() or reason
 

@@ -23,6 +23,12 @@ from controller.roles import Role, RoleCommand, RoleContext, RoleSession, requir
 READY_TIMEOUT_S = 60.0
 GRACE_S = 10.0
 POLL_S = 0.1
+# How long a deciding process's error exit waits for a signalled death among its peers
+# before it is named the cause: a killed stage's neighbours fail because it died, yet their
+# exits may be seen first (the warm process reaps its children in its own order, and a
+# loaded machine may not run it for a while). Longer: a run whose PS fails on its own
+# stops that much later.
+SETTLE_S = 1.0
 
 Starter = Callable[[RoleCommand], "subprocess.Popen[Any]"]
 
@@ -44,6 +50,7 @@ class RoleRunner:
         # When each agent was last heard on the control channel (its heartbeats).
         self.heard_s: dict[str, float] = {}
         self.done_reasons: dict[str, str] = {}
+        self._failed_since: float | None = None  # a deciding process's error exit first seen
         self.procs: list[tuple[Role, RoleCommand, subprocess.Popen[Any]]] = []
         self.sessions: list[RoleSession] = []
 
@@ -142,10 +149,9 @@ class RoleRunner:
                 p.wait(timeout=max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for _, c, p in enders:
-            if p.returncode != 0:
-                return (f"{c.host} exited with status {p.returncode}; "
-                        f"see {c.log or f'logs/{c.host}.log'}")
+        failed = self._failed_enders(settle=False)
+        if failed:
+            return failed
         reasons = [self.done_reasons.get(c.host, "") for _, c, _ in enders]
         return next((r for r in reasons if r), "completed")
 
@@ -158,7 +164,6 @@ class RoleRunner:
         its peers' business (a worker's: the PS's, under ``run.on_agent_death``)."""
         stall_s = self.ctx.cfg.run.stall_timeout_s
         now = time.monotonic()
-        failed = []
         for role, c, p in self.procs:
             heard = self.heard_s.get(c.host)
             if p.poll() is None and heard is not None and now - heard > stall_s:
@@ -169,13 +174,25 @@ class RoleRunner:
                 p.wait()
                 if role.ends_run:
                     return why
-            elif role.ends_run and p.poll() not in (None, 0):
-                failed.append((role, c, p))
+        return self._failed_enders(settle=True)
+
+    def _failed_enders(self, settle: bool) -> str:
+        """The stop reason when a process of a role that ends the run failed, else "".
+        Several at once (a stage's death fails its neighbours): the one a signal ended,
+        the cause, is named before those that exited with an error of their own; while
+        only error exits are seen, ``settle`` waits ``SETTLE_S`` for such a death."""
+        failed = [(role, c, p) for role, c, p in self.procs
+                  if role.ends_run and p.poll() not in (None, 0)]
         if not failed:
+            self._failed_since = None
             return ""
-        # Several at once (a stage's death fails its neighbours): name the one a signal
-        # ended, the cause, before those that exited with an error of their own.
-        role, c, p = min(failed, key=lambda f: (f[2].returncode or 0) >= 0)
+        killed = [f for f in failed if (f[2].returncode or 0) < 0]
+        now = time.monotonic()
+        if self._failed_since is None:
+            self._failed_since = now
+        if settle and not killed and now - self._failed_since < SETTLE_S:
+            return ""
+        role, c, p = (killed or failed)[0]
         why = f"{c.host} exited with status {p.returncode}; see {c.log or f'logs/{c.host}.log'}"
         self._declare(role, c, why)
         return why

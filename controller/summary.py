@@ -25,6 +25,7 @@ from analysis.metrics import (
     agent_limited_points,
     busiest_point_windows,
     headline,
+    merge_windows,
     upload_windows,
     workers_lost,
 )
@@ -114,6 +115,49 @@ def _fabric_agent_limited(events: pd.DataFrame, cfg: dict[str, Any],
         return None, f"no {what} transfer windows after warm-up: no step completed"
     samples = classes.rename(columns={"point": "direction"})
     return agent_limited_points(samples, busiest_point_windows(samples, windows))
+
+
+#: ``agent_limited_why`` of a torchrun run whose script records no bucket windows.
+UNINSTRUMENTED_WHY = (
+    "unknown: the script's collectives (gloo's, in the script's own processes) leave no "
+    "transfer windows gradbed can see, since data waiting in a process is invisible from "
+    "outside it; gradbed.ddp.instrument(ddp_model) records each bucket's window (docs/ddp.md); "
+    "each link's busy fraction over the whole run is torchrun.points_busy_utilization")
+
+
+def torchrun_agent_limited(events: pd.DataFrame, classes: pd.DataFrame | None, world: int,
+                           hop_delay_ms: float, warmup: int = 0) -> tuple[bool | None, str]:
+    """:func:`analysis.metrics.agent_limited_points` for a ``gradbed torchrun`` run: the
+    transfer windows are the ``ddp_bucket`` events of :func:`gradbed.ddp.instrument`, each
+    from the collective's launch to its decoded mean (``end_ns - comm_s``), less the
+    collective's latency floor (a ring all_reduce among ``world`` ranks waits on
+    2 (world - 1) hops in turn, an all_gather on world - 1, each at least ``hop_delay_ms``,
+    the network's time), a rank's overlapping buckets merged; each window judged on the
+    access link that let out the most bytes in it, from the HTB class samples. ``(None,
+    why)`` for a script that records no buckets (:data:`UNINSTRUMENTED_WHY`) or a run
+    without class samples."""
+    buckets = events[events["event"] == "ddp_bucket"] \
+        if not events.empty and "event" in events else events.iloc[:0]
+    if buckets.empty:
+        return None, UNINSTRUMENTED_WHY
+    if classes is None or classes.empty:
+        return None, ("no HTB class samples (classes.parquet): the ranks' collectives cross "
+                      "every training host's access link, which only the class sampler reads")
+    hop_ns = hop_delay_ms * 1e6
+    intervals = []
+    for b in buckets.to_dict("records"):
+        hops = 2 * (world - 1) if b["collective"] == "allreduce" else world - 1
+        end = int(b["end_ns"])
+        intervals.append((str(b["node"]), int(b["iter"]), end - round(float(b["comm_s"]) * 1e9),
+                          end - round(hops * hop_ns)))
+    windows = [w for w in merge_windows(intervals) if w[0] >= warmup]
+    if not windows:
+        return None, ("no bucket's collective outlasted its latency floor after warm-up: "
+                      "the links' delay, not their rate or the ranks, set its time")
+    samples = classes.rename(columns={"point": "direction"})
+    limited, why = agent_limited_points(samples, busiest_point_windows(samples, windows),
+                                        agents="the ranks", measured="the script and gloo")
+    return limited, f"{why}; the windows: the ranks' DDP buckets (gradbed.ddp.instrument)"
 
 
 def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],

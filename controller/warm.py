@@ -74,17 +74,7 @@ _ENV_IGNORED = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK
 
 def _serve(sock: socket.socket, workload: str = "") -> None:
     """The warm process: import, then fork a child per request until the client goes."""
-    import numpy  # noqa: F401  (imported for the children: the point of this process)
-    import torch  # noqa: F401
-    from cryptography.hazmat.primitives import poly1305  # noqa: F401
-
-    if workload:
-        _preload(workload)
-
-    # What the imports made stays shared with the children: a child's collector would
-    # otherwise write to every one of those objects' headers and copy all their pages.
-    gc.freeze()
-    argv_area = _argv_area()
+    argv_area = warm_up(workload)
     children: dict[int, int] = {}  # pidfd -> pid
     _tell(sock, {"ready": os.getpid()})
     while True:
@@ -120,6 +110,23 @@ def _serve(sock: socket.socket, workload: str = "") -> None:
                 _, status = os.waitpid(pid, 0)
                 os.close(pidfd)
                 _tell(sock, {"exited": pid, "status": status})
+
+
+def warm_up(workload: str) -> tuple[int, int]:
+    """What a warm process does before its first fork (this machine's, and each server's,
+    ``controller.warm_remote``): import torch, numpy and cryptography and, for a
+    ``workload``, what its agents import (:func:`_preload`), then freeze what the imports
+    made. Returns where its command line lies (:func:`_argv_area`)."""
+    import numpy  # noqa: F401  (imported for the children: the point of this process)
+    import torch  # noqa: F401
+    from cryptography.hazmat.primitives import poly1305  # noqa: F401
+
+    if workload:
+        _preload(workload)
+    # What the imports made stays shared with the children: a child's collector would
+    # otherwise write to every one of those objects' headers and copy all their pages.
+    gc.freeze()
+    return _argv_area()
 
 
 #: ``workload`` for a warm process that serves agents of any workload (the loopback tests'

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
-from topo.netfilter import HostImpairment, Impairment
+from topo.netfilter import HostImpairment, Impairment, ImpairmentError
 from topo.netlink import ClassCounters, RtNetlink
 from topo.placement import LOCAL, servers_used
 from topo.plan import Step, build_plan, delay_loss, group_steps, require_local
@@ -207,6 +207,14 @@ class Network:
         """Raise ImpairmentError if a delay line has died (its link drops everything)."""
         for hi in self.host_impairments:
             hi.check()
+
+    def dead_delay_line(self) -> str:
+        """What :meth:`check_impairments` would raise, as a line; "" while all live."""
+        try:
+            self.check_impairments()
+        except ImpairmentError as e:
+            return str(e)
+        return ""
 
     def impairment_record(self) -> dict[str, Any]:
         """Which mechanism gave delay and loss, and (after teardown) what each host's

@@ -180,6 +180,11 @@ class VxlanLink(RemoteGRELink):  # type: ignore[misc]
                                 f"{out.strip()}")
 
 
+def server_ip(server: str) -> str:
+    """``server``'s IPv4 address as Mininet Cluster Edition finds it ("" when none)."""
+    return str(RemoteMixin.findServerIP(server) or "")
+
+
 class Cluster:
     """The servers of one run: their addresses, the ssh that reaches them, the
     ``MininetCluster`` that builds the spec on them, and the run-scoped cleanup."""
@@ -192,7 +197,7 @@ class Cluster:
         self.where = node_servers(spec)
         self.servers = servers_used(spec)
         self.remote = [s for s in self.servers if s != LOCAL]
-        self.ips = {s: RemoteMixin.findServerIP(s) for s in self.servers}
+        self.ips = {s: server_ip(s) for s in self.servers}
         # "start"/"end" -> server -> its CLOCK_MONOTONIC offset (topo.clocks), for meta.json
         self.clocks: dict[str, dict[str, dict[str, float | int | str]]] = {}
         for s, ip in self.ips.items():

@@ -281,8 +281,13 @@ class HostImpairment:
         packet: the link is down, not undelayed)."""
         if self.proc is not None and self.proc.poll() is not None:
             self.died = f"exit {self.proc.returncode}: {self._stderr()}"
-            raise ImpairmentError(f"host {self.host}: delay line died ({self.died}); its "
-                                  f"link drops every packet")
+            raise ImpairmentError(f"host {self.host}: delay line{self.where} died "
+                                  f"({self.died}); its link drops every packet")
+
+    @property
+    def where(self) -> str:
+        """`` on SERVER`` for a delay line of another server; "" for one here."""
+        return f" on {self.proc.server}" if isinstance(self.proc, ServerDelayLine) else ""
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None

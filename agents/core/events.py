@@ -265,8 +265,8 @@ _declare("moe_start", "expert", "the expert host joined the mesh and built its s
          zero2_numel="elements of the unsplit shared class (ZeRO-2)",
          max_frame_bytes="largest payload a peer may send this host")
 _declare("moe_phase", "expert", "one phase of one step on this host (the timeline)",
-         phase="forward, backward, dispatch_counts, dispatch_tokens, expert, combine, "
-               "combine_grad, tokens_grad, all_gather_zero3, all_gather_zero3_bwd or "
+         phase="forward, backward, dispatch_tokens (dispatch_counts in older runs), "
+               "expert, combine, combine_grad, tokens_grad, all_gather_zero3, all_gather_zero3_bwd or "
                "reduce_scatter_and_update",
          layer="MoE layer, -1 for whole-model phases",
          start_ns="CLOCK_MONOTONIC at the start", end_ns="CLOCK_MONOTONIC at the end",

@@ -30,13 +30,14 @@ def dispatch_efficiency(payload_bytes: int, phase_s: float, rate_mbps: float) ->
 
     ``payload_bytes``: the token bytes through the busiest access-link direction of any
     host (max over hosts of max(sent, received); frame headers and counts are overhead,
-    not payload): the bytes that bound the phase from below; ``phase_s``: both phases,
-    counts included, from the moment the last host enters phase 1 to the moment the last
-    host finishes phase 2. No host sends a token before it has every host's counts, so
-    no payload moves before that start; hosts that arrive earlier are waiting for the
-    previous phase's stragglers, which the timeline shows as their own cost (and
-    ``arrival_spread_s`` in the tables). One host's own phase time is no measure: its
-    peers' rows may already sit in its receive buffer when it starts.
+    not payload): the bytes that bound the phase from below; ``phase_s``: from the first
+    moment a token may move to the moment the last host finishes. Each host sends its
+    counts in the same message as its tokens, as soon as it enters the dispatch, so the
+    window opens when the first host enters (a run that sent the counts in a round of
+    their own opened it when the last host entered that round: no token moved before
+    every host had every count). No payload moves before the window; one host's own
+    phase time is no measure: its peers' rows may already sit in its receive buffer when
+    it starts (``analysis.moe.dispatch_table`` gives the window and ``arrival_spread_s``).
     ``rate_mbps``: the access links' shaped rate. 1 = the busiest link carried payload
     at the TCP goodput ceiling for the whole phase.
     """

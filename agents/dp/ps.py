@@ -17,7 +17,10 @@ iteration:
    event loop on the main thread (:mod:`agents.net.loop`): it reads whatever bytes have
    arrived, adds the messages they complete, and writes each connection's queued
    downlink as its socket takes it, so the downlink of chunk c overlaps the uplink
-   of chunk c+1 and a slow receiver never blocks the loop. When every chunk is out,
+   of chunk c+1 and a slow receiver never blocks the loop. The arithmetic of steps 1-3
+   (decoding, the gradient checks, the add, the mean, the SGD step) runs on a thread of
+   its own (:mod:`agents.dp.chunk_work`), in arrival order, so the loop reads chunk c+1
+   while chunk c is added and stepped. When every chunk is out,
    the PS evaluates held-out accuracy every ``run.eval_every`` iterations. Each
    worker's weight send is logged as its own span (``weights_sent``, from the first
    chunk queued to the kernel taking the last byte: :mod:`agents.dp.weight_sends`).
@@ -43,7 +46,7 @@ above ``guard.max_abs_grad``, duplicate indices) ends that one connection with a
 logged ``frame_error``; the PS keeps serving the others (or stops, as
 ``run.on_worker_death`` says). A model that becomes non-finite stops the run.
 
-Aggregation is streamed: each payload is added as it arrives, so the order of the
+Aggregation is streamed: each payload is added in the order it arrived, so the order of the
 floating-point additions follows arrival order, and two runs that differ only in
 timing can differ in the last bits of the weights (then more, for chaotic training).
 Dense SGD is exact to float tolerance (``tests/agents/dp/test_transparency.py``). A worker that
@@ -66,19 +69,12 @@ from pathlib import Path
 import torch
 
 import agents.compress  # noqa: F401  (registers every compressor)
-from agents.compress.base import Compressor, PayloadError
 from agents.compress.builder import CompressionSpec, build_compressor
-from agents.compress.checks import check_gradient
-from agents.compress.sparse import SparseCompressor
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
 from agents.core.lr_schedule import lr_at
-from agents.dp.aggregate import (
-    SparseAccumulator,
-    max_message_bytes,
-    uplink_bound,
-    weights_delta,
-)
+from agents.dp.aggregate import max_message_bytes, uplink_bound
+from agents.dp.chunk_work import Added, AddJob, ChunkWork, Outcome, StepJob, Stepped
 from agents.dp.downlink import REBALANCE_S, DownlinkPacer
 from agents.dp.weight_sends import WeightSends
 from agents.net import admission, auth, codec, handshake, loop, protocol, wire
@@ -86,7 +82,7 @@ from agents.net.admission import AdmissionLimits
 from agents.net.buffers import ReceivePool
 from agents.net.control import ControlClient, control_path
 from agents.net.protocol import GradReceived, Joined, Left, Lost, PSEvent
-from agents.workloads.base import FlatModel, chunk_ranges, sgd_step_
+from agents.workloads.base import FlatModel, chunk_ranges
 from agents.workloads.factory import make_workload
 
 # The event loop looks for stalled connections at least this often.
@@ -120,6 +116,18 @@ class _Conn(loop.Transport):
         super().__init__(sock, peer)
         self.worker = worker
         self.session = session
+
+
+def _max_grad_bytes(cfg: cfgmod.ExperimentConfig, chunks: list[tuple[int, int]]) -> int:
+    """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
+    return max(max_message_bytes(cfg.compress.name, e - s) for s, e in chunks)
+
+
+def _lr(cfg: cfgmod.ExperimentConfig, iteration: int) -> float:
+    """The PS's learning rate at ``iteration`` (``workload.lr_schedule``)."""
+    wl = cfg.workload
+    return lr_at(wl.lr, iteration, cfg.run.iterations, wl.lr_schedule, wl.lr_decay_at,
+                 wl.lr_decay_factor)
 
 
 def _listening_socket(host: str, port: int, congestion: str) -> socket.socket:
@@ -170,13 +178,18 @@ class ParameterServer:
         self.model = FlatModel(self.workload.build_model(cfg.run.seed))
         self.workload.prepare(self.model.module, -1, cfg.run.seed)  # -1: the PS
         self.chunks = chunk_ranges(self.model.numel, cfg.workload.chunk_bytes)
-        self.compressor: Compressor = build_compressor(CompressionSpec.from_config(cfg))
-        self.momentum_buf: torch.Tensor | None = None
-        # What the workers hold, for the sparse-delta downlink (bit-identical to theirs).
-        self.shadow = self.model.flat_params.clone() if cfg.compress.downlink == "update" else None
-        # What happened to connections, in order, for the main loop: filled by the event
-        # loop (``_poll``) on this thread; handshake threads hand over ``joins``.
-        self.events: deque[PSEvent] = deque()
+        # The accumulators and the optimizer, worked on by a thread of their own while
+        # the event loop reads (agents.dp.chunk_work). With DGC's momentum correction the
+        # workers applied the momentum before compressing. ``shadow``: what the workers
+        # hold, for the sparse-delta downlink (bit-identical to theirs).
+        self.work = ChunkWork(
+            self.model, self.chunks, build_compressor(CompressionSpec.from_config(cfg)),
+            momentum=0.0 if cfg.feedback.momentum_correction else cfg.workload.momentum,
+            shadow=self.model.flat_params.clone() if cfg.compress.downlink == "update"
+            else None, max_abs_grad=cfg.guard.max_abs_grad)
+        # What happened, in order, for the main loop: filled by the event loop (``_poll``)
+        # on this thread; handshake threads hand over ``joins``, the chunk work its outcomes.
+        self.events: deque[PSEvent | Outcome] = deque()
         self.joins: queue.SimpleQueue[Joined] = queue.SimpleQueue()
         self.loop = loop.EventLoop(self)
         # Dense chunks are received into tensors used again once added (agents.net.buffers).
@@ -193,6 +206,9 @@ class ParameterServer:
         self.bytes_in = 0
         self.bytes_out = 0
         self.agg_s = 0.0
+        self.nonfinite = False  # a stepped chunk has a NaN or an infinity: the run stops
+        self.in_work: set[tuple[int, int]] = set()  # (worker, chunk) adds not back yet
+        self.outstanding = 0  # jobs handed to the chunk work whose outcome is not handled
         self.srv = _listening_socket(host, port, cfg.net.congestion)
         self.stop_reason = ""
 
@@ -220,18 +236,13 @@ class ParameterServer:
         self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))
         self.loop.wake()
 
-    @property
-    def max_message_bytes(self) -> int:
-        """The most one GRAD message of the largest chunk may weigh (the reader's cap)."""
-        return max(max_message_bytes(self.cfg.compress.name, e - s) for s, e in self.chunks)
-
     # -- the event loop (agents.net.loop): every worker socket on this one thread -----
 
     def _serve_conn(self, conn: _Conn) -> None:
         """Start reading an authenticated connection's messages."""
         self.loop.serve(conn, wire.MessageReceiver(
             conn.sock, peer=conn.peer, mac=conn.session.up,
-            max_payload_bytes=self.max_message_bytes,
+            max_payload_bytes=_max_grad_bytes(self.cfg, self.chunks),
             bound=uplink_bound(self.cfg.compress.name, self.chunks), pool=self.rx_pool))
 
     def _poll(self, deadline: float, what: str) -> None:
@@ -250,6 +261,7 @@ class ParameterServer:
                 self.events.append(self.joins.get_nowait())
             except queue.Empty:
                 break
+        self.events.extend(self.work.outcomes())
         now = time.monotonic()
         if self.cfg.shaping.downlink == "backlog" and now >= self.next_rebalance_s:
             self.pacer.rebalance(self.conns, self.active)
@@ -307,14 +319,24 @@ class ParameterServer:
         deadline = time.monotonic() + 120
         # Start when every worker has said hello (a missing one is a failed run).
         while len(self.pending) < n:
-            self._handle(self._next_event(deadline, "all workers to connect"))
+            ev = self._next_event(deadline, "all workers to connect")
+            assert not isinstance(ev, Added | Stepped)  # no chunk work before the start
+            self._handle(ev)
         self._admit()
         start_ns = now_ns()
-        # One accumulator per chunk for the whole run: reset in place, never reallocated.
-        # Each sums straight into its slice of the gradient buffer, already divided by the
-        # workers expected, so stepping a chunk needs no pass to write the mean.
-        acc = {c: SparseAccumulator(e - s, torch.float32, into=self.model.flat_grad[s:e])
-               for c, (s, e) in enumerate(self.chunks)}
+        self.work.start(self.loop.wake)
+        try:
+            self._iterate(start_ns)
+        finally:
+            self.work.stop()
+        self._finish()
+        # Its last turn reports the refusals still counted, before the event log closes.
+        accepter.join(timeout=self.cfg.guard.refusal_report_interval_s + 1)
+        return 0
+
+    def _iterate(self, start_ns: int) -> None:
+        """Every iteration: hand each chunk received to the chunk work, release the chunks
+        every active worker has sent, write each stepped chunk down."""
         while self.iteration < self.cfg.run.iterations:
             if not self.active:
                 if self.cfg.run.on_worker_death == "stop" or not self.pending:
@@ -323,26 +345,25 @@ class ParameterServer:
             ev = self._next_event(time.monotonic() + self.cfg.run.timeout_s,
                                   f"gradients of iteration {self.iteration}")
             if isinstance(ev, GradReceived):
-                self._accumulate(ev, acc)
+                self._submit(ev)
+            elif isinstance(ev, Added):
+                self._added(ev)
+            elif isinstance(ev, Stepped):
+                self._send_chunk(ev)
             else:
                 self._handle(ev)
             if self.stop_reason:
                 break
-            # Chunks go down in order, each as soon as every active worker has sent it --
+            # Chunks are stepped in order, each as soon as every active worker's is added --
             # also when the event just dropped the last worker a chunk was waiting for.
             for c in self.barrier.ready():
-                self._step_chunk(c, acc[c], self.barrier.contributors(c))
-                acc[c].reset()
-            if self.barrier.iteration_complete:
+                self._step_chunk(c)
+            if self.barrier.iteration_complete and not self.outstanding:
                 self._end_iteration(start_ns)
                 if self.stop_reason:
                     break
-        self._finish()
-        # Its last turn reports the refusals still counted, before the event log closes.
-        accepter.join(timeout=self.cfg.guard.refusal_report_interval_s + 1)
-        return 0
 
-    def _next_event(self, deadline: float, what: str) -> PSEvent:
+    def _next_event(self, deadline: float, what: str) -> PSEvent | Outcome:
         while not self.events:
             self._poll(deadline, what)
         return self.events.popleft()
@@ -388,87 +409,76 @@ class ParameterServer:
         if isinstance(ev, Lost) and self.cfg.run.on_worker_death == "stop":
             self.stop_reason = f"worker {conn.worker} died: {reason}"
 
-    def _accumulate(self, ev: GradReceived, acc: dict[int, SparseAccumulator]) -> None:
-        """Add one worker's chunk. A bad payload drops that worker, not the run."""
+    def _submit(self, ev: GradReceived) -> None:
+        """Hand one worker's chunk to the chunk work, once the barrier allows it (this
+        iteration, a chunk in range, not sent before). A refusal drops that worker."""
         conn: _Conn = ev.conn
-        h, tensors = ev.header, ev.tensors
+        h = ev.header
         w = conn.worker
         if self.conns.get(w) is not conn:
             return  # queued before its connection was dropped
         try:
             self.barrier.check(w, h.iteration, h.chunk)
-            s, e = self.chunks[h.chunk]
-            payload = self.compressor.from_parts(tensors, e - s, (e - s,), torch.float32)
-            sparse = self.compressor.decompress_sparse(payload)
-            who = f"worker {w} chunk {h.chunk}"
-            dense = None if sparse is not None else \
-                self.compressor.decompress(payload).reshape(-1)
-            a = acc[h.chunk]
-            if sparse is not None:
-                # Every check first (range, finite, bounded, no duplicate index), then the
-                # add in the order the duplicate test sorted: nothing added if it fails.
-                if a.added == 0:
-                    a.expect(len(self.active))
-                a.add_checked(*sparse, who=who, max_abs=self.cfg.guard.max_abs_grad,
-                              unique_indices=isinstance(self.compressor, SparseCompressor))
-            else:
-                assert dense is not None
-                check_gradient(None, dense, e - s, who=who,
-                               max_abs=self.cfg.guard.max_abs_grad, unique_indices=False)
-                if a.added == 0:
-                    a.expect(len(self.active))
-                a.add_dense(dense, who=who)
-                # Added (copied) into the accumulator: the received tensors are free again.
-                # Sparse parts are not: the accumulator keeps their indices.
-                self.rx_pool.give(tensors)
-        except (PayloadError, ValueError, RuntimeError, IndexError, TypeError) as err:
-            msg = str(err) if str(err).startswith(f"worker {w}") \
-                else f"worker {w} chunk {h.chunk}: {err}"
-            self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, worker=w,
-                          error=msg)
-            self._refuse(conn, msg)  # tell the worker why before dropping it
-            self._handle(Lost(conn, f"bad payload: {msg}"))
+            if (w, h.chunk) in self.in_work:
+                raise protocol.ProtocolError(f"worker {w}: chunk {h.chunk} sent twice")
+        except protocol.ProtocolError as err:
+            self._drop_for(conn, str(err))
             return
-        self.barrier.record(w, h.chunk)
-        self.bytes_in += _wire_bytes(tensors)
+        self.in_work.add((w, h.chunk))
+        self.outstanding += 1
+        self.work.submit(AddJob(conn, w, h, ev.tensors, len(self.active)))
 
-    def _step_chunk(self, c: int, acc: SparseAccumulator, n_workers: int) -> None:
-        """Mean, SGD step and downlink of one chunk (SGD is elementwise, so chunk-wise
-        steps are exactly one whole-model step)."""
+    def _added(self, out: Added) -> None:
+        """A chunk's add came back: the barrier counts it, or its worker is dropped."""
+        self.outstanding -= 1
+        job, conn, w = out.job, out.job.conn, out.job.worker
+        assert isinstance(conn, _Conn)
+        self.in_work.discard((w, job.header.chunk))
+        if out.dense:
+            # Added (copied) into the accumulator: the received tensors are free again.
+            # Sparse parts are not: the accumulator keeps their indices.
+            self.rx_pool.give(job.tensors)
+        if out.skipped or self.conns.get(w) is not conn or w not in self.active:
+            return  # its connection was dropped meanwhile; the step counts what was added
+        if out.error is not None:
+            return self._drop_for(conn, out.error)
+        self.barrier.record(w, job.header.chunk)
+        self.bytes_in += _wire_bytes(job.tensors)
+
+    def _drop_for(self, conn: _Conn, msg: str) -> None:
+        """A bad message from ``conn``: log it, tell the worker why, drop it."""
+        self.log.emit("frame_error", iter=self.iteration, peer=conn.peer, worker=conn.worker,
+                      error=msg)
+        self._refuse(conn, msg)
+        self._handle(Lost(conn, f"bad payload: {msg}"))
+
+    def _step_chunk(self, c: int) -> None:
+        """Every active worker's chunk ``c`` is added: the chunk work steps it next."""
         if c == 0:
             self.pacer.apply_commands(self.ctl.poll(), self.conns, self.iteration)  # downlink pacing changes land at iteration boundaries
         if c == len(self.chunks) - 1:
             # The last byte of this iteration's gradients is in: the end of the upload window.
             self.log.emit("grads_in", iter=self.iteration, workers=len(self.active))
-        t0 = time.perf_counter()
-        s, e = self.chunks[c]
-        grad = self.model.flat_grad[s:e]
-        params = self.model.flat_params[s:e]
-        acc.result(mean_over=n_workers, out=grad)
-        # With DGC's momentum correction the workers applied the momentum before compressing.
-        mom = 0.0 if self.cfg.feedback.momentum_correction else self.cfg.workload.momentum
-        if mom > 0 and self.momentum_buf is None:
-            self.momentum_buf = torch.zeros_like(self.model.flat_params)
-        wl = self.cfg.workload
-        lr = lr_at(wl.lr, self.iteration, self.cfg.run.iterations, wl.lr_schedule,
-                   wl.lr_decay_at, wl.lr_decay_factor)
-        sgd_step_(params, grad, None if self.momentum_buf is None else self.momentum_buf[s:e],
-                  lr=lr, momentum=mom, first=self.iteration == 0)
-        if self.shadow is None:
-            msg_type, tensors = codec.MsgType.WEIGHTS, [params]
-        else:
-            msg_type, tensors = codec.MsgType.UPDATE, weights_delta(params, self.shadow[s:e])
-        self.agg_s += time.perf_counter() - t0
-        crcs = wire.payload_crcs(tensors)  # the same bytes go to every worker: one pass
+        self.outstanding += 1
+        self.work.submit(StepJob(c, self.iteration, _lr(self.cfg, self.iteration)))
+
+    def _send_chunk(self, out: Stepped) -> None:
+        """Chunk ``c`` is stepped: its new weights (or the delta) go down to every active
+        worker, each frame sealed under that worker's MAC."""
+        self.outstanding -= 1
+        c = out.job.chunk
+        self.agg_s += out.agg_s
+        self.nonfinite = self.nonfinite or not out.finite
+        size = _wire_bytes(out.tensors)
         for w in sorted(self.active):
             conn = self.conns[w]
             queued_ns = now_ns()
             self.loop.write(conn, wire.message_buffers(
-                tensors, msg_type=msg_type, run_tag=self.tag, worker=w,
-                iteration=self.iteration, chunk=c, mac=conn.session.down, crcs=crcs))
-            self.sends.queued(w, self.iteration, _wire_bytes(tensors), conn.queued_bytes,
+                out.tensors, msg_type=out.msg_type, run_tag=self.tag, worker=w,
+                iteration=self.iteration, chunk=c, mac=conn.session.down, crcs=out.crcs))
+            self.sends.queued(w, self.iteration, size, conn.queued_bytes,
                               c == len(self.chunks) - 1, queued_ns)
-        self.bytes_out += len(self.active) * _wire_bytes(tensors)
+        self.bytes_out += len(self.active) * size
         _log_sends(self.log, self.sends, self.conns)
 
     def _end_iteration(self, start_ns: int) -> None:
@@ -485,7 +495,7 @@ class ParameterServer:
                       **receive_counts(self.conns.values(), self.rx_pool))
         self.barrier.end_iteration()
         self.iteration += 1
-        if not bool(torch.isfinite(self.model.flat_params).all()):
+        if self.nonfinite:
             # Every gradient passed the checks, and yet: nothing sane can follow.
             self.stop_reason = f"model became non-finite at iteration {i}"
             self.log.emit("frame_error", iter=i, peer="ps", error=self.stop_reason)
@@ -528,9 +538,9 @@ class ParameterServer:
         self.ctl.send("membership", iter=self.iteration, active=sorted(self.active))
 
     def _finish(self) -> None:
-        if self.shadow is not None:
+        if self.work.shadow is not None:
             # Workers hold the shadow; report the model they actually have.
-            self.model.flat_params.copy_(self.shadow)
+            self.model.flat_params.copy_(self.work.shadow)
         final = self.workload.evaluate(self.model.module)
         if final is not None:
             self.log.emit("final_eval", iter=self.iteration, **final)

@@ -8,9 +8,9 @@ exchanges with every other host (``step_phases`` gives it as data):
 
 1. ``ALL_GATHER`` of the ZeRO-3 class's parameter shards (before the forward uses them;
    chunk ``CHUNK_ZERO3``);
-2. per layer, forward: ``COUNTS`` (phase 1 of dispatch: how many rows this host sends to
-   each of the receiver's experts, int32), ``TOKENS`` (phase 2: exactly those rows,
-   expert by expert in slot order), ``DISPATCH_DONE`` (with ``moe.combine_after_dispatch``:
+2. per layer, forward: ``TOKENS`` (the dispatch, one message of two parts: how many
+   rows this host sends to each of the receiver's experts, int32, then exactly those
+   rows, expert by expert in slot order), ``DISPATCH_DONE`` (with ``moe.combine_after_dispatch``:
    this host holds every row of the dispatch; int32, the rows it got from the receiver,
    who checks them against the rows it sent; sent right after the dispatch, read before
    the combine, so no host sends a combine frame before every host holds its dispatch),
@@ -61,7 +61,7 @@ def step_phases(layers: int, *, zero3: bool = True, zero2: bool = True,
     if zero3:
         out.append(Phase(MsgType.ALL_GATHER, -1, CHUNK_ZERO3))
     for lay in range(layers):
-        out += [Phase(MsgType.COUNTS, lay, lay), Phase(MsgType.TOKENS, lay, lay)]
+        out.append(Phase(MsgType.TOKENS, lay, lay))
         if combine_after_dispatch:
             out.append(Phase(MsgType.DISPATCH_DONE, lay, lay))
         out.append(Phase(MsgType.EXPERT_OUT, lay, lay))
@@ -89,8 +89,10 @@ class Expect:
     numel: int
 
 
-def check_header(h: FrameHeader, want: Expect, peer: str) -> None:
-    """Raise FrameError naming the peer and the first field that differs from ``want``."""
+def check_header(h: FrameHeader, want: Expect, peer: str, *, part: int = 0,
+                 nparts: int = 1) -> None:
+    """Raise FrameError naming the peer and the first field that differs from ``want``,
+    or unless the frame is part ``part`` of a message of ``nparts``."""
     for name, got, exp in (("msg_type", h.msg_type, want.kind),
                            ("iteration", h.iteration, want.iteration),
                            ("chunk", h.chunk, want.chunk),
@@ -102,16 +104,18 @@ def check_header(h: FrameHeader, want: Expect, peer: str) -> None:
             shown_exp = exp.name if isinstance(exp, MsgType | DType) else exp
             raise FrameError(f"{peer}: {name}: got {shown_got}, expected {shown_exp} "
                              f"({want.kind.name} step {want.iteration} chunk {want.chunk})")
-    if h.nparts != 1 or h.part != 0:
-        raise FrameError(f"{peer}: part: {h.part}/{h.nparts}, expected a one-part message")
+    if h.nparts != nparts or h.part != part:
+        raise FrameError(f"{peer}: part: {h.part}/{h.nparts}, expected {part}/{nparts} "
+                         f"({want.kind.name} step {want.iteration} chunk {want.chunk})")
 
 
 def check_counts(counts: torch.Tensor, capacity: int, peer: str, layer: int) -> list[int]:
-    """Phase-1 counts from ``peer``: each in [0, capacity]. Returns them as ints."""
+    """A dispatch's counts from ``peer`` (its message's first part): each in
+    [0, capacity]. Returns them as ints."""
     values = [int(c) for c in counts.tolist()]
     for e, c in enumerate(values):
         if not 0 <= c <= capacity:
-            raise FrameError(f"{peer}: COUNTS layer {layer}: count {c} for local expert {e} "
+            raise FrameError(f"{peer}: TOKENS layer {layer}: count {c} for local expert {e} "
                              f"is outside [0, capacity={capacity}]")
     return values
 

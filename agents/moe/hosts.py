@@ -6,26 +6,28 @@ Host h owns experts ``[h E/H, (h+1) E/H)`` and a data-parallel replica of every 
 host (one routing group: its own batch):
 
 1. route its tokens (gate, top-k, capacity, drops) as :class:`~agents.moe.layer.MoELayer`;
-2. dispatch phase 1, ``COUNTS``: tell every host how many rows it will get for each of
-   its experts (int32, one per expert; a receiver refuses a count above the capacity);
-3. dispatch phase 2, ``TOKENS``: send exactly those rows, expert by expert in slot order;
-4. every host runs each of its experts once on the rows from all hosts, in host order;
-5. combine, ``EXPERT_OUT``: send each host its rows' outputs back in the order they came.
+2. dispatch, ``TOKENS``: send every host one message of two parts, how many rows it will
+   get for each of its experts (int32, one per expert; a receiver refuses a count above
+   the capacity before it reads on) and exactly those rows, expert by expert in slot
+   order (one round: the counts used to go in a round of their own);
+3. every host runs each of its experts once on the rows from all hosts, in host order;
+4. combine, ``EXPERT_OUT``: send each host its rows' outputs back in the order they came.
    With ``moe.combine_after_dispatch`` (the default) a host tells every peer it holds
-   its dispatch (``DISPATCH_DONE``, right after phase 3) and sends no combine frame
+   its dispatch (``DISPATCH_DONE``, right after phase 2) and sends no combine frame
    before every peer has told it the same: otherwise a host whose rows all came early
    sends its outputs while a slower host still receives tokens, and that traffic shares
    the slower dispatch's busiest link (docs/moe.md: 10-15 % of its bytes). An early host
    cannot end its combine before the slowest host's outputs reach it anyway; the
    timeline shows its wait as ``dispatch_done``.
 
-Phases 3 and 5 are autograd functions: their backward is the reverse exchange
+Phases 2 and 4 are autograd functions: their backward is the reverse exchange
 (``EXPERT_OUT_GRAD``, ``TOKENS_GRAD``) with the sizes already known. The same layer in
 one process with ``groups = H`` (:func:`agents.moe.layer.local_experts`) takes the same
 decisions and runs each expert on the same rows in the same order.
 
-Bytes: per layer, host h's uplink carries ``HEADER_SIZE`` + ``4 x experts/H`` bytes of
-counts and ``HEADER_SIZE + 4 d x rows`` of tokens to each peer (:func:`dispatch_bytes`).
+Bytes: per layer, host h's uplink carries one dispatch message to each peer, its counts
+part (``HEADER_SIZE`` + ``4 x experts/H`` bytes) and its rows part
+(``HEADER_SIZE + 4 d x rows``) (:func:`dispatch_bytes`).
 
 Every phase's start and end (CLOCK_MONOTONIC) is kept as a :class:`PhaseRecord`; the
 role logs them as ``moe_phase`` events, which make the per-host timeline.
@@ -42,7 +44,7 @@ import torch
 
 from agents.core.config import WorkloadConfig
 from agents.core.moe_config import MoEConfig
-from agents.moe.exchange import check_counts, check_done
+from agents.moe.exchange import check_done
 from agents.moe.expert_offload import ExpertOffload
 from agents.moe.layer import Expert, MoELayer
 from agents.moe.mesh import Mesh
@@ -63,7 +65,8 @@ def owned_experts(h: int, experts: int, hosts: int) -> list[int]:
 
 
 def dispatch_bytes(rows_to_peer: Sequence[int], d_model: int, experts_per_host: int) -> int:
-    """Uplink bytes of one dispatch (both phases) for the given rows sent to each peer."""
+    """Uplink bytes of one dispatch (both parts of each message) for the given rows sent
+    to each peer."""
     return sum(2 * HEADER_SIZE + 4 * experts_per_host + 4 * d_model * r for r in rows_to_peer)
 
 
@@ -115,6 +118,24 @@ class StepLog:
         return got
 
 
+    def timed_dispatch(self, mesh: Mesh, name: str, layer: int, step: int, chunk: int,
+                       sends: dict[int, tuple[torch.Tensor, torch.Tensor]], *, experts: int,
+                       capacity: int, width: int) -> dict[int, tuple[list[int], torch.Tensor]]:
+        """:meth:`Mesh.dispatch`, recorded as one phase: frames (counts parts included)
+        as its bytes, the rows alone as its payload (the token payload)."""
+        up0, down0 = sum(mesh.sent.values()), sum(mesh.received.values())
+        t0 = now_ns()
+        got = mesh.dispatch(step, chunk, sends, experts=experts, capacity=capacity,
+                            width=width, layer=layer)
+        t1 = now_ns()
+        self.phases.append(PhaseRecord(
+            name, layer, t0, t1, sum(mesh.sent.values()) - up0,
+            sum(mesh.received.values()) - down0,
+            4 * sum(r.numel() for _, r in sends.values()),
+            4 * sum(r.numel() for _, r in got.values())))
+        return got
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows to every peer forward; their gradients come back the same way, reversed."""
 
@@ -122,6 +143,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, ex: Exchange, *sends: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.ex = ex
         ctx.send_rows = [t.shape[0] for t in sends]
+        if ex.counts_to is not None:
+            return ex.run_dispatch(list(sends))
         return ex.run(ex.fwd, ex.fwd_name, list(sends), ex.recv_rows)
 
     @staticmethod
@@ -149,6 +172,27 @@ class Exchange:
     fwd_name: str
     bwd_name: str
     recv_rows: list[int]
+    #: The dispatch: the counts to send each peer (rows per expert of its), carried with
+    #: the rows in one message (:meth:`Mesh.dispatch`); the forward then sets
+    #: ``counts_from`` (each peer's, checked) and ``recv_rows`` from them. None: a plain
+    #: all-to-all whose sizes are known.
+    counts_to: list[list[int]] | None = None
+    capacity: int = 0  # the most rows a peer may send one expert (counts_to only)
+    counts_from: list[list[int]] = field(default_factory=list)
+
+    def run_dispatch(self, sends: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forward of the dispatch: counts and rows to every peer in one round."""
+        assert self.counts_to is not None
+        peers = self.mesh.peers
+        got = self.log.timed_dispatch(
+            self.mesh, self.fwd_name, self.layer, self.step, self.chunk,
+            {p: (torch.tensor(c, dtype=torch.int32), t.detach().reshape(-1))
+             for p, c, t in zip(peers, self.counts_to, sends, strict=True)},
+            experts=len(self.counts_to[0]), capacity=self.capacity, width=self.width)
+        self.counts_from = [got[p][0] for p in peers]
+        self.recv_rows = [sum(c) for c in self.counts_from]
+        return tuple(got[p][1].reshape(r, self.width)
+                     for p, r in zip(peers, self.recv_rows, strict=True))
 
     def run(self, kind: MsgType, name: str, sends: list[torch.Tensor],
             recv_rows: list[int]) -> tuple[torch.Tensor, ...]:
@@ -185,28 +229,23 @@ class MeshRunner:
         mesh, H, me = self.mesh, self.mesh.hosts, self.mesh.me
         width = inputs[0].shape[1]
         mine = owned_experts(me, self.experts, H)
-        per = len(mine)
         chunk = self.chunk_base + self.layer_index
         lay = self.layer_index
         counts_to = {p: [inputs[e].shape[0] for e in owned_experts(p, self.experts, H)]
                      for p in range(H)}
-        # Phase 1: counts.
-        got = self.log.timed_exchange(
-            mesh, "dispatch_counts", lay, MsgType.COUNTS, self.step, chunk,
-            {p: torch.tensor(counts_to[p], dtype=torch.int32) for p in mesh.peers},
-            dict.fromkeys(mesh.peers, per), DType.INT32)
-        counts_from = {p: check_counts(got[p], layer.capacity,
-                                       f"expert host {me} <- {p}", lay) for p in mesh.peers}
-        counts_from[me] = counts_to[me]
-        # Phase 2: the rows themselves.
+        # The dispatch: to every host, how many rows for each of its experts and the rows
+        # themselves, expert by expert, in one message.
         def rows_for(p: int) -> torch.Tensor:
             return torch.cat([inputs[e] for e in owned_experts(p, self.experts, H)])
         dispatch = Exchange(mesh, self.log, self.step, lay, chunk, width, MsgType.TOKENS,
-                            MsgType.TOKENS_GRAD, "dispatch_tokens", "tokens_grad",
-                            [sum(counts_from[p]) for p in mesh.peers])
+                            MsgType.TOKENS_GRAD, "dispatch_tokens", "tokens_grad", [],
+                            counts_to=[counts_to[p] for p in mesh.peers],
+                            capacity=layer.capacity)
         received = dict(zip(mesh.peers, dispatch([rows_for(p) for p in mesh.peers]),
                             strict=True))
         received[me] = rows_for(me)
+        counts_from = dict(zip(mesh.peers, dispatch.counts_from, strict=True))
+        counts_from[me] = counts_to[me]
         if self.combine_after_dispatch:
             # Tell every peer this host holds its dispatch (and how many rows came from
             # it); read theirs before the combine, after the experts ran.

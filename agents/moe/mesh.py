@@ -26,13 +26,13 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from agents.core.guard_config import GuardConfig
-from agents.moe.exchange import Expect, check_header
+from agents.moe.exchange import Expect, check_counts, check_header
 from agents.net import admission, auth, handshake, link, protocol, wire
 from agents.net.admission import AdmissionLimits
 from agents.net.codec import DType, MsgType
@@ -228,8 +228,10 @@ class Mesh:
 
     # -- exchanging ----------------------------------------------------------------------
 
-    def _send(self, j: int, t: torch.Tensor, kind: MsgType, iteration: int, chunk: int) -> int:
-        n = self.links[j].send_message([t.detach().contiguous()], msg_type=kind,
+    def _send(self, j: int, ts: Sequence[torch.Tensor], kind: MsgType, iteration: int,
+              chunk: int) -> int:
+        """One message of ``len(ts)`` parts to peer j, in one gathered write."""
+        n = self.links[j].send_message([t.detach().contiguous() for t in ts], msg_type=kind,
                                        worker=self.me, iteration=iteration, chunk=chunk,
                                        crc=self.crc)
         self.sent[j] += n
@@ -263,7 +265,7 @@ class Mesh:
         expects = {j: Expect(kind, iteration, chunk, j, dtype, recv_numel[j])
                    for j in self.peers}
         try:
-            futs_send = [self._pool.submit(self._send, j, sends[j], kind, iteration, chunk)
+            futs_send = [self._pool.submit(self._send, j, [sends[j]], kind, iteration, chunk)
                          for j in self.peers]
             futs_recv = {j: self._pool.submit(self._recv, j, expects[j]) for j in self.peers}
             out = {j: f.result() for j, f in futs_recv.items()}
@@ -273,6 +275,71 @@ class Mesh:
             self._abort()
             raise
         return out
+
+    def dispatch(self, iteration: int, chunk: int,
+                 sends: Mapping[int, tuple[torch.Tensor, torch.Tensor]], *, experts: int,
+                 capacity: int, width: int, layer: int
+                 ) -> dict[int, tuple[list[int], torch.Tensor]]:
+        """A dispatch's all-to-all, one round: to every peer j one ``TOKENS`` message of
+        two parts, ``sends[j]`` = (how many rows go to each of j's ``experts`` experts, as
+        int32; those rows, flat float32), and from every peer the same. The counts ride
+        with the rows: a separate round of counts cost a round trip of small frames per
+        dispatch, which on loaded cores was half of it (docs/linerate.md).
+
+        What arrives is checked as it is read: the counts part's header (``experts``
+        int32, part 0 of 2), every count in [0, ``capacity``] (hostile input: the counts
+        size the read that follows), then the rows part's header against exactly
+        sum(counts) x ``width`` elements before its payload is read. Returns each peer's
+        counts and rows."""
+        if self.hosts == 1:
+            return {}
+        assert self._pool is not None, "Mesh.dispatch before open()"
+        if set(sends) != set(self.peers):
+            raise ValueError(f"dispatch: sends to {sorted(sends)}, expected every peer "
+                             f"{sorted(self.peers)}")
+        for j, (counts, rows) in sends.items():
+            if counts.numel() != experts or rows.numel() != int(counts.sum()) * width:
+                raise ValueError(f"dispatch: to {j}: {counts.numel()} counts summing to "
+                                 f"{int(counts.sum())} with {rows.numel()} values, expected "
+                                 f"{experts} counts and {width} values per row")
+
+        def recv(j: int) -> tuple[list[int], torch.Tensor]:
+            return self._recv_counted(j, iteration, chunk, experts, capacity, width, layer)
+
+        most_bytes = 4 * experts * (1 + capacity * width)  # the most a peer may send
+        try:
+            if (max(4 * (c.numel() + r.numel()) for c, r in sends.values()) <= INLINE_MAX_BYTES
+                    and most_bytes <= INLINE_MAX_BYTES):
+                for j in self.peers:  # small frames: see exchange()
+                    self._send(j, sends[j], MsgType.TOKENS, iteration, chunk)
+                return {j: recv(j) for j in self.peers}
+            futs_send = [self._pool.submit(self._send, j, sends[j], MsgType.TOKENS, iteration,
+                                           chunk) for j in self.peers]
+            futs_recv = {j: self._pool.submit(recv, j) for j in self.peers}
+            out = {j: f.result() for j, f in futs_recv.items()}
+            for f in futs_send:
+                f.result()
+        except BaseException:
+            self._abort()
+            raise
+        return out
+
+    def _recv_counted(self, j: int, iteration: int, chunk: int, experts: int, capacity: int,
+                      width: int, layer: int) -> tuple[list[int], torch.Tensor]:
+        """Peer j's dispatch message (see :meth:`dispatch`): its counts, then its rows."""
+        reader = self.readers[j]
+        peer = f"expert host {self.me} <- {j} ({reader.peer})"
+        before = reader.bytes_read
+        h = reader.read_header()
+        check_header(h, Expect(MsgType.TOKENS, iteration, chunk, j, DType.INT32, experts),
+                     peer, part=0, nparts=2)
+        counts = check_counts(reader.read_tensor(h), capacity, peer, layer)
+        h = reader.read_header(boundary=False)  # EOF here truncates the message
+        check_header(h, Expect(MsgType.TOKENS, iteration, chunk, j, DType.FLOAT32,
+                               sum(counts) * width), peer, part=1, nparts=2)
+        rows = reader.read_tensor(h)
+        self.received[j] += reader.bytes_read - before
+        return counts, rows
 
     def post(self, kind: MsgType, iteration: int, chunk: int,
              sends: Mapping[int, torch.Tensor]) -> None:
@@ -290,7 +357,7 @@ class Mesh:
             raise ValueError(f"post: frames to {big} exceed {INLINE_MAX_BYTES} bytes")
         try:
             for j in self.peers:
-                self._send(j, sends[j], kind, iteration, chunk)
+                self._send(j, [sends[j]], kind, iteration, chunk)
         except BaseException:
             self._abort()
             raise

@@ -108,7 +108,7 @@ class MsgType(IntEnum):
     ERROR = 7  # peer reports an error (UTF-8 text payload)
     ACTIVATION = 8  # pipeline: forward activations downstream
     GRADIENT_BACK = 9  # pipeline: gradients upstream
-    COUNTS = 10  # MoE dispatch phase 1: per-expert token counts
+    COUNTS = 10  # MoE: per-expert token counts in a round of their own (now part 0 of TOKENS)
     TOKENS = 11  # MoE dispatch phase 2: token payloads
     CONTROL = 12  # small JSON control message
     CHALLENGE = 13  # PS -> worker: a fresh nonce the worker must MAC (agents.net.protocol)

@@ -346,9 +346,12 @@ class FrameReader:
             raise
         self.bytes_read += want
 
-    def read_header(self, expect_tag: int | None = None) -> FrameHeader:
-        """Read and validate the next header (the payload is still on the socket)."""
-        return self._read_header(expect_tag, boundary=True)
+    def read_header(self, expect_tag: int | None = None, *, boundary: bool = True
+                    ) -> FrameHeader:
+        """Read and validate the next header (the payload is still on the socket).
+        ``boundary``: whether a message may end before it (False for a later part of a
+        message: EOF there is a truncated frame, not a clean close)."""
+        return self._read_header(expect_tag, boundary=boundary)
 
     def _read_header(self, expect_tag: int | None, *, boundary: bool) -> FrameHeader:
         """``boundary``: EOF before this header is a clean close (not inside a message)."""

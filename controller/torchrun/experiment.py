@@ -48,6 +48,7 @@ from controller.roles.torchrun import (
 from controller.run import Experiment
 from controller.runner import RoleRunner
 from controller.torchrun import proof
+from controller.torchrun.busy import BusyClock, tree_cpu_s
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
 from topo.build import Network
 from topo.shapes import shape_spec
@@ -56,6 +57,9 @@ from topo.spec import NetSpec
 STOP_GRACE_S = 5.0
 FAILURE_SETTLE_S = 1.0
 POLL_S = 0.1
+#: How often the CPU time of the hosts that have not reached init_process_group is read
+#: (one pass over /proc; .busy judges it per BUSY_WINDOW_S).
+CPU_READ_S = 0.25
 
 
 class TorchrunExperiment(Experiment):
@@ -81,6 +85,8 @@ class TorchrunExperiment(Experiment):
         self.plans: dict[str, RankPlan] = {}
         self.sampler: ConnSampler | None = None
         self.result: dict[str, Any] = {}
+        self.busy = BusyClock()
+        self._cpu_read_ns = 0
 
     def headline(self) -> str:
         tr = self.cfg.torchrun
@@ -183,17 +189,40 @@ class TorchrunExperiment(Experiment):
             if time.monotonic() > deadline:
                 return timeout_reason(self.cfg.run.timeout_s)
             now = now_ns()
-            # A sampler that failed reads no bytes: that is no stall (its error is in the
+            self._watch_cpu(procs, now)
+            running = [c.host for c, p in procs if p.poll() is None]
+            # Peers of a rank that has not called init_process_group wait in theirs: while
+            # one has not, only such ranks are judged, each once idle for stall_s. A
+            # sampler that failed reads no bytes: that is no stall (its error is in the
             # summary's torchrun.sampler_error).
-            stalled = [c.host for c, p in procs if self.sampler.error is None
-                       and p.poll() is None
-                       and (now - self.sampler.progress[c.host][1]) / 1e9 > tr.stall_s]
+            late = [h for h in running if not self._reached_init(h)]
+            stalled = [h for h in (late or running) if self.sampler.error is None
+                       and (now - self._last_progress_ns(h)) / 1e9 > tr.stall_s]
             if stalled:
-                # Peers of a rank that never calls init_process_group wait in theirs and
-                # stall with it: name the one that never got there first.
-                stalled.sort(key=lambda h: self._reached_init(h))
                 return self._stalled(stalled[0], tr.stall_s)
             time.sleep(POLL_S)
+
+    def _watch_cpu(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]],
+                   now: int) -> None:
+        """Feed the busy clock the CPU time of each host that has not reached
+        init_process_group (its torchrun and ranks), at most every CPU_READ_S."""
+        if now - self._cpu_read_ns < CPU_READ_S * 1e9:
+            return
+        self._cpu_read_ns = now
+        roots = {c.host: p.pid for c, p in procs
+                 if p.poll() is None and not self._reached_init(c.host)}
+        if not roots:  # every rank trains: only bytes count from here on
+            return
+        for host, cpu_s in tree_cpu_s(roots).items():
+            self.busy.update(host, cpu_s, now)
+
+    def _last_progress_ns(self, host: str) -> int:
+        """When ``host`` last moved a byte to another host, or, until its ranks reached
+        init_process_group, last used CPU (importing torch is no stall: .busy)."""
+        moved = self.sampler.progress[host][1] if self.sampler is not None else 0
+        if self._reached_init(host):
+            return moved
+        return max(moved, self.busy.busy_since(host))
 
     def _reached_init(self, host: str) -> bool:
         """Whether every rank of ``host`` opened its store connection (init_process_group):
@@ -239,9 +268,9 @@ class TorchrunExperiment(Experiment):
                     f"see logs/{host}.log")
         if not self._reached_init(host):
             return failed_start_reason(
-                f"{self._ranks(host)} (host {host}) never reached init_process_group in "
-                    f"{stall_s:g} s (torchrun.stall_s; master {master}, {env}); see "
-                    f"logs/{host}.log")
+                f"{self._ranks(host)} (host {host}) never reached init_process_group: "
+                    f"idle for {stall_s:g} s, no byte moved and no CPU used "
+                    f"(torchrun.stall_s; master {master}, {env}); see logs/{host}.log")
         return (f"{self._ranks(host)} (host {host}) stalled: its connections moved no bytes "
                 f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 
@@ -326,11 +355,9 @@ class TorchrunExperiment(Experiment):
         self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
         summary["torchrun"] = self.result
-        summary["agent_limited"] = None
-        summary["agent_limited_why"] = (
-            "a torchrun run moves the script's own collectives (gloo's, not gradbed's "
-            "agents'), without transfer windows gradbed could time; each link's busy "
-            "fraction is torchrun.points_busy_utilization")
+        summary["agent_limited"], summary["agent_limited_why"] = agent_limited(
+            run_dir, self.spec, sum(len(p.ranks) for p in self.plans.values()),
+            int(self.cfg.run.warmup_iterations))
         rundir.write_json(run_dir / "summary.json", summary)
         meta_now = json.loads((run_dir / "meta.json").read_text())
         meta_now["torchrun"] = {
@@ -389,6 +416,32 @@ def points_busy(links_path: Path) -> dict[str, float | None]:
         u = busy_utilization(links, str(point))
         out[str(point)] = None if math.isnan(u) else round(u, 4)
     return out
+
+
+def agent_limited(run_dir: Path, spec: NetSpec, world: int, warmup: int
+                  ) -> tuple[bool | None, str]:
+    """The run's ``agent_limited`` (controller.summary.torchrun_agent_limited) from its
+    events (an instrumented script's buckets) and HTB class samples."""
+    from analysis.load import load_events
+    from controller.summary import read_classes, torchrun_agent_limited
+
+    return torchrun_agent_limited(load_events(run_dir, allow_empty=True),
+                                  read_classes(run_dir / "classes.parquet"), world,
+                                  hop_delay_ms(spec), warmup)
+
+
+def hop_delay_ms(spec: NetSpec) -> float:
+    """The one-way delay of the slowest path between two training hosts: the largest delay
+    of a training host's uplink plus the largest of one's downlink (a ring's step waits
+    on its slowest hop)."""
+    names = set(spec.point_names())
+
+    def worst(side: str) -> float:
+        return max((spec.point(f"{h.name}.{side}").link.delay_ms
+                    for h in training_hosts(spec) if f"{h.name}.{side}" in names),
+                   default=0.0)
+
+    return worst("up") + worst("down")
 
 
 def _intf(spec: NetSpec, host: str) -> str:

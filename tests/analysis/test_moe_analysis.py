@@ -57,6 +57,13 @@ def test_tables() -> None:
     # Counts: the window's start (e1 in at 1.05 s) to the last host holding them (1.06 s).
     assert d["counts_window_s"] == pytest.approx(0.01)
     assert d["combine_hosts_in_window"] == 0  # e0's combine began at 2.0 s, after 1.15 s
+    # The counts in the token message (no counts round): e0 sends its tokens as soon as
+    # it enters at 1.01 s, so the window opens there, not when e1 enters at 1.06 s.
+    merged = [r for r in rows if r.get("phase") != "dispatch_counts"]
+    (m,) = amoe.dispatch_table(merged, 100.0)
+    assert m["phase_s"] == pytest.approx(0.14) and m["start_ns"] == int(1.01e9)
+    assert m["arrival_spread_s"] == pytest.approx(0.05) and m["counts_window_s"] == 0
+    assert m["efficiency"] == pytest.approx(dispatch_efficiency(1_000_000, 0.14, 100.0))
     (d2,) = amoe.dispatch_table([*rows, phase("e1", 1, "combine", 1.12, 1.3, 9, 9)], 100.0)
     assert d2["combine_hosts_in_window"] == 1  # e1's began at 1.12 s, inside the window
     (r,) = amoe.route_table(rows)
@@ -101,7 +108,7 @@ def test_the_transfer_windows_are_every_exchange_of_rows() -> None:
             phase("e1", 1, "dispatch_counts", 1.05, 1.06, 200, 200),
             phase("e1", 1, "dispatch_tokens", 1.06, 1.15, 9, 9),
             phase("e0", 1, "expert", 1.15, 1.20, 0, 0),       # compute: not a transfer
-            # The combine, from the last host in (e0, 1.22 s) to the last out (1.40 s).
+            # The combine, from the first host in (e1, 1.21 s) to the last out (1.40 s).
             phase("e0", 1, "combine", 1.22, 1.30, 9, 9),
             phase("e1", 1, "combine", 1.21, 1.40, 9, 9),
             phase("e0", 1, "combine_grad", 2.00, 2.10, 9, 9),
@@ -109,9 +116,9 @@ def test_the_transfer_windows_are_every_exchange_of_rows() -> None:
             phase("e0", 1, "tokens_grad", 2.50, 2.60, 9, 9),
             phase("e1", 1, "tokens_grad", 2.50, 2.55, 9, 9),
             phase("e0", 2, "combine", 3.0, 3.1, 9, 9)]            # e1's is missing
-    assert amoe.exchange_windows(rows, "combine") == [(1, ns(1.22), ns(1.40))]
+    assert amoe.exchange_windows(rows, "combine") == [(1, ns(1.21), ns(1.40))]
     assert amoe.transfer_windows(rows) == [
-        (1, ns(1.05), ns(1.15)), (1, ns(1.22), ns(1.40)), (1, ns(2.05), ns(2.12)),
+        (1, ns(1.05), ns(1.15)), (1, ns(1.21), ns(1.40)), (1, ns(2.00), ns(2.12)),
         (1, ns(2.50), ns(2.60))]
     # A combine that does not wait for the whole dispatch overlaps it: one window, so
     # the link's bytes in the overlap count once.

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -25,6 +26,7 @@ import pytest
 from controller.exit_status import SERVER_LOST, status_for
 from controller.loopback.dp import run_loopback
 from controller.remote import cleanup_run
+from controller.warm_remote import WARM_ROOT
 from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, gradbed_run, start_run, summary
 from topo.cluster import SshAccess
@@ -65,18 +67,21 @@ def _eval_losses(events_jsonl: Path) -> list[float]:
 
 
 def _server_leftovers(c: FakeCluster) -> list[str]:
-    """Agents, host shells, gradbed links and run directories still on any server."""
-    out = []
-    for s in c.servers:
+    """Agents (and their warm processes and clients), delay lines, host shells, gradbed
+    links, run directories and warm sockets still on any server."""
+    def on(s: str) -> list[str]:
         try:
-            text = c.ssh(s, "ps -eo args | grep -E '[a]gents\\.|[m]ininet:' || true; "
+            text = c.ssh(s, "ps -eo args | grep -E '[a]gents\\.|[m]ininet:|[w]arm_remote|"
+                            "[t]opo[.]delayline' || true; "
                             "ip -o link show | grep -E ': (gbsw|ps-|w[0-9])' || true; "
-                            f"ls {REMOTE_ROOT} 2>/dev/null || true").stdout
+                            f"ls {REMOTE_ROOT} 2>/dev/null; ls {WARM_ROOT} 2>/dev/null; "
+                            "true").stdout
         except subprocess.CalledProcessError as e:
-            out.append(f"{s}: ssh failed: {e.stderr}")
-            continue
-        out += [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
-    return out
+            return [f"{s}: ssh failed: {e.stderr}"]
+        return [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
+
+    with ThreadPoolExecutor() as pool:  # each ssh is mostly waiting: all servers at once
+        return [ln for lines in pool.map(on, c.servers) for ln in lines]
 
 
 # configs/digits.toml made small: 2 workers, 12 iterations, sparse (top-k with error
@@ -180,11 +185,24 @@ def _wait_remote_iterations(c: FakeCluster, server: str, proc: subprocess.Popen[
                          f"{err[-3000:]}")
 
 
+def _forked_from_warm(c: FakeCluster, server: str, module: str) -> bool:
+    """Whether ``module``'s agent on ``server`` is a child of that server's warm process
+    (``controller.warm_remote``), not a fresh interpreter under its ssh session."""
+    rows = [ln.split(None, 2) for ln in c.ssh(server, "ps -eo pid=,ppid=,args=").stdout
+            .splitlines() if ln.strip()]
+    warm = {pid for pid, _, args in rows if "controller.warm_remote serve" in args}
+    agents = [ppid for _, ppid, args in rows
+              if f"-m {module} " in args and "warm_remote" not in args]
+    return len(warm) == 1 and len(agents) == 1 and agents[0] in warm
+
+
 def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster, tmp_path):
     s1, s2 = cluster.servers
     proc = start_run("configs/test_tiny.toml",
                      _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
     _wait_remote_iterations(cluster, s1, proc, 1)
+    # Each server's agents fork from its warm process, which dies with the controller.
+    assert _forked_from_warm(cluster, s1, "agents.dp.ps")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     (run_dir,) = tmp_path.glob("tiny-*")
@@ -224,8 +242,11 @@ def test_cleanup_leaves_a_server_whose_lock_another_run_holds_and_names_that_run
 
 def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path):
     s1, s2 = cluster.servers
+    # A delay on every link: the killed server's delay lines die with it, and the run
+    # still names the server, not a delay line.
     proc = start_run("configs/test_tiny.toml",
-                     _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
+                     _placed(cluster, s1, s2, "run.iterations=5000", "net.delay_ms=1"),
+                     tmp_path)
     _wait_remote_iterations(cluster, s1, proc, 1)
     killed_at = time.monotonic()
     killed_clock = time.localtime()

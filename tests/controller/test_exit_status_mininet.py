@@ -1,6 +1,6 @@
 """``gradbed run``'s exit status tells how the run ended (controller/exit_status.py), in real
-Mininet: a killed PS and a start that fails each give their own status, and the summary says
-the same. (A completed run's 0: test_run_mininet.py; a run past ``run.timeout_s``, 5:
+Mininet: a killed PS, a hung PS and a start that fails each give their own status, and the
+summary says the same. (A completed run's 0: test_run_mininet.py; a run past ``run.timeout_s``, 5:
 test_adaptive_run.py, whose run ends on its timeout; a signal's 128 + n:
 test_signals_mininet.py.)"""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,25 @@ def test_a_killed_ps_exits_4_and_names_the_ps(tmp_path: Path) -> None:
     assert proc.returncode == 4, err[-3000:]
     s = load_run(run_dir).summary
     assert s["stop_reason"].startswith("ps exited with status -9"), s["stop_reason"]
+    assert leftovers() == []
+
+
+def test_a_hung_ps_is_declared_lost_and_the_run_exits_4_naming_it(tmp_path: Path) -> None:
+    # SIGSTOP: the PS's sockets stay open, so its workers would wait on the data path until
+    # run.timeout_s (5); its silence on the control channel is what gives it away.
+    stall_s = 6
+    proc = start_run("configs/test_tiny.toml", [*LONG, f"run.stall_timeout_s={stall_s}",
+                                                "run.timeout_s=300"], tmp_path)
+    run_dir = wait_for_iterations(tmp_path, proc, 3)
+    (pid,) = agent_pids(run_dir, "agents.dp.ps")
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took_s = time.monotonic() - stopped
+    assert proc.returncode == 4, err[-3000:]
+    s = load_run(run_dir).summary
+    assert s["stop_reason"].startswith("ps lost: no heartbeat for "), s["stop_reason"]
+    assert stall_s <= took_s < stall_s + 20, took_s  # teardown included
     assert leftovers() == []
 
 

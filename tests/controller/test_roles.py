@@ -164,6 +164,30 @@ def test_a_killed_deciding_process_ends_the_run_at_once_naming_it(tmp_path, monk
         p.wait()
 
 
+def test_the_killed_process_is_named_even_when_its_neighbours_failure_is_seen_first(
+        tmp_path, monkeypatch):
+    """A killed stage's neighbours exit with an error because it died, and their exits
+    may reach the controller first (the warm process reaps in its own order): the stop
+    reason must still name the killed one, whether the wait is running or has ended."""
+    monkeypatch.setattr(runner_mod, "GRACE_S", 0.1)
+    gone = tmp_path / "neighbour-gone"
+    make_role("t_neighbour", f"import pathlib, time; time.sleep(0.3); "
+              f"pathlib.Path({str(gone)!r}).touch(); raise SystemExit(2)", ends_run=True)
+    make_role("t_cause", f"import os, pathlib, signal, time\n"
+              f"while not pathlib.Path({str(gone)!r}).exists(): time.sleep(0.01)\n"
+              f"time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)", ends_run=True)
+    make_role("t_lives_on", "import time; time.sleep(30)", ends_run=True)
+    # Alone, the two end the wait by both exiting; with a third, the wait goes on.
+    for hosts in ([("w0", "t_neighbour"), ("w1", "t_cause")],
+                  [("w0", "t_neighbour"), ("w1", "t_cause"), ("w2", "t_lives_on")]):
+        gone.unlink(missing_ok=True)
+        reason, r, took = run_roles(tmp_path, hosts)
+        assert reason == "w1 exited with status -9; see logs/w1.log", (hosts, reason)
+        for _, _, p in r.procs:
+            p.kill()
+            p.wait()
+
+
 def test_an_agent_silent_for_stall_timeout_s_is_declared_lost_and_killed(
         tmp_path, monkeypatch):
     monkeypatch.setattr(runner_mod, "GRACE_S", 0.1)

@@ -1,5 +1,5 @@
-"""End to end in real Mininet: ``gradbed run`` trains, writes a complete run directory,
-and leaves nothing behind. (Interrupted runs: test_signals_mininet.py, whose SIGINT case
+"""End to end in real Mininet: ``gradbed run`` (as ``sudo gradbed run`` by a user) trains,
+writes a complete run directory that belongs to that user, and leaves nothing behind. (Interrupted runs: test_signals_mininet.py, whose SIGINT case
 also checks what an interrupted run's directory holds.)"""
 
 from __future__ import annotations
@@ -38,4 +38,11 @@ def test_two_worker_run_learns_and_cleans_up(tmp_path_factory: pytest.TempPathFa
     assert (links["direction"] == "up").sum() > 10 and links["sent_bytes"].max() > s["bytes_up"] / 2
     assert "$ tc " in (run_dir / "run.log").read_text()  # every tc command is echoed
     assert not (run_dir / "secret").exists()
+    # Made with sudo by a user: all of it is the user's, the --out folder gradbed made
+    # included, so the user can read, move and delete it without root.
+    user = real_run.SUDO_USER_UID
+    owners = {p: (p.lstat().st_uid, p.lstat().st_gid)
+              for p in (run_dir.parent, run_dir, *run_dir.rglob("*"))}
+    assert {p: o for p, o in owners.items() if o != (user, user)} == {}
+    assert len(owners) > 20 and (run_dir / "report" / "index.html") in owners
     assert leftovers() == []

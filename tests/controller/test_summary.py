@@ -1,6 +1,6 @@
 """summary.json from synthetic events, link and class samples: the upload-window
-utilisation, agent_limited of PS, pipeline and MoE runs, and the warm-up iterations left
-out of the iteration-time percentiles and utilisation."""
+utilisation, agent_limited of PS, pipeline, MoE and torchrun runs, and the warm-up
+iterations left out of the iteration-time percentiles and utilisation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import pytest
 from agents.core import config as cfgmod
 from analysis.metrics import upload_window_utilization, upload_windows
 from controller.class_sampler import FABRIC_CLASS_SAMPLE_MS, class_sample_ms
-from controller.summary import read_classes, summarize
+from controller.summary import (
+    UNINSTRUMENTED_WHY,
+    read_classes,
+    summarize,
+    torchrun_agent_limited,
+)
 
 S = 1_000_000_000  # ns
 
@@ -262,3 +267,60 @@ def test_an_moe_runs_combine_is_judged_beside_its_dispatch() -> None:
     dispatch_only = ev[ev["phase"] != "combine"]
     s = summarize(dispatch_only, links, cfg, 2.0, False, "done", classes)
     assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
+
+
+def _ddp_buckets(world: int = 2) -> pd.DataFrame:
+    """An instrumented torchrun run's buckets (gradbed.ddp.instrument): on each of two
+    ranks, two all_reduce buckets back to back, launched at 0.5 s and 1.0 s after 10 ms of
+    compression, each ending 0.5 s after its launch."""
+    rows = []
+    for node in ("gbh0", "gbh1")[:world]:
+        for b, launched in ((0, S // 2), (1, S)):
+            rows.append({"event": "ddp_bucket", "node": node, "iter": 0, "ts_ns": launched,
+                         "bucket": b, "collective": "allreduce", "start_ns": launched - S // 100,
+                         "end_ns": launched + S // 2, "comm_s": 0.5, "compress_s": 0.01})
+    return pd.DataFrame(rows)
+
+
+def test_a_torchrun_run_is_judged_over_its_ranks_bucket_windows() -> None:
+    ev = _ddp_buckets()
+    got = torchrun_agent_limited(ev, _fabric_classes(0.5), 2, 0.0)
+    assert got[0] is True and "gbh0.up" in got[1] and "0.50" in got[1], got
+    assert "the ranks" in got[1] and "DDP buckets" in got[1] and "gradbed on" not in got[1]
+    got = torchrun_agent_limited(ev, _fabric_classes(0.97), 2, 0.0)
+    assert got[0] is False and "0.97" in got[1], got
+    got = torchrun_agent_limited(ev, _fabric_classes(0.5, 100_000), 2, 0.0)
+    assert got[0] is False and "queue" in got[1], got
+    # The windows start at the collective's launch (end_ns - comm_s): 100 ms earlier,
+    # with the link idle, they read 0.45.
+    ev.loc[:, "comm_s"] = 0.6
+    assert "0.45" in torchrun_agent_limited(ev, _fabric_classes(0.5), 2, 0.0)[1]
+
+
+def test_a_torchrun_rings_latency_floor_is_the_networks_time() -> None:
+    """Buckets that end 100 ms after the link went quiet: a 4-rank ring's 6 hops of 20 ms
+    (its floor, 120 ms) cover that, so the link was busy through what is left."""
+    ev = _ddp_buckets()
+    ev.loc[:, "end_ns"] = ev["end_ns"] + S // 10
+    ev.loc[:, "comm_s"] = 0.6
+    assert torchrun_agent_limited(ev, _fabric_classes(0.97), 4, 0.0)[0] is True
+    got = torchrun_agent_limited(ev, _fabric_classes(0.97), 4, 20.0)
+    assert got[0] is False and "0.97" in got[1], got
+    # A bucket no longer than its floor is left out; none left: unknown, and why.
+    got = torchrun_agent_limited(ev, _fabric_classes(0.97), 4, 200.0)
+    assert got[0] is None and "latency floor" in got[1], got
+
+
+def test_an_uninstrumented_torchrun_run_says_why_its_regime_is_unknown() -> None:
+    for ev in (pd.DataFrame(), _ddp_buckets().assign(event="ddp_iter")):
+        got = torchrun_agent_limited(ev, _fabric_classes(0.5), 2, 0.0)
+        assert got == (None, UNINSTRUMENTED_WHY)
+    assert "gradbed.ddp.instrument" in UNINSTRUMENTED_WHY
+    got = torchrun_agent_limited(_ddp_buckets(), None, 2, 0.0)
+    assert got[0] is None and "class samples" in got[1]
+
+
+def test_torchrun_runs_sample_the_classes() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "torchrun_ddp" / "fabric4.toml"
+    assert class_sample_ms(cfgmod.load(example, ["torchrun.script='train.py'"]),
+                           remote=False) == FABRIC_CLASS_SAMPLE_MS

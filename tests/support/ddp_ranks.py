@@ -181,8 +181,17 @@ def adaptive_keeps(rank: int, world: int, iters: int) -> list[tuple[int, int, fl
 
 
 def everything(rank: int, world: int, iters: int, byte_hooks: list[str]) -> dict[str, Any]:
-    """All of the above in one group (each spawn costs a torch import per rank)."""
-    return {"adaptive": adaptive_keeps(rank, world, 6),"topk": reduced_grads(rank, world, "topk", 0.05, iters),
-            "fp16": reduced_grads(rank, world, "fp16", 1.0, 3),
-            "agreement": agreement(rank, world),
-            "bytes": hook_bytes(rank, world, byte_hooks, iters)}
+    """All of the above in one group (each spawn costs a torch import per rank), then the
+    modules of the controller, the topology or Mininet that this fresh interpreter loaded
+    while it built and ran every hook."""
+    import sys
+
+    out = {"adaptive": adaptive_keeps(rank, world, 6),
+           "topk": reduced_grads(rank, world, "topk", 0.05, iters),
+           "fp16": reduced_grads(rank, world, "fp16", 1.0, 3),
+           "agreement": agreement(rank, world),
+           "bytes": hook_bytes(rank, world, byte_hooks, iters)}
+    out["loaded"] = sorted(m for m in sys.modules
+                           if m.split(".")[0] in ("controller", "topo", "mininet"))
+    out["gradbed_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] == "gradbed")
+    return out

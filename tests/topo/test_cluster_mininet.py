@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from topo.build import Network
 from topo.cluster import LINK_MTU, SshAccess
 from topo.lock import LockTimeout
 from topo.placement import crossings, node_servers
-from topo.remote_delayline import DELAY_ROOT
+from topo.remote_delayline import DELAY_ROOT, ServerDelayLine
 from topo.server_lock import ServerLock
 from topo.shapes import shape_spec
 
@@ -51,15 +52,18 @@ def _lock_is_free(c: FakeCluster, server: str) -> bool:
 
 def _server_leftovers(c: FakeCluster) -> list[str]:
     """gradbed's interfaces, bridges, tunnels and host shells still on any fake server."""
-    out = []
-    for s in c.servers:
+    def on(s: str) -> list[str]:
         text = c.ssh(s, "ip -o link show; ps -eo args | grep '[m]ininet:\\|[t]opo.delayline' "
                         f"|| true; ls -d {DELAY_ROOT}/* 2>/dev/null || true").stdout
+        out = []
         for line in text.splitlines():
             name = line.split(":")[1].strip().split("@")[0] if ": " in line else ""
             if "mininet:" in line or "delay" in line or name.startswith(("gbsw", "ps-", "w")):
                 out.append(f"{s}: {line.strip()}")
-    return out
+        return out
+
+    with ThreadPoolExecutor() as pool:  # each ssh is mostly waiting: all servers at once
+        return [ln for lines in pool.map(on, c.servers) for ln in lines]
 
 
 def _all_pairs_reach(net: Network, hosts: list[str]) -> None:
@@ -140,7 +144,22 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(cluster):
                 pass
         assert _lock_is_free(c, c.servers[0])
         _all_pairs_reach(net, ["ps", "w3"])  # the star is untouched
+        # Last, w0's delay line on its server dies: named with its host and server, and
+        # its link fails closed (nothing reaches w0 undelayed), as on one machine.
+        assert net.dead_delay_line() == ""
+        w0_line = next(h for h in net.host_impairments if h.host == "w0")
+        assert isinstance(w0_line.proc, ServerDelayLine)
+        c.ssh(s2, f"kill -9 {w0_line.proc.pid}")
+        w0_line.proc.wait(timeout=30)
+        dead = net.dead_delay_line()
+        assert dead.startswith(f"host w0: delay line on {s2} died (exit 137") \
+            and dead.endswith("its link drops every packet"), dead
+        cut = net.popen("ps", ["ping", "-c", "3", "-i", "0.2", "-W", "1", net.ip("w0")],
+                        stdout=subprocess.PIPE, text=True)
+        assert " 0 received" in cut.communicate(timeout=30)[0]
     assert set(net.cluster.clocks["end"]) == {s1, s2}
+    w0 = next(h for h in net.impairment_record()["hosts"] if h["host"] == "w0")
+    assert str(w0["delay_line_died"]).startswith("exit 137"), w0
     assert _server_leftovers(c) == []
     assert _lock_is_free(c, s1) and _lock_is_free(c, s2)
 

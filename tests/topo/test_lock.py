@@ -17,6 +17,8 @@ import pytest
 
 from topo.lock import DEFAULT_LOCK_PATH, LockTimeout, NetLock
 
+pytestmark = pytest.mark.netlock  # one test cleans the machine and takes the real lock
+
 REPO = Path(__file__).resolve().parents[2]
 ROOT_AND_SETPRIV = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                       reason="needs root, and setpriv to act as another user")

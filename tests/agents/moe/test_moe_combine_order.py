@@ -15,15 +15,13 @@ import pytest
 
 from agents.core.config import WorkloadConfig
 from agents.core.moe_config import MoEConfig
-from agents.moe.exchange import Expect
 from agents.moe.hosts import ExpertHost
 from agents.moe.mesh import Mesh, file_keys
 from agents.moe.model import load_data
-from agents.net.codec import MsgType
 from tests.agents.moe.test_moe_transparency import free_ports
 
 SLOW_HOST = 2
-SLOW_S = 0.3  # the slow host reads each TOKENS frame this much later
+SLOW_S = 0.3  # the slow host reads each dispatch message this much later
 
 
 def run_step(combine_after_dispatch: bool) -> dict[int, list[Any]]:
@@ -41,13 +39,12 @@ def run_step(combine_after_dispatch: bool) -> dict[int, list[Any]]:
             with Mesh(h, addrs, 7, run_id="order", keys=file_keys(b"order", h, cfg.hosts)
                       ) as mesh:
                 if h == SLOW_HOST:
-                    recv = mesh._recv
+                    recv = mesh._recv_counted  # reads one peer's dispatch (TOKENS) message
 
-                    def slow_recv(j: int, want: Expect) -> Any:
-                        if want.kind is MsgType.TOKENS:
-                            time.sleep(SLOW_S)
-                        return recv(j, want)
-                    mesh._recv = slow_recv  # type: ignore[method-assign]
+                    def slow_recv(*args: Any) -> Any:
+                        time.sleep(SLOW_S)
+                        return recv(*args)
+                    mesh._recv_counted = slow_recv  # type: ignore[method-assign]
                 eh = ExpertHost(cfg, data, h, mesh, seed=0,
                                 train=WorkloadConfig(batch_size=8, lr=0.05, momentum=0.9))
                 eh.train_step(0)

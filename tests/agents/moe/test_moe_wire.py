@@ -46,13 +46,12 @@ def test_counts_bounded_by_capacity() -> None:
 
 def test_step_phases_as_data() -> None:
     labels = [p.label() for p in step_phases(2, combine_after_dispatch=False)]
-    assert labels == ["ALL_GATHER", "COUNTS:0", "TOKENS:0", "EXPERT_OUT:0", "COUNTS:1",
+    assert labels == ["ALL_GATHER", "TOKENS:0", "EXPERT_OUT:0",
                       "TOKENS:1", "EXPERT_OUT:1", "ALL_GATHER", "EXPERT_OUT_GRAD:1",
                       "TOKENS_GRAD:1", "EXPERT_OUT_GRAD:0", "TOKENS_GRAD:0", "REDUCE_SCATTER",
                       "REDUCE_SCATTER", "ALL_GATHER"]
     labels = [p.label() for p in step_phases(1)]
-    assert labels[:5] == ["ALL_GATHER", "COUNTS:0", "TOKENS:0", "DISPATCH_DONE:0",
-                          "EXPERT_OUT:0"]
+    assert labels[:4] == ["ALL_GATHER", "TOKENS:0", "DISPATCH_DONE:0", "EXPERT_OUT:0"]
 
 
 def test_dispatch_done_must_match_the_rows_sent() -> None:
@@ -75,9 +74,11 @@ SECRET = b"moe wire test secret"
 RUN = "moe-wire"
 
 
-def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int,
+def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int = 0,
+                 parts: list[torch.Tensor] | None = None,
                  after: threading.Thread | None = None) -> None:
-    """Host 1 of 2 by hand: a correct handshake, then a TOKENS frame of ``numel``."""
+    """Host 1 of 2 by hand: a correct handshake, then a TOKENS message of ``parts``
+    (default: one frame of ``numel`` zeros)."""
     if after is not None:
         after.join()
     s = dial(addr)
@@ -87,7 +88,7 @@ def hostile_peer(addr: tuple[str, int], *, tag: int, numel: int,
                                                        welcome_from=("expert", 0)),
                                     run_tag=tag, name="hostile", timeout_s=10)
         lk = link.Link.dialed(s, session, peer=0, name="hostile", run_tag=tag)
-        lk.send_message([torch.zeros(numel)], msg_type=MsgType.TOKENS, worker=1,
+        lk.send_message(parts or [torch.zeros(numel)], msg_type=MsgType.TOKENS, worker=1,
                         iteration=0, chunk=0)
         s.recv(1 << 20)  # until host 0 drops us
     except OSError:
@@ -133,3 +134,61 @@ def test_mesh_caps_one_frame() -> None:
         with pytest.raises(FrameError, match="too large"):
             mesh.exchange(MsgType.TOKENS, 0, 0, {1: torch.zeros(3)}, {1: 1 << 20})
     t.join()
+
+
+I32 = torch.int32
+
+
+@pytest.mark.parametrize(("parts", "match"), [
+    ([torch.tensor([0, 9], dtype=I32), torch.zeros(27)],
+     "TOKENS layer 0: count 9 for local expert 1 is outside \\[0, capacity=4\\]"),
+    ([torch.tensor([-1, 2], dtype=I32), torch.zeros(3)], "count -1 for local expert 0"),
+    ([torch.tensor([1, 2], dtype=I32), torch.zeros(12)], "numel: got 12, expected 9"),
+    ([torch.tensor([1, 2], dtype=I32)], "part: 0/1, expected 0/2"),
+    ([torch.tensor([1.0, 2.0]), torch.zeros(9)], "dtype: got FLOAT32, expected INT32"),
+    ([torch.tensor([1, 2, 0], dtype=I32), torch.zeros(9)], "numel: got 3, expected 2"),
+])
+def test_a_malformed_dispatch_message_is_refused(parts: list[torch.Tensor], match: str) -> None:
+    """The dispatch's counts ride with the rows (Mesh.dispatch): a count outside
+    [0, capacity], rows that are not sum(counts) x width, a message without its rows part
+    or with counts of the wrong type or length are refused before the rows are read."""
+    base = free_ports(2)
+    addrs = [("127.0.0.1", base), ("127.0.0.1", base + 1)]
+    t = threading.Thread(target=hostile_peer, args=(addrs[0],),
+                         kwargs=dict(tag=TAG, parts=parts))
+    t.start()
+    with Mesh(0, addrs, TAG, run_id=RUN, keys=file_keys(SECRET, 0, 2),
+              max_payload_bytes=1 << 20, timeout_s=20) as mesh:
+        with pytest.raises(FrameError, match=match):
+            mesh.dispatch(0, 0, {1: (torch.tensor([1, 0], dtype=I32), torch.zeros(3))},
+                          experts=2, capacity=4, width=3, layer=0)
+    t.join()
+
+
+def test_a_dispatch_carries_counts_and_rows_in_one_message() -> None:
+    """Two meshes: each host's counts and rows arrive together, as sent, and the bytes
+    on the wire are two frames per peer (dispatch_bytes)."""
+    from agents.moe.hosts import dispatch_bytes
+
+    base = free_ports(2)
+    addrs = [("127.0.0.1", base), ("127.0.0.1", base + 1)]
+    rows = {0: torch.arange(9.0), 1: torch.arange(30.0, 36.0)}
+    counts = {0: [2, 1], 1: [0, 2]}
+    got: dict[int, object] = {}
+
+    def host(me: int) -> None:
+        with Mesh(me, addrs, TAG, run_id=RUN, keys=file_keys(SECRET, me, 2),
+                  timeout_s=20) as mesh:
+            got[me] = mesh.dispatch(0, 3, {1 - me: (torch.tensor(counts[me], dtype=I32),
+                                                    rows[me])},
+                                    experts=2, capacity=4, width=3, layer=3)
+            got[me + 10] = mesh.sent[1 - me]
+    ts = [threading.Thread(target=host, args=(h,)) for h in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    for me in (0, 1):
+        c, r = got[me][1 - me]  # type: ignore[index]
+        assert c == counts[1 - me] and torch.equal(r, rows[1 - me])
+        assert got[me + 10] == dispatch_bytes([sum(counts[me])], 3, 2)

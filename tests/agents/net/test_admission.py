@@ -82,10 +82,15 @@ def test_guard_admission_fields_are_validated_with_the_field_named() -> None:
 
 # -- a real PS under a flood --------------------------------------------------------------
 
-# More slow connections than the PS once had handshake slots (1024), from two background
-# addresses: without a bound per source they held every slot and the workers were refused.
+# The PS's pool is made small through config (guard.max_handshakes) so that a flood of a
+# few dozen slow connections from two background addresses could fill it: only the bound
+# per source keeps room for the workers (both dial from 127.0.0.1, whose own slot admits
+# one handshake at a time). Ten times the connections would show nothing more, and their
+# reconnect loop takes the CPU the test's workers need.
 FLOOD_SOURCES = ["127.0.0.2", "127.0.0.3"]
-FLOOD_PER_SOURCE = 700
+POOL = 32
+FLOOD_PER_SOURCE = 40
+PER_SOURCE = 8
 ITERATIONS = 10
 
 
@@ -95,9 +100,14 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 @pytest.mark.loopback
 def test_workers_join_and_train_while_two_hosts_flood_the_ps(tmp_path: Path) -> None:
+    assert len(FLOOD_SOURCES) * FLOOD_PER_SOURCE > POOL  # the flood alone could fill it
     run_dir, cfg = make_run_dir(tmp_path, [
         "net.workers=2", "workload.hidden=32", f"run.iterations={ITERATIONS}",
-        "run.eval_every=50", "compress.name=none", "run.seed=3", "run.timeout_s=60"])
+        "run.eval_every=50", "compress.name=none", "run.seed=3", "run.timeout_s=60",
+        f"guard.max_handshakes={POOL}", f"guard.max_handshakes_per_source={PER_SOURCE}",
+        # The flood's admitted connections hold their slots for the whole test, so the
+        # workers cannot slip in when they time out.
+        "guard.handshake_timeout_s=60"])
     ps = start_ps(run_dir, expect=("127.0.0.1",))
     flood = hostile.Flood(cfg.net.port, FLOOD_SOURCES, FLOOD_PER_SOURCE)
     workers = []
@@ -124,8 +134,13 @@ def test_workers_join_and_train_while_two_hosts_flood_the_ps(tmp_path: Path) -> 
     assert sum(e["count"] for e in everyone if e["source"] == "127.0.0.1") == 1, everyone
     refused = [e for e in everyone if e["source"] != "127.0.0.1"]
     assert {e["source"] for e in refused} == set(FLOOD_SOURCES), refused
+    # Each flooding host was held to its PER_SOURCE slots: its first connections, within
+    # its first second, could be refused for nothing else.
+    held = {e["source"] for e in refused
+            if e["reason"] == f"{PER_SOURCE} unauthenticated connections already"}
+    assert held == set(FLOOD_SOURCES), refused
     # Every refused connection is counted, in a few events per source and second.
     total = sum(e["count"] for e in refused)
-    assert total >= len(FLOOD_SOURCES) * FLOOD_PER_SOURCE - 2 * 8, (total, flood.opened)
+    assert total >= len(FLOOD_SOURCES) * (FLOOD_PER_SOURCE - PER_SOURCE), (total, flood.opened)
     wall_s = (steps[-1]["ts_ns"] - refused[0]["ts_ns"]) / 1e9 + 2
     assert len(refused) <= 4 * len(FLOOD_SOURCES) * wall_s, (len(refused), wall_s)

@@ -1,7 +1,8 @@
 """gradbed.ddp inside ``gradbed torchrun`` on real Mininet (root): the adaptive top-k hook
 with one host's uplink at a tenth of the other's finishes (no all_gather with unequal
 shapes, no deadlock) and keeps fewer elements than with equal links; the instrumentation's
-events land in the run directory and in ``trace.json``. Two runs of 2 hosts (a ring's
+events land in the run directory and in ``trace.json``, and its bucket windows give each
+run's ``agent_limited``. Two runs of 2 hosts (a ring's
 ranks agree on the slowest rate whatever their number), no report."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.support.mininet_run import REPO, summary
+from controller.summary import torchrun_agent_limited
+from tests.support.mininet_run import REPO, events, summary
 
 pytestmark = pytest.mark.mininet
 
@@ -61,6 +63,15 @@ def test_adaptive_topk_with_one_slow_uplink_agrees_on_a_smaller_k(tmp_path: Path
         # Every rank used the same keep for every bucket of an iteration.
         assert (late.groupby(["iter", "bucket"])["keep"].nunique() == 1).all(), late
         keeps[name] = float(late["keep"].mean())
+        # The run's regime, over the ranks' bucket windows on the busiest access link of
+        # the class samples: a reading either way (this machine's load decides which),
+        # and the one the definition gives from the run's own files.
+        s = summary(run_dir)
+        want = torchrun_agent_limited(events(run_dir), pd.read_parquet(run_dir / "classes.parquet"),
+                                      len(HOSTS), 0.0)
+        assert s["agent_limited"] is not None, s["agent_limited_why"]
+        assert (s["agent_limited"], s["agent_limited_why"]) == want, (s, want)
+        assert "the ranks' DDP buckets" in s["agent_limited_why"]
     assert keeps["slow"] < 0.5 * keeps["equal"], keeps
     # The events are on the timeline: trace.json has the buckets' intervals.
     trace = json.loads((slow / "trace.json").read_text())
