@@ -115,6 +115,53 @@ def dispatch_table(rows: Iterable[Row], rate_mbps: float) -> list[Row]:
     return out
 
 
+#: The exchanges of token rows besides the dispatch, each one phase on every host: the
+#: combine (the experts' outputs going back) and, in the backward, the gradients of both
+#: (``combine_grad`` back to the experts, ``tokens_grad`` back to the tokens' hosts).
+ROW_EXCHANGES = ("combine", "combine_grad", "tokens_grad")
+
+
+def exchange_windows(rows: Iterable[Row], phase: str) -> list[tuple[int, int, int]]:
+    """``(step, start_ns, end_ns)`` of each (step, layer) ``phase`` exchange that every
+    host ran (hosts: those with any ``moe_phase`` row), from the first host entering it
+    (its rows leave at once) to the last host leaving it: a straggler still computing
+    while the others wait for its rows is the agents' time, as in :func:`dispatch_table`'s
+    window where the counts ride with the tokens; in step order."""
+    hosts: set[str] = set()
+    acc: dict[tuple[int, int], dict[str, tuple[int, int]]] = defaultdict(dict)
+    for r in rows:
+        if r.get("event") != "moe_phase":
+            continue
+        hosts.add(str(r["node"]))
+        if r["phase"] == phase:
+            acc[(int(r["iter"]), int(r["layer"]))][str(r["node"])] = (int(r["start_ns"]),
+                                                                      int(r["end_ns"]))
+    out = []
+    for (it, _layer), spans in sorted(acc.items()):
+        if set(spans) != hosts:
+            continue  # a host's phase is missing (a run cut short)
+        out.append((it, min(s for s, _ in spans.values()), max(e for _, e in spans.values())))
+    return out
+
+
+def transfer_windows(rows: Iterable[Row]) -> list[tuple[int, int, int]]:
+    """``(step, start_ns, end_ns)``: the windows in which an MoE run's token rows cross the
+    mesh, the ones :func:`analysis.metrics.agent_limited_points` judges. Each dispatch, its
+    counts included (:func:`dispatch_table`'s window, that of the dispatch efficiency), and
+    each exchange of :data:`ROW_EXCHANGES` (:func:`exchange_windows`); windows that overlap
+    (a combine that does not wait for the whole dispatch, ``moe.combine_after_dispatch =
+    false``) merged into one (:func:`analysis.metrics.merge_windows`), so no link's bytes
+    count twice. Raises ValueError for a dispatch of no duration."""
+    from analysis.metrics import merge_windows
+
+    rows = list(rows)
+    # The rate scales only the efficiency columns, not the window.
+    spans = [(d["iter"], d["start_ns"], d["end_ns"]) for d in dispatch_table(rows, 1.0)]
+    for phase in ROW_EXCHANGES:
+        spans += exchange_windows(rows, phase)
+    return merge_windows(("mesh", int(it), int(s), int(e)) for it, s, e in spans)
+
+
 def load_class_samples(run_dir: Path) -> Any:
     """The run's HTB class samples (``classes.parquet``; :mod:`agents.core.class_samples`)
     as a DataFrame, or None when the run did not sample them (``topo.class_sample_ms``)."""

@@ -29,7 +29,7 @@ from analysis.metrics import (
     upload_windows,
     workers_lost,
 )
-from analysis.moe import dispatch_table
+from analysis.moe import transfer_windows as moe_transfer_windows
 from analysis.pipeline import pipeline_metrics, transfer_windows
 
 
@@ -70,8 +70,9 @@ def run_agent_limited(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, 
                       classes: pd.DataFrame | None = None) -> tuple[bool | None, str]:
     """:func:`analysis.metrics.agent_limited` over the run's transfer windows: a PS run's
     upload windows after warm-up on its up bottleneck; a pipeline's stage-to-stage
-    messages (:func:`analysis.pipeline.transfer_windows`) and an MoE run's dispatches
-    (:func:`analysis.moe.dispatch_table`), after warm-up, each on the busiest access link of the HTB
+    messages (:func:`analysis.pipeline.transfer_windows`) and an MoE run's exchanges of
+    token rows (:func:`analysis.moe.transfer_windows`: dispatch, combine and their
+    backward), after warm-up, each on the busiest access link of the HTB
     class samples ``classes`` (``classes.parquet``); ``(None, why)`` for a run whose
     windows the samples do not cover."""
     if events.empty:
@@ -105,12 +106,10 @@ def _fabric_agent_limited(events: pd.DataFrame, cfg: dict[str, Any],
     else:
         rows = [{str(k): v for k, v in r.items()}
                 for r in events[events["event"] == "moe_phase"].to_dict("records")]
-        rate_mbps = float(cfg.get("net", {}).get("worker_link_mbps", 0)) or 1.0
         try:
-            windows = [(int(d["iter"]), int(d["start_ns"]), int(d["end_ns"]))
-                       for d in dispatch_table(rows, rate_mbps)]
+            windows = moe_transfer_windows(rows)
         except ValueError as e:  # a dispatch of no duration: a run cut short
-            return None, f"the MoE dispatch windows are unusable: {e}"
+            return None, f"the MoE transfer windows are unusable: {e}"
     windows = [w for w in windows if w[0] >= warmup]
     if not windows:
         return None, f"no {what} transfer windows after warm-up: no step completed"

@@ -25,8 +25,26 @@ that clock: it found the tokens spent. A packet that did not wait left as soon a
 written: the writer (CPU, compression between chunks), TCP's window or the bucket's credit
 set that moment, and it says nothing about the rate.
 
+**Waiting is not enough: the writer must have been ahead.** A packet also waits when the
+qdisc itself runs late (its softirq deferred, a core waking from idle): measured on a quiet
+2-core VM, a single 5 KB write on an idle 100 Mbit/s link waited 15-70 us between the two
+stamps, with the bucket full. Two such waits, on consecutive writes 3 ms apart, read as a
+run of 5 KB in 3 ms: an 11 Mbit/s "link" where a writer slower than its link left it idle
+(tests/topo/test_drain_mininet.py's slow writer read 9-11 Mbit/s so in about half of its
+runs on a quiet machine). The stamps alone
+cannot tell that pair from a real 11 Mbit/s link whose writer kept pace with it: both
+give the same four times. What tells them apart is whether the data waited: on a link
+that set the pace, the bytes after a departing packet were already in the kernel (in the
+qdisc or, held back by TCP Small Queues, in the socket) when it left. So two consecutive
+waited stamps ``x-1, x`` belong to one run only if the write holding byte ``key_{x-1} + 1``
+was begun (:class:`WriteStart`) no later than ``snd_{x-1}``; otherwise the link may have
+idled between them, waiting for the writer, and the run breaks there. A writer exactly
+keeping pace with its link gives no sample that way either, which errs on the side the
+estimate is for (no sample leaves the keep as it is).
+
 Over the longest run of consecutive stamps ``a .. b`` (key order) whose packets all waited,
-the tokens were spent at both ends, and what was paid for between ``snd_a`` and ``snd_b`` is
+with the writer ahead at every step, the tokens were spent at both ends, and what was paid
+for between ``snd_a`` and ``snd_b`` is
 every byte from the start of ``a``'s packet to the start of ``b``'s. A stamped packet holds
 its key and at most ``packet_bytes`` (the sender's GSO packet: segments x MSS), and no
 earlier stamped key. While the shaper holds the flow back, TCP Small Queues keep the writes
@@ -38,7 +56,8 @@ the packet's start is taken as
     start_x = max(key_{x-1}, key_x - packet_bytes) + 1
     queued_departure_rate_bps = 8 x (start_b - start_a) / (snd_b - snd_a)
 
-with ``key_{-1} = first_key - 1`` for the upload's first stamp. Where packets end at their
+with ``key_{-1} = first_key - 1`` for the upload's first stamp (``first_key``: the first
+write's). Where packets end at their
 keys it is exact for writes of one packet each and for writes of one size; each end is
 otherwise off by less than one packet: measured in Mininet, w0's 3.6 KB writes on a
 10 Mbit/s uplink of one-segment packets with a 30 ms RTT read 7 % high over 10 KB runs
@@ -61,6 +80,7 @@ training for nothing.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -88,32 +108,60 @@ class TxStamp:
         return self.snd_ns - self.sched_ns
 
 
-def queued_departure_rate_bps(stamps: Sequence[TxStamp], first_key: int = 0,
+@dataclass(frozen=True)
+class WriteStart:
+    """One write of an upload: ``key`` is the offset of its first byte in the stream (the
+    stamps' key space), ``ts_ns`` when the writer began handing it to the kernel
+    (``CLOCK_REALTIME``, the stamps' clock)."""
+
+    key: int
+    ts_ns: int
+
+
+def _begun_ns(writes: Sequence[WriteStart], keys: Sequence[int], key: int) -> int:
+    """When the write holding byte ``key`` was begun (``keys``: the writes' keys)."""
+    return writes[max(0, bisect_right(keys, key) - 1)].ts_ns
+
+
+def queued_departure_rate_bps(stamps: Sequence[TxStamp], writes: Sequence[WriteStart],
                               wait_min_ns: int = WAIT_MIN_NS,
                               min_span_ns: int = 2_000_000,
                               min_bytes: int = 2 * TCP_MSS_BYTES,
                               packet_bytes: int = TCP_MSS_BYTES) -> float | None:
-    """The shaper's rate over the longest run of consecutive stamps whose packets all
-    waited in it, in bit/s; see the module docstring for the test and the formula.
-    ``first_key`` is the offset of the upload's first byte; ``packet_bytes`` the largest
-    packet the sender hands its qdisc (its GSO segments x MSS). None when no run spans at
-    least ``min_span_ns`` and ``min_bytes``."""
+    """The shaper's rate over the longest run of consecutive stamps whose packets all waited
+    in it while the writer was ahead of them, in bit/s; see the module docstring for the
+    tests and the formula. ``writes`` are the upload's writes in stream order (the first
+    one's key is the upload's first byte); ``packet_bytes`` the largest packet the sender
+    hands its qdisc (its GSO segments x MSS). None when no run spans at least
+    ``min_span_ns`` and ``min_bytes``."""
     if wait_min_ns < 0:
         raise ValueError(f"wait_min_ns={wait_min_ns}: must be >= 0")
     if packet_bytes < 1:
         raise ValueError(f"packet_bytes={packet_bytes}: must be >= 1")
+    keys = [w.key for w in writes]
+    for i in range(1, len(keys)):
+        if keys[i] <= keys[i - 1]:
+            raise ValueError(f"write {i} starts at key {keys[i]}, not after write {i - 1}'s "
+                             f"{keys[i - 1]}: writes must be in stream order")
     ordered = sorted(stamps, key=lambda s: s.key)
-    if ordered and ordered[0].key < first_key:
+    if not ordered:
+        return None
+    if not writes or ordered[0].key < keys[0]:
         raise ValueError(f"stamp key {ordered[0].key} before the upload's first byte "
-                         f"{first_key}")
+                         f"{keys[0] if writes else None}")
     best: tuple[int, int] | None = None  # indices (a, b) of the longest run's ends
     start: int | None = None
     for i, stamp in enumerate(ordered):
         if stamp.wait_ns < wait_min_ns:
             start = None
             continue
-        if start is None or stamp.snd_ns <= ordered[i - 1].snd_ns:
-            start = i  # a new run (a departure out of order cannot be timed against it)
+        prev = ordered[i - 1]
+        if (start is None or stamp.snd_ns <= prev.snd_ns
+                or _begun_ns(writes, keys, prev.key + 1) > prev.snd_ns):
+            # A new run: a departure out of order cannot be timed against the last one,
+            # and where the next bytes were not yet written when the last packet left, the
+            # link may have idled in between (the module docstring).
+            start = i
             continue
         span = stamp.snd_ns - ordered[start].snd_ns
         if best is None or span > ordered[best[1]].snd_ns - ordered[best[0]].snd_ns:
@@ -123,7 +171,7 @@ def queued_departure_rate_bps(stamps: Sequence[TxStamp], first_key: int = 0,
     a, b = best
 
     def packet_start(i: int) -> int:
-        before = ordered[i - 1].key if i > 0 else first_key - 1
+        before = ordered[i - 1].key if i > 0 else keys[0] - 1
         return max(before, ordered[i].key - packet_bytes) + 1
 
     span_ns = ordered[b].snd_ns - ordered[a].snd_ns

@@ -95,13 +95,14 @@ class Upload:
         w = self.w
         assert w.sock is not None and w.session is not None
         s, e = w.chunks[x.chunk]
+        begun_ns = time.time_ns()  # the stamps' clock (agents.net.txstamps)
         n = wire.send_message(w.sock, list(x.staged.host_tensors()),
                               msg_type=codec.MsgType.GRAD, run_tag=w.tag, worker=w.rank,
                               iteration=w.iteration, chunk=x.chunk, mac=w.session.up)
         self.wire_bytes += n
         self.sent_raw_bytes += (e - s) * 4
         if self.stamps is not None:
-            self.stamps.wrote(n)
+            self.stamps.wrote(n, begun_ns)
         w.log.emit("compress_done", iter=w.iteration, key=f"c{x.chunk}", ratio=x.ratio,
                    keep=x.keep, raw_bytes=x.stats.get("raw_bytes", (e - s) * 4),
                    wire_bytes=n, residual_norm=float(x.stats.get("residual_norm", 0.0)),

@@ -320,7 +320,7 @@ class Worker:
         waits until the last write has left the shaper, which the PS's reply needs anyway."""
         assert self.stamps is not None
         stamps = self.stamps.collect()
-        rate_bps = queued_departure_rate_bps(stamps, first_key=self.stamps.upload_from,
+        rate_bps = queued_departure_rate_bps(stamps, self.stamps.writes,
                                              packet_bytes=self.packet_bytes)
         self.log.emit("drain", iter=self.iteration, stamps=len(stamps),
                       waited=sum(1 for x in stamps if x.wait_ns >= WAIT_MIN_NS),

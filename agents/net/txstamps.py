@@ -27,7 +27,7 @@ import socket
 import struct
 import threading
 
-from agents.core.drain import TxStamp
+from agents.core.drain import TxStamp, WriteStart
 
 SO_TIMESTAMPING = 37          # linux/asm-generic/socket.h (SO_TIMESTAMPING_OLD)
 SOF_TIMESTAMPING_TX_SOFTWARE = 1 << 1
@@ -79,8 +79,9 @@ def pair_stamps(raw: list[tuple[int, int, int]]) -> list[TxStamp]:
 
 
 class TxStampReader:
-    """Stamps every write on ``sock`` from now on; the caller reports the bytes it writes
-    (:meth:`wrote`) and, after an upload, :meth:`collect` returns the upload's stamps.
+    """Stamps every write on ``sock`` from now on; the caller reports each write, its bytes
+    and when it began it (:meth:`wrote`), and after an upload :meth:`collect` returns the
+    upload's stamps and :attr:`writes` its writes.
 
     A thread empties the error queue as the stamps arrive: a pending stamp makes ``poll``
     report POLLERR on the socket, so a timed ``send`` waiting for room in a full buffer, or
@@ -94,6 +95,7 @@ class TxStampReader:
         self._errq = socket.socket(fileno=os.dup(sock.fileno()))
         self.written = 0          # bytes written since the option was set (the key space)
         self._upload_from = 0
+        self._writes: list[WriteStart] = []
         self._raw: list[tuple[int, int, int]] = []
         self._cv = threading.Condition()
         self._closed = False
@@ -102,14 +104,25 @@ class TxStampReader:
 
     def start_upload(self) -> None:
         self._upload_from = self.written
+        self._writes = []
 
     @property
     def upload_from(self) -> int:
         """The key (stream offset) of the current upload's first byte."""
         return self._upload_from
 
-    def wrote(self, n_bytes: int) -> None:
+    def wrote(self, n_bytes: int, start_ns: int) -> None:
+        """``n_bytes`` were written in one write that the caller began at ``start_ns``
+        (``time.time_ns()``, the stamps' clock, read before the write: the estimator asks
+        whether these bytes were already waiting when an earlier packet left)."""
+        if n_bytes > 0:
+            self._writes.append(WriteStart(self.written, start_ns))
         self.written += n_bytes
+
+    @property
+    def writes(self) -> list[WriteStart]:
+        """The current upload's writes, in stream order."""
+        return list(self._writes)
 
     def _read(self) -> list[tuple[int, int, int]]:
         out: list[tuple[int, int, int]] = []

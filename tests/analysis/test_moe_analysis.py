@@ -98,3 +98,31 @@ def test_tables() -> None:
     assert dispatch_link_efficiency(1.25e6, 1.0, 10.0) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="not the window"):
         amoe.bytes_between(ts[2:], [0] * 5, d["start_ns"], d["end_ns"])
+
+
+def test_the_transfer_windows_are_every_exchange_of_rows() -> None:
+    def ns(t: float) -> int:
+        return int(t * 1e9)
+    rows = [phase("e0", 1, "dispatch_counts", 1.00, 1.01, 200, 200),
+            phase("e0", 1, "dispatch_tokens", 1.01, 1.10, 9, 9),
+            phase("e1", 1, "dispatch_counts", 1.05, 1.06, 200, 200),
+            phase("e1", 1, "dispatch_tokens", 1.06, 1.15, 9, 9),
+            phase("e0", 1, "expert", 1.15, 1.20, 0, 0),       # compute: not a transfer
+            # The combine, from the first host in (e1, 1.21 s) to the last out (1.40 s).
+            phase("e0", 1, "combine", 1.22, 1.30, 9, 9),
+            phase("e1", 1, "combine", 1.21, 1.40, 9, 9),
+            phase("e0", 1, "combine_grad", 2.00, 2.10, 9, 9),
+            phase("e1", 1, "combine_grad", 2.05, 2.12, 9, 9),
+            phase("e0", 1, "tokens_grad", 2.50, 2.60, 9, 9),
+            phase("e1", 1, "tokens_grad", 2.50, 2.55, 9, 9),
+            phase("e0", 2, "combine", 3.0, 3.1, 9, 9)]            # e1's is missing
+    assert amoe.exchange_windows(rows, "combine") == [(1, ns(1.21), ns(1.40))]
+    assert amoe.transfer_windows(rows) == [
+        (1, ns(1.05), ns(1.15)), (1, ns(1.21), ns(1.40)), (1, ns(2.00), ns(2.12)),
+        (1, ns(2.50), ns(2.60))]
+    # A combine that does not wait for the whole dispatch overlaps it: one window, so
+    # the link's bytes in the overlap count once.
+    early = [r for r in rows if r["phase"] != "combine"]
+    early += [phase("e0", 1, "combine", 1.11, 1.30, 9, 9),
+              phase("e1", 1, "combine", 1.12, 1.40, 9, 9)]
+    assert amoe.transfer_windows(early)[0] == (1, ns(1.05), ns(1.40))

@@ -233,6 +233,42 @@ def test_unreadable_class_samples_leave_the_summary_to_say_unknown(tmp_path) -> 
     assert got is not None and len(got) == 802
 
 
+def test_an_moe_runs_combine_is_judged_beside_its_dispatch() -> None:
+    """Two hosts' dispatch from 0.5 s to 1.0 s keeps gbh0.up 0.97 busy; their combine from
+    1.1 s to 1.6 s (after the experts ran) sends the outputs back on gbh1.up, which it keeps
+    only 0.31 busy with no queue: over both windows the links were busy 0.64,
+    agent-limited, where the dispatch alone reads network-limited."""
+    cfg = {"net": {"workers": 2, "worker_link_mbps": 100.0}, "run": {"warmup_iterations": 0},
+           "topo": {"role": "expert"}}
+    rows = []
+    for h in ("e0", "e1"):
+        for phase, s, e in (("dispatch_counts", S // 2, 6 * S // 10),
+                            ("dispatch_tokens", 6 * S // 10, S),
+                            ("combine", 11 * S // 10, 16 * S // 10)):
+            rows.append({"event": "moe_phase", "node": h, "iter": 0, "ts_ns": e, "layer": 0,
+                         "phase": phase, "start_ns": s, "end_ns": e, "dur_s": (e - s) / S,
+                         "bytes_up": 1000, "bytes_down": 1000, "payload_up": 900,
+                         "payload_down": 900})
+    ev = pd.DataFrame(rows)
+
+    def on_s(t: int, a: float, b: float) -> float:
+        return min(max(t / S - a, 0.0), b - a)
+
+    classes = pd.DataFrame(
+        [{"ts_ns": t, "point": p, "dev": p.replace(".up", "-eth0"),
+          "sent_bytes": int(f(t) * 100e6 / 8), "backlog_bytes": 0, "rate_mbps": 100.0}
+         for t in range(0, 2 * S + 1, 5_000_000)
+         for p, f in (("gbh0.up", lambda t: 0.97 * on_s(t, 0.5, 1.0)),
+                      ("gbh1.up", lambda t: 0.31 * on_s(t, 1.1, 1.6)))])
+    links = pd.DataFrame(columns=["ts_ns", "direction", "sent_bytes", "rate_mbps"])
+    s = summarize(ev, links, cfg, 2.0, False, "done", classes)
+    assert s["agent_limited"] is True, s["agent_limited_why"]
+    assert "gbh0.up, gbh1.up" in s["agent_limited_why"] and "0.64" in s["agent_limited_why"]
+    dispatch_only = ev[ev["phase"] != "combine"]
+    s = summarize(dispatch_only, links, cfg, 2.0, False, "done", classes)
+    assert s["agent_limited"] is False and "0.97" in s["agent_limited_why"]
+
+
 def _ddp_buckets(world: int = 2) -> pd.DataFrame:
     """An instrumented torchrun run's buckets (gradbed.ddp.instrument): on each of two
     ranks, two all_reduce buckets back to back, launched at 0.5 s and 1.0 s after 10 ms of

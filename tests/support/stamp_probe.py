@@ -43,10 +43,11 @@ def probe(host: str, port: int, uploads: int, chunks: int, chunk_bytes: int,
             for c in range(chunks):
                 if c:
                     time.sleep(gap_ms / 1000)
+                begun_ns = time.time_ns()
                 s.sendall(payload)
-                reader.wrote(chunk_bytes)
+                reader.wrote(chunk_bytes, begun_ns)
             stamps = reader.collect()
-            rates.append(queued_departure_rate_bps(stamps, first_key=reader.upload_from,
+            rates.append(queued_departure_rate_bps(stamps, reader.writes,
                                                    packet_bytes=packet_bytes))
             counts.append(len(stamps))
         reader.close()

@@ -12,7 +12,9 @@ w0's uplink is the HTB on its own interface, as in every gradbed run. Through it
   an idle gap before an unstamped one reads low; and on a busy CPU a packet can wait for
   the qdisc to run while the bucket still holds credit (125 KB at this rate), which reads
   high. Above the plan a sample counts as the plan, so neither cuts the worker;
-- a writer slower than its 100 Mbit/s link (5 KB every 3 ms) gives no sample at all.
+- a writer slower than its 100 Mbit/s link (5 KB every 3 ms) gives no sample at all: on a
+  quiet machine two of its packets can each wait 50 us on the qdisc's own delay, but the
+  next write was never begun before the last packet left (agents.core.drain).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,9 +47,15 @@ def uploads(net: StarNetwork, n: int, chunks: int, chunk_bytes: int,
                               str(PORT)], cwd=REPO, env=env)
     try:
         assert net.wait_listening("ps", PORT)
-        out = net.run("w0", [py, str(REPO / "tests" / "support" / "stamp_probe.py"), "probe",
-                             net.ip("ps"), str(PORT), str(n), str(chunks), str(chunk_bytes),
-                             str(gap_ms), str(packet_bytes)], timeout_s=60).stdout
+        try:
+            # net.run passes no environment of ours: name this checkout, as for the server.
+            out = net.run("w0", ["env", f"PYTHONPATH={REPO}", py,
+                                 str(REPO / "tests" / "support" / "stamp_probe.py"),
+                                 "probe", net.ip("ps"), str(PORT), str(n), str(chunks),
+                                 str(chunk_bytes), str(gap_ms), str(packet_bytes)],
+                          timeout_s=60).stdout
+        except subprocess.CalledProcessError as e:
+            pytest.fail(f"the probe exited {e.returncode}: {e.stderr[-3000:]}")
         server.wait(timeout=10)
     finally:
         if server.poll() is None:

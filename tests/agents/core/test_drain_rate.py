@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from agents.core import config as cfgmod
-from agents.core.drain import TxStamp, conservative_rate_bps, queued_departure_rate_bps
+from agents.core.drain import (
+    TxStamp,
+    WriteStart,
+    conservative_rate_bps,
+    queued_departure_rate_bps,
+)
 from agents.core.ethernet import TCP_MSS_BYTES
 from agents.core.policies import AdaptiveRatio
 from analysis.load import load_events
@@ -80,39 +85,52 @@ def htb(writes: list[tuple[int, int]], rate_bps: float, burst_bytes: int,
     return htb_tsq(writes, rate_bps, burst_bytes, max_pkt_bytes, in_qdisc=sys.maxsize)
 
 
-def timed(stamps: list[TxStamp], **kw: int) -> float | None:
-    """The drain rate of stamps from the models here, whose packets hold at most
-    ``GSO_PKT_BYTES`` unless the test says otherwise."""
+def starts(writes: list[tuple[int, int]], first_key: int = 0) -> list[WriteStart]:
+    """The :class:`WriteStart` of each of ``writes`` ((ts_ns, bytes), as the models take
+    them), the first byte at ``first_key``."""
+    out, key = [], first_key
+    for ts_ns, size in writes:
+        out.append(WriteStart(key, ts_ns))
+        key += size
+    return out
+
+
+def timed(stamps: list[TxStamp], writes: list[tuple[int, int]], **kw: int) -> float | None:
+    """The drain rate of stamps from the models here for their ``writes``, whose packets
+    hold at most ``GSO_PKT_BYTES`` unless the test says otherwise."""
     kw.setdefault("packet_bytes", GSO_PKT_BYTES)
-    return queued_departure_rate_bps(stamps, **kw)
+    return queued_departure_rate_bps(stamps, starts(writes), **kw)
 
 
 def test_a_queued_upload_reads_its_link_rate() -> None:
     # w0's case: 38 KB written in 11 chunks within 9 ms onto a 10 Mbit/s link whose 10 ms
     # bucket (12.5 KB) lets the first bytes through at once.
-    slow = htb([(k * 900_000, 3_500) for k in range(11)], 10e6, 12_500)
-    assert timed(slow) == pytest.approx(10e6, rel=0.02)
+    writes = [(k * 900_000, 3_500) for k in range(11)]
+    assert timed(htb(writes, 10e6, 12_500), writes) == pytest.approx(10e6, rel=0.02)
     # A dense 340 KB written in 14 ms onto 100 Mbit/s (a 125 KB bucket) reads 100 Mbit/s.
-    fast = htb([(k * 1_300_000, 31_000) for k in range(11)], 100e6, 125_000)
-    assert timed(fast) == pytest.approx(100e6, rel=0.05)
+    writes = [(k * 1_300_000, 31_000) for k in range(11)]
+    assert timed(htb(writes, 100e6, 125_000), writes) == pytest.approx(100e6, rel=0.05)
 
 
 def test_a_slow_writer_gives_no_sample() -> None:
     # A 100 Mbit/s link fed by a writer that compresses 3 ms per 5 KB chunk (13 Mbit/s):
     # no packet waits, so nothing about the link is known (and the worker is not cut).
-    stamps = htb([(k * 3 * MS, 5_000) for k in range(11)], 100e6, 125_000)
+    writes = [(k * 3 * MS, 5_000) for k in range(11)]
+    stamps = htb(writes, 100e6, 125_000)
     assert all(s.wait_ns == 0 for s in stamps)
-    assert timed(stamps) is None
+    assert timed(stamps, writes) is None
 
 
 def test_the_buckets_credit_is_not_timed() -> None:
     # 10 KB on a 10 Mbit/s link with a 12.5 KB bucket leave at once: no rate in that.
-    assert timed(htb([(0, 5_000), (10_000, 5_000)], 10e6, 12_500)) is None
+    writes = [(0, 5_000), (10_000, 5_000)]
+    assert timed(htb(writes, 10e6, 12_500), writes) is None
     # Timing from the credit's last packet would read several times the link's rate.
-    stamps = htb([(k * 100_000, 3_000) for k in range(12)], 10e6, 12_500)
+    writes = [(k * 100_000, 3_000) for k in range(12)]
+    stamps = htb(writes, 10e6, 12_500)
     naive = 8e9 * (stamps[-1].key - stamps[0].key) / (stamps[-1].snd_ns - stamps[0].snd_ns)
     assert naive > 1.3 * 10e6
-    assert timed(stamps) == pytest.approx(10e6, rel=0.02)
+    assert timed(stamps, writes) == pytest.approx(10e6, rel=0.02)
 
 
 def test_a_writer_stall_breaks_the_run_and_the_rate_holds() -> None:
@@ -122,7 +140,31 @@ def test_a_writer_stall_breaks_the_run_and_the_rate_holds() -> None:
     writes += [(22 * MS + k * 300_000, 3_000) for k in range(8)]
     stamps = htb(writes, 8e6, 10_000)
     assert any(s.wait_ns == 0 for s in stamps[9:])          # the refilled bucket's credit
-    assert timed(stamps) == pytest.approx(8e6, rel=0.02)
+    assert timed(stamps, writes) == pytest.approx(8e6, rel=0.02)
+
+
+US = 1_000
+
+
+def test_a_writer_behind_its_link_is_not_timed_from_the_qdiscs_own_delay() -> None:
+    # Recorded in Mininet on a quiet machine (load 0.3): 11 writes of 5 KB every 3-8 ms onto
+    # a 100 Mbit/s uplink with its 125 KB bucket full (8-segment packets, one a write).
+    # No packet waited for tokens, but the qdisc ran 15-71 us late after each sched stamp
+    # (times in us from the first): stamps 6 and 7 waited 47 and 71 us, 5.3 ms apart.
+    writes = [-57, 4349, 7851, 11082, 20367, 23685, 27256, 32490, 36438, 44032, 52425]
+    sched_snd = [(0, 35), (4389, 4418), (7890, 7912), (11114, 11135), (20423, 20464),
+                 (23731, 23764), (27333, 27380), (32636, 32707), (36502, 36541),
+                 (44089, 44124), (52517, 52580)]
+    stamps = [TxStamp(5_000 * (k + 1) - 1, a * US, b * US) for k, (a, b) in enumerate(sched_snd)]
+    upload = [(t * US, 5_000) for t in writes]
+    # With the threshold under those two waits (45 us), the pair reads as a run of 5 KB in
+    # 5.3 ms: a 7.5 Mbit/s "link", as the slow writer of tests/topo/test_drain_mininet.py
+    # read 9-11 Mbit/s. Write 7 was begun 5.2 ms after stamp 6 left: the link had idled.
+    assert upload[7][0] > stamps[6].snd_ns
+    ahead = [(-10**18, size) for _, size in upload]   # the old estimator: no write times
+    assert timed(stamps, ahead, wait_min_ns=45 * US) == pytest.approx(7.5e6, rel=0.02)
+    assert timed(stamps, upload, wait_min_ns=45 * US) is None
+    assert timed(stamps, upload) is None
 
 
 def random_writes(rng: random.Random, same_size: bool) -> list[tuple[int, int]]:
@@ -142,7 +184,7 @@ def test_exact_on_random_uploads(same_size: bool) -> None:
     for _ in range(300):
         rate = rng.choice([5e6, 10e6, 50e6, 100e6])
         writes = random_writes(rng, same_size)
-        got = timed(htb(writes, rate, int(rate / 8e3 * 10)))
+        got = timed(htb(writes, rate, int(rate / 8e3 * 10)), writes)
         assert got is None or got == pytest.approx(rate, rel=0.01), (rate, got, writes)
         n_timed += got is not None
     assert n_timed > 60
@@ -151,10 +193,19 @@ def test_exact_on_random_uploads(same_size: bool) -> None:
 def test_the_keys_own_packet_would_read_too_high() -> None:
     # Timed end key to end key, a short run whose last packet is the bigger one reads 50 %
     # high (5 Mbit/s read as 7.5): the last packet is paid for only after it left.
-    stamps = htb([(174_690, 9_570), (3_079_770, 3_294), (6_003_232, 4_945)], 5e6, 6_250)
+    writes = [(174_690, 9_570), (3_079_770, 3_294), (5_003_232, 4_945)]
+    stamps = htb(writes, 5e6, 6_250)
     a, b = stamps[1], stamps[2]
     assert 8e9 * (b.key - a.key) / (b.snd_ns - a.snd_ns) > 7e6
-    assert timed(stamps) == pytest.approx(5e6, rel=0.01)
+    assert timed(stamps, writes) == pytest.approx(5e6, rel=0.01)
+    # The third write begun after the second's packet left (5.5 ms): both packets still
+    # waited, and this link never idled, but a link that did (the writer behind it) would
+    # leave the same stamps, so the pair is not timed.
+    assert writes[2][0] < a.snd_ns
+    late = writes[:2] + [(a.snd_ns + 500_000, 4_945)]
+    stamps = htb(late, 5e6, 6_250)
+    assert stamps[1].wait_ns > MS and stamps[2].wait_ns > MS
+    assert timed(stamps, late) is None
 
 
 def test_a_merged_upload_on_a_traced_uplink_reads_its_link() -> None:
@@ -164,7 +215,7 @@ def test_a_merged_upload_on_a_traced_uplink_reads_its_link() -> None:
     writes = [(k * 300_000, 3_624) for k in range(11)]
     stamps = htb_tsq(writes, 10e6, 12_500, TCP_MSS_BYTES)
     assert len(stamps) == len(writes)
-    assert timed(stamps, packet_bytes=TCP_MSS_BYTES) == pytest.approx(10e6, rel=0.01)
+    assert timed(stamps, writes, packet_bytes=TCP_MSS_BYTES) == pytest.approx(10e6, rel=0.01)
 
 
 def merged_errors(segs: int, packet_bytes: int) -> list[float]:
@@ -177,7 +228,7 @@ def merged_errors(segs: int, packet_bytes: int) -> list[float]:
         rate = rng.choice([5e6, 10e6, 20e6, 100e6])
         writes = random_writes(rng, same_size=False)
         got = timed(htb_tsq(writes, rate, int(rate / 8e3 * 10), segs * TCP_MSS_BYTES),
-                    packet_bytes=packet_bytes)
+                    writes, packet_bytes=packet_bytes)
         if got is not None:
             errors.append(got / rate - 1)
     return errors
@@ -203,15 +254,24 @@ def test_random_merged_uploads_read_their_link(segs: int) -> None:
 
 
 def test_too_little_to_time_gives_nothing() -> None:
-    assert timed([]) is None
+    writes = [(0, 1_001), (0, 1_000)]
+    assert timed([], writes) is None
     one = [TxStamp(1_000, 0, 5 * MS)]
-    assert timed(one) is None
+    assert timed(one, writes) is None
     short = [TxStamp(1_000, 0, 1 * MS), TxStamp(2_000, 0, 2 * MS)]   # 1 ms, 1 KB
-    assert timed(short) is None
+    assert timed(short, writes) is None
+
+
+def test_bad_input_is_refused_naming_what() -> None:
+    one = [TxStamp(1_000, 0, 5 * MS)]
     with pytest.raises(ValueError, match="wait_min_ns"):
-        timed(one, wait_min_ns=-1)
-    with pytest.raises(ValueError, match="first byte"):
-        timed(one, first_key=2_000)
+        timed(one, [(0, 1_001)], wait_min_ns=-1)
+    with pytest.raises(ValueError, match="first byte 2000"):
+        queued_departure_rate_bps(one, [WriteStart(2_000, 0)])
+    with pytest.raises(ValueError, match="first byte None"):
+        queued_departure_rate_bps(one, [])
+    with pytest.raises(ValueError, match="write 1 starts at key 0"):
+        queued_departure_rate_bps(one, [WriteStart(0, 0), WriteStart(0, 1)])
 
 
 def test_the_conservative_rate_is_the_window_minimum_unless_at_plan() -> None:

@@ -14,6 +14,7 @@ import pytest
 from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
+from analysis.metrics import agent_limited_points, busiest_point_windows
 from tests.support.mininet_run import REPO, gradbed_run, leftovers, summary
 from topo.qdisc import htb_burst_bytes
 
@@ -53,4 +54,15 @@ def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
     run_summary = summary(run_dir)
     assert isinstance(run_summary["agent_limited"], bool), run_summary["agent_limited_why"]
     assert re.search(r"gbh\d\.(up|down).* busy \d\.\d\d", run_summary["agent_limited_why"]), run_summary
+    # The verdict pools every exchange of rows, each on its busiest link: the combine of
+    # every step (moe.toml: one layer, no warm-up) lies in a window of its own or in one
+    # merged with an exchange it overlaps (the backward's, begun by an early host).
+    windows = amoe.transfer_windows(rows)
+    combine = amoe.exchange_windows(rows, "combine")
+    assert len(combine) == ITERATIONS, combine
+    assert all(any(s <= cs and ce <= e for _, s, e in windows) for _, cs, ce in combine), (
+        combine, windows)
+    samples = amoe.load_class_samples(run_dir).rename(columns={"point": "direction"})
+    assert run_summary["agent_limited_why"] == agent_limited_points(
+        samples, busiest_point_windows(samples, windows))[1]
     assert not leftovers()

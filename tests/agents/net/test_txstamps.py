@@ -57,6 +57,13 @@ def _upload(up: socket.socket, writes: int, size: int = 1000) -> int:
     return writes * size
 
 
+def _write(reader: TxStampReader, up: socket.socket, writes: int, size: int = 1000) -> None:
+    """``_upload`` through ``reader``: each write reported with the time it was begun."""
+    for _ in range(writes):
+        begun_ns = time.time_ns()
+        reader.wrote(_upload(up, 1, size), begun_ns)
+
+
 def _reply_after(peer: socket.socket, n_bytes: int, delay_s: float) -> threading.Thread:
     """The peer reads the upload, waits ``delay_s`` and answers one byte."""
     def serve() -> None:
@@ -113,7 +120,7 @@ def test_the_reader_works_on_a_socket_with_kernel_timeouts(
     reader = TxStampReader(up)
     try:
         reader.start_upload()
-        reader.wrote(_upload(up, 5))
+        _write(reader, up, 5)
         assert [s.key for s in reader.collect(limit_s=2.0)][-1] == 4999
         server = _reply_after(peer, 5000, WAIT_S)
         _cpu_s, wall_s = _cpu_of_timed_recv(up)
@@ -128,7 +135,7 @@ def test_the_reader_keeps_a_timed_recv_asleep_and_collects_each_upload(
     reader, up, peer = stamped
     reader.start_upload()
     for _ in range(20):
-        reader.wrote(_upload(up, 1))
+        _write(reader, up, 1)
     stamps = reader.collect(limit_s=2.0)
     # A pair per packet, keyed by the last byte of a write (writes TCP merged into one
     # packet share the later key), in key order, ending with the upload's last byte.
@@ -139,7 +146,7 @@ def test_the_reader_keeps_a_timed_recv_asleep_and_collects_each_upload(
     # The next upload's stamps arrive while the main thread waits for the reply.
     reader.start_upload()
     for _ in range(20):
-        reader.wrote(_upload(up, 1))
+        _write(reader, up, 1)
     server = _reply_after(peer, 40 * 1000, WAIT_S)
     cpu_s, wall_s = _cpu_of_timed_recv(up)
     server.join()
@@ -153,12 +160,18 @@ def test_collect_waits_for_the_last_departure_and_forgets_what_it_returned(
         stamped: tuple[TxStampReader, socket.socket, socket.socket]) -> None:
     reader, up, _peer = stamped
     reader.start_upload()
-    reader.wrote(_upload(up, 1, 5000))
+    t0 = time.time_ns()
+    _write(reader, up, 1, 5000)
     first = reader.collect(limit_s=2.0)
     assert first and first[-1].key == 4999
     assert reader.collect(limit_s=0.05) == []  # nothing new: returned once, then forgotten
+    assert [w.key for w in reader.writes] == [0]
+    assert t0 <= reader.writes[0].ts_ns <= first[-1].sched_ns  # begun before it left
     reader.start_upload()
-    assert reader.upload_from == 5000
+    assert reader.upload_from == 5000 and reader.writes == []
+    _write(reader, up, 2, 700)
+    reader.wrote(0, time.time_ns())  # an empty write holds no byte: not a write
+    assert [w.key for w in reader.writes] == [5000, 5700]
 
 
 def test_close_stops_the_thread_and_a_closed_reader_does_not_wait(
@@ -169,7 +182,7 @@ def test_close_stops_the_thread_and_a_closed_reader_does_not_wait(
     reader.close()
     assert not thread.is_alive()
     reader.start_upload()
-    reader.wrote(_upload(up, 1))
+    _write(reader, up, 1)
     t0 = time.monotonic()
     assert reader.collect(limit_s=5.0) == []  # the thread is gone: no stamp will come
     assert time.monotonic() - t0 < 1.0
@@ -182,7 +195,7 @@ def test_keys_count_the_bytes_written_since_the_option_was_set(
     reader = TxStampReader(up)
     try:
         reader.start_upload()
-        reader.wrote(_upload(up, 1, 300))
+        _write(reader, up, 1, 300)
         stamps = reader.collect(limit_s=2.0)
         assert [s.key for s in stamps] == [299]
     finally:
@@ -199,9 +212,10 @@ def test_a_chunks_frames_leave_in_one_write(
     values, indices = torch.zeros(25_000), torch.zeros(25_000, dtype=torch.int32)
     server = _reply_after(peer, 2 * 100_000, 0.0)
     reader.start_upload()
+    begun_ns = time.time_ns()
     n = wire.send_message(up, [values, indices], msg_type=MsgType.GRAD, run_tag=1,
                           worker=0, iteration=0, chunk=0)
-    reader.wrote(n)
+    reader.wrote(n, begun_ns)
     assert n > 200_000
     assert [s.key for s in reader.collect(limit_s=2.0)] == [n - 1]
     server.join()
