@@ -23,7 +23,6 @@ def mininet_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _streams(items)
     reason = mininet_unavailable_reason()
     if reason is None:
         return
@@ -31,21 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "mininet" in item.keywords:
             item.add_marker(skip)
-
-
-def _streams(items: list[pytest.Item]) -> None:
-    """Which stream each test runs in when pytest-xdist runs the suite on two workers
-    (``-n 2 --dist loadgroup``, scripts/test.sh). Every test that builds a network or takes
-    the machine-wide network lock (``mininet``, ``netlock``) runs in one stream, in file
-    order, so the session's shared runs are made once and no two networks wait on each
-    other; the rest run beside it a file at a time, so a module's fixtures are made once.
-    Without xdist the marks change nothing."""
-    for item in items:
-        if "mininet" in item.keywords or "netlock" in item.keywords:
-            group = "network"
-        else:
-            group = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
