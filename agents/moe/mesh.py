@@ -26,8 +26,9 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
@@ -64,6 +65,7 @@ def file_keys(secret: bytes, host: int, hosts: int) -> dict[int, bytes]:
 #: pool thread that must then wake it. On 2 loaded cores each such hand-off waits for a
 #: core, and the counts phase is pure latency (docs/moe.md: it was ~10 % of a dispatch).
 INLINE_MAX_BYTES = 4096
+R = TypeVar("R")
 
 
 class Mesh:
@@ -264,10 +266,19 @@ class Mesh:
             return self.collect(kind, iteration, chunk, recv_numel, dtype)
         expects = {j: Expect(kind, iteration, chunk, j, dtype, recv_numel[j])
                    for j in self.peers}
+        return self._both_ways(
+            lambda j: self._send(j, [sends[j]], kind, iteration, chunk),
+            lambda j: self._recv(j, expects[j]))
+
+    def _both_ways(self, send: Callable[[int], object], recv: Callable[[int], R]
+                   ) -> dict[int, R]:
+        """``send(j)`` and ``recv(j)`` for every peer j at once on the pool (each socket
+        direction its own thread, so no two hosts wait on each other's reads); returns
+        what ``recv`` gave by peer. Any failure aborts the mesh."""
+        assert self._pool is not None
         try:
-            futs_send = [self._pool.submit(self._send, j, [sends[j]], kind, iteration, chunk)
-                         for j in self.peers]
-            futs_recv = {j: self._pool.submit(self._recv, j, expects[j]) for j in self.peers}
+            futs_send = [self._pool.submit(send, j) for j in self.peers]
+            futs_recv = {j: self._pool.submit(recv, j) for j in self.peers}
             out = {j: f.result() for j, f in futs_recv.items()}
             for f in futs_send:
                 f.result()
@@ -307,22 +318,17 @@ class Mesh:
             return self._recv_counted(j, iteration, chunk, experts, capacity, width, layer)
 
         most_bytes = 4 * experts * (1 + capacity * width)  # the most a peer may send
-        try:
-            if (max(4 * (c.numel() + r.numel()) for c, r in sends.values()) <= INLINE_MAX_BYTES
-                    and most_bytes <= INLINE_MAX_BYTES):
+        if (max(4 * (c.numel() + r.numel()) for c, r in sends.values()) <= INLINE_MAX_BYTES
+                and most_bytes <= INLINE_MAX_BYTES):
+            try:
                 for j in self.peers:  # small frames: see exchange()
                     self._send(j, sends[j], MsgType.TOKENS, iteration, chunk)
                 return {j: recv(j) for j in self.peers}
-            futs_send = [self._pool.submit(self._send, j, sends[j], MsgType.TOKENS, iteration,
-                                           chunk) for j in self.peers]
-            futs_recv = {j: self._pool.submit(recv, j) for j in self.peers}
-            out = {j: f.result() for j, f in futs_recv.items()}
-            for f in futs_send:
-                f.result()
-        except BaseException:
-            self._abort()
-            raise
-        return out
+            except BaseException:
+                self._abort()
+                raise
+        return self._both_ways(
+            lambda j: self._send(j, sends[j], MsgType.TOKENS, iteration, chunk), recv)
 
     def _recv_counted(self, j: int, iteration: int, chunk: int, experts: int, capacity: int,
                       width: int, layer: int) -> tuple[list[int], torch.Tensor]:
