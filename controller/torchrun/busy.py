@@ -10,8 +10,8 @@ blocked before ``init_process_group`` uses none: its host stalls after ``stall_s
 torchrun's agent alone, polling its ranks, uses about 0.3 % of a core, far below
 :data:`BUSY_CPU_FRACTION`.
 
-:class:`BusyClock` is pure (readings in, the last busy time out); :func:`tree_cpu_s`
-reads ``/proc``.
+:class:`BusyClock` is pure (readings in, the last busy time out); :func:`tree_cpu_s` and
+:func:`descendants` read ``/proc``, one pass each.
 """
 
 from __future__ import annotations
@@ -59,33 +59,53 @@ class BusyClock:
         return self.last_busy_ns.get(host, 0)
 
 
-def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
-    """Per name, the CPU seconds (user + system) used so far by the process ``roots[name]``
-    and every process below it, from one pass over ``/proc`` (a process that exits
-    between the pass and its read is left out)."""
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """Every process's (parent pid, CPU seconds used so far: user + system), from one pass
+    over ``/proc`` (a process that exits between the pass and its read is left out)."""
     tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+    table: dict[int, tuple[int, float]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            # After the command: state, ppid, ..., utime (field 14) and stime (15), 1-based.
+            table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, IndexError, ValueError):
             continue
-        # After the command: state, ppid, ..., utime (field 14) and stime (15), 1-based.
-        parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    return table
+
+
+def _children(table: dict[int, tuple[int, float]]) -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
+    for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from /proc's parent links."""
+    children = _children(_proc_table())
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        q = todo.pop(0)
+        out.append(q)
+        todo += children.get(q, [])
+    return out
+
+
+def tree_cpu_s(roots: dict[str, int]) -> dict[str, float]:
+    """Per name, the CPU seconds (user + system) used so far by the process ``roots[name]``
+    and every process below it, from one pass over ``/proc``."""
+    table = _proc_table()
+    children = _children(table)
     out: dict[str, float] = {}
     for name, root in roots.items():
         total, todo = 0.0, [root]
         while todo:
             pid = todo.pop()
-            total += cpu.get(pid, 0.0)
+            total += table[pid][1] if pid in table else 0.0
             todo += children.get(pid, [])
         out[name] = total
     return out

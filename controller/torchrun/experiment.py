@@ -48,7 +48,7 @@ from controller.roles.torchrun import (
 from controller.run import Experiment
 from controller.runner import RoleRunner
 from controller.torchrun import proof
-from controller.torchrun.busy import BusyClock, tree_cpu_s
+from controller.torchrun.busy import BusyClock, descendants, tree_cpu_s
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
 from topo.build import Network
 from topo.shapes import shape_spec
@@ -369,26 +369,6 @@ class TorchrunExperiment(Experiment):
         rundir.write_json(run_dir / "meta.json", meta_now)
         if self.report:
             self._write_report(run_dir)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        q = todo.pop(0)
-        out.append(q)
-        todo += children.get(q, [])
-    return out
 
 
 def _alive(pid: int) -> bool:
