@@ -4,8 +4,8 @@ the kernel's transmit stamps (agents/net/txstamps.py, agents/core/drain.py).
 w0's uplink is the HTB on its own interface, as in every gradbed run. Through it:
 
 - w0's compressed case (11 writes of 3.5 KB, 0.9 ms apart, onto 10 Mbit/s with the default
-  10 ms bucket) reads the link's TCP payload rate within 5 % in most uploads, and never
-  more than 5 % above it;
+  10 ms bucket) reads the link's TCP payload rate within 5 % in most uploads, and at most
+  one reads more than 5 % above it;
 - a dense 340 KB in 32 KB writes onto 100 Mbit/s: its median stays inside the band the
   policy counts as the plan (eps = 0.2). Single uploads there read 78-101 Mbit/s of a
   95.6 Mbit/s payload rate: a write spans three packets and only its last is stamped, so
@@ -74,7 +74,9 @@ def test_the_kernels_stamps_read_the_workers_own_uplink() -> None:
         timed = [r for r in slow["rates_bps"] if r is not None]
         assert len(timed) >= 6, slow
         assert statistics.median(timed) == pytest.approx(payload_bps, rel=0.05), slow
-        assert max(timed) <= 1.05 * payload_bps, slow
+        # On a busy CPU the qdisc can run late and send a held packet at once (the
+        # docstring): one upload of the eight may read high (CI: 12.3 Mbit/s once).
+        assert sum(r > 1.05 * payload_bps for r in timed) <= 1, slow
 
         net.set_point_rate("w0.up", 100)
         dense = uploads(net, 5, 11, 32_768, 0.0)
@@ -110,5 +112,6 @@ def test_a_traced_uplink_with_a_real_rtt_is_read_on_most_uploads() -> None:
     timed = [r for r in got["rates_bps"][2:] if r is not None]  # after slow start
     assert len(timed) >= 8, got
     assert statistics.median(timed) == pytest.approx(payload_bps, rel=0.1), got
-    assert min(timed) >= 0.8 * payload_bps and max(timed) <= 1.15 * payload_bps, got
+    # One upload of the ten may read outside the band on a busy CPU (CI: 11.8 Mbit/s once).
+    assert sum(not 0.8 * payload_bps <= r <= 1.15 * payload_bps for r in timed) <= 1, got
     assert_nothing_left()
