@@ -131,3 +131,42 @@ def test_a_hung_expert_host_is_declared_lost_and_ends_the_run_with_status_4(
                                               "0")
     assert lost[0]["host"] == "gbh0" and "no heartbeat" in lost[0]["reason"], lost
     assert (lost[0]["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
+
+
+# A trace whose up bottleneck goes dark (0 Mbit/s) for longer than run.stall_timeout_s
+# plus a heartbeat, the issue's 30 s cellular outage scaled down with the liveness
+# deadline (3 s, its least; the rule is the same: silence on the control channel).
+# Training starts within 0.4 s of the trace (measured at load 5): 2 s of it, the dark,
+# then the rest. A heartbeat on the data path would be 4 s silent, over the 3 s deadline.
+DARK_AT_S, DARK_S, DARK_STALL_S = 2.0, 4.0, 3
+
+
+def test_a_dark_stretch_of_a_trace_drops_nobody(tmp_path: Path) -> None:
+    from traces.generate import steps, write_rate_log
+
+    trace = tmp_path / "dark.log"
+    write_rate_log(steps([(0.0, 50.0), (DARK_AT_S, 0.0), (DARK_AT_S + DARK_S, 50.0)],
+                         period_s=600.0), trace)
+    proc = start_run("configs/test_tiny.toml", [
+        "run.iterations=25", "run.timeout_s=120", f"run.stall_timeout_s={DARK_STALL_S}",
+        f'trace.up="{trace}"'], tmp_path / "runs")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    run_dir = Path(out.strip().splitlines()[-1])
+    s = load_run(run_dir).summary
+    assert s["stop_reason"] == "completed" and s["iterations"] == 25, s["stop_reason"]
+    assert s["workers_lost"] == [] and s["agents_lost"] == [], s
+    ev = events(run_dir)
+    assert not (ev["event"] == "replay_error").any(), ev[ev["event"] == "replay_error"]
+    up = ev[(ev["event"] == "trace_step") & (ev["direction"] == "up")].sort_values("ts_ns")
+    assert up["rate_mbps"].tolist() == [50.0, 0.0, 50.0], up
+    assert up["applied_mbps"].tolist() == [50.0, 0.01, 50.0], up
+    dark_ns, light_ns = (int(t) for t in up["ts_ns"].iloc[1:3])
+    done = ev.loc[ev["event"] == "ps_iter_done", "ts_ns"].astype("int64")
+    # The link was dark: no step in it once what was queued before it had drained (a
+    # 15 KB upload takes 12 s at 0.01 Mbit/s). On main at 5c16cbd the zero's tc change
+    # raised (HTB refuses a zero rate), the replay stopped there (replay_error) and the
+    # link stayed at 50 Mbit/s.
+    assert ((done > dark_ns + 1.5e9) & (done < light_ns)).sum() == 0, (done - dark_ns) / 1e9
+    assert (done < dark_ns).any() and (done > light_ns).any(), "the dark missed the training"
+    assert leftovers() == []
