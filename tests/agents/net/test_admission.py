@@ -230,6 +230,55 @@ def test_a_stage_joins_its_neighbour_while_four_hosts_flood_its_listener(tmp_pat
 
 
 @pytest.mark.loopback
+def test_the_pipeline_ps_takes_every_stage_while_four_hosts_flood_it(tmp_path: Path) -> None:
+    from agents.pipeline.stage import Stage
+    from agents.pipeline.stage_ps import StagePS
+    from controller.loopback.dp import free_port
+    from controller.loopback.pipeline import make_run_dir as pipeline_run_dir
+
+    run_dir, cfg = pipeline_run_dir(tmp_path, [
+        "pipeline.stages=2", "pipeline.micro_batches=2", "pipeline.micro_batch_size=4",
+        "run.iterations=1", f"guard.max_handshakes={MESH_POOL}",
+        f"guard.max_handshakes_per_source={PER_SOURCE}", "guard.handshake_timeout_s=60"])
+    secret = (run_dir / "secret").read_bytes()
+    # Each stage on an address of its own, as on the fabric (controller/roles/stage.py
+    # passes every stage host's address as --expect).
+    peers = [("127.0.0.2", free_port()), ("127.0.0.3", free_port())]
+    ps_addr = ("127.0.0.1", free_port())
+    ps = StagePS(cfg, run_dir, run_dir.name, secret, host=ps_addr[0], port=ps_addr[1],
+                 expected=("127.0.0.2", "127.0.0.3"))
+    stages = [Stage(cfg, run_dir, run_dir.name, secret, s, list(peers), ps=ps_addr)
+              for s in range(2)]
+    out: dict[str, Any] = {}
+
+    def accept() -> None:
+        try:
+            ps.accept()
+            out["ps"] = sorted(ps.conns)
+        except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+            out["ps"] = e
+
+    t = threading.Thread(target=accept)
+    t.start()
+    flood = _flooded(ps_addr[1])
+    try:
+        for st in stages:
+            st.links.connect_ps()
+        t.join(60)
+    finally:
+        flood.stop()
+        ps.abort("the test is over")
+        ps.loop.close()
+        ps.log.close()
+        for st in stages:
+            st.links.close()
+            st.log.close()
+    assert out == {"ps": [(0, 0), (0, 1)]}, out
+    _check_held([e for e in read_jsonl(run_dir / "events" / "ps.jsonl")
+                 if e["event"] == "refused"])
+
+
+@pytest.mark.loopback
 def test_expert_hosts_join_while_four_hosts_flood_a_listener() -> None:
     import torch
 
