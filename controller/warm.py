@@ -271,6 +271,7 @@ any workload import). Empty: torch, numpy and cryptography only.
             start_new_session=True)
         theirs.close()
         self.log_kept: Path | None = None  # where close() kept what the log says
+        self.said = ""  # what the log said when close() ended the process
         self.ready = False
         self.gone = False  # the warm process ended: its children are asked directly
         self.lock = threading.Lock()  # one request and its reply at a time
@@ -400,6 +401,8 @@ any workload import). Empty: torch, numpy and cryptography only.
             self.proc.kill()
             self.proc.wait()
         text = self.log_text()
+        if not self.log.closed:
+            self.said = text
         if text and keep_log is not None and self.log_kept is None:
             # O_EXCL | O_NOFOLLOW: never through a link planted in a user's run directory.
             fd = os.open(keep_log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)

@@ -98,7 +98,7 @@ def test_closing_the_starter_leaves_no_fork_behind(tmp_path):
     assert not _running(pid), "a fork outlived its warm process"
     assert proc.poll() is not None
     # A clean end says nothing, and leaves no file anywhere.
-    assert s.log_text() == "" and _warm_logs() == []
+    assert s.said == "" and _warm_logs() == []
 
 
 def _running(pid: int) -> bool:
