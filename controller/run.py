@@ -398,7 +398,12 @@ class Experiment:
                 if ctl is not None:
                     ctl.close()
                 if starter is not None:
-                    rundir.best_effort(starter.close, "warm process", self.say)
+                    warm_log = run_dir / "warm.log"
+                    rundir.best_effort(lambda: starter.close(keep_log=warm_log),
+                                       "warm process", self.say)
+                    if starter.log_kept is not None:
+                        self.say(f"the warm process could not preload the agents' imports "
+                                 f"(each agent imports them itself); it said why in {warm_log}")
                 if warms is not None:
                     for line in warms.close():
                         self.say(line)
