@@ -256,10 +256,18 @@ class TorchrunExperiment(Experiment):
     def _admit_training_hosts_only(self, net: Network) -> None:
         """Only the training hosts may open connections to a training host: its stores
         and gloo's listeners are torch's (roles.torchrun.admission_rules)."""
-        for host, cmds in admission_rules(net.spec).items():
+        from concurrent.futures import ThreadPoolExecutor
+
+        rules = admission_rules(net.spec)
+        for host, cmds in rules.items():
             for c in cmds:
                 self.say(f"$ {shlex.join(c)}  # in {host}")
-                net.run(host, c)
+        # One shell per host, all hosts at once: on another server each command would
+        # cost an ssh round trip (a second each on a loaded machine), one after another.
+        with ThreadPoolExecutor(max_workers=len(rules)) as pool:
+            for f in [pool.submit(net.run, host, ["sh", "-c", " && ".join(map(shlex.join, cmds))])
+                      for host, cmds in rules.items()]:
+                f.result()
 
     def _wait(self, runner: RoleRunner) -> str:
         """Until every host's torchrun has exited, one fails, one stalls, or the timeout."""
