@@ -181,9 +181,8 @@ class TorchrunExperiment(Experiment):
                              start_new_session=True)
 
     def _open_servers(self, net: Network, hosts: list[str]) -> None:
-        """For the hosts of other servers: check and prepare those servers, then start
-        and wait for their watches (before any rank starts: no destroy message is
-        missed)."""
+        """For the hosts of other servers: start their servers' watches, and check and
+        prepare those servers (TorchrunError naming what one lacks)."""
         from topo import clocks
 
         remote = self._remote
@@ -193,6 +192,18 @@ class TorchrunExperiment(Experiment):
         where = {h: remote.where[h] for h in hosts if remote.is_remote(h)}
         self._servers = RankServers(where, lambda s: cluster.access.argv(cluster.ips[s]),
                                     remote.remote_dir, self.say)
+        assert self.sampler is not None
+        for server in self._servers.servers:
+            start = clocks.from_record(dict(cluster.clocks.get("start", {}).get(server, {})))
+            offset_ns = start.offset_ns if start is not None else 0
+            watched = [WatchedHost(h, net.pid(h), _intf(net.spec, h), self._servers.pid_file(h))
+                       for h, s in where.items() if s == server]
+            self._watches.append(ServerWatch(server, cluster.access.argv(cluster.ips[server]),
+                                             watched, self.sampler, offset_ns, self.say))
+        # The watches start while the servers are checked (each waits on its own ssh);
+        # _run_agents waits for them before any rank starts.
+        for w in self._watches:
+            w.start()
         tr = self.cfg.torchrun
         owner = rundir.invoking_user()
         user = ""
@@ -203,18 +214,6 @@ class TorchrunExperiment(Experiment):
         self._users = self._servers.prepare(
             {"torchrun.script": tr.script, "torchrun.python": tr.python, "cwd": str(self.cwd)},
             user)
-        assert self.sampler is not None
-        for server in self._servers.servers:
-            start = clocks.from_record(dict(cluster.clocks.get("start", {}).get(server, {})))
-            offset_ns = start.offset_ns if start is not None else 0
-            watched = [WatchedHost(h, net.pid(h), _intf(net.spec, h), self._servers.pid_file(h))
-                       for h, s in where.items() if s == server]
-            self._watches.append(ServerWatch(server, cluster.access.argv(cluster.ips[server]),
-                                             watched, self.sampler, offset_ns, self.say))
-        for w in self._watches:
-            w.start()
-        for w in self._watches:
-            w.wait_ready()
 
     # -- the wait -----------------------------------------------------------------------
 
@@ -234,6 +233,9 @@ class TorchrunExperiment(Experiment):
         try:
             self._open_servers(net, hosts)
             self._admit_training_hosts_only(net)
+            # Every watch samples before any rank starts: no destroy message is missed.
+            for w in self._watches:
+                w.wait_ready()
             runner.start_agents()
             if self.progress:
                 tail = _Tail(runner.procs[0][1].log_path(self.run_dir), sys.stdout)

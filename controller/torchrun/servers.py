@@ -202,8 +202,9 @@ class ServerWatch:
             self._reader.join(timeout=2)
         missing = [h.name for h in self.hosts if h.name not in self.iface]
         if missing and self.error is None:
+            why = self._stderr()  # read once: the pipe is drained by reading it
             self.error = (f"server {self.server}: no final counters for {', '.join(missing)}"
-                          f"{': ' + self._stderr() if self._stderr() else ''}")
+                          f"{': ' + why if why else ''}")
 
 
 class RankServers:

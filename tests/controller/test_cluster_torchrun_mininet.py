@@ -4,8 +4,10 @@ their logs come back. Real Mininet, ssh, torchrun and gloo; root.
 
 One run, as small as its checks allow: the example's DDP script for 2 steps on a fabric
 of 2 hosts, one on each server (no delay line, no trace), beside the same script over
-loopback on this machine (the reference). A cluster of its own for this module: the
-other cluster file kills a server in its last test.
+loopback on this machine (the reference). After training, rank 1 sleeps instead of
+exiting, so the run ends stalled a few seconds later and gradbed must stop the ranks'
+trees on their servers. A cluster of its own for this module: the other cluster file
+kills a server in its last test.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pandas as pd
 import pytest
 import torch
 
+from controller.exit_status import status_for
 from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, leftovers, summary
 
@@ -36,6 +39,15 @@ MODEL_BYTES = (64 * 128 + 128 + 128 * 10 + 10) * 4
 REMOTE_ROOT = "/run/gradbed/remote"
 # A run may first wait minutes for the machine-wide network lock behind other runs.
 RUN_TIMEOUT_S = 900
+#: torchrun.stall_s: how long the idle hosts wait after training before the run ends.
+STALL_S = 5
+#: The example's script, then rank 1 asleep: its torchrun (on server 2) never ends by
+#: itself, nor does rank 0's, waiting for it in torchrun's exit barrier.
+SLEEPER = f"""import os, runpy, time
+runpy.run_path({str(EXAMPLE / "train.py")!r}, run_name="__main__")
+if os.environ["RANK"] == "1":
+    time.sleep(600)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +61,7 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
     any server."""
     def on(s: str) -> list[str]:
         text = c.ssh(s, "ps -eo args | grep -E '[t]orch[.]distributed|[h]ost_sampler|"
-                        "[m]ininet:|[t]rain[.]py' || true; "
+                        "[m]ininet:|[t]rain[.]py|[s]leeper[.]py' || true; "
                         "ip -o link show | grep -E ': (gbsw|gbh)' || true; "
                         f"ls {REMOTE_ROOT} 2>/dev/null; true").stdout
         return [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
@@ -61,6 +73,8 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
 def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
         cluster: FakeCluster, tmp_path: Path) -> None:
     s1, s2 = cluster.servers
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text(SLEEPER)
     ref = tmp_path / "loopback"
     ref.mkdir()
     # The reference beside the run: 2 local processes, no emulation, one step more.
@@ -70,13 +84,14 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
          str(ref / "hist.pt")], cwd=ref, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     overrides = ["net.workers=2", "topo.traces={}", "net.delay_ms=0", "net.loss_pct=0",
+                 f"torchrun.stall_s={STALL_S}",
                  f'cluster.servers=["{s1}", "{s2}"]',
                  f'cluster.pins={{gbh0="{s1}", gbh1="{s2}"}}',
                  f'cluster.ssh_config="{cluster.ssh_config}"']
     argv = [sys.executable, "-m", "controller.cli", "torchrun",
             str(EXAMPLE / "fabric4.toml"), "--out", str(tmp_path), "--no-progress",
             "--no-report", *(a for o in overrides for a in ("--set", o)), "--",
-            str(EXAMPLE / "train.py"), "--steps", str(STEPS), "--save", str(tmp_path / "net.pt")]
+            str(sleeper), "--steps", str(STEPS), "--save", str(tmp_path / "net.pt")]
     # As under sudo by root: each server looks the user up by name and the ranks run as
     # that user there (root is the one user every fake server has).
     env = {**os.environ, "PYTHONPATH": str(REPO), "SUDO_UID": "0", "SUDO_GID": "0"}
@@ -84,8 +99,11 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
                           timeout=RUN_TIMEOUT_S)
     out, err = loopback.communicate(timeout=300)
     assert loopback.returncode == 0, err[-3000:]
-    assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
+    reason = summary(run_dir)["stop_reason"]
+    assert f"stalled: its connections moved no bytes for {STALL_S} s" in reason, \
+        proc.stderr[-3000:]
+    assert proc.returncode == status_for(reason)
 
     # The network changes timing, never the numbers; one step more is far away.
     got, history = torch.load(tmp_path / "net.pt"), torch.load(ref / "hist.pt")
@@ -99,12 +117,19 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
     log = (run_dir / "run.log").read_text()
     assert f"start gbh1: torchrun node 1, rank 1, on {s2}" in log
     assert "--reuid=0" in log  # the user, as that server knows it
+    # Both torchruns still ran: each was stopped with its tree (torchrun and its rank in
+    # a session of its own), on its server.
+    # Server 2's tree is torchrun and the sleeping rank; server 1's at least torchrun.
+    for s, least in ((s1, 1), (s2, 2)):
+        stopped = [ln for ln in log.splitlines() if f"ranks stopped on {s}: stopped " in ln]
+        assert stopped and int(stopped[0].split("stopped ")[-1].split()[0]) >= least, stopped
+    assert tr_codes(run_dir) == {"0": -15, "1": -15}
 
     # Watched on each server: the rank's connections to the other server's host, and
     # the interface counters, carry at least one all-reduce of the model per step, all
     # of it over the tunnel between the servers.
     tr = summary(run_dir)["torchrun"]
-    assert tr["sampler_error"] is None and tr["bypass"] is None, tr
+    assert tr["sampler_error"] is None, tr
     b = tr["bytes"]
     for h in ("gbh0", "gbh1"):
         trained = b["payload_sent_bytes"][h] - b["store_sent_bytes"][h]
@@ -128,3 +153,7 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
 
     assert _server_leftovers(cluster) == []
     assert [x for x in leftovers() if "gbh" in x or "torch.distributed" in x] == []
+
+
+def tr_codes(run_dir: Path) -> dict[str, int]:
+    return dict(summary(run_dir)["torchrun"]["exit_codes"])

@@ -158,3 +158,53 @@ def test_a_tree_in_sessions_of_its_own_is_stopped_whole(tmp_path: Path) -> None:
     root.wait(timeout=5)
     assert not any(alive(q) for q in tree) and not pid_file.exists()
     assert stop_trees([], 0.1) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sock_diag in a namespace needs root")
+def test_a_server_s_watch_feeds_the_run_s_sampler_on_this_clock(tmp_path: Path) -> None:
+    """The controller's side of a server's watch, with ``sh -c`` in place of ssh (the
+    server is this machine, its "offset" 1000 s): a connection's bytes reach the run's
+    sampler as the host's progress, stamped on this clock, and the counters arrive at
+    the stop."""
+    import socket
+
+    from agents.core.events import now_ns
+    from controller.torchrun.servers import ServerWatch
+    from controller.torchrun.sockdiag import ConnSampler
+
+    # This machine's stamps, read as those of a server whose clock runs 1000 s behind,
+    # move 1000 s forward.
+    offset_ns = -1000 * 10**9
+    # A connection to one of this machine's global addresses: not loopback, so it counts
+    # as the host's progress (the host's own address is another one).
+    addrs = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    ips = [a.split("/")[0] for i, a in enumerate(addrs) if i and addrs[i - 1] == "inet"]
+    if not ips:
+        pytest.skip("no global IPv4 address here")
+    sampler = ConnSampler({}, fed={"me": "10.255.255.254"})
+    lst = socket.create_server((ips[0], 0))
+    watch = ServerWatch("here", ["sh", "-c"],
+                        [WatchedHost("me", os.getpid(), "lo", str(tmp_path / "none"))],
+                        sampler, offset_ns, lambda _line: None)
+    before = now_ns()
+    watch.start()
+    watch.wait_ready(timeout_s=30)
+    cli = socket.create_connection(lst.getsockname())
+    srv, _ = lst.accept()
+    cli.sendall(b"y" * 20000)
+    got = 0
+    while got < 20000:
+        got += len(srv.recv(65536))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sampler.progress["me"][0] < 20000:
+        time.sleep(0.05)
+    total, at_ns = sampler.progress["me"]
+    assert total >= 20000  # to 127.0.0.1 is "local" for a host of another address
+    # The server's stamps minus its offset: this clock, not 1000 s off.
+    assert before + 1000 * 10**9 <= at_ns <= now_ns() + 1000 * 10**9
+    for s in (cli, srv, lst):
+        s.close()
+    watch.stop()
+    assert watch.error is None and watch.iface["me"][1] >= 20000
+    assert any(c.final for _, c in sampler.final_connections())
