@@ -49,13 +49,14 @@ from controller.run import Experiment
 from controller.runner import RoleRunner
 from controller.torchrun import proof
 from controller.torchrun.busy import BusyClock, tree_cpu_s
-from controller.torchrun.host_sampler import WatchedHost
 from controller.torchrun.servers import (
     RankServers,
     ServerUser,
     ServerWatch,
     forwarded_env,
+    invoking_user_name,
     server_argv,
+    start_watches,
 )
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
 from controller.torchrun.stop import stop_trees
@@ -183,8 +184,6 @@ class TorchrunExperiment(Experiment):
     def _open_servers(self, net: Network, hosts: list[str]) -> None:
         """For the hosts of other servers: start their servers' watches, and check and
         prepare those servers (TorchrunError naming what one lacks)."""
-        from topo import clocks
-
         remote = self._remote
         if remote is None or net.cluster is None:
             return
@@ -193,27 +192,15 @@ class TorchrunExperiment(Experiment):
         self._servers = RankServers(where, lambda s: cluster.access.argv(cluster.ips[s]),
                                     remote.remote_dir, self.say)
         assert self.sampler is not None
-        for server in self._servers.servers:
-            start = clocks.from_record(dict(cluster.clocks.get("start", {}).get(server, {})))
-            offset_ns = start.offset_ns if start is not None else 0
-            watched = [WatchedHost(h, net.pid(h), _intf(net.spec, h), self._servers.pid_file(h))
-                       for h, s in where.items() if s == server]
-            self._watches.append(ServerWatch(server, cluster.access.argv(cluster.ips[server]),
-                                             watched, self.sampler, offset_ns, self.say))
         # The watches start while the servers are checked (each waits on its own ssh);
         # _run_agents waits for them before any rank starts.
-        for w in self._watches:
-            w.start()
+        self._watches = start_watches(
+            self._servers, cluster, {h: (net.pid(h), _intf(net.spec, h)) for h in where},
+            self.sampler, self.say)
         tr = self.cfg.torchrun
-        owner = rundir.invoking_user()
-        user = ""
-        if owner is not None:
-            import pwd
-
-            user = pwd.getpwuid(owner[0]).pw_name
         self._users = self._servers.prepare(
             {"torchrun.script": tr.script, "torchrun.python": tr.python, "cwd": str(self.cwd)},
-            user)
+            invoking_user_name())
 
     # -- the wait -----------------------------------------------------------------------
 

@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from controller import rundir
 from controller.roles.torchrun import RankPlan, TorchrunError
 from controller.torchrun import host_sampler
 from controller.torchrun.host_sampler import WatchedHost
 from controller.torchrun.sockdiag import ConnSampler
-from topo.cluster import REPO
+from topo import clocks
+from topo.cluster import REPO, Cluster
 
 #: Variables of the controller's environment that the ranks on another server get too
 #: (besides the plan's and the user's): gradbed's own and the usual knobs of torch, its
@@ -284,3 +286,32 @@ class RankServers:
             return f"{server}: {(p.stdout or p.stderr).strip()[-300:]}"
 
         return list(self._on_each(one).values())
+
+
+def invoking_user_name() -> str:
+    """The name of the user who ran sudo ("" when not under sudo): the servers know the
+    user by name, each with its own ids."""
+    owner = rundir.invoking_user()
+    if owner is None:
+        return ""
+    import pwd
+
+    return pwd.getpwuid(owner[0]).pw_name
+
+
+def start_watches(servers: RankServers, cluster: Cluster,
+                  hosts: Mapping[str, tuple[int, str]], sampler: ConnSampler,
+                  log: Callable[[str], None]) -> list[ServerWatch]:
+    """One started :class:`ServerWatch` per server of ``servers``, over the cluster's
+    shared ssh, for ``hosts`` (host -> (its namespace's pid there, its interface)), its
+    stamps moved by the server's offset measured at the start (0 if none was)."""
+    out = []
+    for server in servers.servers:
+        start = clocks.from_record(dict(cluster.clocks.get("start", {}).get(server, {})))
+        watched = [WatchedHost(h, pid, dev, servers.pid_file(h))
+                   for h, (pid, dev) in hosts.items() if servers.where[h] == server]
+        w = ServerWatch(server, cluster.access.argv(cluster.ips[server]), watched, sampler,
+                        start.offset_ns if start is not None else 0, log)
+        w.start()
+        out.append(w)
+    return out

@@ -4,10 +4,10 @@ their logs come back. Real Mininet, ssh, torchrun and gloo; root.
 
 One run, as small as its checks allow: the example's DDP script for 2 steps on a fabric
 of 2 hosts, one on each server (no delay line, no trace), beside the same script over
-loopback on this machine (the reference). After training, rank 1 sleeps instead of
-exiting, so the run ends stalled a few seconds later and gradbed must stop the ranks'
-trees on their servers. A cluster of its own for this module: the other cluster file
-kills a server in its last test.
+loopback on this machine (the reference). After training, rank 0 exits with status 3
+and rank 1 sleeps: the run must name rank 0 from its server's torchrun output and stop
+rank 1's tree on the other server. A cluster of its own for this module: the other
+cluster file kills a server in its last test.
 """
 
 from __future__ import annotations
@@ -39,14 +39,13 @@ MODEL_BYTES = (64 * 128 + 128 + 128 * 10 + 10) * 4
 REMOTE_ROOT = "/run/gradbed/remote"
 # A run may first wait minutes for the machine-wide network lock behind other runs.
 RUN_TIMEOUT_S = 900
-#: torchrun.stall_s: how long the idle hosts wait after training before the run ends.
-STALL_S = 5
-#: The example's script, then rank 1 asleep: its torchrun (on server 2) never ends by
-#: itself, nor does rank 0's, waiting for it in torchrun's exit barrier.
-SLEEPER = f"""import os, runpy, time
+#: The example's script (rank 0 saves the parameters), then rank 0 fails and rank 1
+#: sleeps: its torchrun, on server 2, would never end by itself.
+FAIL_AND_SLEEP = f"""import os, runpy, sys, time
 runpy.run_path({str(EXAMPLE / "train.py")!r}, run_name="__main__")
-if os.environ["RANK"] == "1":
-    time.sleep(600)
+if os.environ["RANK"] == "0":
+    sys.exit(3)
+time.sleep(600)
 """
 
 
@@ -61,7 +60,7 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
     any server."""
     def on(s: str) -> list[str]:
         text = c.ssh(s, "ps -eo args | grep -E '[t]orch[.]distributed|[h]ost_sampler|"
-                        "[m]ininet:|[t]rain[.]py|[s]leeper[.]py' || true; "
+                        "[m]ininet:|[t]rain[.]py|[f]ail_and_sleep[.]py' || true; "
                         "ip -o link show | grep -E ': (gbsw|gbh)' || true; "
                         f"ls {REMOTE_ROOT} 2>/dev/null; true").stdout
         return [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
@@ -73,8 +72,8 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
 def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
         cluster: FakeCluster, tmp_path: Path) -> None:
     s1, s2 = cluster.servers
-    sleeper = tmp_path / "sleeper.py"
-    sleeper.write_text(SLEEPER)
+    script = tmp_path / "fail_and_sleep.py"
+    script.write_text(FAIL_AND_SLEEP)
     ref = tmp_path / "loopback"
     ref.mkdir()
     # The reference beside the run: 2 local processes, no emulation, one step more.
@@ -84,14 +83,13 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
          str(ref / "hist.pt")], cwd=ref, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     overrides = ["net.workers=2", "topo.traces={}", "net.delay_ms=0", "net.loss_pct=0",
-                 f"torchrun.stall_s={STALL_S}",
                  f'cluster.servers=["{s1}", "{s2}"]',
                  f'cluster.pins={{gbh0="{s1}", gbh1="{s2}"}}',
                  f'cluster.ssh_config="{cluster.ssh_config}"']
     argv = [sys.executable, "-m", "controller.cli", "torchrun",
             str(EXAMPLE / "fabric4.toml"), "--out", str(tmp_path), "--no-progress",
             "--no-report", *(a for o in overrides for a in ("--set", o)), "--",
-            str(sleeper), "--steps", str(STEPS), "--save", str(tmp_path / "net.pt")]
+            str(script), "--steps", str(STEPS), "--save", str(tmp_path / "net.pt")]
     # As under sudo by root: each server looks the user up by name and the ranks run as
     # that user there (root is the one user every fake server has).
     env = {**os.environ, "PYTHONPATH": str(REPO), "SUDO_UID": "0", "SUDO_GID": "0"}
@@ -101,7 +99,8 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
     assert loopback.returncode == 0, err[-3000:]
     run_dir = Path(proc.stdout.strip().splitlines()[-1])
     reason = summary(run_dir)["stop_reason"]
-    assert f"stalled: its connections moved no bytes for {STALL_S} s" in reason, \
+    # Named from torchrun's own report, which came over ssh from server 1.
+    assert reason == "rank 0 (host gbh0) exited with status 3; see logs/gbh0.log", \
         proc.stderr[-3000:]
     assert proc.returncode == status_for(reason)
 
@@ -117,13 +116,12 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
     log = (run_dir / "run.log").read_text()
     assert f"start gbh1: torchrun node 1, rank 1, on {s2}" in log
     assert "--reuid=0" in log  # the user, as that server knows it
-    # Both torchruns still ran: each was stopped with its tree (torchrun and its rank in
-    # a session of its own), on its server.
-    # Server 2's tree is torchrun and the sleeping rank; server 1's at least torchrun.
-    for s, least in ((s1, 1), (s2, 2)):
-        stopped = [ln for ln in log.splitlines() if f"ranks stopped on {s}: stopped " in ln]
-        assert stopped and int(stopped[0].split("stopped ")[-1].split()[0]) >= least, stopped
-    assert tr_codes(run_dir) == {"0": -15, "1": -15}
+    # gbh1's torchrun still ran: its tree (torchrun and its sleeping rank, in a session
+    # of its own) was stopped on server 2; server 1's had ended with its rank.
+    stopped = [ln for ln in log.splitlines() if f"ranks stopped on {s2}: stopped " in ln]
+    assert stopped and int(stopped[0].split("stopped ")[-1].split()[0]) >= 2, stopped
+    assert f"ranks stopped on {s1}: stopped 0 process(es)" in log
+    assert tr_codes(run_dir) == {"0": 3, "1": -15}
 
     # Watched on each server: the rank's connections to the other server's host, and
     # the interface counters, carry at least one all-reduce of the model per step, all
@@ -149,6 +147,8 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
     rank_logs = [p for p in (run_dir / "logs" / "ranks" / "gbh1").rglob("*.log")
                  if p.stat().st_size > 0]
     assert rank_logs, sorted((run_dir / "logs").rglob("*"))
+    # gbh1's torchrun, stopped by SIGTERM, wrote its error file on server 2.
+    assert json.loads((run_dir / "logs" / "ranks" / "gbh1" / "error.json").read_text())
     assert not (run_dir / "torchrun-pids").exists()
 
     assert _server_leftovers(cluster) == []
