@@ -168,7 +168,7 @@ class TorchrunExperiment(Experiment):
         assert self._servers is not None
         server = self._servers.where[cmd.host]
         argv = server_argv(plan, str(self.cwd), self._servers.pid_file(cmd.host),
-                               self._users.get(server), forwarded_env(os.environ))
+                           self._users.get(server), forwarded_env(os.environ))
         self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}, "
                  f"on {server}")
         if self._logf is not None:
