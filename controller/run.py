@@ -198,14 +198,8 @@ class Experiment:
         # run there (controller.remote); None: everything on this machine.
         self._access: SshAccess | None = None
         if servers_used(self.spec) != [LOCAL]:
-            from controller.roles.torchrun import ROLE as TORCHRUN
             from topo.cluster import SshAccess
 
-            if any(h.role == TORCHRUN for h in self.spec.hosts):
-                # Its ranks' variables and log folders name this machine's run directory,
-                # and its start is its own (controller.torchrun): not carried over yet.
-                raise SpecError("gradbed torchrun across servers is not supported yet; "
-                                "leave cluster.servers = [\"localhost\"] (docs/cluster.md)")
             self._access = SshAccess.from_config(self.cfg.cluster)
         self._remote: RemoteAgents | None = None
         self._ctl: ControlServer | None = None
