@@ -59,8 +59,9 @@ def test_a_hung_ps_is_declared_lost_and_the_run_exits_4_naming_it(tmp_path: Path
 
 
 def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:
-    # A broken scikit-learn on the user's PYTHONPATH: the controller does not import it,
-    # the digits workload's agents do (its data set), and die before they are ready.
+    # A broken scikit-learn on the user's PYTHONPATH (no digits data in it): the controller
+    # does not touch it, the digits workload's agents read their data set from it, and die
+    # before they are ready.
     broken = tmp_path / "pylib" / "sklearn"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('this sklearn is broken')\n")
