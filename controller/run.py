@@ -398,7 +398,8 @@ class Experiment:
                 if ctl is not None:
                     ctl.close()
                 if starter is not None:
-                    rundir.best_effort(starter.close, "warm process", self.say)
+                    # Waited for after the tables: its exit overlaps them.
+                    rundir.best_effort(starter.hang_up, "warm process", self.say)
                 if warms is not None:
                     for line in warms.close():
                         self.say(line)
@@ -413,6 +414,8 @@ class Experiment:
                 self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
                                interrupted, stop_reason)
             finally:
+                if starter is not None:
+                    rundir.best_effort(starter.close, "warm process", self.say)
                 if self._logf is not None:
                     rundir.best_effort(self._logf.close, "run.log", lambda _: None)
         return run_dir
@@ -540,7 +543,7 @@ class Experiment:
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
-        rundir.write_timelines(run_dir, self.say)  # every run, a sweep's too
+        rundir.write_timelines(run_dir, self.say, events)  # every run, a sweep's too
         if self.report:
             self._write_report(run_dir)
 
