@@ -205,12 +205,15 @@ def chrome_trace(events: pd.DataFrame, links: pd.DataFrame, *, run_id: str = "",
                           "ts": "microseconds since origin_ns"}}
 
 
-def write_trace(run_dir: str | os.PathLike[str]) -> Path:
+def write_trace(run_dir: str | os.PathLike[str], events: pd.DataFrame | None = None) -> Path:
     """Write ``RUN_DIR/trace.json`` from the run's events, ``links.parquet`` and (a torchrun
     run's) ``tcp.parquet``, atomically
-    (a reader sees the old file or the new one), and return its path."""
+    (a reader sees the old file or the new one), and return its path. ``events``: the
+    run's events as ``load_events`` returns them, when the caller has them already (the
+    controller's end of a run); read from the run directory otherwise."""
     run = Path(run_dir)
-    events = load_events(run, allow_empty=True)
+    if events is None:
+        events = load_events(run, allow_empty=True)
     links = load_links(run / "links.parquet")
     tcp = load_tcp(run / TCP_FILE)
     text = json.dumps(chrome_trace(events, links, run_id=run.name, tcp=tcp), allow_nan=False,

@@ -392,12 +392,8 @@ class Experiment:
                 if ctl is not None:
                     ctl.close()
                 if starter is not None:
-                    warm_log = run_dir / "warm.log"
-                    rundir.best_effort(lambda: starter.close(keep_log=warm_log),
-                                       "warm process", self.say)
-                    if starter.log_kept is not None:
-                        self.say(f"the warm process could not preload the agents' imports "
-                                 f"(each agent imports them itself); it said why in {warm_log}")
+                    # Waited for after the tables: its exit overlaps them.
+                    rundir.best_effort(starter.hang_up, "warm process", self.say)
                 if warms is not None:
                     for line in warms.close():
                         self.say(line)
@@ -412,6 +408,13 @@ class Experiment:
                 self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
                                interrupted, stop_reason)
             finally:
+                if starter is not None:
+                    warm_log = run_dir / "warm.log"
+                    rundir.best_effort(lambda: starter.close(keep_log=warm_log),
+                                       "warm process", self.say)
+                    if starter.log_kept is not None:
+                        self.say(f"the warm process could not preload the agents' imports "
+                                 f"(each agent imports them itself); it said why in {warm_log}")
                 if self._logf is not None:
                     rundir.best_effort(self._logf.close, "run.log", lambda _: None)
         return run_dir
@@ -539,7 +542,7 @@ class Experiment:
         secret = run_dir / "secret"
         if secret.exists():
             secret.unlink()  # the run is over: nobody else may join it
-        rundir.write_timelines(run_dir, self.say)  # every run, a sweep's too
+        rundir.write_timelines(run_dir, self.say, events)  # every run, a sweep's too
         if self.report:
             self._write_report(run_dir)
 

@@ -22,10 +22,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.core.events import SCHEMA_VERSION, jsonl_to_parquet
 from agents.core.files import write_atomic
+
+if TYPE_CHECKING:  # pandas is imported where the run's tables are written, not at the start
+    import pandas as pd
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -366,13 +369,15 @@ def finish(run_dir: Path, stop_reason: str, error: str | None = None,
     return done
 
 
-def write_timelines(run_dir: Path, say: Callable[[str], object]) -> bool:
-    """Write ``trace.json`` (:func:`analysis.trace.write_trace`); a failure is said, never
-    raised: the timelines are a view of the events, which are what must survive."""
+def write_timelines(run_dir: Path, say: Callable[[str], object],
+                    events: pd.DataFrame | None = None) -> bool:
+    """Write ``trace.json`` (:func:`analysis.trace.write_trace`, given the run's ``events``
+    when the caller loaded them already); a failure is said, never raised: the timelines
+    are a view of the events, which are what must survive."""
     try:
         from analysis.trace import write_trace
 
-        write_trace(run_dir)
+        write_trace(run_dir, events)
     except Exception as e:
         say(f"warning: trace.json not written: {type(e).__name__}: {e}")
         return False

@@ -381,20 +381,27 @@ any workload import). Empty: torch, numpy and cryptography only.
         except (OSError, ValueError):  # closed already
             return ""
 
-    def close(self, keep_log: Path | None = None) -> None:
-        """End the warm process; it kills any child it still has. ``keep_log``: where to
-        keep what its log says (a run's ``RUN/warm.log``), written only when it says
-        something (a preload failed); without it, the log goes with the process."""
+    def hang_up(self) -> None:
+        """Tell the warm process to end (it kills any child it still has, then exits) and
+        return at once: its exit, the teardown of a torch-sized process, then overlaps
+        what the caller does next; :meth:`close` waits for it."""
         try:  # shutdown, not just close: it wakes our reader thread's recv, and the
             # warm process reads EOF, kills what is left and exits
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.sock.close()
         if not self.ready and self.proc.poll() is None:
             # Never asked for an agent, so it has no child: killed now rather than waited
             # for until its imports are done (a command that ends on a bad file or folder).
             self.proc.kill()
+
+    def close(self, keep_log: Path | None = None) -> None:
+        """End the warm process (:meth:`hang_up`) and wait for it; it kills any child it
+        still has. ``keep_log``: where to keep what its log says (a run's
+        ``RUN/warm.log``), written only when it says something (a preload failed);
+        without it, the log goes with the process."""
+        self.hang_up()
+        self.sock.close()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

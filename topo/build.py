@@ -412,10 +412,24 @@ class Network:
         return self._rates.get(dev)
 
     def point_stats(self, point: str) -> QdiscStats:
-        """The counters of shaping point ``point``'s queue (its bfifo leaf)."""
+        """The counters of shaping point ``point``'s queue (its bfifo leaf), read over
+        rtnetlink on this machine (what ``tc -s qdisc show`` reads, without its two
+        processes: the link sampler reads every watched point every 100 ms)."""
         place = self.spec.place(point)
-        text = self._dev_tc(place.host, place.dev).run(qdisc.stats_command(place.dev), echo=False)
-        return qdisc.bottleneck_counters(text)
+        tc = self._dev_tc(place.host, place.dev)
+        if tc.via or tc.dry_run:
+            return qdisc.bottleneck_counters(tc.run(qdisc.stats_command(place.dev),
+                                                    echo=False))
+        try:
+            found = self._rtnetlink(place.host, place.dev).qdisc_counters(place.dev)
+        except OSError as e:
+            raise TcError(qdisc.stats_command(place.dev), e.errno or -1, f"netlink: {e}",
+                          tc.where) from e
+        return qdisc.bottleneck_of([QdiscStats(
+            kind=c.kind, handle=qdisc.tc_handle(c.classid), parent=qdisc.tc_handle(c.parent),
+            sent_bytes=c.sent_bytes, sent_pkts=c.sent_pkts, drops=c.drops,
+            overlimits=c.overlimits, requeues=c.requeues, backlog_bytes=c.backlog_bytes,
+            backlog_pkts=c.backlog_pkts) for c in found])
 
     def point_classes(self, point: str) -> dict[str, ClassCounters]:
         """The counters of every HTB class of shaping point ``point`` (``"1:1"``: the

@@ -39,6 +39,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 NETLINK_ROUTE = 0
+RTM_NEWQDISC = 36
+RTM_GETQDISC = 38
 RTM_NEWTCLASS = 40
 RTM_GETTCLASS = 42
 NLMSG_ERROR = 2
@@ -135,12 +137,14 @@ class ClassCounters:
     overlimits: int
     backlog_bytes: int
     backlog_pkts: int
+    requeues: int = 0
 
 
-def class_dump_message(ifindex: int, seq: int) -> bytes:
-    """The ``RTM_GETTCLASS`` dump request of ``tc -s class show dev D`` (``D`` = ifindex)."""
+def class_dump_message(ifindex: int, seq: int, request: int = RTM_GETTCLASS) -> bytes:
+    """The ``RTM_GETTCLASS`` dump request of ``tc -s class show dev D`` (``D`` = ifindex);
+    with ``request=RTM_GETQDISC`` that of ``tc -s qdisc show dev D``."""
     tcmsg = struct.pack("BxHiIII", socket.AF_UNSPEC, 0, ifindex, 0, 0, 0)
-    return struct.pack("IHHII", 16 + len(tcmsg), RTM_GETTCLASS, NLM_F_REQUEST | NLM_F_DUMP,
+    return struct.pack("IHHII", 16 + len(tcmsg), request, NLM_F_REQUEST | NLM_F_DUMP,
                        seq, 0) + tcmsg
 
 
@@ -159,7 +163,7 @@ def _attrs(data: bytes, off: int, end: int) -> dict[int, bytes]:
 def _counters(ifindex: int, classid: int, parent: int, attrs: dict[int, bytes]
               ) -> ClassCounters:
     kind = attrs.get(TCA_KIND, b"").split(b"\0", 1)[0].decode("ascii", "replace")
-    sent_bytes = sent_pkts = drops = overlimits = backlog = qlen = 0
+    sent_bytes = sent_pkts = drops = overlimits = backlog = qlen = requeues = 0
     if TCA_STATS2 in attrs:
         st = attrs[TCA_STATS2]
         nested = _attrs(st, 0, len(st))
@@ -168,7 +172,7 @@ def _counters(ifindex: int, classid: int, parent: int, attrs: dict[int, bytes]
         if TCA_STATS_PKT64 in nested and len(nested[TCA_STATS_PKT64]) >= 8:
             (sent_pkts,) = struct.unpack_from("Q", nested[TCA_STATS_PKT64])
         if TCA_STATS_QUEUE in nested and len(nested[TCA_STATS_QUEUE]) >= 20:
-            qlen, backlog, drops, _requeues, overlimits = struct.unpack_from(
+            qlen, backlog, drops, requeues, overlimits = struct.unpack_from(
                 "IIIII", nested[TCA_STATS_QUEUE])
     elif TCA_STATS in attrs and len(attrs[TCA_STATS]) >= 36:
         sent_bytes, sent_pkts, drops, overlimits, _bps, _pps, qlen, backlog = \
@@ -178,15 +182,16 @@ def _counters(ifindex: int, classid: int, parent: int, attrs: dict[int, bytes]
                               "without counters (no TCA_STATS2 or TCA_STATS)")
     return ClassCounters(classid=classid, parent=parent, kind=kind, sent_bytes=sent_bytes,
                          sent_pkts=sent_pkts, drops=drops, overlimits=overlimits,
-                         backlog_bytes=backlog, backlog_pkts=qlen)
+                         backlog_bytes=backlog, backlog_pkts=qlen, requeues=requeues)
 
 
 def parse_class_dump(data: bytes, seq: int, ifindex: int,
-                     into: list[ClassCounters]) -> bool:
+                     into: list[ClassCounters], answer: int = RTM_NEWTCLASS) -> bool:
     """Append the classes of ``ifindex`` in one ``recv`` of a dump answering ``seq`` to
     ``into``; True once the dump's ``NLMSG_DONE`` came. A kernel error raises
     :class:`NetlinkError`; messages of other requests are skipped. Every length is
-    checked against the buffer (the kernel is trusted to answer, not to be right)."""
+    checked against the buffer (the kernel is trusted to answer, not to be right).
+    ``answer=RTM_NEWQDISC``: a qdisc dump's, each qdisc's handle as ``classid``."""
     off = 0
     done = False
     while off + 16 <= len(data):
@@ -200,10 +205,10 @@ def parse_class_dump(data: bytes, seq: int, ifindex: int,
             elif kind == NLMSG_ERROR:
                 (err,) = struct.unpack_from("i", data, off + 16)
                 if err:
-                    raise NetlinkError(-err, f"RTM_GETTCLASS dump: {os.strerror(-err)}")
-            elif kind == RTM_NEWTCLASS:
+                    raise NetlinkError(-err, f"tc dump: {os.strerror(-err)}")
+            elif kind == answer:
                 if length < 36:
-                    raise NetlinkError(0, f"netlink: RTM_NEWTCLASS of length {length}")
+                    raise NetlinkError(0, f"netlink: tc message {kind} of length {length}")
                 _fam, got_if, handle, parent, _info = struct.unpack_from("BxxxiIII", data,
                                                                          off + 16)
                 if got_if == ifindex:
@@ -290,13 +295,23 @@ class RtNetlink:
 
     def class_counters(self, dev: str) -> list[ClassCounters]:
         """Every traffic class of ``dev`` with its counters (``tc -s class show dev``)."""
+        return self._dump(dev, RTM_GETTCLASS, RTM_NEWTCLASS)
+
+    def qdisc_counters(self, dev: str) -> list[ClassCounters]:
+        """Every qdisc of ``dev`` with its counters (``tc -s qdisc show dev``), each
+        qdisc's handle as ``classid``: no fork, where the ``tc`` binary in a host's
+        namespace is an ``nsenter`` and a ``tc`` process, which the link sampler paid
+        every 100 ms for every point."""
+        return self._dump(dev, RTM_GETQDISC, RTM_NEWQDISC)
+
+    def _dump(self, dev: str, request: int, answer: int) -> list[ClassCounters]:
         index = self.ifindex(dev)
         out: list[ClassCounters] = []
         with self._lock:
             self._seq += 1
             seq = self._seq
-            self.sock.send(class_dump_message(index, seq))
-            while not parse_class_dump(self.sock.recv(1 << 16), seq, index, out):
+            self.sock.send(class_dump_message(index, seq, request))
+            while not parse_class_dump(self.sock.recv(1 << 16), seq, index, out, answer):
                 pass
         return out
 

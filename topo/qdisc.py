@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,14 +312,26 @@ def parse_tc_stats(text: str) -> list[QdiscStats]:
     return _from_text(text)
 
 
+def tc_handle(handle: int) -> str:
+    """A qdisc handle or parent as ``tc`` prints it: ``20:``, ``1:1``, ``root``."""
+    if handle == 0xFFFF_FFFF:
+        return "root"
+    major, minor = handle >> 16, handle & 0xFFFF
+    return f"{major:x}:{minor:x}" if minor else f"{major:x}:"
+
+
 def bottleneck_counters(text: str) -> QdiscStats:
+    """The bottleneck's counters from ``tc -s -j qdisc show`` (:func:`bottleneck_of`)."""
+    return bottleneck_of(parse_tc_stats(text))
+
+
+def bottleneck_of(stats: Sequence[QdiscStats]) -> QdiscStats:
     """The bottleneck's counters: the bfifo leaf's, with HTB's overlimits.
 
     The leaf is where packets wait for tokens, so its bytes/drops/backlog are the queue's.
     A bfifo never reports overlimits; HTB's root does (each time the class was throttled),
     which tells a saturated link from an idle one.
     """
-    stats = parse_tc_stats(text)
     leaf = next((s for s in stats if s.handle == LEAF_HANDLE and s.kind == "bfifo"), None)
     if leaf is None:
         found = ", ".join(f"{s.kind} {s.handle}" for s in stats) or "none"

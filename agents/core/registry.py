@@ -82,14 +82,30 @@ class RegistryKind:
 def _declared(kind: RegistryKind) -> tuple[str, ...]:
     found: set[str] = set()
     for _, path in kind.modules():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef | ast.FunctionDef):
-                for deco in node.decorator_list:
-                    name = _decorated_name(deco, kind.decorator, node)
-                    if name is not None:
-                        found.add(name)
+        text = path.read_text(encoding="utf-8")
+        # A module that never spells the decorator's name cannot register with it; only
+        # the others are parsed. Every ``gradbed run`` checks its config before its agents'
+        # warm process starts, so this is on each run's critical path.
+        if kind.decorator not in text:
+            continue
+        for node in _definitions(ast.parse(text, filename=str(path))):
+            for deco in node.decorator_list:
+                name = _decorated_name(deco, kind.decorator, node)
+                if name is not None:
+                    found.add(name)
     return tuple(sorted(found))
+
+
+def _definitions(node: ast.AST) -> Iterator[ast.ClassDef | ast.FunctionDef]:
+    """Every class and function definition in ``node``, at any depth. Definitions are
+    statements, and statements nest only in statement lists (bodies, handlers, match
+    cases): the walk skips the expressions, most of a module's nodes."""
+    for _, value in ast.iter_fields(node):
+        for child in value if isinstance(value, list) else ():
+            if isinstance(child, ast.ClassDef | ast.FunctionDef):
+                yield child
+            if isinstance(child, ast.stmt | ast.excepthandler | ast.match_case):
+                yield from _definitions(child)
 
 
 def _callee(expr: ast.expr) -> str | None:

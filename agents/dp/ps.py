@@ -573,6 +573,13 @@ class ParameterServer:
         self.loop.flush_all(list(conns), self.cfg.run.timeout_s)
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
         self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
+        # Shut down first: that wakes the accepting thread's accept() at once (a close
+        # alone does not), which ``serve`` then joins; it otherwise slept out its report
+        # interval (1 s), and every run's end waited for it.
+        try:
+            self.srv.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.srv.close()
 
 

@@ -50,6 +50,10 @@ def test_synthetic_run_follows_the_format_and_partitions_iterations(tmp_path: Pa
     start = [e for e in evs if e["ph"] == "i" and e["name"] == "run_start"]
     assert len(start) == 1 and start[0]["ts"] == 0
     assert not list(run.glob(".*.tmp"))  # written atomically
+    # The controller hands over the events it loaded for the summary: the same file.
+    first = (run / TRACE_FILE).read_bytes()
+    write_trace(run, events)
+    assert (run / TRACE_FILE).read_bytes() == first
 
 
 def test_format_check_catches_broken_traces(tmp_path: Path) -> None:

@@ -60,8 +60,9 @@ def test_a_hung_ps_is_declared_lost_and_the_run_exits_4_naming_it(tmp_path: Path
 
 
 def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:
-    # A broken scikit-learn on the user's PYTHONPATH: the controller does not import it,
-    # the digits workload's agents do (its data set), and die before they are ready.
+    # A broken scikit-learn on the user's PYTHONPATH (no digits data in it): the controller
+    # does not touch it, the digits workload's agents read their data set from it, and die
+    # before they are ready.
     broken = tmp_path / "pylib" / "sklearn"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('this sklearn is broken')\n")
@@ -76,8 +77,11 @@ def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:
     assert s["stop_reason"].startswith("failed to start: "), s["stop_reason"]
     assert "before it was ready" in s["stop_reason"]
     assert leftovers() == []
-    # The warm process's word on the failed preload is in the run directory, and the run
-    # left nothing in /tmp (on main at 5c16cbd: /tmp/gradbed-warm-PID-*.log, each run).
-    assert "this sklearn is broken" in (run_dir / "warm.log").read_text()
+    # The PS's log names the data set it could not find. The warm process preloads no
+    # scikit-learn (the digits are read from its file), so it had nothing to say: no
+    # warm.log (test_warm.py keeps a failed preload's), and the run left nothing in /tmp
+    # (on main at 5c16cbd: /tmp/gradbed-warm-PID-*.log, each run).
+    assert "digits.csv.gz" in (run_dir / "logs" / "ps.log").read_text()
+    assert not (run_dir / "warm.log").exists()
     left = [p.name for p in set(tmp.iterdir()) - before if str(proc.pid) in p.name]
     assert left == [], left

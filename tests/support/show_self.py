@@ -11,8 +11,9 @@ print(json.dumps({"netns": os.readlink("/proc/self/ns/net"), "cmdline": cmdline,
                   "argv": sys.argv[1:], "cwd": os.getcwd(), "sid": os.getsid(0),
                   "pid": os.getpid(), "probe": os.environ.get("GRADBED_PROBE"),
                   # what it found imported already (a warm process's preloads)
-                  "preloaded": sorted(m for m in ("sklearn.datasets", "agents.net.wire")
-                                      if m in sys.modules)}), flush=True)
+                  "preloaded": sorted(m for m in ("agents.workloads.base", "agents.net.wire",
+                                                  "sklearn") if m in sys.modules)}),
+      flush=True)
 if "--exit" in sys.argv:
     sys.exit(int(sys.argv[sys.argv.index("--exit") + 1]))
 if "--sleep" in sys.argv:

@@ -238,3 +238,59 @@ def test_class_counters_equal_tc_and_the_sampler_reads_every_point(tmp_path) -> 
     assert spacing_ms.median() < 4
     up = df[df.point == "gbh0.up"]
     assert up["sent_bytes"].is_monotonic_increasing and up["sent_bytes"].iloc[-1] >= 30 * 1442
+
+
+def test_qdisc_counters_over_netlink_equal_what_tc_prints() -> None:
+    """The link sampler's read (``Network.point_stats``: an ``RTM_GETQDISC`` dump) against
+    ``tc -s -j qdisc show`` of the same queue, after a burst that overflowed it: the
+    same leaf counters, drops, backlog and HTB's overlimits."""
+    import os
+    import subprocess
+    import sys
+
+    from topo.netlink import RtNetlink
+    from topo.spec import LinkSpec
+    from topo.tc import Tc
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a network namespace and a veth")
+    host = subprocess.Popen(["unshare", "--net", "sleep", "60"])
+    nl = None
+    try:
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{host.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            assert time.monotonic() < deadline, "unshare never entered its namespace"
+            time.sleep(0.01)
+        tc = Tc().in_netns(host.pid, "h")
+        tc.run_all([["ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                    ["ip", "link", "set", "v0", "up"], ["ip", "link", "set", "v1", "up"]])
+        # 10 kbit/s: one 1000-byte frame leaves every 0.8 s, so the two reads below see
+        # the same queue; it holds 5 of the 30 frames sent at once, the rest are dropped.
+        tc.run_all(qdisc.shaping_commands("v0", LinkSpec(rate_mbps=0.01, queue_bytes=5000),
+                                          {"netem": False, "htb": True, "bfifo": True}))
+        # A dropped frame's send says ENOBUFS: expected here.
+        send = ("import contextlib, socket\n"
+                "s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)\n"
+                "s.bind(('v0', 0))\n"
+                "for _ in range(30):\n"
+                "    with contextlib.suppress(OSError):\n"
+                "        s.send(b'\\xff' * 6 + b'\\x02' * 6 + b'\\x08\\x00' + b'x' * 986)\n")
+        tc.run([sys.executable, "-c", send])
+        nl = RtNetlink(host.pid)
+        stats = [qdisc.QdiscStats(kind=c.kind, handle=qdisc.tc_handle(c.classid),
+                                  parent=qdisc.tc_handle(c.parent), sent_bytes=c.sent_bytes,
+                                  sent_pkts=c.sent_pkts, drops=c.drops,
+                                  overlimits=c.overlimits, requeues=c.requeues,
+                                  backlog_bytes=c.backlog_bytes, backlog_pkts=c.backlog_pkts)
+                 for c in nl.qdisc_counters("v0")]
+        printed = qdisc.bottleneck_counters(tc.run(qdisc.stats_command("v0"), echo=False))
+        got = qdisc.bottleneck_of(stats)
+        assert got == printed
+        assert got.drops > 0 and got.backlog_pkts > 0 and got.overlimits > 0, got
+        assert {(s.kind, s.handle, s.parent) for s in stats} >= {
+            ("htb", "1:", "root"), ("bfifo", "20:", "1:1")}
+    finally:
+        if nl is not None:
+            nl.close()
+        host.kill()
+        host.wait()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -10,7 +13,7 @@ from topo import qdisc
 from topo.cleanup import is_gradbed_link, is_gradbed_process
 from topo.qdisc import CapabilityError, QdiscStats
 from topo.spec import LinkSpec, SpecError
-from topo.tc import Tc, TcError
+from topo.tc import Tc, TcError, batches
 
 NO_NETEM = {"netem": False, "htb": True, "bfifo": True}
 WITH_NETEM = {"netem": True, "htb": True, "bfifo": True}
@@ -257,3 +260,70 @@ def test_ack_first_layout_puts_pure_acks_ahead_under_the_same_cap():
     delayed = LinkSpec(rate_mbps=10.0, delay_ms=5)
     assert not any("1:10" in " ".join(c) for c in qdisc.shaping_commands(
         "w0-eth0", delayed, {"netem": True}, ack_first=True))
+
+
+def test_consecutive_tc_and_ip_commands_are_cut_into_batches_in_order():
+    cmds = [["ethtool", "-K", "w0-eth0", "gso", "off"],
+            ["ip", "link", "set", "dev", "w0-eth0", "gso_max_segs", "1"],
+            ["tc", "qdisc", "replace", "dev", "w0-eth0", "root", "handle", "1:", "htb"],
+            ["tc", "class", "replace", "dev", "w0-eth0", "parent", "1:", "classid", "1:1"],
+            ["tc", "-s", "qdisc", "show"],  # a global option: alone
+            ["tc", "filter", "add", "dev", "w0-eth0", "u32", "match", "#x"],  # a comment
+            ["tc", "qdisc", "show"], ["tc", "class", "show"]]
+    got = batches(cmds)
+    assert got == [(None, [cmds[0]]), ("ip", [cmds[1]]), ("tc", cmds[2:4]), (None, [cmds[4]]),
+                   (None, [cmds[5]]), ("tc", cmds[6:8])]
+    assert [c for _, group in got for c in group] == cmds  # nothing lost, nothing moved
+
+
+@pytest.fixture
+def own_netns():
+    """A process in a network namespace of its own with a veth pair (a host's stand-in)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a network namespace and a veth")
+    p = subprocess.Popen(["unshare", "--net", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{p.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            assert time.monotonic() < deadline, "unshare never entered its namespace"
+            time.sleep(0.01)
+        Tc().in_netns(p.pid, "h").run(["ip", "link", "add", "v0", "type", "veth", "peer",
+                                       "name", "v1"])
+        yield p.pid
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_batch_runs_in_the_hosts_namespace_and_names_the_command_that_failed(own_netns,
+                                                                               monkeypatch):
+    started: list[list[str]] = []
+    real_run = subprocess.run
+
+    def counted(argv, **kw):
+        started.append(list(argv))
+        return real_run(argv, **kw)
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    lines: list[str] = []
+    host = Tc(log=lines.append).in_netns(own_netns, "h")
+    cmds = [*qdisc.offload_commands("v0", False, 2),
+            *qdisc.shaping_commands("v0", LinkSpec(rate_mbps=10.0, queue_bytes=20_000),
+                                    NO_NETEM)]
+    host.run_all(cmds)
+    # ethtool, ip, and the three tc commands as one process; each still echoed.
+    assert [a[5:] for a in started] == [cmds[0], cmds[1], ["tc", "-batch", "-"]]
+    assert [ln.split("  # ")[0][2:] for ln in lines] == [" ".join(c) for c in cmds]
+    shown = host.run(["tc", "qdisc", "show", "dev", "v0"], echo=False)
+    assert "htb 1: root" in shown and "bfifo 20: parent 1:1 limit 20000b" in shown
+    assert "gso_max_segs 2" in host.run(["ip", "-d", "link", "show", "v0"], echo=False)
+    good = ["tc", "qdisc", "replace", "dev", "v1", "root", "bfifo", "limit", "3000"]
+    bad = ["tc", "qdisc", "replace", "dev", "nosuch0", "root", "handle", "1:", "htb"]
+    after = ["tc", "qdisc", "replace", "dev", "v1", "root", "pfifo", "limit", "7"]
+    with pytest.raises(TcError) as info:
+        host.run_all([good, bad, after])
+    err = info.value
+    assert err.argv == bad and "nosuch0" in err.stderr and "Command failed" not in err.stderr
+    assert "host h (pid" in str(err)
+    shown = host.run(["tc", "qdisc", "show", "dev", "v1"], echo=False)
+    assert "bfifo" in shown and "pfifo" not in shown.replace("bfifo", "")  # it stopped there

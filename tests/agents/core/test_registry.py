@@ -131,8 +131,19 @@ def test_the_scan_reads_both_decorator_forms(tmp_path, monkeypatch) -> None:  # 
     (pkg / "one.py").write_text('@reg("by_argument")\nclass A:\n    pass\n')
     (pkg / "two.py").write_text('@reg\nclass B:\n    name = "by_attribute"\n'
                                 '@other("not_this")\nclass C:\n    pass\n')
+    # Nested where only a statement walk reaches them, and a module that never names the
+    # decorator (skipped unparsed, yet not valid Python: parsing it would raise).
+    (pkg / "three.py").write_text(
+        'try:\n    import x\nexcept ImportError:\n    @mod.reg("in_handler")\n'
+        '    def f():\n        pass\nif True:\n    class Outer:\n        @reg("in_class")\n'
+        '        class Inner:\n            pass\n'
+        'match 1:\n    case 1:\n        @reg("in_case")\n        def g():\n'
+        '            def h():\n                @reg("in_function")\n'
+        '                class D:\n                    pass\n')
+    (pkg / "four.py").write_text("this is not python (\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert RegistryKind("plug", "plugpkg", "reg").declared() == ("by_argument", "by_attribute")
+    assert RegistryKind("plug", "plugpkg", "reg").declared() == (
+        "by_argument", "by_attribute", "in_case", "in_class", "in_function", "in_handler")
 
 
 def test_shapes_roles_and_schedules_use_the_one_registry_type() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agents.core.events import now_ns
 from agents.workloads.base import FlatModel, Workload
 from agents.workloads.digits_cnn import DigitsCNN
 from agents.workloads.digits_mlp import DigitsMLP
@@ -47,10 +48,16 @@ def reference_weights(n_workers: int, iterations: int, lr: float, momentum: floa
 
 def test_dense_workers_match_single_process(tmp_path):
     n, iters = 3, 6
+    # A long refusal-report interval: the PS's accepting thread sleeps that long in accept()
+    # unless the PS's end wakes it, and the PS waits for that thread before it exits.
     run_dir, rc = run_loopback(tmp_path, [f"net.workers={n}", f"run.iterations={iters}",
                                           "workload.hidden=64", "workload.lr=0.2",
-                                          "workload.momentum=0.9", "workload.chunk_bytes=8192"])
+                                          "workload.momentum=0.9", "workload.chunk_bytes=8192",
+                                          "guard.refusal_report_interval_s=60"])
+    ended_ns = now_ns()
     assert rc == 0, (run_dir / "ps.log").read_text()
+    done = load_events(run_dir).query("event == 'ps_done'")["ts_ns"].iloc[0]
+    assert (ended_ns - done) / 1e9 < 30, "the PS's exit waited for its accepting thread"
     got = torch.load(run_dir / "ps_final_weights.pt")
     want = reference_weights(n, iters, 0.2, 0.9, 64, 32)
     assert got.shape == want.shape
