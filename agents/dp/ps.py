@@ -135,7 +135,7 @@ def _listening_socket(host: str, port: int, congestion: str) -> socket.socket:
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     wire.set_socket_options(srv, nodelay=True, congestion=congestion)
     srv.bind((host, port))
-    srv.listen(256)
+    srv.listen(handshake.LISTEN_BACKLOG)
     return srv
 
 
