@@ -37,9 +37,10 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agents.core.config import ExperimentConfig
 from agents.core.events import clock_fields
@@ -49,6 +50,8 @@ from topo import clocks
 from topo.cluster import REPO, Cluster, SshAccess, server_ip
 from topo.placement import LOCAL, servers_used
 from topo.spec import NetSpec
+
+T = TypeVar("T")
 
 # Each server's run directories: /run is a tmpfs on every Linux server (events are small)
 # and private to each fake server; not /run/gradbed/runs, the controller's run registry.
@@ -144,9 +147,9 @@ class RemoteAgents:
         next finds the socket)."""
         config = (self.run_dir / "config.toml").read_bytes()
         d = shlex.quote(str(self.remote_dir))
-        for s in self.servers:
-            p = self.ssh(s, f"rm -rf {d} && mkdir -p {d}/events && cat > {d}/config.toml",
-                         stdin=config)
+        made = _on_each(self.servers, lambda s: self.ssh(
+            s, f"rm -rf {d} && mkdir -p {d}/events && cat > {d}/config.toml", stdin=config))
+        for s, p in made.items():
             if p.returncode != 0:
                 raise RuntimeError(f"server {s}: could not make {self.remote_dir} (exit "
                                    f"{p.returncode}): {p.stderr.decode(errors='replace')}")
@@ -240,7 +243,8 @@ class RemoteAgents:
         """Every server's run directory into this one, its events aligned with the
         server's offsets (``clock_record``: ``Cluster.clocks``), then removed there. One
         line per server; a server that cannot be reached is said, not raised."""
-        return [self._gather_one(s, clock_record) for s in self.servers]
+        return list(_on_each(self.servers,
+                             lambda s: self._gather_one(s, clock_record)).values())
 
     def _gather_one(self, server: str, clock_record: Mapping[str, Mapping[str, Any]]) -> str:
         d = shlex.quote(str(self.remote_dir))
@@ -284,6 +288,13 @@ class RemoteAgents:
 
     def unregister(self) -> None:
         (RECORD_DIR / f"{self.run_dir.name}.json").unlink(missing_ok=True)
+
+
+def _on_each(servers: Sequence[str], fn: Callable[[str], T]) -> dict[str, T]:
+    """``fn(server)`` for every server at once (each mostly waits on its ssh round
+    trip); the results in the servers' order."""
+    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+        return dict(zip(servers, pool.map(fn, servers), strict=True))
 
 
 def registered(run_dir: Path) -> dict[str, Any] | None:
@@ -338,24 +349,26 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any], wait_s: float = 30.0) 
                        ssh_config=str(ssh.get("ssh_config", "")))
     remote_dir = shlex.quote(str(record.get("remote_dir", "")))
     clock_start = record.get("clocks", {}).get("start", {})
-    lines: list[str] = []
-    for server, ip in dict(record.get("servers", {})).items():
-        if server == LOCAL:
-            continue
-        argv = access.argv(str(ip))
+    servers = {s: str(ip) for s, ip in dict(record.get("servers", {})).items() if s != LOCAL}
+
+    def clean_one(server: str) -> list[str]:
+        argv = access.argv(servers[server])
         cleaned = _clean_locked(server, argv, wait_s)
-        lines += cleaned
         if any(ln.startswith(f"{server}: not cleaned") for ln in cleaned):
-            continue
+            return cleaned
         got = subprocess.run([*argv, f"test -d {remote_dir} || exit 0; tar -C {remote_dir} "
                                      f"-cf - {_excluded()} . && rm -rf {remote_dir}"],
                              capture_output=True, timeout=SSH_TIMEOUT_S, check=False)
         start = clocks.from_record(dict(clock_start.get(server, {})))
         if got.returncode == 0 and got.stdout:
             files = unpack_aligned(got.stdout, run_dir, _fixed(start))
-            lines.append(f"{server}: gathered {len(files)} file(s) and removed "
-                         f"{record.get('remote_dir')}")
-    return lines
+            cleaned.append(f"{server}: gathered {len(files)} file(s) and removed "
+                           f"{record.get('remote_dir')}")
+        return cleaned
+
+    # Each server under its own lock, all at once: one server's wait or round trips do
+    # not hold up the others'.
+    return [ln for lines in _on_each(list(servers), clean_one).values() for ln in lines]
 
 
 # Run on a server by ``gradbed cleanup``: topo.cleanup under that server's network lock.

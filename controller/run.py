@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -176,6 +177,7 @@ class Experiment:
         self.quiet = quiet
         # False: no report/index.html (a sweep writes one report for all its runs).
         self.report = report
+        self._say_lock = threading.Lock()
         # The agents' warm process when the caller started it early (``gradbed run`` does,
         # before its checks); the run then owns it and closes it at its teardown. None: the
         # run starts its own (controller.warm.warm_for_agents).
@@ -218,11 +220,13 @@ class Experiment:
             else:
                 print(line, file=sys.stderr, flush=True)
         try:
-            if self._logf is not None:
-                self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-                self._logf.flush()
-                if line.startswith("$ ") and self.events is not None:
-                    self.events.emit("tc", cmd=line[2:])
+            # A network over several servers says its commands from several threads.
+            with self._say_lock:
+                if self._logf is not None:
+                    self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+                    self._logf.flush()
+                    if line.startswith("$ ") and self.events is not None:
+                        self.events.emit("tc", cmd=line[2:])
         except OSError:
             pass  # a full disk: the line is lost, the run goes on and its summary has room
 

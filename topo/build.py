@@ -28,6 +28,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -128,6 +129,7 @@ class Network:
         self.impairment_records: list[dict[str, Any]] = []
         self.lock_wait_s = 0.0
         self.build_s = 0.0
+        self._checks: Future[None] | None = None  # the cluster's, started with the locks
         self.removed_at_exit: list[str] = []
 
     # ----------------------------------------------------------------- lifecycle
@@ -137,7 +139,16 @@ class Network:
             # Each server's lock too, in the order every run takes them
             # (topo.server_lock): two runs sharing a server never build over each other.
             self._locks = self.cluster.lock_set(self._lock, self._lock_timeout_s)
-        self._locks.acquire()
+            # The servers' checks only read them (versions, clock offsets): their ssh
+            # round trips run while the locks are taken, not after.
+            self._checks = _in_background(self.cluster.check)
+        try:
+            self._locks.acquire()
+        except BaseException:
+            if self.cluster is not None and self._checks is not None:
+                _settled(self._checks)
+                self.cluster.close()
+            raise
         # Waiting for another run's network is not bring-up time: keep them apart.
         self.lock_wait_s = time.monotonic() - t0
         try:
@@ -163,9 +174,8 @@ class Network:
         # The whole plan first: what the kernel cannot do is refused before anything exists.
         self.mechanisms = _require_impairments(spec, self.caps)
         plan = build_plan(spec, self.caps)
-        if self.cluster is not None:
-            self.cluster.precheck()
-            self.cluster.record_clocks("start")
+        if self._checks is not None:
+            self._checks.result()  # a server refused: before anything is built
         self.removed_at_start = self._cleanup()
         for line in self.removed_at_start:
             self._say(f"cleanup before build: {line}")
@@ -193,7 +203,7 @@ class Network:
                                     tc=self._on_server(self.tc, host))
                 # Appended first: a start that fails halfway is still torn down.
                 self.host_impairments.append(hi)
-                hi.__enter__()
+            self._each_host(lambda hi: hi.__enter__())
 
     @property
     def _seeded(self) -> bool:
@@ -229,10 +239,32 @@ class Network:
     def _any(self, field: str) -> bool:
         return any(getattr(p.point.link, field) > 0 for p in self.spec.places())
 
+    def _each_host(self, fn: Callable[[HostImpairment], object], reverse: bool = False
+                   ) -> None:
+        """``fn`` for each host's impairments: here one after another; on other servers
+        all at once (each host's rules and delay line are a few ssh round trips of its
+        own, and hosts do not depend on each other). The first error is raised once all
+        have run."""
+        his = self.host_impairments[::-1] if reverse else list(self.host_impairments)
+        if self.cluster is None:
+            for hi in his:
+                fn(hi)
+            return
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futures = [pool.submit(fn, hi) for hi in his]
+        for f in futures:
+            f.result()
+
     def _run_steps(self, steps: Sequence[Step]) -> None:
-        where = self.cluster.where if self.cluster is not None else {}
-        for host, dev, commands in group_steps(steps, where):
-            self._dev_tc(host, dev).run_all(commands)
+        if self.cluster is None:
+            for host, dev, commands in group_steps(steps, {}):
+                self._dev_tc(host, dev).run_all(commands)
+            return
+        # One ssh session per namespace, mostly waiting on its round trip; namespaces do
+        # not depend on each other, so all of them at once. The first failure is raised.
+        groups = group_steps(steps, self.cluster.where)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(lambda g: self._dev_tc(g[0], g[1]).run_all(g[2]), groups))
 
     def _cleanup(self) -> list[str]:
         """``topo.cleanup`` here (when a node runs here) and on every remote server."""
@@ -240,13 +272,14 @@ class Network:
         return here + (self.cluster.cleanup() if self.cluster is not None else [])
 
     def _teardown(self) -> None:
+        if self._checks is not None:  # a build refused early: its checks still ran
+            _settled(self._checks)
         for nl in self._netlink.values():
             nl.close()
         self._netlink.clear()
         try:
             # While the namespaces exist: rules out, delay lines stopped, records kept.
-            for hi in reversed(self.host_impairments):
-                hi.__exit__(None, None, None)
+            self._each_host(lambda hi: hi.__exit__(None, None, None), reverse=True)
             self.impairment_records = [hi.record() for hi in self.host_impairments]
             self.host_impairments.clear()
             if self.cluster is not None and "start" in self.cluster.clocks:
@@ -471,8 +504,16 @@ class Network:
         if algo not in globally_allowed:
             value = " ".join([*globally_allowed, algo])
             self.tc.run(["sysctl", "-w", f"net.ipv4.tcp_allowed_congestion_control={value}"])
-        for name in self.spec.host_names():
+        def set_in(name: str) -> None:
             self._host_tc(name).run(["sysctl", "-w", f"net.ipv4.tcp_congestion_control={algo}"])
+
+        if self.cluster is None:
+            for name in self.spec.host_names():
+                set_in(name)
+            return
+        # On other servers each is an ssh round trip, mostly waiting: all hosts at once.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(set_in, self.spec.host_names()))
 
     # ----------------------------------------------------------------- hosts
     def _require_net(self) -> Any:
@@ -530,6 +571,23 @@ class Network:
         full = self._host_tc(name).full_argv(argv)  # on the server that runs it
         return subprocess.run(full, capture_output=True, text=True, timeout=timeout_s,
                               check=True)
+
+
+def _in_background(fn: Callable[[], None]) -> Future[None]:
+    """``fn()`` on a thread of its own; its result (or error) in the future."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gbchecks")
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _settled(future: Future[None]) -> None:
+    """Wait for ``future`` and drop what it raised (the error in hand matters more)."""
+    try:
+        future.result()
+    except Exception:  # noqa: BLE001 - already failing with another error
+        pass
 
 
 def _cluster(spec: NetSpec, access: SshAccess | None,

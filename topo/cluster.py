@@ -253,6 +253,12 @@ class Cluster:
             raise SpecError("\n".join([*wrong, "every server needs the same gradbed, "
                                        "Mininet and torch (docs/cluster.md)"]))
 
+    def check(self) -> None:
+        """:meth:`precheck`, then the start's clock offsets: what a run learns of its
+        servers before it builds on them, touching nothing there."""
+        self.precheck()
+        self.record_clocks("start")
+
     def record_clocks(self, when: str) -> None:
         """Measure every remote server's clock offset now (min-RTT ping-pong over its
         ssh session) into ``clocks[when]``."""

@@ -52,6 +52,30 @@ def test_a_lock_set_releases_what_it_took_when_a_later_lock_fails():
     assert log == ["+a", "+b", "-b", "-a"]
 
 
+class _SlowToLetGo(ServerLock):
+    """A holder (run here by ``sh``) that takes ``linger_s`` to end once its pipe closes,
+    as a far server's ssh session takes its round trip."""
+
+    def __init__(self, name: str, linger_s: float) -> None:
+        super().__init__(name, LOCAL_SH, timeout_s=5)
+        self.linger_s = linger_s
+
+    def command(self) -> str:
+        return f"echo locked; cat >/dev/null; sleep {self.linger_s}"
+
+
+def test_a_lock_set_lets_every_server_go_at_once():
+    linger_s = 2.0
+    locks = LockSet([_SlowToLetGo(f"s{i}", linger_s) for i in range(3)])
+    locks.acquire()
+    t0 = time.monotonic()
+    locks.release()
+    took_s = time.monotonic() - t0
+    # One after another would take 3 x 2 s: the holders end side by side.
+    assert linger_s <= took_s < 2 * linger_s, took_s
+    assert not any(lock.held for lock in locks.locks if isinstance(lock, ServerLock))
+
+
 def _free(path: Path) -> bool:
     try:
         NetLock(str(path), timeout_s=0).acquire()
