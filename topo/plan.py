@@ -71,10 +71,12 @@ def require_impairments(spec: NetSpec, caps: Mapping[str, Any]) -> dict[str, str
                                           "NFQUEUE (iptables) for a seeded loss" if seeded
                                           else "netem or the statistic match (iptables)")):
             if value > 0 and mech[kind] is None:
+                said = "; ".join(f"{k}: {v}" for k, v in sorted(caps.items())
+                                 if k.endswith("_error"))
                 raise qdisc.CapabilityError(
                     f"{who}.{field}={value:g} needs {need} (shaping point {p.name} on "
                     f"{place.dev}), and this kernel has neither (gradbed probe shows what "
-                    "it has)")
+                    "it has)" + (f"; the probe said: {said}" if said else ""))
     return mech
 
 

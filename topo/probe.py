@@ -107,6 +107,9 @@ NETFILTER_TRIALS: dict[str, list[str]] = {
 }
 
 
+NETFILTER_TRIES = 3
+
+
 def probe_netfilter(ns: str) -> dict[str, Any]:
     """``nfqueue`` and ``xt_statistic``: whether iptables can install each in ``ns``'s raw
     table; ``iptables`` is the binary's version, None when it is missing."""
@@ -116,8 +119,18 @@ def probe_netfilter(ns: str) -> dict[str, Any]:
         return {**dict.fromkeys(NETFILTER_TRIALS, False), "iptables": None}
     out: dict[str, Any] = {"iptables": version}
     for name, args in NETFILTER_TRIALS.items():
-        out[name] = _run(["ip", "netns", "exec", ns, "iptables", "-w", "-t", "raw", "-A",
-                          "PREROUTING", "-i", "gbp0", *args]).returncode == 0
+        argv = ["ip", "netns", "exec", ns, "iptables", "-w", "-t", "raw", "-A", "PREROUTING",
+                "-i", "gbp0", *args]
+        # A loaded machine can make one try fail that says nothing about the kernel (20 s
+        # spent waiting on the xtables lock, nf_tables' transaction racing another run's),
+        # and a false "no" ends a run: try three times and keep the last reason.
+        for _ in range(NETFILTER_TRIES):
+            res = _run(argv)
+            if res.returncode == 0:
+                break
+        out[name] = res.returncode == 0
+        if not out[name]:
+            out[f"{name}_error"] = res.stderr.strip()[-300:] or f"exit {res.returncode}"
     return out
 
 
@@ -150,8 +163,8 @@ def probe(refresh: bool = False) -> dict[str, Any]:
 
     Keys: every qdisc in QDISC_TRIALS plus ``ingress``/``ifb`` (True/False, or None when
     the probe could not run, e.g. not root, with ``qdisc_probe_error`` saying why),
-    ``nfqueue``/``xt_statistic``/``iptables`` (``probe_netfilter``),
-    ``delay_mechanism``/``loss_mechanism`` (``topo.netfilter.mechanisms``),
+    ``nfqueue``/``xt_statistic``/``iptables`` (``probe_netfilter``; ``NAME_error`` with
+    iptables' last words where one was refused), ``delay_mechanism``/``loss_mechanism`` (``topo.netfilter.mechanisms``),
     ``tcp_congestion_control`` (list), ``tcp_congestion_control_default``, ``kernel``,
     ``ovs`` (None: could not tell), ``mininet_version``, ``iproute2``, ``root``,
     ``missing_tools`` (programs of :data:`TOOLS` not on ``PATH``) and ``unchecked`` (for

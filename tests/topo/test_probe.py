@@ -38,3 +38,36 @@ def test_a_background_probe_and_the_runs_own_call_share_one_trial(monkeypatch):
 def _fresh_cache():
     yield
     probe_mod._cache = None
+
+
+def _iptables_answers(monkeypatch, answers: list[int]) -> list[list[str]]:
+    """``_run`` where ``iptables -V`` works and each rule trial exits with the next of
+    ``answers`` (a loaded machine's refusals, then the kernel's own answer)."""
+    import subprocess
+
+    tried: list[list[str]] = []
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        if argv[:2] == ["iptables", "-V"]:
+            return subprocess.CompletedProcess(argv, 0, "iptables v1.8.9 (nf_tables)\n", "")
+        tried.append(argv)
+        rc = answers.pop(0) if answers else 0
+        return subprocess.CompletedProcess(argv, rc, "", "" if rc == 0 else
+                                           "iptables: Resource temporarily unavailable.")
+
+    monkeypatch.setattr(probe_mod, "_run", run)
+    return tried
+
+
+def test_a_netfilter_trial_refused_twice_by_a_busy_machine_still_reads_yes(monkeypatch):
+    tried = _iptables_answers(monkeypatch, [4, 4, 0, 0])
+    out = probe_mod.probe_netfilter("gbprobe-test")
+    assert out["nfqueue"] is True and out["xt_statistic"] is True, out
+    assert len(tried) == 4 and not any(k.endswith("_error") for k in out), out
+
+
+def test_a_netfilter_trial_refused_every_time_reads_no_and_keeps_the_reason(monkeypatch):
+    _iptables_answers(monkeypatch, [0] + [4] * probe_mod.NETFILTER_TRIES)
+    out = probe_mod.probe_netfilter("gbprobe-test")
+    assert out["nfqueue"] is True and out["xt_statistic"] is False, out
+    assert "temporarily unavailable" in out["xt_statistic_error"], out
