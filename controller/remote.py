@@ -37,7 +37,6 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,7 +46,7 @@ from agents.core.events import clock_fields
 from controller.agent_env import agent_environment
 from controller.warm_remote import ServerWarms
 from topo import clocks
-from topo.cluster import REPO, Cluster, SshAccess, server_ip
+from topo.cluster import REPO, Cluster, SshAccess, on_each, server_ip
 from topo.placement import LOCAL, servers_used
 from topo.spec import NetSpec
 
@@ -147,7 +146,7 @@ class RemoteAgents:
         next finds the socket)."""
         config = (self.run_dir / "config.toml").read_bytes()
         d = shlex.quote(str(self.remote_dir))
-        made = _on_each(self.servers, lambda s: self.ssh(
+        made = on_each(self.servers, lambda s: self.ssh(
             s, f"rm -rf {d} && mkdir -p {d}/events && cat > {d}/config.toml", stdin=config))
         for s, p in made.items():
             if p.returncode != 0:
@@ -243,7 +242,7 @@ class RemoteAgents:
         """Every server's run directory into this one, its events aligned with the
         server's offsets (``clock_record``: ``Cluster.clocks``), then removed there. One
         line per server; a server that cannot be reached is said, not raised."""
-        return list(_on_each(self.servers,
+        return list(on_each(self.servers,
                              lambda s: self._gather_one(s, clock_record)).values())
 
     def _gather_one(self, server: str, clock_record: Mapping[str, Mapping[str, Any]]) -> str:
@@ -288,13 +287,6 @@ class RemoteAgents:
 
     def unregister(self) -> None:
         (RECORD_DIR / f"{self.run_dir.name}.json").unlink(missing_ok=True)
-
-
-def _on_each(servers: Sequence[str], fn: Callable[[str], T]) -> dict[str, T]:
-    """``fn(server)`` for every server at once (each mostly waits on its ssh round
-    trip); the results in the servers' order."""
-    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
-        return dict(zip(servers, pool.map(fn, servers), strict=True))
 
 
 def registered(run_dir: Path) -> dict[str, Any] | None:
@@ -368,7 +360,7 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any], wait_s: float = 30.0) 
 
     # Each server under its own lock, all at once: one server's wait or round trips do
     # not hold up the others'.
-    return [ln for lines in _on_each(list(servers), clean_one).values() for ln in lines]
+    return [ln for lines in on_each(list(servers), clean_one).values() for ln in lines]
 
 
 # Run on a server by ``gradbed cleanup``: topo.cleanup under that server's network lock.

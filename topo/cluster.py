@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +56,17 @@ VNI_BASE = 4200
 SSH_TIMEOUT_S = 60.0
 # Where gradbed lives: the same path on every server (docs/cluster.md).
 REPO = Path(__file__).resolve().parents[1]
+
+
+def on_each(servers: Sequence[str], fn: Callable[[str], T]) -> dict[str, T]:
+    """``fn(server)`` for every server at once (each mostly waits on its own ssh round
+    trips, so a run's start and end cost one server's time, not their sum); the results
+    in the servers' order. The first failure is raised once all have finished."""
+    if len(servers) < 2:
+        return {s: fn(s) for s in servers}
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        futures = {s: pool.submit(fn, s) for s in servers}
+        return {s: f.result() for s, f in futures.items()}
 
 
 @dataclass(frozen=True)
@@ -283,14 +294,7 @@ class Cluster:
                          f"(+- {off.error_ns / 1e6:.3f} ms, {when})")
 
     def _on_each(self, fn: Callable[[str], T]) -> dict[str, T]:
-        """``fn(server)`` for every remote server at once (each waits on its own ssh
-        round trips, so a run's start and end cost one server's time, not their sum);
-        the results in the servers' order."""
-        if len(self.remote) < 2:
-            return {s: fn(s) for s in self.remote}
-        with ThreadPoolExecutor(max_workers=len(self.remote)) as pool:
-            futures = {s: pool.submit(fn, s) for s in self.remote}
-            return {s: f.result() for s, f in futures.items()}
+        return on_each(self.remote, fn)
 
     def _underlay(self) -> dict[str, str]:
         """server -> the address peers reach it at (this machine: its route's source)."""

@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -41,7 +40,7 @@ from controller.torchrun import host_sampler
 from controller.torchrun.host_sampler import WatchedHost
 from controller.torchrun.sockdiag import ConnSampler
 from topo import clocks
-from topo.cluster import REPO, Cluster
+from topo.cluster import REPO, Cluster, on_each
 
 #: Variables of the controller's environment that the ranks on another server get too
 #: (besides the plan's and the user's): gradbed's own and the usual knobs of torch, its
@@ -236,9 +235,7 @@ class RankServers:
                               check=False)
 
     def _on_each(self, fn: Callable[[str], Any]) -> dict[str, Any]:
-        with ThreadPoolExecutor(max_workers=max(1, len(self.servers))) as pool:
-            futures = {s: pool.submit(fn, s) for s in self.servers}
-            return {s: f.result() for s, f in futures.items()}
+        return on_each(self.servers, fn)
 
     def prepare(self, paths: Mapping[str, str], user: str) -> dict[str, ServerUser | None]:
         """Check every server (:func:`check_script`) and make its hosts' log folders;
