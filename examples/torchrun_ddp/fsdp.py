@@ -11,7 +11,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
+from digits_data import load_digits
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -28,9 +28,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    x, y = load_digits()
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     for layer in model:
         if isinstance(layer, nn.Linear):

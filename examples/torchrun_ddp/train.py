@@ -1,9 +1,10 @@
 """A plain DDP training script: nothing here knows about gradbed.
 
-A two-layer MLP learns scikit-learn's digits (1,797 8x8 images) with DistributedDataParallel
-over gloo. Every step draws one seeded global batch; rank r trains on its slice of it, and
-DDP's all-reduce averages the gradients, so the parameters after K steps depend on the seed
-and the world size only, never on the network or the timing.
+A two-layer MLP learns scikit-learn's digits (1,797 8x8 images; ``digits_data.py`` beside
+it reads them) with DistributedDataParallel over gloo. Every step draws one seeded global
+batch; rank r trains on its slice of it, and DDP's all-reduce averages the gradients, so the
+parameters after K steps depend on the seed and the world size only, never on the network
+or the timing.
 
     torchrun --standalone --nproc-per-node 4 train.py --steps 20          # one machine
     sudo gradbed torchrun examples/torchrun_ddp/fabric4.toml -- \\
@@ -22,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
+from digits_data import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,9 +48,7 @@ def main() -> None:
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world}")
     torch.manual_seed(args.seed)
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    x, y = load_digits()
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     ddp = DDP(model)  # broadcasts rank 0's parameters to every rank
     if args.hook:

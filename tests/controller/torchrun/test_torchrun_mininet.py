@@ -108,12 +108,15 @@ def loopback_started(tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """The DDP script on loopback (4 local processes, no emulation), STEPS + 1 steps, started
     before the example's Mininet run so that it runs beside that run's network set-up,
-    waits and teardown."""
+    waits and teardown. Its ranks are forks of one process that imported torch
+    (tests.support.fork_ranks): 4 ranks and a torchrun agent each importing it would take
+    the CPU the emulated run's own imports need."""
     d = tmp_path_factory.mktemp("loopback")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fork_ranks", "4",
+                             str(EXAMPLE / "train.py"),
                              "--steps", str(STEPS + 1), "--history", str(d / "hist.pt")],
-                            cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     yield proc, d
     if proc.poll() is None:
         proc.kill()
