@@ -168,8 +168,10 @@ def test_ddp_run_directory_records_ranks_bytes_and_shaping(ddp: tuple[Done, Path
                b["payload_sent_bytes"]), b
     assert load_run(run_dir).summary == s
     assert 0 < s["torchrun"]["points_busy_utilization"]["gbh3.up"] <= 1.05  # the traced uplink
-    env = json.loads((run_dir / "meta.json").read_text())["torchrun"]["hosts"]["gbh2"]["env"]
-    assert env["GLOO_SOCKET_IFNAME"] == "gbh2-eth0"
+    hosts = json.loads((run_dir / "meta.json").read_text())["torchrun"]["hosts"]
+    assert hosts["gbh2"]["env"]["GLOO_SOCKET_IFNAME"] == "gbh2-eth0"
+    # Every host's torchrun agent was a fork of the process that imported torch once.
+    assert all(h["forked"] for h in hosts.values()), hosts
     # The example does not instrument DDP: no transfer window, so no regime, and why.
     assert s["agent_limited"] is None and s["agent_limited_why"] == UNINSTRUMENTED_WHY, s
     # The class sampler ran, on every access link of the fabric.
