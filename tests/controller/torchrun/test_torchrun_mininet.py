@@ -1,8 +1,9 @@
 """``gradbed torchrun`` in real Mininet (root), on the example's fabric and on the star.
 
-A run costs a network, two torch imports per host (torchrun, then the rank) and a teardown
-on a shared 2-core machine, so there are six, each as small as its checks allow, and a
-run that several tests read is made once per module:
+A run costs a network, a torch import per rank (each host's torchrun agent is a fork of
+one process that imported it) and a teardown on a shared 2-core machine, so there are six,
+each as small as its checks allow, and a run that several tests read is made once per
+module:
 
 - the example's DDP script on its 4 fabric hosts (5 ms and 0.1 % loss on every uplink,
   gbh3's replaying the cellular trace) ends with the parameters of the same script on
@@ -403,14 +404,16 @@ def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -> None:
-    """Rank 1 sleeps before init_process_group; rank 0 waits in its. After
-    torchrun.stall_s without a byte or CPU the run ends naming rank 1 and its variables,
-    long before gloo's 30-minute timeout. stall_s is far below the 10-20 s a torch import
-    takes on a loaded 2-core machine: a host importing uses CPU, so it is not judged, and
-    rank 0's host, waiting in init_process_group for rank 1, is not judged either."""
+    """Rank 1 sleeps before it imports torch and calls init_process_group; rank 0 waits in
+    its. After torchrun.stall_s without a byte or CPU the run ends naming rank 1 and its
+    variables, long before gloo's 30-minute timeout. stall_s is far below the 10-20 s a
+    torch import takes on a loaded 2-core machine: rank 0's host, importing, uses CPU, so
+    it is not judged, and once its rank waits in init_process_group for rank 1, it is not
+    judged either."""
     script = write_script(tmp_path, "late.py",
-                          "import os, time, torch.distributed as dist\n"
+                          "import os, time\n"
                           "if os.environ['RANK'] == '1':\n    time.sleep(600)\n"
+                          "import torch.distributed as dist\n"
                           "dist.init_process_group('gloo')\n"
                           "dist.barrier()\n")
     done = gradbed_torchrun(tmp_path, script, [], [*SMALL, f"torchrun.stall_s={LATE_STALL_S}"])
