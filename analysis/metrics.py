@@ -834,6 +834,24 @@ def workers_lost(events: pd.DataFrame) -> list[dict[str, Any]]:
             for _, r in lost.iterrows()]
 
 
+def agents_lost(events: pd.DataFrame) -> list[dict[str, Any]]:
+    """Every agent the controller declared lost (its ``agent_lost`` events), in order, each
+    ``{"host", "role", "t_s", "reason", "action"}``: a process that died or went silent
+    for ``run.stall_timeout_s``, whatever its role (a flow generator source, a stage, a
+    worker); ``action`` is what followed (``stop``, or ``peers decide``: the run went on
+    unless the agent's peers stopped it). ``t_s`` counts as in :func:`workers_lost`."""
+    if events.empty:
+        return []
+    lost = events[events["event"] == "agent_lost"].sort_values("ts_ns")
+    if lost.empty:
+        return []
+    starts = events.loc[events["event"] == "run_start", "ts_ns"]
+    t0 = int(starts.min()) if len(starts) else int(events["ts_ns"].min())
+    return [{"host": str(r["host"]), "role": str(r["role"]),
+             "t_s": round((int(r["ts_ns"]) - t0) / 1e9, 3), "reason": str(r["reason"]),
+             "action": str(r["action"])} for _, r in lost.iterrows()]
+
+
 #: One line per column the summary and the report print: what it is, with its unit. The
 #: formula is in the docstring of the function named in brackets.
 GLOSSARY: dict[str, str] = {
@@ -876,6 +894,9 @@ GLOSSARY: dict[str, str] = {
     "fct_s_p99": "99th percentile background flow completion time (s)",
     "workers_lost": "workers the PS lost (connection failed or sent garbage; not a scheduled "
                     "leave): worker, iter, t_s since run start, reason",
+    "agents_lost": "agents the controller declared lost (died, or silent for "
+                   "run.stall_timeout_s), any role: host, role, t_s, reason, action "
+                   "[agents_lost]",
     "interrupted": "the run was interrupted (Ctrl-C, SIGTERM)",
     "stop_reason": "why the run ended",
     "error": "the error that ended the run, when one did (a failed start, a crash)",

@@ -198,14 +198,8 @@ class Experiment:
         # run there (controller.remote); None: everything on this machine.
         self._access: SshAccess | None = None
         if servers_used(self.spec) != [LOCAL]:
-            from controller.roles.torchrun import ROLE as TORCHRUN
             from topo.cluster import SshAccess
 
-            if any(h.role == TORCHRUN for h in self.spec.hosts):
-                # Its ranks' variables and log folders name this machine's run directory,
-                # and its start is its own (controller.torchrun): not carried over yet.
-                raise SpecError("gradbed torchrun across servers is not supported yet; "
-                                "leave cluster.servers = [\"localhost\"] (docs/cluster.md)")
             self._access = SshAccess.from_config(self.cfg.cluster)
         self._remote: RemoteAgents | None = None
         self._ctl: ControlServer | None = None
@@ -397,7 +391,12 @@ class Experiment:
                 if ctl is not None:
                     ctl.close()
                 if starter is not None:
-                    rundir.best_effort(starter.close, "warm process", self.say)
+                    warm_log = run_dir / "warm.log"
+                    rundir.best_effort(lambda: starter.close(keep_log=warm_log),
+                                       "warm process", self.say)
+                    if starter.log_kept is not None:
+                        self.say(f"the warm process could not preload the agents' imports "
+                                 f"(each agent imports them itself); it said why in {warm_log}")
                 if warms is not None:
                     for line in warms.close():
                         self.say(line)

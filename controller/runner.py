@@ -51,6 +51,7 @@ class RoleRunner:
         self.heard_s: dict[str, float] = {}
         self.done_reasons: dict[str, str] = {}
         self._failed_since: float | None = None  # a deciding process's error exit first seen
+        self._declared: set[int] = set()  # pids of the processes declared lost
         self.procs: list[tuple[Role, RoleCommand, subprocess.Popen[Any]]] = []
         self.sessions: list[RoleSession] = []
 
@@ -124,9 +125,7 @@ class RoleRunner:
         the stop reason.
         Returns the stop reason."""
         enders = [(r, c, p) for r, c, p in self.procs if r.ends_run]
-        others = [(r, c, p) for r, c, p in self.procs if not r.ends_run]
         deadline = time.monotonic() + timeout_s
-        reported: set[int] = set()
         while any(p.poll() is None for _, _, p in enders):
             if watch is not None and (why := watch()):
                 self.say(f"{why}: stopping")
@@ -137,14 +136,10 @@ class RoleRunner:
             lost = self._lost()
             if lost:
                 return lost
-            for i, (_, c, p) in enumerate(others):
-                if p.poll() not in (None, 0) and i not in reported:
-                    reported.add(i)
-                    self.say(f"{c.host} exited with status {p.returncode}; "
-                             f"see {c.log or f'logs/{c.host}.log'}")
+            self._note_failed_others()
             time.sleep(POLL_S)
         end = time.monotonic() + GRACE_S
-        for _, _, p in others:
+        for _, _, p in (x for x in self.procs if not x[0].ends_run):
             try:
                 p.wait(timeout=max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -170,11 +165,23 @@ class RoleRunner:
                 why = (f"{c.host} lost: no heartbeat for {now - heard:.1f} s "
                        f"(run.stall_timeout_s = {stall_s:g})")
                 self._declare(role, c, why)
+                self._declared.add(p.pid)
                 p.kill()
                 p.wait()
                 if role.ends_run:
                     return why
         return self._failed_enders(settle=True)
+
+    def _note_failed_others(self) -> None:
+        """A process of a role that does not end the run failed (a killed flow generator
+        source, a worker that crashed): declared lost once, ``peers decide``, and the run
+        goes on. Its session may have started it after the wait began, so ``procs`` is
+        read anew."""
+        for role, c, p in self.procs:
+            if not role.ends_run and p.poll() not in (None, 0) and p.pid not in self._declared:
+                self._declared.add(p.pid)
+                self._declare(role, c, f"{c.host} exited with status {p.returncode}; "
+                                       f"see {c.log or f'logs/{c.host}.log'}")
 
     def _failed_enders(self, settle: bool) -> str:
         """The stop reason when a process of a role that ends the run failed, else "".

@@ -6,6 +6,9 @@ each key means), so the summary, the HTML report and the notebooks always agree.
 module adds only what the controller alone knows: the worker count it asked for, the wall
 time, and how and why the run ended.
 
+``agents_lost``: every agent the controller declared lost (``agent_lost`` events), any
+role, each ``{"host", "role", "t_s", "reason", "action"}``.
+
 ``workers_lost``: every worker the PS lost (its ``worker_lost`` events), in order, each
 ``{"worker", "iter", "t_s", "reason"}``; ``t_s`` counts from the controller's ``run_start``
 (else the first event). Empty when none was lost; a worker that left by the membership
@@ -23,6 +26,7 @@ import pandas as pd
 from analysis.metrics import (
     agent_limited,
     agent_limited_points,
+    agents_lost,
     busiest_point_windows,
     headline,
     merge_windows,
@@ -175,6 +179,7 @@ def summarize(events: pd.DataFrame, links: pd.DataFrame, cfg: dict[str, Any],
     else:
         out.update({"iterations": 0, "bytes_up": 0, "bytes_down": 0})
     out["workers_lost"] = workers_lost(events)
+    out["agents_lost"] = agents_lost(events)
     pc = cfg.get("pipeline", {})
     if int(pc.get("stages", 0)) > 0 and not events.empty \
             and (events["event"] == "pp_action").any():

@@ -89,7 +89,6 @@ def _serve(sock: socket.socket, workload: str = "") -> None:
                 if not msg:  # the client went: leave nothing behind
                     for pidfd in children:
                         _try_signal(pidfd, signal.SIGKILL)
-                    _drop_empty_log()
                     os._exit(0)
                 req = json.loads(msg)
                 if req["op"] == "spawn":
@@ -157,18 +156,6 @@ def _preload(workload: str) -> None:
     except Exception:  # noqa: BLE001 - any failure is the agent's to report
         print(f"warm process: preloading for workload {workload!r} failed (the agents "
               f"import it themselves):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-
-
-def _drop_empty_log() -> None:
-    """Remove this process's log (its stderr, :attr:`WarmStarter.log`) when it says
-    nothing: a caller that was killed never got to remove it itself."""
-    try:
-        path = os.readlink("/proc/self/fd/2")
-        if (Path(path).name.startswith("gradbed-warm-") and path.endswith(".log")
-                and os.fstat(2).st_size == 0):
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 def _tell(sock: socket.socket, reply: dict[str, Any]) -> None:
@@ -273,18 +260,22 @@ any workload import). Empty: torch, numpy and cryptography only.
         start_env = dict(os.environ if env is None else env)
         self.free_env = frozenset(free_env)
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.log = Path(tempfile.gettempdir()) / f"gradbed-warm-{os.getpid()}-{id(self)}.log"
+        # The warm process's stderr (what it says when a preload fails): a file with no
+        # name, so that no run, not even a SIGKILLed caller's, leaves one in /tmp; the
+        # caller keeps what it says in its run directory (close(keep_log=...)).
+        self.log: IO[bytes] = tempfile.TemporaryFile(prefix="gradbed-warm-")
         self.env = self._env(start_env)
-        with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "controller.warm", str(theirs.fileno()),
-                 workload or "-", "-" * ARGV_ROOM_BYTES], cwd=REPO, env=start_env,
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=err,
-                # A terminal's Ctrl-C or hangup is for the caller, which stops the agents
-                # itself; the warm process must outlive it to report their exits.
-                start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "controller.warm", str(theirs.fileno()),
+             workload or "-", "-" * ARGV_ROOM_BYTES], cwd=REPO, env=start_env,
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=self.log,
+            # A terminal's Ctrl-C or hangup is for the caller, which stops the agents
+            # itself; the warm process must outlive it to report their exits.
+            start_new_session=True)
         theirs.close()
+        self.log_kept: Path | None = None  # where close() kept what the log says
+        self.said = ""  # what the log said when close() ended the process
         self.ready = False
         self.gone = False  # the warm process ended: its children are asked directly
         self.lock = threading.Lock()  # one request and its reply at a time
@@ -300,7 +291,7 @@ any workload import). Empty: torch, numpy and cryptography only.
         except TimeoutError:
             ready = {}
         if "ready" not in ready:
-            raise RuntimeError(f"the warm process did not start: {self.log.read_text()}")
+            raise RuntimeError(f"the warm process did not start: {self.log_text()}")
         self.sock.settimeout(None)
         self.ready = True
         threading.Thread(target=self._read, name="warm-reader", daemon=True).start()
@@ -318,8 +309,8 @@ any workload import). Empty: torch, numpy and cryptography only.
             with self.cond:
                 if not msg:
                     self.gone = True
-                    self.replies.append({"error": "the warm process is gone "
-                                                  f"(its log: {self.log})"})
+                    self.replies.append({"error": "the warm process is gone; it said: "
+                                                  f"{self.log_text()[-2000:]!r}"})
                     self.cond.notify_all()
                     return
                 m = json.loads(msg)
@@ -387,8 +378,17 @@ any workload import). Empty: torch, numpy and cryptography only.
                           env=kw.get("env"), netns_pid=netns_pid,
                           start_new_session=bool(kw.get("start_new_session")))
 
-    def close(self) -> None:
-        """End the warm process; it kills any child it still has."""
+    def log_text(self) -> str:
+        """What the warm process has written to its stderr so far."""
+        try:
+            return os.pread(self.log.fileno(), 1 << 20, 0).decode("utf-8", "replace")
+        except (OSError, ValueError):  # closed already
+            return ""
+
+    def close(self, keep_log: Path | None = None) -> None:
+        """End the warm process; it kills any child it still has. ``keep_log``: where to
+        keep what its log says (a run's ``RUN/warm.log``), written only when it says
+        something (a preload failed); without it, the log goes with the process."""
         try:  # shutdown, not just close: it wakes our reader thread's recv, and the
             # warm process reads EOF, kills what is left and exits
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -404,8 +404,16 @@ any workload import). Empty: torch, numpy and cryptography only.
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if self.log.exists() and self.log.stat().st_size == 0:  # kept only if it says why
-            self.log.unlink()
+        text = self.log_text()
+        if not self.log.closed:
+            self.said = text
+        if text and keep_log is not None and self.log_kept is None:
+            # O_EXCL | O_NOFOLLOW: never through a link planted in a user's run directory.
+            fd = os.open(keep_log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with open(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            self.log_kept = keep_log
+        self.log.close()
 
 
 class WarmProcess:

@@ -355,6 +355,8 @@ _declare("run_end", "controller", "the run ended", reason="completed, timeout, i
 _declare("tc", "controller", "one tc command the topology ran", cmd="the command line")
 _declare("trace_step", "controller", "the bottleneck rate changed (trace replay)",
          direction="up or down", rate_mbps="the new rate (Mbit/s)",
+         applied_mbps="the HTB rate it was replayed as: rate_mbps, at least 0.01 (a zero "
+                      "rate, a dark link, is 0.01; controller.driver.applied_rate_mbps)",
          index="step index in the trace", loop="how many times the trace wrapped",
          lag_ms="how late the change landed (ms)")
 _declare("replay_error", "controller", "trace replay stopped on an error", error="the message")

@@ -135,7 +135,7 @@ def _listening_socket(host: str, port: int, congestion: str) -> socket.socket:
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     wire.set_socket_options(srv, nodelay=True, congestion=congestion)
     srv.bind((host, port))
-    srv.listen(256)
+    srv.listen(handshake.LISTEN_BACKLOG)
     return srv
 
 
@@ -144,6 +144,30 @@ def _log_sends(log: EventLog, sends: WeightSends, conns: dict[int, _Conn]) -> No
     for s in sends.finished({w: c.written_bytes for w, c in conns.items()}, now_ns()):
         log.emit("weights_sent", iter=s.iteration, worker=s.worker, start_ns=s.start_ns,
                  end_ns=s.end_ns, bytes=s.bytes)
+
+
+def _welcome(lp: loop.EventLoop, conn: _Conn, weights: torch.Tensor,
+             chunks: list[tuple[int, int]], crcs: list[list[int]], *, tag: int,
+             iteration: int) -> None:
+    """Queue WELCOME and the whole model to a joiner. ``crcs``: each chunk's payload CRC,
+    filled by the first joiner and reused by the others (the bytes are the same).
+
+    Sealing every joiner's copy of the model (a MAC over each byte, per connection) and
+    pushing it into the kernel takes seconds on a loaded host (3.7 s for four copies of
+    102 MB at load 7-11, docs/performance.md). The joiner welcomed first has its weights
+    by then and is uploading, so the loop reads and writes between chunks: unread, that
+    upload's receive window closes and the up link idles until the last joiner is in."""
+    w = conn.worker
+    lp.write(conn, wire.bytes_buffers(codec.hello_payload("ps", w),
+                                      msg_type=codec.MsgType.WELCOME, run_tag=tag, worker=w,
+                                      iteration=iteration, mac=conn.session.down))
+    for c, (s, e) in enumerate(chunks):
+        if c == len(crcs):
+            crcs.append(wire.payload_crcs([weights[s:e]]))
+        lp.write(conn, wire.message_buffers(
+            [weights[s:e]], msg_type=codec.MsgType.WEIGHTS, run_tag=tag, worker=w,
+            iteration=iteration, chunk=c, mac=conn.session.down, crcs=crcs[c]))
+        lp.run_once(0)  # what arrived meanwhile becomes events, handled after admission
 
 
 def _accept_in_background(ps: ParameterServer) -> threading.Thread:
@@ -518,18 +542,13 @@ class ParameterServer:
             return
         self.pacer.apply_commands(self.ctl.poll(), self.conns, self.iteration)
         weights = self.model.flat_params.clone()  # what they get, whatever steps next
+        crcs: list[list[int]] = []  # each chunk's payload CRC, the same for every joiner
         for w in joined:
             del self.pending[w]
             if w in self.pacer.pacing_bps:
                 self.pacer.pace(w, self.conns.get(w), self.iteration)
-            conn = self.conns[w]
-            self.loop.write(conn, wire.bytes_buffers(
-                codec.hello_payload("ps", w), msg_type=codec.MsgType.WELCOME, run_tag=self.tag,
-                worker=w, iteration=self.iteration, mac=conn.session.down))
-            for c, (s, e) in enumerate(self.chunks):
-                self.loop.write(conn, wire.message_buffers(
-                    [weights[s:e]], msg_type=codec.MsgType.WEIGHTS, run_tag=self.tag,
-                    worker=w, iteration=self.iteration, chunk=c, mac=conn.session.down))
+            _welcome(self.loop, self.conns[w], weights, self.chunks, crcs, tag=self.tag,
+                     iteration=self.iteration)
             self.barrier.admit(w)
             self.log.emit("worker_joined", iter=self.iteration, worker=w)
         self._report_membership()

@@ -119,20 +119,23 @@ class Mesh:
     def open(self) -> Mesh:
         """Dial every host below this one and take the handshakes of every host above it.
         Those handshakes run on threads under the admission limits
-        (``agents.net.handshake.accept_forever``), so a stranger trickling its hello holds
-        one slot, not the real hosts' way in; refusals are reported aggregated."""
+        (``agents.net.handshake.accept_forever``), each host above this one keeping a slot
+        of its own (its address), so strangers trickling their hellos hold their slots,
+        not the real hosts' way in; refusals are reported aggregated."""
         host, port = self.addrs[self.me]
         ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         ls.bind((host, port))
-        ls.listen(max(16, self.hosts))
+        ls.listen(max(handshake.LISTEN_BACKLOG, self.hosts))
         self._listener = ls
         joined: queue.SimpleQueue[link.Link] = queue.SimpleQueue()
         stopped = threading.Event()
         threading.Thread(target=handshake.accept_forever, name=f"mesh{self.me}-accept",
                          daemon=True, args=(ls, lambda conn, _: joined.put(self._accept(conn))),
                          kwargs=dict(stopped=stopped, report=self._refused,
-                                     limits=self.limits)).start()
+                                     limits=self.limits,
+                                     expected={a for a, _ in self.addrs[self.me + 1:]})
+                         ).start()
         try:
             for j in range(self.me):
                 self._connect(j)
@@ -174,7 +177,9 @@ class Mesh:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                s = socket.create_connection(self.addrs[j], timeout=self.timeout_s)
+                # From this host's own address: the one host j keeps a slot for.
+                s = socket.create_connection(self.addrs[j], timeout=self.timeout_s,
+                                             source_address=(self.addrs[self.me][0], 0))
                 break
             except OSError:
                 if time.monotonic() > deadline:

@@ -51,6 +51,11 @@ ACCEPT_BACKOFF_S = (0.01, 1.0)
 #: How long a refusal (an ERROR frame) may take to write: a peer that does not read
 #: must not hold the answering end.
 REFUSE_TIMEOUT_S = 1.0
+#: The listen backlog of every socket that accepts through :func:`accept_forever`. A
+#: flood's connections wait there until the accept loop refuses them; past the backlog
+#: the kernel drops SYNs, a real peer's with them, and its connect retries only after
+#: 1 s, then 3 s, 7 s...
+LISTEN_BACKLOG = 256
 
 class EventSink(Protocol):
     """Where handshakes are reported: an agent's event log (``agents.core.events.EventLog``)."""

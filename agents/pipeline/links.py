@@ -167,13 +167,15 @@ class Neighbour:
         return self.sender.bytes_sent if self.sender is not None else 0
 
 
-def _dial(addr: tuple[str, int]) -> socket.socket:
-    """Connect to ``addr``, retrying until ``CONNECT_TIMEOUT_S`` (the peer may not listen
-    yet: every stage starts at once)."""
+def _dial(addr: tuple[str, int], source: str) -> socket.socket:
+    """Connect to ``addr`` from ``source`` (this stage's own address, the one its peers
+    keep an admission slot for), retrying until ``CONNECT_TIMEOUT_S`` (the peer may not
+    listen yet: every stage starts at once)."""
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while True:
         try:
-            return socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
+            return socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S,
+                                            source_address=(source, 0))
         except OSError:
             if time.monotonic() > deadline:
                 raise
@@ -212,7 +214,7 @@ class StageLinks:
         wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
         self.srv.bind(("0.0.0.0" if peers[stage][0] != "127.0.0.1" else "127.0.0.1",
                        peers[stage][1]))
-        self.srv.listen(16)
+        self.srv.listen(handshake.LISTEN_BACKLOG)
 
     @property
     def neighbours(self) -> list[Neighbour]:
@@ -240,7 +242,7 @@ class StageLinks:
                    ) -> link.Link:
         """Dial ``addr`` and authenticate as this stage to handshake index ``peer`` (a
         stage, or the pipeline's PS) under ``key``."""
-        sock = _dial(addr)
+        sock = _dial(addr, self.peers_addr[self.s][0])
         name = f"stage {self.node} -> {what} ({wire.peer_name(sock)})"
         try:
             dialer = protocol.Dialer(self.run_id, "stage", self._rank(self.s), key,
@@ -256,8 +258,9 @@ class StageLinks:
 
     def _start_accepting(self, up: int) -> queue.Queue[link.Link]:
         """Answer connections (``handshake.accept_forever``, under the admission limits of
-        ``[guard]``) until the upstream stage has proved itself; its link arrives on the
-        returned queue. Anyone else is refused."""
+        ``[guard]``, the upstream stage's address keeping a slot of its own) until the
+        upstream stage has proved itself; its link arrives on the returned queue. Anyone
+        else is refused."""
         got: queue.Queue[link.Link] = queue.Queue()
         done = threading.Event()
         keys = {self._rank(up): self._link_key(up)}
@@ -281,7 +284,8 @@ class StageLinks:
         threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
                          args=(self.srv, on_connection),
                          kwargs=dict(stopped=done, report=self._refused,
-                                     limits=AdmissionLimits.from_guard(self.cfg.guard))
+                                     limits=AdmissionLimits.from_guard(self.cfg.guard),
+                                     expected=(self.peers_addr[up][0],))
                          ).start()
         return got
 

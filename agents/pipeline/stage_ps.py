@@ -91,9 +91,12 @@ class _StageConn(loop.Transport):
 class StagePS:
     def __init__(self, cfg: cfgmod.ExperimentConfig, run_dir: Path, run_id: str,
                  secret: bytes, *, host: str = "0.0.0.0", port: int = 6000,
-                 keys: auth.KeyBundle | None = None) -> None:
+                 keys: auth.KeyBundle | None = None, expected: tuple[str, ...] = ()) -> None:
         """``keys``: the PS's bundle, with the key of its link to every stage (without it,
-        derived from ``secret`` as ``--auth file`` does)."""
+        derived from ``secret`` as ``--auth file`` does). ``expected``: the stages' source
+        addresses, each with an admission slot of its own while strangers flood
+        (``agents.net.admission``)."""
+        self.expected = expected
         pc = cfg.pipeline
         self.cfg, self.pc = cfg, pc
         self.p, self.d = pc.stages, pc.replicas
@@ -125,7 +128,7 @@ class StagePS:
         self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         wire.set_socket_options(self.srv, nodelay=True, congestion=cfg.net.congestion)
         self.srv.bind((host, port))
-        self.srv.listen(max(16, self.p * self.d))
+        self.srv.listen(max(handshake.LISTEN_BACKLOG, self.p * self.d))
         self.log.emit("ps_ready", numel=sum(f.numel for f in self.pieces),
                       chunks=len(self.pieces), compressor="none")
 
@@ -145,7 +148,8 @@ class StagePS:
         acceptor = threading.Thread(
             target=handshake.accept_forever, name="accept", daemon=True,
             args=(self.srv, lambda sock, peer: joined.put(self._handshake(sock, peer))),
-            kwargs=dict(stopped=stopped, report=self._report_refused, limits=limits))
+            kwargs=dict(stopped=stopped, report=self._report_refused, limits=limits,
+                        expected=self.expected))
         acceptor.start()
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         try:
@@ -353,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", required=True, type=int)
+    ap.add_argument("--expect", action="append", default=[], metavar="ADDR",
+                    help="a stage's host address, which keeps an admission slot of its own "
+                         "(repeat for each)")
     auth.add_auth_argument(ap)
     args = ap.parse_args(argv)
     cfg = cfgmod.load(args.run_dir / "config.toml")
@@ -363,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     liveness_client(args.run_dir, keys, timeout_s=cfg.guard.handshake_timeout_s)
     torch.set_num_threads(1)
     ps = StagePS(cfg, args.run_dir, args.run_dir.name, secret, host=args.host, port=args.port,
-                 keys=keys)
+                 keys=keys, expected=tuple(args.expect))
     return wire.run_agent(ps.serve, name=lambda: "ps",
                           errors=(StagePSError, OSError, codec.FrameError), code=2,
                           on_error=ps.abort, close=ps.log.close)

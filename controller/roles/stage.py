@@ -28,9 +28,11 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
                         f"pipeline.replicas={d} and the PS (set topo.hosts = "
                         f"{max(p, 2) * d + 1})")
     ps = ranked[p * d]
+    # Each stage's host keeps an admission slot of its own at the PS while strangers flood.
+    expect = [a for h in ranked[:p * d] if h.ip for a in ("--expect", h.ip)]
     out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.pipeline.stage_ps", "--run-dir",
                                  str(ctx.run_dir), "--port", str(ctx.cfg.net.port),
-                                 "--auth", "stdin"),
+                                 "--auth", "stdin", *expect),
                        links=tuple(stage_ps_links(p, d)))]
     for h in ranked[:p * d]:
         r, s = divmod(h.rank, p)

@@ -50,8 +50,18 @@ from controller.roles.torchrun import (
 from controller.run import Experiment
 from controller.runner import RoleRunner
 from controller.torchrun import proof
-from controller.torchrun.busy import BusyClock, descendants, tree_cpu_s
+from controller.torchrun.busy import BusyClock, tree_cpu_s
+from controller.torchrun.servers import (
+    RankServers,
+    ServerUser,
+    ServerWatch,
+    forwarded_env,
+    invoking_user_name,
+    server_argv,
+    start_watches,
+)
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
+from controller.torchrun.stop import stop_trees
 from controller.warm import WarmProcess, WarmStarter
 from topo.build import Network
 from topo.shapes import shape_spec
@@ -90,6 +100,11 @@ class TorchrunExperiment(Experiment):
         self.result: dict[str, Any] = {}
         self.busy = BusyClock()
         self._cpu_read_ns = 0
+        # The training hosts of other servers (None: all here), their users there, and the
+        # watch on each of those servers (controller.torchrun.servers).
+        self._servers: RankServers | None = None
+        self._users: dict[str, ServerUser | None] = {}
+        self._watches: list[ServerWatch] = []
         self.forked: dict[str, bool] = {}  # per host: its torchrun a fork of the warm process
 
     def _warm_starter(self, run_dir: Path) -> WarmStarter | None:
@@ -119,10 +134,10 @@ class TorchrunExperiment(Experiment):
     def _start(self, net: Network, cmd: RoleCommand, run_dir: Path
                ) -> subprocess.Popen[Any]:
         if not self.plans:
-            plans = rank_plans(self.cfg, net.spec, self.cfg.torchrun.python,
-                               Path(self.cfg.torchrun.script), run_dir / "logs" / "ranks")
-            self.plans = {p.host: p for p in plans}
+            self.plans = self._plans(net, run_dir)
         plan = self.plans[cmd.host]
+        if self._servers is not None and cmd.host in self._servers.where:
+            return self._start_remote(net, cmd, plan, run_dir)
         log_dir = run_dir / "logs" / "ranks" / cmd.host
         log_dir.mkdir(parents=True, exist_ok=True)
         rundir.hand_over(log_dir.parent)
@@ -154,21 +169,81 @@ class TorchrunExperiment(Experiment):
         self.forked[cmd.host] = isinstance(proc, WarmProcess)
         return proc
 
+    def _plans(self, net: Network, run_dir: Path) -> dict[str, RankPlan]:
+        """Every host's plan; a host of another server names that server's run directory
+        (its log folders, error files and events are gathered from there at the end)."""
+        def plans(log_dir: Path) -> dict[str, RankPlan]:
+            return {p.host: p for p in rank_plans(self.cfg, net.spec, self.cfg.torchrun.python,
+                                                  Path(self.cfg.torchrun.script), log_dir)}
+
+        out = plans(run_dir / "logs" / "ranks")
+        if self._servers is not None:
+            there = plans(self._servers.log_dir())
+            out |= {h: there[h] for h in self._servers.where}
+        return out
+
+    def _start_remote(self, net: Network, cmd: RoleCommand, plan: RankPlan, run_dir: Path
+                      ) -> subprocess.Popen[Any]:
+        """``cmd``'s torchrun on its host's server (controller.torchrun.servers); its
+        output comes back over ssh into ``logs/HOST.log`` as it is written."""
+        assert self._servers is not None
+        server = self._servers.where[cmd.host]
+        argv = server_argv(plan, str(self.cwd), self._servers.pid_file(cmd.host),
+                           self._users.get(server), forwarded_env(os.environ))
+        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}, "
+                 f"on {server}")
+        if self._logf is not None:
+            self._logf.write(f"{time.strftime('%H:%M:%S')} $ {shlex.join(argv)}  "
+                             f"# in {cmd.host}, on {server}\n")
+        path = cmd.log_path(run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as log:
+            return net.popen(cmd.host, argv, stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, cwd=str(self.cwd),
+                             start_new_session=True)
+
+    def _open_servers(self, net: Network, hosts: list[str]) -> None:
+        """For the hosts of other servers: start their servers' watches, and check and
+        prepare those servers (TorchrunError naming what one lacks)."""
+        remote = self._remote
+        if remote is None or net.cluster is None:
+            return
+        cluster = net.cluster
+        where = {h: remote.where[h] for h in hosts if remote.is_remote(h)}
+        self._servers = RankServers(where, lambda s: cluster.access.argv(cluster.ips[s]),
+                                    remote.remote_dir, self.say)
+        assert self.sampler is not None
+        # The watches start while the servers are checked (each waits on its own ssh);
+        # _run_agents waits for them before any rank starts.
+        self._watches = start_watches(
+            self._servers, cluster, {h: (net.pid(h), _intf(net.spec, h)) for h in where},
+            self.sampler, self.say)
+        tr = self.cfg.torchrun
+        self._users = self._servers.prepare(
+            {"torchrun.script": tr.script, "torchrun.python": tr.python, "cwd": str(self.cwd)},
+            invoking_user_name())
+
     # -- the wait -----------------------------------------------------------------------
 
     def _run_agents(self, net: Network, runner: RoleRunner) -> str:
         assert self.run_dir is not None
         hosts = [h.name for h in training_hosts(net.spec)]
+        here = [h for h in hosts if self._remote is None or not self._remote.is_remote(h)]
         # Open before any rank starts: the destroy broadcast of every connection is seen.
-        self.sampler = ConnSampler({h: (net.pid(h), net.ip(h)) for h in hosts},
-                                   store_port=self.cfg.torchrun.port)
+        self.sampler = ConnSampler({h: (net.pid(h), net.ip(h)) for h in here},
+                                   store_port=self.cfg.torchrun.port,
+                                   fed={h: net.ip(h) for h in hosts if h not in here})
         self.sampler.start()
         tail: _Tail | None = None
         # Unset until the wait returns: a run that Ctrl-C or an error cut short is no
         # "completed" run, so its missing bytes are no bypass to report.
         reason = ""
         try:
+            self._open_servers(net, hosts)
             self._admit_training_hosts_only(net)
+            # Every watch samples before any rank starts: no destroy message is missed.
+            for w in self._watches:
+                w.wait_ready()
             runner.start_agents()
             if self.progress:
                 tail = _Tail(runner.procs[0][1].log_path(self.run_dir), sys.stdout)
@@ -191,10 +266,18 @@ class TorchrunExperiment(Experiment):
     def _admit_training_hosts_only(self, net: Network) -> None:
         """Only the training hosts may open connections to a training host: its stores
         and gloo's listeners are torch's (roles.torchrun.admission_rules)."""
-        for host, cmds in admission_rules(net.spec).items():
+        from concurrent.futures import ThreadPoolExecutor
+
+        rules = admission_rules(net.spec)
+        for host, cmds in rules.items():
             for c in cmds:
                 self.say(f"$ {shlex.join(c)}  # in {host}")
-                net.run(host, c)
+        # One shell per host, all hosts at once: on another server each command would
+        # cost an ssh round trip (a second each on a loaded machine), one after another.
+        with ThreadPoolExecutor(max_workers=len(rules)) as pool:
+            for f in [pool.submit(net.run, host, ["sh", "-c", " && ".join(map(shlex.join, cmds))])
+                      for host, cmds in rules.items()]:
+                f.result()
 
     def _wait(self, runner: RoleRunner) -> str:
         """Until every host's torchrun has exited, one fails, one stalls, or the timeout."""
@@ -203,6 +286,8 @@ class TorchrunExperiment(Experiment):
         procs = [(c, p) for _, c, p in runner.procs]
         deadline = time.monotonic() + self.cfg.run.timeout_s
         while True:
+            if lost := self._server_lost():
+                return lost
             if any(p.poll() not in (None, 0) for _, p in procs):
                 return self._first_failure(procs)
             if all(p.poll() is not None for _, p in procs):
@@ -230,12 +315,18 @@ class TorchrunExperiment(Experiment):
         if now - self._cpu_read_ns < CPU_READ_S * 1e9:
             return
         self._cpu_read_ns = now
-        roots = {c.host: p.pid for c, p in procs
-                 if p.poll() is None and not self._reached_init(c.host)}
-        if not roots:  # every rank trains: only bytes count from here on
-            return
-        for host, cpu_s in tree_cpu_s(roots).items():
-            self.busy.update(host, cpu_s, now)
+        remote = self._servers.where if self._servers is not None else {}
+        late = {c.host: p.pid for c, p in procs
+                if p.poll() is None and not self._reached_init(c.host)}
+        roots = {h: pid for h, pid in late.items() if h not in remote}
+        if roots:  # once every rank trains, only bytes count
+            for host, cpu_s in tree_cpu_s(roots).items():
+                self.busy.update(host, cpu_s, now)
+        # A host of another server: its watch's latest reading of the tree there.
+        for w in self._watches:
+            for host, (cpu_s, ts) in list(w.cpu.items()):
+                if host in late:
+                    self.busy.update(host, cpu_s, ts)
 
     def _last_progress_ns(self, host: str) -> int:
         """When ``host`` last moved a byte to another host, or, until its ranks reached
@@ -296,27 +387,21 @@ class TorchrunExperiment(Experiment):
                 f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 
     def _stop_ranks(self, runner: RoleRunner) -> set[str]:
-        """SIGTERM every torchrun still running and every process under it (torchrun
-        starts each rank in a session of its own, so its process group is not enough),
-        then SIGKILL what is left after STOP_GRACE_S: a torchrun blocked in a store call
-        handles SIGTERM only when the call returns. Returns the hosts stopped so."""
+        """Every torchrun still running and every process under it stopped
+        (controller.torchrun.stop): on another server there, over ssh (what runs here for
+        such a host is only its ssh), then here. Returns the hosts stopped so."""
         stopped = {c.host for _, c, p in runner.procs if p.poll() is None}
+        if self._servers is not None:
+            for line in self._servers.stop(STOP_GRACE_S):
+                self.say(f"ranks stopped on {line}")
+
+        def reap() -> None:
+            for _, _, p in runner.procs:
+                p.poll()
+
         pids = [p.pid for _, _, p in runner.procs if p.poll() is None]
-        tree = [q for pid in pids for q in [pid, *descendants(pid)]]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in tree:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < end and any(_alive(q) for q in tree):
-                for _, _, p in runner.procs:
-                    p.poll()  # reap our own children
-                time.sleep(0.05)
-            tree = [q for q in tree if _alive(q)]
-            if not tree:
-                break
+        if pids:
+            stop_trees(pids, STOP_GRACE_S, reap)
         return stopped
 
     # -- the record ---------------------------------------------------------------------
@@ -330,11 +415,20 @@ class TorchrunExperiment(Experiment):
         assert self.run_dir is not None and self.sampler is not None
         time.sleep(0.2)  # the kernel's last destroy messages
         iface: dict[str, tuple[int, int]] = {}
+        remote = self._servers.where if self._servers is not None else {}
         for h in hosts:
+            if h in remote:
+                continue
             try:
                 iface[h] = interface_bytes(net.pid(h), str(_intf(net.spec, h)))
             except OSError as e:
                 self.say(f"warning: {h}: interface counters not read: {e}")
+        # Each server's watch reads its last destroy messages and counters as it ends.
+        for w in self._watches:
+            w.stop()
+            iface |= w.iface
+            if w.error and self.sampler.error is None:
+                self.sampler.error = w.error
         self.sampler.stop()
         rows = pd.DataFrame(self.sampler.rows)
         rows.to_parquet(self.run_dir / "tcp.parquet", index=False)
@@ -391,15 +485,6 @@ class TorchrunExperiment(Experiment):
         rundir.write_json(run_dir / "meta.json", meta_now)
         if self.report:
             self._write_report(run_dir)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie is done: it only waits for its parent to read its status)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def points_busy(links_path: Path) -> dict[str, float | None]:

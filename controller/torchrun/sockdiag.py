@@ -18,7 +18,7 @@ import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -209,23 +209,29 @@ class ConnSampler(threading.Thread):
     (``now_ns``) that total last grew: what the stall check reads."""
 
     def __init__(self, hosts: dict[str, tuple[int, str]], period_s: float = 0.2,
-                 store_port: int = 0) -> None:
+                 store_port: int = 0, fed: Mapping[str, str] | None = None) -> None:
         super().__init__(name="tcp-sampler", daemon=True)
         self.period_s = period_s
-        self.ips = {h: ip for h, (_, ip) in hosts.items()}
+        # ``fed``: host -> IP of the hosts of other servers, whose samples arrive through
+        # :meth:`feed` (controller.torchrun.remote_watch) instead of a socket here.
+        self.ips = {h: ip for h, (_, ip) in hosts.items()} | dict(fed or {})
         self.diags = {h: HostDiag(h, pid) for h, (pid, _) in hosts.items()}
         self.rows: list[dict[str, Any]] = []
         self.last: dict[tuple[str, int], ConnSample] = {}  # (host, cookie) -> newest
         started = now_ns()
-        self.progress: dict[str, tuple[int, int]] = {h: (0, started) for h in hosts}
+        self.progress: dict[str, tuple[int, int]] = {h: (0, started) for h in self.ips}
         # Per host, the client connections to the c10d store (``dport == store_port``)
         # ever seen: torchrun's agent opens one, and each rank one more in
         # init_process_group (the agent's store, TORCHELASTIC_USE_AGENT_STORE).
         self.store_port = store_port
-        self.store_clients: dict[str, set[int]] = {h: set() for h in hosts}
+        self.store_clients: dict[str, set[int]] = {h: set() for h in self.ips}
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.error: str | None = None
+
+    def feed(self, host: str, ts: int, conns: list[ConnSample]) -> None:
+        """Samples of a host of another server, ``ts`` on this machine's clock."""
+        self._keep(host, ts, conns)
 
     def _keep(self, host: str, ts: int, conns: list[ConnSample]) -> None:
         with self.lock:

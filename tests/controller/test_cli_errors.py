@@ -139,10 +139,17 @@ def test_the_summary_lists_the_workers_lost_and_when() -> None:
          "worker": 1, "reason": "left (BYE)"},
         {"ts_ns": s0 + 4_000_000_000, "node": "ps", "iter": 7, "event": "worker_lost",
          "worker": 0, "reason": "frame error: bad checksum"},
+        {"ts_ns": s0 + 4_500_000_000, "node": "controller", "event": "agent_lost",
+         "host": "bg0", "role": "flowgen", "reason": "bg0 exited with status -9",
+         "action": "peers decide"},
     ])
     cfg = {"run": {}, "net": {"workers": 3}}
     s = summarize(ev, pd.DataFrame(), cfg, 5.0, False, "completed")
     assert s["workers_lost"] == [
         {"worker": 2, "iter": 4, "t_s": 2.5, "reason": "connection closed"},
         {"worker": 0, "iter": 7, "t_s": 4.0, "reason": "frame error: bad checksum"}]
+    assert s["agents_lost"] == [{"host": "bg0", "role": "flowgen", "t_s": 4.5,
+                                 "reason": "bg0 exited with status -9",
+                                 "action": "peers decide"}]
     assert summarize(ev.iloc[:1], pd.DataFrame(), cfg, 1.0, False, "x")["workers_lost"] == []
+    assert summarize(ev.iloc[:1], pd.DataFrame(), cfg, 1.0, False, "x")["agents_lost"] == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('this sklearn is broken')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "pylib")}
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.iterdir())
     proc = start_run("configs/test_tiny.toml", [], tmp_path / "runs", env=env)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 3, err[-3000:]
@@ -73,3 +76,8 @@ def test_a_start_that_fails_exits_3(tmp_path: Path) -> None:
     assert s["stop_reason"].startswith("failed to start: "), s["stop_reason"]
     assert "before it was ready" in s["stop_reason"]
     assert leftovers() == []
+    # The warm process's word on the failed preload is in the run directory, and the run
+    # left nothing in /tmp (on main at 5c16cbd: /tmp/gradbed-warm-PID-*.log, each run).
+    assert "this sklearn is broken" in (run_dir / "warm.log").read_text()
+    left = [p.name for p in set(tmp.iterdir()) - before if str(proc.pid) in p.name]
+    assert left == [], left

@@ -16,6 +16,7 @@ import pytest
 from analysis.load import load_run
 from tests.support.mininet_run import (
     agent_pid,
+    agent_pids,
     events,
     leftovers,
     start_run,
@@ -34,8 +35,9 @@ PIPELINE = ["pipeline.stages=2", "topo.hosts=3", "pipeline.schedule='gpipe'",
 MOE = ["topo.hosts=2", "moe.hosts=2", "moe.experts=2", "moe.top_k=1", "moe.d_model=16",
        "moe.d_hidden=16", "moe.eval_every=100000", "run.iterations=400", "run.timeout_s=300",
        f"run.stall_timeout_s={STALL_S}"]
-# Flows drawn from a CDF by a flow generator (agents.traffic.flowgen), one background host.
-FLOWS = ["net.background_hosts=1", 'background.kind="flows"', "background.load_mbps=5",
+# Flows drawn from a CDF by a flow generator (agents.traffic.flowgen), from two background
+# hosts: one source is hung, the other killed.
+FLOWS = ["net.background_hosts=2", 'background.kind="flows"', "background.load_mbps=5",
          'background.flow_cdf="traces/data/pareto_flows.cdf"', "background.start_s=0"]
 
 
@@ -66,28 +68,35 @@ def _fault_ends_the_run(tmp_path: Path, config: str, overrides: list[str], event
     return lost, sent_ns, took_s
 
 
-def test_a_hung_worker_and_flow_generator_are_declared_lost_and_the_run_goes_on(
+def test_a_hung_worker_and_a_hung_and_a_killed_flow_generator_are_lost_and_the_run_goes_on(
         tmp_path: Path) -> None:
-    # One run for both roles that the run survives: each is declared lost on its own.
+    # One run for the roles that the run survives: each is declared lost on its own.
     proc = start_run("configs/test_tiny.toml", [
         "run.iterations=30", "run.on_agent_death='continue'", "run.timeout_s=120",
         f"run.stall_timeout_s={STALL_S}", *FLOWS], tmp_path)
     run_dir = wait_for_iterations(tmp_path, proc, 3)
-    os.kill(agent_pid(run_dir, "agents.traffic.flowgen", "source"), signal.SIGSTOP)
+    os.kill(agent_pid(run_dir, "agents.traffic.flowgen", "--node", "bg0"), signal.SIGSTOP)
     os.kill(agent_pid(run_dir, "agents.dp.worker", "--worker", "1"), signal.SIGSTOP)
     stopped_ns = time.time_ns()
+    os.kill(agent_pid(run_dir, "agents.traffic.flowgen", "--node", "bg1"), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    lost = {r["role"]: r for r in _lost(run_dir)}
-    assert sorted(lost) == ["flowgen", "worker"], lost
-    for r in lost.values():
+    lost = {r["host"]: r for r in _lost(run_dir)}
+    (worker,) = [h for h, r in lost.items() if r["role"] == "worker"]
+    assert sorted((h, r["role"]) for h, r in lost.items() if h != worker) == [
+        ("bg0", "flowgen"), ("bg1", "flowgen")], lost
+    for r in (lost["bg0"], lost[worker]):
         assert "no heartbeat" in r["reason"], r
         assert (r["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, r
-    assert lost["flowgen"]["host"] == "bg0" and lost["flowgen"]["action"] == "peers decide"
+    # The killed source is named at once (on main at 5c16cbd: a line in run.log only).
+    assert lost["bg1"]["reason"].startswith("bg1 exited with status -9"), lost["bg1"]
+    assert (lost["bg1"]["ts_ns"] - stopped_ns) / 1e9 < 3, lost["bg1"]
+    assert {r["action"] for h, r in lost.items() if h.startswith("bg")} == {"peers decide"}
     s = load_run(run_dir).summary
     assert [w["worker"] for w in s["workers_lost"]] == [1], s["workers_lost"]
+    assert sorted(a["host"] for a in s["agents_lost"]) == sorted(lost), s["agents_lost"]
     assert s["iterations"] == 30 and s["stop_reason"] == "completed", s["stop_reason"]
-    assert leftovers() == []
+    assert leftovers() == [] and agent_pids(run_dir, "agents.traffic.flowgen") == []
 
 
 def test_a_killed_stage_ends_the_pipeline_at_once_with_status_4(tmp_path: Path) -> None:
@@ -122,3 +131,42 @@ def test_a_hung_expert_host_is_declared_lost_and_ends_the_run_with_status_4(
                                               "0")
     assert lost[0]["host"] == "gbh0" and "no heartbeat" in lost[0]["reason"], lost
     assert (lost[0]["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
+
+
+# A trace whose up bottleneck goes dark (0 Mbit/s) for longer than run.stall_timeout_s
+# plus a heartbeat, the issue's 30 s cellular outage scaled down with the liveness
+# deadline (3 s, its least; the rule is the same: silence on the control channel).
+# Training starts within 0.4 s of the trace (measured at load 5): 2 s of it, the dark,
+# then the rest. A heartbeat on the data path would be 4 s silent, over the 3 s deadline.
+DARK_AT_S, DARK_S, DARK_STALL_S = 2.0, 4.0, 3
+
+
+def test_a_dark_stretch_of_a_trace_drops_nobody(tmp_path: Path) -> None:
+    from traces.generate import steps, write_rate_log
+
+    trace = tmp_path / "dark.log"
+    write_rate_log(steps([(0.0, 50.0), (DARK_AT_S, 0.0), (DARK_AT_S + DARK_S, 50.0)],
+                         period_s=600.0), trace)
+    proc = start_run("configs/test_tiny.toml", [
+        "run.iterations=25", "run.timeout_s=120", f"run.stall_timeout_s={DARK_STALL_S}",
+        f'trace.up="{trace}"'], tmp_path / "runs")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    run_dir = Path(out.strip().splitlines()[-1])
+    s = load_run(run_dir).summary
+    assert s["stop_reason"] == "completed" and s["iterations"] == 25, s["stop_reason"]
+    assert s["workers_lost"] == [] and s["agents_lost"] == [], s
+    ev = events(run_dir)
+    assert not (ev["event"] == "replay_error").any(), ev[ev["event"] == "replay_error"]
+    up = ev[(ev["event"] == "trace_step") & (ev["direction"] == "up")].sort_values("ts_ns")
+    assert up["rate_mbps"].tolist() == [50.0, 0.0, 50.0], up
+    assert up["applied_mbps"].tolist() == [50.0, 0.01, 50.0], up
+    dark_ns, light_ns = (int(t) for t in up["ts_ns"].iloc[1:3])
+    done = ev.loc[ev["event"] == "ps_iter_done", "ts_ns"].astype("int64")
+    # The link was dark: no step in it once what was queued before it had drained (a
+    # 15 KB upload takes 12 s at 0.01 Mbit/s). On main at 5c16cbd the zero's tc change
+    # raised (HTB refuses a zero rate), the replay stopped there (replay_error) and the
+    # link stayed at 50 Mbit/s.
+    assert ((done > dark_ns + 1.5e9) & (done < light_ns)).sum() == 0, (done - dark_ns) / 1e9
+    assert (done < dark_ns).any() and (done > light_ns).any(), "the dark missed the training"
+    assert leftovers() == []

@@ -9,8 +9,6 @@ import json
 import tarfile
 from pathlib import Path
 
-import pytest
-
 from agents.core import config as cfgmod
 from agents.core.events import clock_fields
 from controller.remote import REMOTE_ROOT, RemoteAgents, align_line, remote_env, unpack_aligned
@@ -18,7 +16,6 @@ from controller.roles.torchrun import torchrun_spec
 from controller.run import Experiment
 from topo.cluster import REPO, Cluster, SshAccess
 from topo.shapes import shape_spec
-from topo.spec import SpecError
 
 SPREAD = ['cluster.servers=["localhost", "10.99.0.2"]', 'cluster.pins={worker="10.99.0.2"}']
 
@@ -111,7 +108,7 @@ def test_a_run_placed_over_servers_is_accepted_with_the_clusters_ssh_access():
     assert Experiment(cfgmod.load("configs/test_tiny.toml"), progress=False)._access is None
 
 
-def test_torchrun_across_servers_is_refused_by_name():
+def test_torchrun_across_servers_reaches_its_servers_over_ssh():
     cfg = cfgmod.load("configs/test_tiny.toml", SPREAD)
-    with pytest.raises(SpecError, match="gradbed torchrun across servers is not supported"):
-        Experiment(cfg, progress=False, spec=torchrun_spec(shape_spec(cfg)))
+    exp = Experiment(cfg, progress=False, spec=torchrun_spec(shape_spec(cfg)))
+    assert exp._access == SshAccess.from_config(cfg.cluster)

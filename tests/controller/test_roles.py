@@ -164,6 +164,24 @@ def test_a_killed_deciding_process_ends_the_run_at_once_naming_it(tmp_path, monk
         p.wait()
 
 
+def test_a_killed_process_of_a_role_that_does_not_end_the_run_is_declared_once(
+        tmp_path, monkeypatch):
+    """A flow generator source killed mid-run: the run goes on to its end, and the loss is
+    one ``agent_lost`` event naming it, ``peers decide`` (on main at 5c16cbd: a line in
+    run.log only)."""
+    monkeypatch.setattr(runner_mod, "GRACE_S", 0.1)
+    make_role("t_end_later", "import time; time.sleep(1.5)", ends_run=True)
+    make_role("t_source", "import os, signal, time; time.sleep(0.3); "
+              "os.kill(os.getpid(), signal.SIGKILL)", ends_run=False)
+    reason, r, took = run_roles(tmp_path, [("w0", "t_end_later"), ("bg0", "t_source")])
+    assert reason == "completed" and took >= 1.5, (reason, took)
+    r.events.close()
+    lost = [e for e in read_jsonl(tmp_path / "events" / "controller.jsonl")
+            if e["event"] == "agent_lost"]
+    assert [(e["host"], e["role"], e["action"], e["reason"]) for e in lost] == [
+        ("bg0", "t_source", "peers decide", "bg0 exited with status -9; see logs/bg0.log")]
+
+
 def test_the_killed_process_is_named_even_when_its_neighbours_failure_is_seen_first(
         tmp_path, monkeypatch):
     """A killed stage's neighbours exit with an error because it died, and their exits

@@ -27,7 +27,10 @@ def test_replica_r_stage_s_runs_on_host_r_times_p_plus_s_and_the_ps_on_the_last(
                                "10.0.0.12:5000,10.0.0.13:5001", "--auth", "stdin",
                                "--ps", "10.0.0.14:5000")
     assert by_host["gbh4"] == ("PY", "-m", "agents.pipeline.stage_ps", "--run-dir", str(tmp_path),
-                               "--port", "5000", "--auth", "stdin")
+                               "--port", "5000", "--auth", "stdin",
+                               # each stage's host keeps an admission slot of its own
+                               "--expect", "10.0.0.10", "--expect", "10.0.0.11",
+                               "--expect", "10.0.0.12", "--expect", "10.0.0.13")
 
 
 def test_host_count_must_be_stages_times_replicas_plus_the_ps(tmp_path):

@@ -5,6 +5,7 @@ join and train."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,184 @@ def test_workers_join_and_train_while_two_hosts_flood_the_ps(tmp_path: Path) -> 
     assert total >= len(FLOOD_SOURCES) * (FLOOD_PER_SOURCE - PER_SOURCE), (total, flood.opened)
     wall_s = (steps[-1]["ts_ns"] - refused[0]["ts_ns"]) / 1e9 + 2
     assert len(refused) <= 4 * len(FLOOD_SOURCES) * wall_s, (len(refused), wall_s)
+
+
+# -- a pipeline stage's and an expert host's listener under a flood -----------------------
+
+# A shared pool of 15 (16 less the one expected peer's own slot) against four flooding
+# addresses of 8 slots each: the flood fills the pool whatever the bound per source, so
+# the real peer gets in only through the slot its address keeps (agents.net.admission).
+# The flood's admitted connections hold their slots for the whole test (a 60 s deadline).
+MESH_FLOOD_SOURCES = ["127.0.0.20", "127.0.0.21", "127.0.0.22", "127.0.0.23"]
+MESH_POOL = 16
+MESH_FLOOD_PER_SOURCE = 12
+
+
+class _Events:
+    """An agent's event sink, kept in memory (the expert host's is its EventLog)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def emit(self, event: str, iter: int = -1, **fields: Any) -> None:
+        self.seen.append({"event": event, **fields})
+
+
+def _flooded(port: int) -> hostile.Flood:
+    """Four keyless hosts' slow connections at ``port``, each host's first ones made."""
+    assert len(MESH_FLOOD_SOURCES) * PER_SOURCE >= MESH_POOL  # it could fill the pool
+    flood = hostile.Flood(port, MESH_FLOOD_SOURCES, MESH_FLOOD_PER_SOURCE)
+    flood.start()
+    deadline = time.monotonic() + 20
+    while flood.opened < len(MESH_FLOOD_SOURCES) * MESH_FLOOD_PER_SOURCE:
+        assert time.monotonic() < deadline, flood.opened
+        time.sleep(0.05)
+    time.sleep(0.5)  # the listener's accept loop has taken them
+    return flood
+
+
+def _check_held(refused: list[dict[str, Any]]) -> None:
+    """Only the flooders were refused, the pool was full, and a flooder met its bound."""
+    assert {e["source"] for e in refused} <= set(MESH_FLOOD_SOURCES), refused
+    reasons = {e["reason"] for e in refused}
+    assert f"{MESH_POOL} unauthenticated connections at once" in reasons, refused
+    assert f"{PER_SOURCE} unauthenticated connections already" in reasons, refused
+
+
+@pytest.mark.loopback
+def test_a_stage_joins_its_neighbour_while_four_hosts_flood_its_listener(tmp_path: Path
+                                                                         ) -> None:
+    from agents.pipeline.stage import Stage
+    from controller.loopback.dp import free_port
+    from controller.loopback.pipeline import make_run_dir as pipeline_run_dir
+
+    run_dir, cfg = pipeline_run_dir(tmp_path, [
+        "pipeline.stages=2", "pipeline.micro_batches=2", "pipeline.micro_batch_size=4",
+        "run.iterations=1", f"guard.max_handshakes={MESH_POOL}",
+        f"guard.max_handshakes_per_source={PER_SOURCE}", "guard.handshake_timeout_s=60"])
+    peers = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    secret = (run_dir / "secret").read_bytes()
+    s1 = Stage(cfg, run_dir, run_dir.name, secret, 1, peers)
+    s0 = Stage(cfg, run_dir, run_dir.name, secret, 0, list(peers))
+    out: dict[int, Any] = {}
+
+    def connect(st: Stage) -> None:
+        try:
+            st.links.connect()
+            out[st.s] = "ok"
+        except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+            out[st.s] = e
+
+    t1 = threading.Thread(target=connect, args=(s1,))  # stage 1 answers stage 0
+    t1.start()
+    flood = _flooded(peers[1][1])
+    try:
+        connect(s0)
+        t1.join(60)
+    finally:
+        flood.stop()
+        for st in (s0, s1):
+            st.links.close()
+            st.log.close()
+    assert out == {0: "ok", 1: "ok"}, out
+    _check_held([e for e in read_jsonl(run_dir / "events" / "s1.jsonl")
+                 if e["event"] == "refused"])
+
+
+@pytest.mark.loopback
+def test_the_pipeline_ps_takes_every_stage_while_four_hosts_flood_it(tmp_path: Path) -> None:
+    from agents.pipeline.stage import Stage
+    from agents.pipeline.stage_ps import StagePS
+    from controller.loopback.dp import free_port
+    from controller.loopback.pipeline import make_run_dir as pipeline_run_dir
+
+    run_dir, cfg = pipeline_run_dir(tmp_path, [
+        "pipeline.stages=2", "pipeline.micro_batches=2", "pipeline.micro_batch_size=4",
+        "run.iterations=1", f"guard.max_handshakes={MESH_POOL}",
+        f"guard.max_handshakes_per_source={PER_SOURCE}", "guard.handshake_timeout_s=60"])
+    secret = (run_dir / "secret").read_bytes()
+    # Each stage on an address of its own, as on the fabric (controller/roles/stage.py
+    # passes every stage host's address as --expect).
+    peers = [("127.0.0.2", free_port()), ("127.0.0.3", free_port())]
+    ps_addr = ("127.0.0.1", free_port())
+    ps = StagePS(cfg, run_dir, run_dir.name, secret, host=ps_addr[0], port=ps_addr[1],
+                 expected=("127.0.0.2", "127.0.0.3"))
+    stages = [Stage(cfg, run_dir, run_dir.name, secret, s, list(peers), ps=ps_addr)
+              for s in range(2)]
+    out: dict[str, Any] = {}
+
+    def accept() -> None:
+        try:
+            ps.accept()
+            out["ps"] = sorted(ps.conns)
+        except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+            out["ps"] = e
+
+    t = threading.Thread(target=accept)
+    t.start()
+    flood = _flooded(ps_addr[1])
+    try:
+        for st in stages:
+            st.links.connect_ps()
+        t.join(60)
+    finally:
+        flood.stop()
+        ps.abort("the test is over")
+        ps.loop.close()
+        ps.log.close()
+        for st in stages:
+            st.links.close()
+            st.log.close()
+    assert out == {"ps": [(0, 0), (0, 1)]}, out
+    _check_held([e for e in read_jsonl(run_dir / "events" / "ps.jsonl")
+                 if e["event"] == "refused"])
+
+
+@pytest.mark.loopback
+def test_expert_hosts_join_while_four_hosts_flood_a_listener() -> None:
+    import torch
+
+    from agents.moe.mesh import Mesh, file_keys
+    from agents.net import codec
+    from agents.net.codec import MsgType
+    from tests.agents.moe.test_moe_transparency import free_ports
+
+    base = free_ports(3)
+    # Each host on an address of its own, as on the fabric: host 0 keeps a slot for each.
+    addrs = [(f"127.0.0.{h + 1}", base + h) for h in range(3)]
+    limits = AdmissionLimits(per_source=PER_SOURCE, total=MESH_POOL,
+                             connects_per_source_per_s=64, report_interval_s=1.0)
+    run, secret = "mesh-flood", b"mesh flood test secret"
+    tag = codec.run_tag(run, codec.PUBLIC_SECRET)
+    logs = {h: _Events() for h in range(3)}
+    out: dict[int, Any] = {}
+
+    def host(h: int) -> None:
+        try:
+            with Mesh(h, addrs, tag, run_id=run, keys=file_keys(secret, h, 3), timeout_s=40,
+                      handshake_timeout_s=60, limits=limits, log=logs[h]) as mesh:
+                sends = {j: torch.full((4,), float(10 * h + j)) for j in mesh.peers}
+                out[h] = mesh.exchange(MsgType.TOKENS, 0, 0, sends,
+                                       dict.fromkeys(mesh.peers, 4))
+        except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+            out[h] = e
+
+    threads = [threading.Thread(target=host, args=(h,)) for h in range(3)]
+    threads[0].start()  # host 0 listens; hosts 1 and 2 dial it once it is flooded
+    hostile.connect(base).close()
+    flood = _flooded(base)
+    try:
+        for t in threads[1:]:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        flood.stop()
+    for h in range(3):
+        assert not isinstance(out.get(h), BaseException) and h in out, out
+        for j, t in out[h].items():
+            assert torch.equal(t, torch.full((4,), float(10 * j + h)))
+    refused = [e for e in logs[0].seen if e["event"] == "refused"]
+    # 127.0.0.1: the test's own probe for a listening host 0, and nothing else.
+    _check_held([e for e in refused if e["source"] != "127.0.0.1"])
+    assert sum(e["count"] for e in refused if e["source"] == "127.0.0.1") <= 1, refused

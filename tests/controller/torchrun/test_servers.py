@@ -1,0 +1,210 @@
+"""The pieces of a torchrun run's hosts on other servers that need no server: the command
+a server runs for a host, the server check (run here by sh against real paths), the
+server sampler's lines, its run in this machine's own namespace, and the tree stop on
+real processes. Root for the sampler (sock_diag in a namespace) and the stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.roles.torchrun import RankPlan
+from controller.torchrun import host_sampler
+from controller.torchrun.host_sampler import WatchedHost
+from controller.torchrun.servers import (
+    MISSING_EXIT,
+    ServerUser,
+    check_script,
+    forwarded_env,
+    server_argv,
+)
+from controller.torchrun.sockdiag import ConnSample
+from controller.torchrun.stop import alive, stop_trees
+from topo.cluster import REPO
+
+PLAN = RankPlan("gbh1", "10.0.0.11", 1, (1,), ("/usr/bin/python3", "-m", "torch.distributed.run",
+                                                "train.py"),
+                {"GLOO_SOCKET_IFNAME": "gbh1-eth0", "GRADBED_HOST": "gbh1"})
+
+
+def test_a_server_runs_the_plan_in_the_folder_as_the_user_and_writes_its_pid_first() -> None:
+    user = ServerUser("alice", 1001, 1002, "/home/alice")
+    argv = server_argv(PLAN, "/srv/exp", "/run/gradbed/remote/r/torchrun-pids/gbh1", user,
+                       {"GRADBED_STRICT_EVENTS": "1", "GLOO_SOCKET_IFNAME": "eth9"})
+    assert argv[:4] == ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
+                        "/run/gradbed/remote/r/torchrun-pids/gbh1"]
+    assert argv[4:7] == ["env", "-C", "/srv/exp"]
+    # The plan's variables win over forwarded ones; the user's identity is the server's.
+    assert "GLOO_SOCKET_IFNAME=gbh1-eth0" in argv and "GLOO_SOCKET_IFNAME=eth9" not in argv
+    assert {"GRADBED_STRICT_EVENTS=1", "HOME=/home/alice", "USER=alice"} <= set(argv)
+    i = argv.index("setpriv")
+    assert argv[i:i + 5] == ["setpriv", "--reuid=1001", "--regid=1002", "--init-groups", "--"]
+    assert tuple(argv[i + 5:]) == PLAN.argv
+    assert "setpriv" not in server_argv(PLAN, "/srv", "/p", None, {})
+
+
+def test_the_pid_wrapper_gives_the_pid_of_what_it_runs(tmp_path: Path) -> None:
+    plan = RankPlan("h", "ip", 0, (0,), ("sh", "-c", "echo $$"), {})
+    pid_file = tmp_path / "pid"
+    out = subprocess.run(server_argv(plan, str(tmp_path), str(pid_file), None, {}),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == pid_file.read_text().strip()
+
+
+def test_only_gradbed_s_and_torch_s_variables_cross_to_a_server() -> None:
+    env = {"PATH": "/x", "HOME": "/root", "SUDO_UID": "5", "GRADBED_WARM": "0",
+           "TORCH_CPP_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/r",
+           "NCCL_DEBUG": "WARN"}
+    assert forwarded_env(env) == {"GRADBED_WARM": "0", "TORCH_CPP_LOG_LEVEL": "INFO",
+                                  "OMP_NUM_THREADS": "1", "PYTHONPATH": "/r",
+                                  "NCCL_DEBUG": "WARN"}
+
+
+def _check(script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=False)
+
+
+def test_the_server_check_names_the_first_missing_path_or_user(tmp_path: Path) -> None:
+    train = tmp_path / "train.py"
+    train.write_text("pass\n")
+    good = {"torchrun.script": str(train), "torchrun.python": sys.executable,
+            "cwd": str(tmp_path)}
+    logs = tmp_path / "logs" / "ranks" / "gbh1"
+    ok = _check(check_script(good, "root", [str(logs)], [str(logs)]))
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["0", "0", "/root"] and logs.is_dir()
+    assert _check(check_script({**good, "torchrun.python": "python3"}, "", [], [])
+                  ).returncode == 0  # a name on the PATH, as --python python3 allows
+    for what, bad in (("torchrun.script", str(tmp_path / "nope.py")),
+                      ("torchrun.python", str(tmp_path / "nopython")),
+                      ("cwd", str(tmp_path / "gone"))):
+        p = _check(check_script({**good, what: bad}, "root", [], []))
+        assert (p.returncode, p.stdout.strip()) == (MISSING_EXIT, f"missing {what}")
+    p = _check(check_script(good, "no-such-user-gradbed", [], []))
+    assert (p.returncode, p.stdout.strip()) == (MISSING_EXIT, "missing user")
+
+
+def test_a_sampler_line_round_trips_and_a_bad_one_is_named() -> None:
+    c = ConnSample(7, 2, "ESTABLISHED", "10.0.0.11", 40000, "10.0.0.10", 29500, 100, 200,
+                   0, 0, 150, 10, 1e6, final=True)
+    row = host_sampler.parse_line(host_sampler.sample_line("gbh1", 5, [c], 1.5, (10, 20)))
+    assert row == {"host": "gbh1", "ts_ns": 5, "conns": [c], "cpu_s": 1.5, "iface": (10, 20)}
+    with pytest.raises(ValueError, match="without ts_ns"):
+        host_sampler.parse_line(json.dumps({"host": "gbh1", "conns": []}))
+    hosts = [WatchedHost("gbh1", 12, "gbh1-eth0", "/p")]
+    assert host_sampler.decode_spec(host_sampler.encode_spec(hosts, 0.5)) == (hosts, 0.5)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sock_diag in a namespace needs root")
+def test_the_server_sampler_streams_connections_cpu_and_final_counters(tmp_path: Path) -> None:
+    """The program a server runs, run here in this machine's own namespace: a TCP
+    connection over loopback shows in its samples, the pid file's tree its CPU, and the
+    close of its stdin gives the interface's counters and the end."""
+    import socket
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    pid_file = tmp_path / "pid"
+    pid_file.write_text(str(os.getpid()))
+    spec = host_sampler.encode_spec([WatchedHost("me", os.getpid(), "lo", str(pid_file))], 0.05)
+    proc = subprocess.Popen([sys.executable, "-m", "controller.torchrun.host_sampler", spec],
+                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    assert json.loads(proc.stdout.readline()) == {"ready": True}
+    cli = socket.create_connection(lst.getsockname())
+    srv, _ = lst.accept()
+    cli.sendall(b"x" * 5000)
+    assert srv.recv(10000)
+    ports = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and lst.getsockname()[1] not in ports:
+        row = host_sampler.parse_line(proc.stdout.readline())
+        ports |= {c.dport for c in row["conns"]}
+        assert row["cpu_s"] is not None and row["cpu_s"] > 0  # this test's own process
+    assert lst.getsockname()[1] in ports
+    cli.close()
+    srv.close()
+    lst.close()
+    proc.stdin.close()
+    rows = [json.loads(ln) for ln in proc.stdout.read().splitlines()]
+    assert proc.wait(timeout=10) == 0
+    assert rows[-1] == {"end": True}
+    assert rows[-2]["host"] == "me" and min(rows[-2]["iface"]) >= 5000
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the stop's reference is root's")
+def test_a_tree_in_sessions_of_its_own_is_stopped_whole(tmp_path: Path) -> None:
+    """What torchrun does: each child in a session of its own; one that ignores SIGTERM
+    is killed after the grace."""
+    from controller.torchrun import stop
+
+    pid_file = tmp_path / "pid"
+    root = subprocess.Popen(["sh", "-c", "setsid sleep 300 & setsid sh -c \"trap '' TERM; "
+                             "sleep 300\" & wait"], start_new_session=True)
+    pid_file.write_text(str(root.pid))
+    deadline = time.monotonic() + 10
+    from controller.torchrun.busy import descendants
+
+    while time.monotonic() < deadline and len(descendants(root.pid)) < 3:
+        time.sleep(0.05)
+    tree = [root.pid, *descendants(root.pid)]
+    assert len(tree) >= 4
+    assert stop.main(["0.5", str(pid_file)]) == 0
+    root.wait(timeout=5)
+    assert not any(alive(q) for q in tree) and not pid_file.exists()
+    assert stop_trees([], 0.1) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sock_diag in a namespace needs root")
+def test_a_server_s_watch_feeds_the_run_s_sampler_on_this_clock(tmp_path: Path) -> None:
+    """The controller's side of a server's watch, with ``sh -c`` in place of ssh (the
+    server is this machine, its "offset" 1000 s): a connection's bytes reach the run's
+    sampler as the host's progress, stamped on this clock, and the counters arrive at
+    the stop."""
+    import socket
+
+    from agents.core.events import now_ns
+    from controller.torchrun.servers import ServerWatch
+    from controller.torchrun.sockdiag import ConnSampler
+
+    # This machine's stamps, read as those of a server whose clock runs 1000 s behind,
+    # move 1000 s forward.
+    offset_ns = -1000 * 10**9
+    # A connection to one of this machine's global addresses: not loopback, so it counts
+    # as the host's progress (the host's own address is another one).
+    addrs = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    ips = [a.split("/")[0] for i, a in enumerate(addrs) if i and addrs[i - 1] == "inet"]
+    if not ips:
+        pytest.skip("no global IPv4 address here")
+    sampler = ConnSampler({}, fed={"me": "10.255.255.254"})
+    lst = socket.create_server((ips[0], 0))
+    watch = ServerWatch("here", ["sh", "-c"],
+                        [WatchedHost("me", os.getpid(), "lo", str(tmp_path / "none"))],
+                        sampler, offset_ns, lambda _line: None)
+    before = now_ns()
+    watch.start()
+    watch.wait_ready(timeout_s=30)
+    cli = socket.create_connection(lst.getsockname())
+    srv, _ = lst.accept()
+    cli.sendall(b"y" * 20000)
+    got = 0
+    while got < 20000:
+        got += len(srv.recv(65536))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sampler.progress["me"][0] < 20000:
+        time.sleep(0.05)
+    total, at_ns = sampler.progress["me"]
+    assert total >= 20000  # to 127.0.0.1 is "local" for a host of another address
+    # The server's stamps minus its offset: this clock, not 1000 s off.
+    assert before + 1000 * 10**9 <= at_ns <= now_ns() + 1000 * 10**9
+    for s in (cli, srv, lst):
+        s.close()
+    watch.stop()
+    assert watch.error is None and watch.iface["me"][1] >= 20000
+    assert any(c.final for _, c in sampler.final_connections())
