@@ -333,8 +333,7 @@ class Experiment:
             self._ctl = ctl
             # Imports torch once while the network is built (or since the command began);
             # each agent of this machine's hosts is a fork of it.
-            starter = self._warm or (warm_for_agents(cfg.run.allocator, cfg.workload.name)
-                                     if self.forks_agents else None)
+            starter = self._warm or self._warm_starter(run_dir)
             # And one on each other server, over ssh, for that server's agents.
             if self._access is not None and self.forks_agents:
                 from controller.remote import server_warms
@@ -422,6 +421,13 @@ class Experiment:
                 if self._logf is not None:
                     rundir.best_effort(self._logf.close, "run.log", lambda _: None)
         return run_dir
+
+    def _warm_starter(self, run_dir: Path) -> WarmStarter | None:
+        """The warm process this run's local processes fork from (started now, so that it
+        imports while the network is built), or None: each starts a fresh interpreter."""
+        if not self.forks_agents:
+            return None
+        return warm_for_agents(self.cfg.run.allocator, self.cfg.workload.name)
 
     def headline(self) -> str:
         """What the run's first status line says about it."""

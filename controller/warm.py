@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -246,15 +246,19 @@ class WarmStarter:
     """One warm process and the agents forked from it.
 
     env: the environment the warm process starts with, and so the one a request must carry
-    to be forked (the agents' own; default this process's). The warm process imports
+    to be forked (the agents' own; default this process's), but for ``free_env``: variables
+    the forked program reads only once it runs, never while torch loads (the child gets the
+    request's values, as every variable; torchrun's per-host ones). The warm process imports
     torch while the caller goes on (building the network, say): the first request waits
     for it. workload: a run's ``workload.name``; the warm process then also imports what
     that run's agents import (:func:`_preload`; :data:`EVERY_WORKLOAD`: what the agents of
 any workload import). Empty: torch, numpy and cryptography only.
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None, workload: str = "") -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, workload: str = "",
+                 free_env: Collection[str] = ()) -> None:
         start_env = dict(os.environ if env is None else env)
+        self.free_env = frozenset(free_env)
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The warm process's stderr (what it says when a preload fails): a file with no
         # name, so that no run, not even a SIGKILLed caller's, leaves one in /tmp; the
@@ -292,9 +296,9 @@ any workload import). Empty: torch, numpy and cryptography only.
         self.ready = True
         threading.Thread(target=self._read, name="warm-reader", daemon=True).start()
 
-    @staticmethod
-    def _env(env: Mapping[str, str]) -> dict[str, str]:
-        return {k: v for k, v in env.items() if k not in _ENV_IGNORED}
+    def _env(self, env: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items()
+                if k not in _ENV_IGNORED and k not in self.free_env}
 
     def _read(self) -> None:
         while True:

@@ -192,6 +192,21 @@ class RankPlan:
     env: Mapping[str, str]
 
 
+#: The variables of a host's torchrun that differ from host to host (besides NCCL's). Its
+#: agent reads them once it runs (and passes them to its ranks), never while torch loads:
+#: the agents may fork from one process that imported torch with the rest of
+#: :func:`run_env` (controller.torchrun.experiment); a NCCL run's never do.
+HOST_ENV = frozenset({"GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "TORCHELASTIC_ERROR_FILE",
+                      "GRADBED_HOST", "GRADBED_LINK_MBPS"})
+
+
+def run_env(log_dir: Path) -> dict[str, str]:
+    """The variables every host's torchrun gets alike (``log_dir``: RUN/logs/ranks)."""
+    # Rank 0's lines reach the terminal (and a test's log reader) as they are printed;
+    # gradbed.ddp (instrument, the adaptive hook) inside the script writes to the run.
+    return {"PYTHONUNBUFFERED": "1", "GRADBED_RUN_DIR": str(log_dir.parent.parent)}
+
+
 def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
                log_dir: Path) -> list[RankPlan]:
     """Every training host's torchrun command and environment (pure)."""
@@ -218,13 +233,11 @@ def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
                 "--local-addr", h.ip, "--log-dir", str(log_dir / h.name),
                 "--redirects", "3", "--tee", "3",
                 str(script), *tr.args)
-        env = {"GLOO_SOCKET_IFNAME": dev, "TP_SOCKET_IFNAME": dev,
-               "PYTHONUNBUFFERED": "1",
+        env = {**run_env(log_dir), "GLOO_SOCKET_IFNAME": dev, "TP_SOCKET_IFNAME": dev,
                # torchrun's @record error files land next to the rank's logs.
                "TORCHELASTIC_ERROR_FILE": str(log_dir / h.name / "error.json"),
-               # gradbed.ddp (instrument, the adaptive hook) inside the script: where the
-               # run's events go (log_dir is RUN/logs/ranks) and under which host.
-               "GRADBED_RUN_DIR": str(log_dir.parent.parent), "GRADBED_HOST": h.name}
+               # gradbed.ddp inside the script: under which host its events go.
+               "GRADBED_HOST": h.name}
         rate = planned_mbps(cfg, spec, h)
         if rate is not None:  # the adaptive hook's planned rate
             env["GRADBED_LINK_MBPS"] = f"{rate:g}"

@@ -34,6 +34,7 @@ from controller import rundir
 from controller.exit_status import failed_start_reason, timeout_reason
 from controller.roles import RoleCommand
 from controller.roles.torchrun import (
+    HOST_ENV,
     RankPlan,
     admission_rules,
     check_gpus,
@@ -42,6 +43,7 @@ from controller.roles.torchrun import (
     failure_time,
     rank_exit_codes,
     rank_plans,
+    run_env,
     torchrun_spec,
     training_hosts,
 )
@@ -60,6 +62,7 @@ from controller.torchrun.servers import (
 )
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
 from controller.torchrun.stop import stop_trees
+from controller.warm import WarmProcess, WarmStarter
 from topo.build import Network
 from topo.shapes import shape_spec
 from topo.spec import NetSpec
@@ -76,8 +79,8 @@ class TorchrunExperiment(Experiment):
     """``TorchrunExperiment(cfg).run()``: the config's shape with ranks on its training
     hosts; ``cfg.torchrun.script`` must name the script (absolute or from the cwd)."""
 
-    # The ranks run the user's interpreter and environment, never a fork of gradbed's
-    # warm process: starting one would import torch for nothing.
+    # No gradbed agent runs: the ranks are torchrun's own fresh interpreters, with the
+    # user's interpreter and environment. Only torchrun's agents may fork (_warm_starter).
     forks_agents = False
 
     def __init__(self, cfg: cfgmod.ExperimentConfig, out_root: Path = Path("runs"),
@@ -102,6 +105,22 @@ class TorchrunExperiment(Experiment):
         self._servers: RankServers | None = None
         self._users: dict[str, ServerUser | None] = {}
         self._watches: list[ServerWatch] = []
+        self.forked: dict[str, bool] = {}  # per host: its torchrun a fork of the warm process
+
+    def _warm_starter(self, run_dir: Path) -> WarmStarter | None:
+        """One process that imports torch while the network is built; each host's torchrun
+        agent is a fork of it (controller.warm) instead of an interpreter that imports torch
+        (about 3 s of CPU per host, all at once) before it starts its ranks. The ranks are
+        torchrun's own fresh interpreters either way. None where a fork could not stand for
+        the command: another interpreter (torchrun.python), the ranks run as the invoking
+        user (setpriv), NCCL (WarmStarter.can_fork refuses any other difference), or
+        GRADBED_WARM=0."""
+        tr = self.cfg.torchrun
+        if (os.environ.get("GRADBED_WARM", "1") == "0" or tr.python != sys.executable
+                or rundir.invoking_user() is not None or tr.backend == "nccl"):
+            return None
+        return WarmStarter({**os.environ, **run_env(run_dir / "logs" / "ranks")},
+                           free_env=HOST_ENV)
 
     def headline(self) -> str:
         tr = self.cfg.torchrun
@@ -144,9 +163,11 @@ class TorchrunExperiment(Experiment):
                              f"{' '.join(f'{k}={v}' for k, v in plan.env.items())} "
                              f"{' '.join(argv)}  # in {cmd.host}\n")
         with open(path, "ab") as log:
-            return net.popen(cmd.host, argv, stdin=subprocess.DEVNULL, stdout=log,
+            proc = net.popen(cmd.host, argv, stdin=subprocess.DEVNULL, stdout=log,
                              stderr=subprocess.STDOUT, cwd=str(self.cwd), env=env,
                              start_new_session=True)
+        self.forked[cmd.host] = isinstance(proc, WarmProcess)
+        return proc
 
     def _plans(self, net: Network, run_dir: Path) -> dict[str, RankPlan]:
         """Every host's plan; a host of another server names that server's run directory
@@ -458,7 +479,8 @@ class TorchrunExperiment(Experiment):
             "python": self.cfg.torchrun.python, "script": self.cfg.torchrun.script,
             "cwd": str(self.cwd),
             "run_as": list(rundir.invoking_user() or (os.geteuid(), os.getegid())),
-            "hosts": {p.host: {"argv": list(p.argv), "env": dict(p.env)}
+            "hosts": {p.host: {"argv": list(p.argv), "env": dict(p.env),
+                               "forked": self.forked.get(p.host, False)}
                       for p in self.plans.values()}}
         rundir.write_json(run_dir / "meta.json", meta_now)
         if self.report:

@@ -8,12 +8,27 @@ seeded the same way, so the parameters after K steps match the DDP script's.
 """
 
 import argparse
+import importlib.util
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+
+
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:  # train.py's: each script stands alone
+    """scikit-learn's digits as float32 images in [0, 1] (1797 x 64) and int64 labels,
+    read from the file its wheel ships: ``sklearn.datasets.load_digits()``'s arrays
+    without importing scikit-learn, which costs each rank as much CPU as importing torch."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the digits come with scikit-learn: pip install scikit-learn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    data = np.loadtxt(path, delimiter=",")  # 64 pixel columns (0-16), then the label
+    return (torch.tensor(data[:, :-1], dtype=torch.float32) / 16.0,
+            torch.tensor(data[:, -1], dtype=torch.long))
 
 
 def main() -> None:
@@ -28,9 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    x, y = load_digits()
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     for layer in model:
         if isinstance(layer, nn.Linear):

@@ -1,9 +1,10 @@
 """A plain DDP training script: nothing here knows about gradbed.
 
-A two-layer MLP learns scikit-learn's digits (1,797 8x8 images) with DistributedDataParallel
-over gloo. Every step draws one seeded global batch; rank r trains on its slice of it, and
-DDP's all-reduce averages the gradients, so the parameters after K steps depend on the seed
-and the world size only, never on the network or the timing.
+A two-layer MLP learns scikit-learn's digits (1,797 8x8 images, read from the file
+scikit-learn ships) with DistributedDataParallel over gloo. Every step draws one seeded
+global batch; rank r trains on its slice of it, and DDP's all-reduce averages the gradients,
+so the parameters after K steps depend on the seed and the world size only, never on the
+network or the timing.
 
     torchrun --standalone --nproc-per-node 4 train.py --steps 20          # one machine
     sudo gradbed torchrun examples/torchrun_ddp/fabric4.toml -- \\
@@ -17,14 +18,29 @@ into the gradbed run's events (a no-op outside one). Those three import gradbed.
 """
 
 import argparse
+import importlib.util
 import os
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits as float32 images in [0, 1] (1797 x 64) and int64 labels,
+    read from the file its wheel ships: ``sklearn.datasets.load_digits()``'s arrays
+    without importing scikit-learn, which costs each rank as much CPU as importing torch."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the digits come with scikit-learn: pip install scikit-learn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    data = np.loadtxt(path, delimiter=",")  # 64 pixel columns (0-16), then the label
+    return (torch.tensor(data[:, :-1], dtype=torch.float32) / 16.0,
+            torch.tensor(data[:, -1], dtype=torch.long))
 
 
 def main() -> None:
@@ -47,9 +63,7 @@ def main() -> None:
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world}")
     torch.manual_seed(args.seed)
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    x, y = load_digits()
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     ddp = DDP(model)  # broadcasts rank 0's parameters to every rank
     if args.hook:

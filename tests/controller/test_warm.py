@@ -33,8 +33,9 @@ def _show(starter: WarmStarter, tmp_path: Path, *args: str, **kw):
 @pytest.fixture(scope="module")
 def starter():
     """One warm process for the tests that only fork from it (each fork is a process of its
-    own, and the warm process stays as it was): its start imports torch, seconds each."""
-    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"})
+    own, and the warm process stays as it was): its start imports torch, seconds each.
+    GRADBED_HOST may differ from request to request (torchrun's agents' per-host variables)."""
+    s = WarmStarter({**os.environ, "GRADBED_PROBE": "warm"}, free_env={"GRADBED_HOST"})
     yield s
     s.close()
 
@@ -76,6 +77,17 @@ def test_a_different_environment_or_command_is_not_forked(starter, tmp_path):
                          ) is None
     assert starter.spawn(argv, cwd=REPO, stderr=subprocess.PIPE,
                          env={**os.environ, "GRADBED_PROBE": "warm"}) is None
+
+
+def test_a_free_variable_may_differ_and_the_fork_sees_the_requests_value(starter, tmp_path):
+    proc, out = _show(starter, tmp_path, env={**os.environ, "GRADBED_PROBE": "warm",
+                                              "GRADBED_HOST": "gbh2"})
+    assert proc.wait(timeout=30) == 0
+    assert json.loads(out.read_text())["host"] == "gbh2"
+    # Any other difference still gets a fresh interpreter.
+    assert starter.spawn([sys.executable, "-m", "tests.support.show_self"], cwd=REPO,
+                         env={**os.environ, "GRADBED_PROBE": "other", "GRADBED_HOST": "gbh2"}
+                         ) is None
 
 
 def test_signals_reach_the_fork_and_its_status_comes_back(starter, tmp_path):

@@ -10,6 +10,7 @@ with open("/proc/self/cmdline", "rb") as f:
 print(json.dumps({"netns": os.readlink("/proc/self/ns/net"), "cmdline": cmdline,
                   "argv": sys.argv[1:], "cwd": os.getcwd(), "sid": os.getsid(0),
                   "pid": os.getpid(), "probe": os.environ.get("GRADBED_PROBE"),
+                  "host": os.environ.get("GRADBED_HOST"),
                   # what it found imported already (a warm process's preloads)
                   "preloaded": sorted(m for m in ("agents.workloads.base", "agents.net.wire",
                                                   "sklearn") if m in sys.modules)}),

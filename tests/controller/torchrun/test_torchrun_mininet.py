@@ -1,8 +1,9 @@
 """``gradbed torchrun`` in real Mininet (root), on the example's fabric and on the star.
 
-A run costs a network, two torch imports per host (torchrun, then the rank) and a teardown
-on a shared 2-core machine, so there are six, each as small as its checks allow, and a
-run that several tests read is made once per module:
+A run costs a network, a torch import per rank (each host's torchrun agent is a fork of
+one process that imported it) and a teardown on a shared 2-core machine, so there are six,
+each as small as its checks allow, and a run that several tests read is made once per
+module:
 
 - the example's DDP script on its 4 fabric hosts (5 ms and 0.1 % loss on every uplink,
   gbh3's replaying the cellular trace) ends with the parameters of the same script on
@@ -108,12 +109,15 @@ def loopback_started(tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     """The DDP script on loopback (4 local processes, no emulation), STEPS + 1 steps, started
     before the example's Mininet run so that it runs beside that run's network set-up,
-    waits and teardown."""
+    waits and teardown. Its ranks are forks of one process that imported torch
+    (tests.support.fork_ranks): 4 ranks and a torchrun agent each importing it would take
+    the CPU the emulated run's own imports need."""
     d = tmp_path_factory.mktemp("loopback")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "4", str(EXAMPLE / "train.py"),
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fork_ranks", "4",
+                             str(EXAMPLE / "train.py"),
                              "--steps", str(STEPS + 1), "--history", str(d / "hist.pt")],
-                            cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     yield proc, d
     if proc.poll() is None:
         proc.kill()
@@ -165,8 +169,10 @@ def test_ddp_run_directory_records_ranks_bytes_and_shaping(ddp: tuple[Done, Path
                b["payload_sent_bytes"]), b
     assert load_run(run_dir).summary == s
     assert 0 < s["torchrun"]["points_busy_utilization"]["gbh3.up"] <= 1.05  # the traced uplink
-    env = json.loads((run_dir / "meta.json").read_text())["torchrun"]["hosts"]["gbh2"]["env"]
-    assert env["GLOO_SOCKET_IFNAME"] == "gbh2-eth0"
+    hosts = json.loads((run_dir / "meta.json").read_text())["torchrun"]["hosts"]
+    assert hosts["gbh2"]["env"]["GLOO_SOCKET_IFNAME"] == "gbh2-eth0"
+    # Every host's torchrun agent was a fork of the process that imported torch once.
+    assert all(h["forked"] for h in hosts.values()), hosts
     # The example does not instrument DDP: no transfer window, so no regime, and why.
     assert s["agent_limited"] is None and s["agent_limited_why"] == UNINSTRUMENTED_WHY, s
     # The class sampler ran, on every access link of the fabric.
@@ -398,14 +404,16 @@ def test_a_rank_that_fails_ends_the_run_naming_it(tmp_path: Path) -> None:
 
 
 def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -> None:
-    """Rank 1 sleeps before init_process_group; rank 0 waits in its. After
-    torchrun.stall_s without a byte or CPU the run ends naming rank 1 and its variables,
-    long before gloo's 30-minute timeout. stall_s is far below the 10-20 s a torch import
-    takes on a loaded 2-core machine: a host importing uses CPU, so it is not judged, and
-    rank 0's host, waiting in init_process_group for rank 1, is not judged either."""
+    """Rank 1 sleeps before it imports torch and calls init_process_group; rank 0 waits in
+    its. After torchrun.stall_s without a byte or CPU the run ends naming rank 1 and its
+    variables, long before gloo's 30-minute timeout. stall_s is far below the 10-20 s a
+    torch import takes on a loaded 2-core machine: rank 0's host, importing, uses CPU, so
+    it is not judged, and once its rank waits in init_process_group for rank 1, it is not
+    judged either."""
     script = write_script(tmp_path, "late.py",
-                          "import os, time, torch.distributed as dist\n"
+                          "import os, time\n"
                           "if os.environ['RANK'] == '1':\n    time.sleep(600)\n"
+                          "import torch.distributed as dist\n"
                           "dist.init_process_group('gloo')\n"
                           "dist.barrier()\n")
     done = gradbed_torchrun(tmp_path, script, [], [*SMALL, f"torchrun.stall_s={LATE_STALL_S}"])
