@@ -170,6 +170,17 @@ def _welcome(lp: loop.EventLoop, conn: _Conn, weights: torch.Tensor,
         lp.run_once(0)  # what arrived meanwhile becomes events, handled after admission
 
 
+def _close_listening(srv: socket.socket) -> None:
+    """Shut down first: that wakes the accepting thread's accept() at once (a close alone
+    does not), which ``serve`` then joins; it otherwise slept out its report interval
+    (1 s), and every run's end waited for it."""
+    try:
+        srv.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    srv.close()
+
+
 def _accept_in_background(ps: ParameterServer) -> threading.Thread:
     """The PS's accept loop (``handshake.accept_forever``) on a thread of its own."""
     t = threading.Thread(target=handshake.accept_forever, name="accept", daemon=True,
@@ -573,14 +584,7 @@ class ParameterServer:
         self.loop.flush_all(list(conns), self.cfg.run.timeout_s)
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
         self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
-        # Shut down first: that wakes the accepting thread's accept() at once (a close
-        # alone does not), which ``serve`` then joins; it otherwise slept out its report
-        # interval (1 s), and every run's end waited for it.
-        try:
-            self.srv.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.srv.close()
+        _close_listening(self.srv)
 
 
 def main(argv: list[str] | None = None) -> int:
