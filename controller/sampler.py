@@ -1,9 +1,10 @@
 """The periodic loop of the controller's samplers (``links.parquet``, ``classes.parquet``).
 
 A sampler is a daemon thread that calls :meth:`PeriodicSampler.sample` every
-``period_s`` until :attr:`~PeriodicSampler.stop_event` is set. Reads are scheduled on a
-fixed grid of CLOCK_MONOTONIC, so a slow read does not shift every later one; after a
-stall (the controller shares the cores with the agents) the grid restarts from now
+``period_s`` until :attr:`~PeriodicSampler.stop_event` is set, and once more then.
+Reads are scheduled on a fixed grid of CLOCK_MONOTONIC, so a slow read does not shift
+every later one; after a stall (the controller shares the cores with the agents) the
+grid restarts from now
 instead of firing a burst of catch-up reads whose samples would all carry nearly the
 same timestamp. A read that raises ends the loop and keeps what was sampled: the network
 is going away at the end of a run; the message is in :attr:`~PeriodicSampler.error`.
@@ -43,3 +44,9 @@ class PeriodicSampler(threading.Thread):
             if next_t < now:  # fell behind (a stall): no burst of catch-up reads
                 next_t = now
             self.stop_event.wait(max(0.0, next_t - now))
+        # One read when stopped: the samples then reach past the agents' last moment, so
+        # a run's last window (ended up to a period before the stop) is inside them.
+        try:
+            self.sample()
+        except Exception as e:  # the network is going away; keep what we have
+            self.error = str(e)

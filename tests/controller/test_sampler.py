@@ -46,6 +46,19 @@ def test_stop_event_ends_the_loop_and_bad_periods_are_refused() -> None:
     s.stop_event.set()
     s.join(2)
     assert not s.is_alive() and s.error is None and len(s.ts) >= 3
+
+
+def test_a_stop_takes_one_last_read_so_the_samples_reach_the_runs_end() -> None:
+    # A run's last upload window can end between two reads; without a read at the stop
+    # its end lies past the last sample and the window is left out (agent_limited null).
+    s = _Recorder(60.0, stall_at=0, stall_s=0, fail_at=10**9)
+    s.start()
+    time.sleep(0.05)
+    stopped = time.monotonic()
+    s.stop_event.set()
+    s.join(2)
+    assert not s.is_alive() and s.error is None
+    assert len(s.ts) == 2 and s.ts[-1] >= stopped, s.ts
     with pytest.raises(ValueError, match="test-sampler: period_s=0"):
         _Recorder(0, 0, 0, 0)
     assert issubclass(LinkSampler, PeriodicSampler) and issubclass(ClassSampler, PeriodicSampler)
