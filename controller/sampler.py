@@ -4,10 +4,10 @@ A sampler is a daemon thread that calls :meth:`PeriodicSampler.sample` every
 ``period_s`` until :attr:`~PeriodicSampler.stop_event` is set, and once more then.
 Reads are scheduled on a fixed grid of CLOCK_MONOTONIC, so a slow read does not shift
 every later one; after a stall (the controller shares the cores with the agents) the
-grid restarts from now
-instead of firing a burst of catch-up reads whose samples would all carry nearly the
-same timestamp. A read that raises ends the loop and keeps what was sampled: the network
-is going away at the end of a run; the message is in :attr:`~PeriodicSampler.error`.
+grid restarts from now instead of firing a burst of catch-up reads whose samples would
+all carry nearly the same timestamp. A read that raises ends the loop and keeps what was
+sampled: the network is going away at the end of a run; the message is in
+:attr:`~PeriodicSampler.error`.
 """
 
 from __future__ import annotations
