@@ -294,8 +294,9 @@ class Experiment:
             return signal_reason(e.signum)
         if isinstance(e, KeyboardInterrupt):
             return "interrupted"
-        if self._server_lost():
-            return self._server_lost()  # what failed after that failed because of it
+        if lost := self._server_lost():
+            self.say(f"{lost}: stopping")
+            return lost  # what failed after that failed because of it
         error = str(e) or type(e).__name__
         return f"failed: {error}" if self._started else failed_start_reason(error)
 
@@ -519,8 +520,12 @@ class Experiment:
         runner.start_sessions(net)
         reason = runner.wait(cfg.run.timeout_s, watch=lambda: network_broken(
             self._server_lost, net, SERVER_GRACE_S if self._remote is not None else 0.0))
-        # A server that died takes its agents with it: that is the reason, not theirs.
-        return self._server_lost() or reason
+        # A server that died takes its agents with it: that is the reason, not theirs. Its
+        # ssh sessions may end before its control connection does (a busy machine), and the
+        # runner then named one of its agents first.
+        if (lost := self._server_lost()) and lost != reason:
+            self.say(f"{lost}: stopping")
+        return lost or reason
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:

@@ -103,7 +103,8 @@ def test_one_thread_serves_thousands_of_slow_connections_and_an_agent_gets_throu
     admitted handshakes (8 per flooding process) were 48 threads."""
     got: list[dict[str, Any]] = []
     path = tmp_path / "control.sock"
-    threads_before, fds_before = threading.active_count(), _fds()
+    # Threads are compared by identity: a thread another test left behind may end meanwhile.
+    threads_before, fds_before = set(threading.enumerate()), _fds()
     srv = ControlServer(path, got.append, key_for,
                         guard=GuardConfig(handshake_timeout_s=1.0))
     try:
@@ -111,7 +112,7 @@ def test_one_thread_serves_thousands_of_slow_connections_and_an_agent_gets_throu
             _wait(lambda: sum(m.get("count", 0) for m in got
                               if m.get("type") == "control_refused") >= 2000,
                   f"the flood was refused: {got[-3:]}")
-            threads, fds = threading.active_count(), _fds()
+            threads, fds = set(threading.enumerate()) - threads_before, _fds()
             t0 = time.monotonic()
             agent = ControlClient(path, "w0", auth.node_key(MASTER, "w0"), heartbeat_s=None)
             connect_s = time.monotonic() - t0
@@ -124,7 +125,7 @@ def test_one_thread_serves_thousands_of_slow_connections_and_an_agent_gets_throu
             agent.close()
     finally:
         srv.close()
-    assert threads - threads_before == 1, "the control plane is one thread"
+    assert len(threads) == 1, ("the control plane is one thread", threads)
     # Admitted handshakes (8 per flooder), a pipe from each flooder, and a few of our own
     # (the listening socket, the selector, the wake-up pair).
     assert fds - fds_before <= 6 * 8 + len(flood.pids) + 6, (fds, fds_before)
