@@ -38,7 +38,10 @@ SIGKILL'ed pipeline PS must each end the run with status 4, naming it;
 ``control_socket_flood``: one process (what a background host is to the control socket,
 which tells its peers apart by process) keeps opening 20,000 slow keyless connections to a
 real run's control socket; the run must complete and its median iteration time stay
-within 1.2x of a clean run's, run just before it on the same machine.
+within 1.2x of a clean run's, run just before it on the same machine; ``ps_flood``: the
+same against the PS's TCP listener, from a background host of the emulated network (one
+host, 20,000 slow connections from two processes), and the PS's event log may grow by at most 1 MiB a
+minute.
 
 Inputs and files, through ``gradbed``'s command line (``--dry-run``: nothing is built): a
 trace spanning 10^12 ms, a trace that is one endless line (a FIFO whose writer never stops),
@@ -82,7 +85,7 @@ from controller.loopback.dp import (
     start_ps,
     start_worker,
 )
-from controller.loopback.unix_flood import unix_flood
+from controller.loopback.slow_flood import tcp_flood, unix_flood
 
 CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval_every=250",
          "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
@@ -359,11 +362,13 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
             ("--auth", "stdin"), signal.SIGKILL, 4, "exited with status -9"),
             tmp / "kill_pipeline_ps"),
         "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
+        "ps_flood": _verdict(ps_flood, tmp / "ps_flood"),
     }
 
 
 FLOOD_CONNECTIONS = 20_000
 FLOOD_SLOWDOWN = 1.2  # the flooded run's median iteration time, at most this x the clean's
+FLOOD_LOG_BYTES_PER_MIN = 1 << 20  # what a flood may add to a run's logs
 
 
 def _median_iter_s(run_dir: Path) -> float:
@@ -401,6 +406,59 @@ def control_socket_flood(tmp: Path) -> tuple[bool, str]:
     ok = proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN
     return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
                 f"{flood.opened} connections opened, {refused} refused")
+
+
+def _host_pid(name: str) -> int:
+    """The shell of the emulated host ``name`` (``bash ... mininet:NAME``): its network
+    namespace is the host's."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"mininet:{name}".encode() in cmd:
+            return int(pid)
+    raise RuntimeError(f"no shell of host {name}")
+
+
+def ps_flood(tmp: Path) -> tuple[bool, str]:
+    """A clean run with one background host, then the same run while that host (its own
+    address, through the emulated network) keeps FLOOD_CONNECTIONS slow keyless
+    connections at the PS: the run must complete, its median iteration
+    time stay within FLOOD_SLOWDOWN of the clean run's, and the PS's event log grow by at
+    most FLOOD_LOG_BYTES_PER_MIN. Real Mininet (``gradbed run``), root only."""
+    sets = ["net.background_hosts=1", "run.iterations=60", "run.eval_every=1000",
+            "run.timeout_s=300", "net.port=5600"]
+    tmp.mkdir(parents=True, exist_ok=True)
+    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
+    clean.communicate(timeout=600)
+    if clean.returncode != 0:
+        return False, f"the clean run exited {clean.returncode}"
+    (clean_dir,) = (tmp / "clean").glob("*/")
+    proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
+    try:
+        run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
+        ps_ip = json.loads((run_dir / "network.json").read_text())["hosts"]["ps"]["ip"]
+        t0 = time.monotonic()
+        # Two processes of the one host: a process may hold fewer than 20,000 descriptors
+        # (RLIMIT_NOFILE) and the PS tells its peers apart by address.
+        with tcp_flood(ps_ip, 5600, netns_pid=_host_pid("bg0"), processes=2,
+                       per_process=FLOOD_CONNECTIONS // 2) as flood:
+            proc.communicate(timeout=600)
+        flooded_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    refused = sum(int(e.get("count", 0)) for e in ps_events(run_dir, "refused"))
+    log_per_min = (run_dir / "events" / "ps.jsonl").stat().st_size / (flooded_s / 60)
+    ratio = _median_iter_s(run_dir) / _median_iter_s(clean_dir)
+    ok = (proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN and flood.opened >= FLOOD_CONNECTIONS
+          and log_per_min <= FLOOD_LOG_BYTES_PER_MIN)
+    return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
+                f"{flood.opened} connections opened, {refused} refused at the PS; "
+                f"ps.jsonl {log_per_min / 1024:.0f} KiB a minute over {flooded_s:.0f} s")
 
 
 def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:
