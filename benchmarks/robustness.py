@@ -40,8 +40,10 @@ which tells its peers apart by process) keeps opening 20,000 slow keyless connec
 real run's control socket; the run must complete and its median iteration time stay
 within 1.2x of a clean run's, run just before it on the same machine; ``ps_flood``: the
 same against the PS's TCP listener, from a background host of the emulated network (one
-host, 20,000 slow connections from two processes), and the PS's event log may grow by at most 1 MiB a
-minute.
+host, 20,000 slow connections from two processes), and the PS's event log may grow by at
+most 1 MiB a minute; ``dark_30s_down``: the downlink goes dark for 30 s (three times the
+default ``run.stall_timeout_s``) and the run must complete with nobody lost and no step in
+the dark.
 
 Inputs and files, through ``gradbed``'s command line (``--dry-run``: nothing is built): a
 trace spanning 10^12 ms, a trace that is one endless line (a FIFO whose writer never stops),
@@ -363,12 +365,14 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
             tmp / "kill_pipeline_ps"),
         "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
         "ps_flood": _verdict(ps_flood, tmp / "ps_flood"),
+        "dark_30s_down": _verdict(lambda t: dark_stretch(t, "down"), tmp / "dark_down"),
     }
 
 
 FLOOD_CONNECTIONS = 20_000
 FLOOD_SLOWDOWN = 1.2  # the flooded run's median iteration time, at most this x the clean's
 FLOOD_LOG_BYTES_PER_MIN = 1 << 20  # what a flood may add to a run's logs
+DARK_AT_S, DARK_S = 3.0, 30.0  # a cellular outage: three times run.stall_timeout_s's default
 
 
 def _median_iter_s(run_dir: Path) -> float:
@@ -459,6 +463,38 @@ def ps_flood(tmp: Path) -> tuple[bool, str]:
     return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
                 f"{flood.opened} connections opened, {refused} refused at the PS; "
                 f"ps.jsonl {log_per_min / 1024:.0f} KiB a minute over {flooded_s:.0f} s")
+
+
+def dark_stretch(tmp: Path, direction: str) -> tuple[bool, str]:
+    """A trace whose ``direction`` goes dark (0 Mbit/s) for DARK_S from DARK_AT_S, three
+    times ``run.stall_timeout_s`` (the default): the run must complete with nobody lost, no
+    step inside the dark once what was queued before it drained, and steps on both sides.
+    Real Mininet (``gradbed run``), root only."""
+    from analysis.load import load_run
+    from traces.generate import steps, write_rate_log
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    trace = tmp / "dark.log"
+    write_rate_log(steps([(0.0, 50.0), (DARK_AT_S, 0.0), (DARK_AT_S + DARK_S, 50.0)],
+                         period_s=600.0), trace)
+    proc = _gradbed_run("configs/test_tiny.toml", [
+        "run.iterations=40", "run.timeout_s=300", f'trace.{direction}="{trace}"'], tmp)
+    proc.communicate(timeout=600)
+    (run_dir,) = tmp.glob("*/")
+    run = load_run(run_dir)
+    s, ev = run.summary, run.events
+    steps_at = ev[(ev["event"] == "trace_step") & (ev["direction"] == direction)]
+    dark_ns, light_ns = (int(t) for t in steps_at.sort_values("ts_ns")["ts_ns"].iloc[1:3])
+    done = ev.loc[ev["event"] == "ps_iter_done", "ts_ns"].astype("int64")
+    # What was queued before the dark drains at 0.01 Mbit/s for a few seconds at most.
+    in_dark = int(((done > dark_ns + 5e9) & (done < light_ns)).sum())
+    ok = (proc.returncode == 0 and s["stop_reason"] == "completed"
+          and s["agents_lost"] == [] and in_dark == 0
+          and bool((done < dark_ns).any()) and bool((done > light_ns).any()))
+    return ok, (f"exit {proc.returncode}; {s['stop_reason']}; {(light_ns - dark_ns) / 1e9:.1f} s "
+                f"dark on {direction}; {in_dark} steps inside it; agents lost "
+                f"{s['agents_lost']}; {int((done < dark_ns).sum())} steps before, "
+                f"{int((done > light_ns).sum())} after")
 
 
 def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:
