@@ -69,6 +69,13 @@ class CpuCap:
         (self.path / "cgroup.procs").write_text(str(pid))
         self.pids.append(pid)
 
+    def lift(self) -> None:
+        """No limit any more; the processes stay in the cgroup (its cpu.stat still counts)."""
+        if self.kind == "v2":
+            (self.path / "cpu.max").write_text(f"max {PERIOD_US}")
+        else:
+            (self.path / "cpu.cfs_quota_us").write_text("-1")
+
     def throttled_us(self) -> int:
         """Time the cgroup's processes waited for their quota (cpu.stat)."""
         stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
@@ -148,16 +155,18 @@ def cap_when_connected(cap: CpuCap, marker: str, module: str, port: int, count: 
     return t
 
 
-def cap_rank_after_event(cap: CpuCap, out: Path, host: str, event: str,
+def cap_rank_after_event(cap: CpuCap, out: Path, host: str, event: str, lift: str,
                          stop: threading.Event, timeout_s: float = 120.0
                          ) -> tuple[threading.Thread, list[int]]:
     """Start a thread that moves the ``gradbed torchrun`` rank on ``host`` of a run under
     ``out`` (the process with ``RANK`` in its environment, not torchrun's agent) into
     ``cap`` as soon as the run's ``events/HOST.jsonl`` holds an ``event`` (the
     instrumentation's ``ddp_iter``): by then the rank has imported torch and joined its
-    process group. The list it returns receives the CLOCK_MONOTONIC time of the move, so a
-    test can check which of the rank's iterations ran capped."""
-    moved_ns: list[int] = []
+    process group. Once the log holds the line ``lift`` (a fragment of the last bucket's
+    event) the cap is lifted, so the rank's exit (torch's teardown) runs at full speed.
+    The list it returns receives the CLOCK_MONOTONIC times of the move and of the lift,
+    so a test can check which of the rank's iterations ran capped."""
+    times_ns: list[int] = []
     needle = f'"event": "{event}"'
 
     def find() -> tuple[int, Path] | None:
@@ -177,14 +186,18 @@ def cap_rank_after_event(cap: CpuCap, out: Path, host: str, event: str,
             stop.wait(0.05)
         while found is not None and not stop.is_set() and time.monotonic() < deadline:
             try:
-                if needle in found[1].read_text(errors="replace"):
-                    cap.add(found[0])
-                    moved_ns.append(time.monotonic_ns())
-                    return
+                text = found[1].read_text(errors="replace")
             except OSError:
-                pass  # not written yet
+                text = ""  # not written yet
+            if not times_ns and needle in text:
+                cap.add(found[0])
+                times_ns.append(time.monotonic_ns())
+            if times_ns and lift in text:
+                cap.lift()
+                times_ns.append(time.monotonic_ns())
+                return
             stop.wait(0.01)
 
     t = threading.Thread(target=watch, name="cpu-cap-rank", daemon=True)
     t.start()
-    return t, moved_ns
+    return t, times_ns
