@@ -13,11 +13,13 @@ import os
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from analysis.report import regime
 from controller.summary import torchrun_agent_limited
 from tests.support.cpu_cap import CpuCap, cap_rank_after_event, cpu_cap_kind
 from tests.support.mininet_run import REPO, events, summary
@@ -118,3 +120,6 @@ def test_a_rank_with_its_cpu_capped_at_1gbit_is_agent_limited(tmp_path: Path) ->
     assert s["agent_limited"] is True, s["agent_limited_why"]
     assert s["agent_limited_why"].startswith("agent-limited") \
         and "data waited in the ranks" in s["agent_limited_why"], s["agent_limited_why"]
+    # The report says so in words: the times measure the script's ranks, not gradbed.
+    words = regime(s, tomllib.loads((run_dir / "config.toml").read_text()))
+    assert "the script&#x27;s ranks (its compute and gloo) on this machine" in words, words
