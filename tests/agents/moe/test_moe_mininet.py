@@ -1,6 +1,7 @@
 """4 MoE expert hosts on the fabric at 100 Mbit/s, in real Mininet: training runs and the
 loss falls; the summary says whether the agents or the links set the dispatches' pace;
-the run leaves nothing behind."""
+the run leaves nothing behind. A second, small run of 2 hosts whose CPU a cgroup caps, on
+1 Gbit/s links, reads agent-limited, and the report's words name the expert hosts."""
 
 from __future__ import annotations
 

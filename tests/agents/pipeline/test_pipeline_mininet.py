@@ -10,7 +10,10 @@ stage to its neighbours, middle stages both ways) plus the last stage's link bac
 first, and each stage holds two slices, so the PS averages two per stage. GPipe and 1F1B
 are the same stage executor, links and PS in another order of actions; their exact
 weights, link bytes and averaging over TCP are checked on loopback
-(test_pipeline_transparency, test_pipeline_accuracy)."""
+(test_pipeline_transparency, test_pipeline_accuracy).
+
+A second, small run gives the other answer: two stages whose CPU a cgroup caps, on
+1 Gbit/s links, read agent-limited, and the report's words name the stages."""
 
 from __future__ import annotations
 

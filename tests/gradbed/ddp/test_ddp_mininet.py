@@ -94,7 +94,7 @@ def test_a_rank_with_its_cpu_capped_at_1gbit_is_agent_limited(tmp_path: Path) ->
     tenth of a core from its first iteration's end to its last bucket: the links idle while
     the ring waits on that rank, and the summary says so over the iterations after
     warm-up, every one of which ran capped."""
-    steps, warmup = 5, 2
+    steps, warmup = 4, 2
     stop = threading.Event()
     with CpuCap("gradbed-test-cap-rank", cores=0.1) as cap:
         watcher, times_ns = cap_rank_after_event(
