@@ -27,9 +27,9 @@ from controller.exit_status import SERVER_LOST, status_for
 from controller.loopback.dp import run_loopback
 from controller.remote import cleanup_run
 from controller.warm_remote import WARM_ROOT
-from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, gradbed_run, start_run, summary
 from topo.cluster import SshAccess
+from topo.fake_cluster import FakeCluster, fake_cluster
 from topo.server_lock import ServerLock
 
 pytestmark = [pytest.mark.mininet,

@@ -16,9 +16,9 @@ import pytest
 
 from agents.core import config as cfgmod
 from controller.run import plan_commands
-from tests.support.fake_cluster import MONO_STEP_S, FakeCluster, fake_cluster
 from topo.build import Network
 from topo.cluster import LINK_MTU, SshAccess
+from topo.fake_cluster import MONO_STEP_S, FakeCluster, fake_cluster
 from topo.lock import LockTimeout
 from topo.placement import crossings, node_servers
 from topo.remote_delayline import DELAY_ROOT, ServerDelayLine
