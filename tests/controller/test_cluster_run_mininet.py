@@ -3,9 +3,10 @@ servers' Mininet hosts, speak to the controller through forwarded control socket
 their events come back onto the controller's clock. Real Mininet, ssh and training; root.
 
 One cluster of two servers serves the module; the test that kills a server runs last.
-Each kind of run (data-parallel, pipeline, MoE, a killed controller, a killed server) is
-one ``gradbed run``, the smallest that still shows what its test asserts; the reference
-for identical weights is a loopback run of the same config (no network at all).
+Each kind of run (data-parallel, pipeline, MoE, a killed controller, a killed delay line,
+a killed server) is one ``gradbed run``, the smallest that still shows what its test
+asserts; the reference for identical weights is a loopback run of the same config (no
+network at all).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from controller.exit_status import SERVER_LOST, status_for
+from controller.exit_status import FAILED, SERVER_LOST, status_for
 from controller.loopback.dp import run_loopback
 from controller.remote import cleanup_run
 from controller.warm_remote import WARM_ROOT
@@ -244,6 +245,45 @@ def test_cleanup_leaves_a_server_whose_lock_another_run_holds_and_names_that_run
     assert "the other run" in busy[0], busy
     # Once that run has let go, the server is cleaned under its lock.
     assert f"{s2}: network lock taken" in cleanup_run(tmp_path, record, wait_s=5)
+
+
+def _kill_delay_line_of(c: FakeCluster, server: str, host: str) -> int:
+    """SIGKILL ``host``'s delay line on ``server`` (the one in its shell's network
+    namespace, there); its pid on that server."""
+    out = c.ssh(server, f"""
+        ns=$(readlink /proc/$(pgrep -f 'mininet:{host}$' | head -1)/ns/net)
+        for p in $(pgrep -f '[t]opo[.]delayline'); do
+            if [ "$(readlink /proc/$p/ns/net)" = "$ns" ]; then kill -9 $p && echo $p; fi
+        done""").stdout.split()
+    assert len(out) == 1, f"{host}'s delay line on {server}: {out}"
+    return int(out[0])
+
+
+def test_a_delay_line_killed_on_a_server_ends_the_run_naming_host_and_server(
+        cluster, tmp_path):
+    s1, s2 = cluster.servers
+    # 1 ms on the bottleneck: a delay line in the PS (server 1) and in w0 (server 2).
+    proc = start_run("configs/test_tiny.toml",
+                     _placed(cluster, s1, s2, "net.workers=1", "run.iterations=5000",
+                             "net.delay_ms=1"), tmp_path)
+    _wait_remote_iterations(cluster, s1, proc, 1)
+    _kill_delay_line_of(cluster, s2, "w0")  # the delay line alone: its server lives on
+    killed_at = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    (run_dir,) = tmp_path.glob("tiny-*")
+    reason = summary(run_dir)["stop_reason"]
+    # Stopped, torn down over ssh and finished: the watch sees it within 0.1 s.
+    assert time.monotonic() - killed_at < 60, reason
+    assert proc.returncode == FAILED == status_for(reason), (reason, err[-3000:])
+    assert reason.startswith(f"failed: host w0: delay line on {s2} died (exit 137") \
+        and reason.endswith("its link drops every packet"), reason
+    w0 = next(h for h in json.loads((run_dir / "meta.json").read_text())["impairment"]
+              ["hosts"] if h["host"] == "w0")
+    assert str(w0["delay_line_died"]).startswith("exit 137"), w0
+    # Nothing is left on either server, nor the run's records here.
+    assert _server_leftovers(cluster) == []
+    assert not (Path("/run/gradbed/runs") / f"{run_dir.name}.json").exists()
+    assert not (Path("/run/gradbed/clusters") / f"{run_dir.name}.json").exists()
 
 
 def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path):
