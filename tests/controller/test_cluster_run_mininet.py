@@ -269,7 +269,12 @@ def test_a_delay_line_killed_on_a_server_ends_the_run_naming_host_and_server(
     _wait_remote_iterations(cluster, s1, proc, 1)
     _kill_delay_line_of(cluster, s2, "w0")  # the delay line alone: its server lives on
     killed_at = time.monotonic()
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # not stopped: the test fails; the run tears down on SIGTERM
+            proc.terminate()
+            proc.communicate(timeout=120)
     (run_dir,) = tmp_path.glob("tiny-*")
     reason = summary(run_dir)["stop_reason"]
     # Stopped, torn down over ssh and finished: the watch sees it within 0.1 s.
