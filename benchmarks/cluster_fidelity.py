@@ -11,6 +11,9 @@ alone (plain gradbed, no ``[cluster]`` section):
   shaped on the worker's server. One iperf3 flow w0 -> ps each; the placed goodput over
   the one-server goodput must be within 3 %. Links over servers have MTU 1450, so their
   TCP ceiling is 0.16 % lower (``tcp_goodput_fraction``): reported, not corrected.
+- **Delay.** The same star with 10 ms each way on the bottleneck (no netem here: an
+  NFQUEUE delay line in each host, on its server): the least of 20 user-to-user pings
+  w0 -> ps, placed within 5 % or 0.2 ms of one server's.
 - **Iteration time.** ``configs/digits.toml`` (4 workers, dense, 100 Mbit/s bottleneck,
   seed 7) for ``ITERATIONS`` iterations, placed with the PS on server 1 and the workers on
   server 2; the median iteration time (``iter_time_s_p50``) over the one-server run's
@@ -19,7 +22,8 @@ alone (plain gradbed, no ``[cluster]`` section):
   more than two workers a different timing may round the sum differently (the suite's
   bit-identity test runs two workers, whose sum does not depend on the order).
 
-Headline: the worst check's share of its bound, ``|ratio - 1| / bound`` (<= 1 passes).
+Headline: the worst check's share of its bound, ``|placed - one|`` over what the bound
+allows (<= 1 passes).
 Needs root, Mininet, iperf3 and openssh-server (``GRADBED_WITH_SSHD=1 scripts/setup.sh``).
 """
 
@@ -51,6 +55,9 @@ ITERATIONS = int(os.environ.get("GB_CF_ITERATIONS", "40"))
 SEED = 7
 GOODPUT_BOUND = 0.03       # placed goodput within 3 % of one server's
 ITER_TIME_BOUND = 0.15     # placed median iteration time within 15 % of one server's
+DELAY_MS = 10.0            # each way on the bottleneck: a 20 ms RTT
+PINGS = 20
+RTT_BOUND, RTT_BOUND_MS = 0.05, 0.2  # placed min RTT within 5 % or 0.2 ms of one server's
 
 
 def _placement(c: FakeCluster) -> list[str]:
@@ -89,6 +96,33 @@ def _shaping(c: FakeCluster) -> list[dict[str, Any]]:
                                          ("mtu_bytes", g.mtu_bytes),
                                          ("retransmits", g.retransmits))}})
     return points
+
+
+def _min_rtt_ms(c: FakeCluster | None) -> float:
+    """The least of ``PINGS`` user-to-user RTTs w0 -> ps through ``DELAY_MS`` each way on
+    the bottleneck (an NFQUEUE delay line in each host: this kernel has no netem), on this
+    machine (``c`` None) or placed over ``c``'s two servers. User to user (``ping -U``):
+    plain ping stamps the reply before the receiving delay line holds it."""
+    cfg = cfgmod.load(REPO / "configs" / "demo.toml", [
+        "net.workers=1", f"net.delay_ms={DELAY_MS:g}", "net.bottleneck_mbps=1000",
+        "net.loss_pct=0", 'trace.up=""', *(_placement(c) if c is not None else [])])
+    access = SshAccess(ssh_config=str(c.ssh_config)) if c is not None else None
+    with Network(shape_spec(cfg), access=access) as net:
+        out = net.run("w0", ["chrt", "-f", "5", "ping", "-U", "-c", str(PINGS), "-i", "0.2",
+                             net.ip("ps")], timeout_s=PINGS + 30).stdout
+    return float(out.split(" = ")[-1].split("/")[0])
+
+
+def _rtt(c: FakeCluster) -> dict[str, Any]:
+    one, placed = _min_rtt_ms(None), _min_rtt_ms(c)
+    allowed_ms = max(RTT_BOUND * one, RTT_BOUND_MS)
+    log(f"{2 * DELAY_MS:g} ms RTT: one server {one:.3f} ms, placed {placed:.3f} ms "
+        f"(allowed difference {allowed_ms:.3f} ms)")
+    return {"delay_ms_each_way": DELAY_MS, "pings": PINGS, "bound": RTT_BOUND,
+            "bound_ms": RTT_BOUND_MS, "one_min_rtt_ms": one, "placed_min_rtt_ms": placed,
+            "ratio": placed / one, "allowed_diff_ms": allowed_ms,
+            "share_of_bound": abs(placed - one) / allowed_ms,
+            "pass": abs(placed - one) <= allowed_ms}
 
 
 def _weights(runs: dict[str, Path]) -> dict[str, Any]:
@@ -133,13 +167,15 @@ def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="gb-cluster-fidelity-"))
     with fake_cluster(out / "cluster", n=2) as c:
         shaping = _shaping(c)
+        rtt = _rtt(c)
         iteration = _iteration_time(c, out / "runs")
     checks = [abs(p["ratio"] - 1) / p["bound"] for p in shaping]
-    checks.append(abs(iteration["ratio"] - 1) / iteration["bound"])
-    passed = all(p["pass"] for p in shaping) and iteration["pass"]
+    checks += [rtt["share_of_bound"], abs(iteration["ratio"] - 1) / iteration["bound"]]
+    passed = all(p["pass"] for p in shaping) and rtt["pass"] and iteration["pass"]
     emit("cluster_fidelity", round(max(checks), 4),
-         "worst |placed/one - 1| over its bound (goodput 3 %, median iteration 15 %)", "<= 1",
-         {"pass": passed, "shaping": shaping, "iteration_time": iteration,
+         "worst |placed - one| over its bound (goodput 3 %, RTT 5 % or 0.2 ms, median "
+         "iteration 15 %)", "<= 1",
+         {"pass": passed, "shaping": shaping, "rtt": rtt, "iteration_time": iteration,
           "duration_s": DURATION_S, "omit_s": OMIT_S, "servers": "fake (topo.fake_cluster)",
           "wall_s": time.monotonic() - t0, "loadavg_1min_at_start": load_start,
           "loadavg_1min_at_end": os.getloadavg()[0]})
