@@ -62,9 +62,13 @@ def iperf3_goodput(net: Network, src: str, dst: str, rate_mbps: float, seconds: 
     try:
         if not net.wait_listening(dst, IPERF3_PORT):
             raise RuntimeError(f"iperf3 -s in {dst} did not listen on {IPERF3_PORT}")
-        res = net.run(src, ["iperf3", "-c", net.ip(dst), "-p", str(IPERF3_PORT), "-t",
-                            str(seconds), "-O", str(omit_s), "-J"],
-                      timeout_s=seconds + omit_s + 30)
+        try:
+            res = net.run(src, ["iperf3", "-c", net.ip(dst), "-p", str(IPERF3_PORT), "-t",
+                                str(seconds), "-O", str(omit_s), "-J"],
+                          timeout_s=seconds + omit_s + 30)
+        except subprocess.CalledProcessError as e:  # -J puts iperf3's error in its JSON
+            raise RuntimeError(f"iperf3 {src} -> {dst} failed (exit {e.returncode}): "
+                               f"{(e.stdout or '')[-500:]}{e.stderr or ''}") from e
         server.wait(timeout=10)
     finally:
         if server.poll() is None:
