@@ -113,17 +113,47 @@ def reduced_grads(rank: int, world: int, name: str, ratio: float, iters: int
 
 def _sent_over(fn: Any, times: int) -> float:
     """This rank's TCP bytes acked per call of ``fn`` (the ranks call it in step)."""
-    from gradbed.ddp.wire import own_tcp_bytes
-
     dist.barrier()
-    time.sleep(0.2)
-    before = own_tcp_bytes()[0]
+    before = _acked_when_settled()
     for _ in range(times):
         fn()
-    time.sleep(0.3)  # the last segments' ACKs
-    after = own_tcp_bytes()[0]
+    after = _acked_when_settled()
     dist.barrier()
     return (after - before) / times
+
+
+#: How long the last segments' ACKs may take on a loaded machine before the test fails.
+SETTLE_TIMEOUT_S = 30.0
+
+
+def _acked_when_settled() -> int:
+    """This rank's TCP bytes acked (``gradbed.ddp.wire.own_tcp_bytes``) once every byte it
+    has written is acked: no socket of its own has a segment unacked or a byte unsent. A
+    finished collective has written all it sends (gloo waits for its sends), so from then
+    on the count is exact, however long the ACKs take."""
+    from agents.net.tcpinfo import read_tcp_info
+    from gradbed.ddp.wire import own_tcp_bytes
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        pending = 0
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    continue
+                sock = socket.socket(fileno=os.dup(int(name)))
+            except OSError:  # the listing's own descriptor, closed
+                continue
+            with sock:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                          socket.AF_INET6):
+                    continue
+                info = read_tcp_info(sock)
+            pending += info.unacked_pkts + (info.notsent_bytes or 0)
+        if pending == 0:
+            return own_tcp_bytes()[0]
+        assert time.monotonic() < deadline, f"{pending} segments and bytes never acked"
+        time.sleep(0.002)
 
 
 def framing(rank: int, world: int) -> dict[str, float]:
