@@ -30,9 +30,17 @@ gets a plain :class:`subprocess.Popen` (a fresh interpreter) instead, and so doe
 request when ``GRADBED_WARM=0``. ``GRADBED_WARM=0`` is how to compare against, or rule out,
 the warm start.
 
+Under sudo, a torchrun run's warm process runs as the invoking user (``WarmStarter``'s
+``user``: started through ``setpriv`` as a fresh rank would be, keeping only
+``CAP_SYS_ADMIN``, which ``setns`` needs), so that what forks from it is never root; each
+child joins its host's namespace, then drops every capability before it runs anything.
+
 The protocol: one ``SOCK_SEQPACKET`` socket pair; the client sends one JSON request per
 packet (``spawn``, with the child's stdin, stdout and stderr as three passed file
-descriptors, or ``signal``) and gets one JSON reply each; the warm process holds a pidfd
+descriptors and, for a host's agent, the host's namespace as a fourth, which the client
+opens as root; or ``signal``) and gets one JSON reply each (``{"pid": ...}``, or
+``{"cold": why}`` for a ``cwd`` the warm process's user cannot enter: the client then
+starts a fresh interpreter); the warm process holds a pidfd
 per child, reaps each as it exits and sends ``{"exited": pid, "status": ...}``. When the
 client goes (its end closed, or the controller killed), the warm process kills every child
 it still has and exits: nothing outlives the run.
@@ -261,7 +269,7 @@ def _become(req: dict[str, Any], fds: list[int], sock: socket.socket,
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
     for fd in fds[:3]:
-        if fd > 2 and fd != netns:
+        if fd > 2:
             os.close(fd)
     try:
         if netns is not None:
@@ -402,8 +410,8 @@ class WarmStarter:
         """Fork ``argv`` (``[*prefix, sys.executable, "-m", module, *args]``) from the warm
         process, in ``netns_pid``'s network namespace when given; None when it may not be
         (:meth:`can_fork`, or a user's warm process cannot enter ``cwd``): the caller then
-        starts a fresh interpreter. ``stdin``,
-        ``stdout`` and ``stderr`` take what :class:`subprocess.Popen` takes for them
+        starts a fresh interpreter. ``stdin``, ``stdout`` and ``stderr`` take what
+        :class:`subprocess.Popen` takes for them
         (``PIPE`` but not for stderr, ``DEVNULL``, ``STDOUT`` for stderr, a file, or None
         to inherit)."""
         env = dict(os.environ if env is None else env)
