@@ -241,6 +241,15 @@ class ServerWatch:
                           f"{': ' + why if why else ''}")
 
 
+def failed_watch(watches: Sequence[ServerWatch]) -> str | None:
+    """Why the first watch that ended early (:attr:`ServerWatch.failed`) did; None while
+    every one samples."""
+    for w in watches:
+        if w.failed:
+            return w.error or f"server {w.server}: the ranks' watch ended"
+    return None
+
+
 class RankServers:
     """The servers of a run's remote training hosts: ``ssh(server)`` gives the command
     prefix that reaches one (the run's shared connection); ``where``: host -> server."""

@@ -229,6 +229,14 @@ class ConnSampler(threading.Thread):
         self.stop_event = threading.Event()
         self.error: str | None = None
 
+    def mark_start(self) -> None:
+        """The ranks start now: the time before (the servers' checks, the admission
+        rules: seconds over ssh on a loaded machine) is no host's idle time."""
+        now = now_ns()
+        with self.lock:
+            self.progress = {h: (total, max(ts, now)) for h, (total, ts) in
+                             self.progress.items()}
+
     def feed(self, host: str, ts: int, conns: list[ConnSample]) -> None:
         """Samples of a host of another server, ``ts`` on this machine's clock."""
         self._keep(host, ts, conns)

@@ -361,3 +361,19 @@ def test_a_killed_controller_s_torchrun_trees_and_watch_are_stopped_and_nothing_
             p.wait()
     with pytest.raises(ValueError, match="no run's directory"):
         stop_run("", 1)
+
+
+def test_a_host_s_idle_time_counts_from_the_ranks_start_not_the_checks_before() -> None:
+    """The servers' checks and the admission rules take seconds over ssh before the
+    ranks start: that is no host's idle time for the stall check."""
+    from agents.core.events import now_ns
+    from controller.torchrun.sockdiag import ConnSampler
+
+    sampler = ConnSampler({}, fed={"gbh1": "10.0.0.11"})
+    sampler.feed("gbh1", now_ns(), [ConnSample(**GOOD_CONN)])  # 300 bytes moved, then checks
+    moved, before = sampler.progress["gbh1"]
+    time.sleep(0.05)
+    started = now_ns()
+    sampler.mark_start()
+    assert sampler.progress["gbh1"][0] == moved == 300
+    assert sampler.progress["gbh1"][1] >= started > before
