@@ -312,8 +312,12 @@ class TorchrunExperiment(Experiment):
             stalled = [h for h in (late or running) if self.sampler.error is None
                        and (now - self._last_progress_ns(h)) / 1e9 > tr.stall_s]
             if stalled:
-                # The host idle longest stopped first; its peers then wait on it.
-                host = min(stalled, key=self._last_progress_ns)
+                # The host that stopped reading (its peers' bytes wait unread in its
+                # sockets) is the stuck one, its peers wait on it; else the host idle
+                # longest, which stopped first.
+                sampler = self.sampler
+                host = min(stalled, key=lambda h: (sampler.unread_bytes(h) == 0,
+                                                   self._last_progress_ns(h)))
                 return self._lost_or(self._stalled(host, tr.stall_s), procs)
             time.sleep(POLL_S)
 

@@ -28,7 +28,7 @@ import select
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import IO, Any
 
 from agents.core.events import now_ns
@@ -87,7 +87,8 @@ def _conn(c: Any) -> ConnSample:
     kinds = {f.name: str(f.type) for f in fields(ConnSample)}
     if unknown := sorted(set(c) - set(kinds)):
         raise ValueError(f"a connection with unknown field(s) {', '.join(unknown)}")
-    if missing := sorted(n for n in kinds if n not in c and n != "final"):
+    required = [f.name for f in fields(ConnSample) if f.default is MISSING]
+    if missing := sorted(n for n in required if n not in c):
         raise ValueError(f"a connection without {', '.join(missing)}")
     for name, value in c.items():
         ok = {"int": _is_int(value) and value >= 0, "str": isinstance(value, str),

@@ -377,3 +377,42 @@ def test_a_host_s_idle_time_counts_from_the_ranks_start_not_the_checks_before() 
     sampler.mark_start()
     assert sampler.progress["gbh1"][0] == moved == 300
     assert sampler.progress["gbh1"][1] >= started > before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sock_diag in a namespace needs root")
+def test_bytes_a_process_has_not_read_are_seen_and_name_the_stuck_host() -> None:
+    """A rank that stops reading leaves its peers' bytes in its sockets: sock_diag reads
+    them (a real connection here), and the sampler counts them for the host whose
+    connections to other hosts hold them."""
+    import socket
+
+    from controller.torchrun.sockdiag import ConnSampler, HostDiag
+
+    lst = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(lst.getsockname())
+    srv, _ = lst.accept()
+    cli.sendall(b"z" * 5000)  # never read by srv
+    diag = HostDiag("me", os.getpid())
+    try:
+        deadline = time.monotonic() + 10
+        unread = 0
+        while unread < 5000 and time.monotonic() < deadline:
+            unread = sum(c.unread_bytes for c in diag.dump()
+                         if c.sport == lst.getsockname()[1] and c.state == "ESTABLISHED")
+        assert unread == 5000
+        listening = [c for c in diag.dump() if c.state == "LISTEN"
+                     and c.sport == lst.getsockname()[1]]
+        assert all(c.unread_bytes == 0 for c in listening)
+    finally:
+        diag.close()
+        for s in (cli, srv, lst):
+            s.close()
+    sampler = ConnSampler({}, fed={"gbh0": "10.0.0.10", "gbh1": "10.0.0.11"})
+    stuck = ConnSample(**{**GOOD_CONN, "unread_bytes": 4096})
+    sampler.feed("gbh1", 1, [stuck])
+    sampler.feed("gbh0", 1, [ConnSample(**{**GOOD_CONN, "cookie": 8, "src": "10.0.0.10",
+                                           "dst": "10.0.0.11"})])
+    assert (sampler.unread_bytes("gbh1"), sampler.unread_bytes("gbh0")) == (4096, 0)
+    # Closed (its final counters), or to the host itself: not waiting on a peer.
+    sampler.feed("gbh1", 2, [ConnSample(**{**GOOD_CONN, "unread_bytes": 4096, "final": True})])
+    assert sampler.unread_bytes("gbh1") == 0
