@@ -416,3 +416,17 @@ def test_bytes_a_process_has_not_read_are_seen_and_name_the_stuck_host() -> None
     # Closed (its final counters), or to the host itself: not waiting on a peer.
     sampler.feed("gbh1", 2, [ConnSample(**{**GOOD_CONN, "unread_bytes": 4096, "final": True})])
     assert sampler.unread_bytes("gbh1") == 0
+
+
+def test_a_lost_server_is_waited_for_only_its_grace() -> None:
+    """After a failure that came with a sign of a dying server, its control connection
+    is given the grace to end: its loss is then the reason; without it, "" in time."""
+    from controller.torchrun.experiment import wait_lost
+
+    t0 = time.monotonic()
+    assert wait_lost(lambda: "server lost: s2 (x)" if time.monotonic() - t0 > 0.3 else "",
+                     3.0) == "server lost: s2 (x)"
+    assert time.monotonic() - t0 < 2.5
+    t1 = time.monotonic()
+    assert wait_lost(lambda: "", 0.5) == ""
+    assert 0.5 <= time.monotonic() - t1 < 2.5
