@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from controller import rundir
-from topo.cleanup import cleanup
+from topo.cleanup import cleanup, stale_ssh_dirs
 from topo.lock import LockTimeout, NetLock
 
 KILLED = "controller killed"
@@ -95,6 +95,8 @@ def cleanup_main(argv: Sequence[str] | None = None) -> int:
         with NetLock(timeout_s=args.wait_s):
             removed += cleanup()
             removed += finish_orphans(args.run_dirs)
+        # The servers are cleaned by now: the dead controllers' ssh connections can go.
+        removed += stale_ssh_dirs()
     except LockTimeout as exc:
         print(f"gradbed cleanup: {exc}", file=sys.stderr)
         return 1

@@ -217,6 +217,11 @@ class RemoteAgents:
         s, why = next(iter(self._lost.items()))
         return f"server lost: {s} (its control connection ended: {why})"
 
+    def lost_servers(self) -> set[str]:
+        """The servers found lost so far (:meth:`lost`)."""
+        self.lost()
+        return set(self._lost)
+
     @staticmethod
     def _ended(proc: subprocess.Popen[bytes]) -> str:
         if proc.poll() is None or proc.stderr is None:
@@ -339,13 +344,14 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any], wait_s: float = 30.0) 
     ssh = record.get("ssh", {})
     access = SshAccess(user=str(ssh.get("user", "root")), key_path=str(ssh.get("key_path", "")),
                        ssh_config=str(ssh.get("ssh_config", "")))
-    remote_dir = shlex.quote(str(record.get("remote_dir", "")))
+    raw_dir = str(record.get("remote_dir", ""))
+    remote_dir = shlex.quote(raw_dir)
     clock_start = record.get("clocks", {}).get("start", {})
     servers = {s: str(ip) for s, ip in dict(record.get("servers", {})).items() if s != LOCAL}
 
     def clean_one(server: str) -> list[str]:
         argv = access.argv(servers[server])
-        cleaned = _clean_locked(server, argv, wait_s)
+        cleaned = _clean_locked(server, argv, wait_s, raw_dir)
         if any(ln.startswith(f"{server}: not cleaned") for ln in cleaned):
             return cleaned
         got = subprocess.run([*argv, f"test -d {remote_dir} || exit 0; tar -C {remote_dir} "
@@ -363,15 +369,19 @@ def cleanup_run(run_dir: Path, record: Mapping[str, Any], wait_s: float = 30.0) 
     return [ln for lines in on_each(list(servers), clean_one).values() for ln in lines]
 
 
-# Run on a server by ``gradbed cleanup``: topo.cleanup under that server's network lock.
+# Run on a server by ``gradbed cleanup``: under that server's network lock, the run's
+# torchrun trees and ranks' watch (controller.torchrun.stop.stop_run: its ranks run in
+# sessions of their own, which topo.cleanup's kill of torchrun would leave orphaned),
+# then topo.cleanup.
 _LOCKED_CLEANUP = """import sys
+from controller.torchrun.stop import stop_run
 from topo.cleanup import cleanup
 from topo.lock import LockTimeout, NetLock
 from topo.remote_delayline import remove_folders
 try:
     with NetLock(timeout_s=float(sys.argv[1])):
         print("network lock taken")
-        print("\\n".join(cleanup() + remove_folders()))
+        print("\\n".join(stop_run(sys.argv[2], 5.0) + cleanup() + remove_folders()))
 except LockTimeout as exc:
     print(exc)
     sys.exit(3)
@@ -379,12 +389,14 @@ except LockTimeout as exc:
 BUSY_EXIT = 3
 
 
-def _clean_locked(server: str, ssh_argv: Sequence[str], wait_s: float) -> list[str]:
-    """``topo.cleanup`` on ``server`` under its network lock; one line per thing done,
-    prefixed with the server; ``SERVER: not cleaned: ...`` when it could not be."""
+def _clean_locked(server: str, ssh_argv: Sequence[str], wait_s: float, remote_dir: str
+                  ) -> list[str]:
+    """``topo.cleanup`` on ``server`` under its network lock, after the torchrun trees of
+    the run whose directory there is ``remote_dir``; one line per thing done, prefixed
+    with the server; ``SERVER: not cleaned: ...`` when it could not be."""
     clean = subprocess.run(
         [*ssh_argv, f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -c "
-                    f"{shlex.quote(_LOCKED_CLEANUP)} {wait_s:g}"],
+                    f"{shlex.quote(_LOCKED_CLEANUP)} {wait_s:g} {shlex.quote(remote_dir)}"],
         capture_output=True, text=True, timeout=wait_s + SSH_TIMEOUT_S, check=False)
     if clean.returncode == BUSY_EXIT:
         return [f"{server}: not cleaned: another run holds its network lock "

@@ -129,6 +129,47 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+#: The folder of a run's shared ssh connections (``topo.cluster``, ControlMaster) is
+#: ``TMP/gbssh-PID-XXXXXXXX``, PID the controller's: a killed controller leaves it
+#: behind, and its pid tells :func:`stale_ssh_dirs` whether its owner is gone.
+SSH_DIR_PREFIX = "gbssh-"
+
+
+def ssh_dir_owner(name: str) -> int | None:
+    """The controller pid in a shared-ssh folder's name; None for any other name (an
+    older run's folder without a pid, whose owner cannot be told)."""
+    if not name.startswith(SSH_DIR_PREFIX):
+        return None
+    pid, sep, _ = name[len(SSH_DIR_PREFIX):].partition("-")
+    return int(pid) if sep and pid.isascii() and pid.isdigit() else None
+
+
+def stale_ssh_dirs(tmp: str | None = None) -> list[str]:
+    """The shared-ssh folders whose controller is gone, removed with the ssh processes
+    still using them (a connection master persists for a while after its last session,
+    and a dead controller's sessions may still run). A folder whose owner lives, or
+    whose owner cannot be told, is left alone. Only for the machine that ran the
+    controllers: the pid is from this pid namespace. One line per removed folder."""
+    import shutil
+    import tempfile
+
+    root = tmp or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(root)):
+        owner = ssh_dir_owner(name)
+        if owner is None or os.path.exists(f"/proc/{owner}"):
+            continue
+        path = os.path.join(root, name)
+        users = [int(e) for e in os.listdir("/proc") if e.isdigit() and any(
+            a.startswith("ControlPath=" + path + "/") for a in _cmdline(int(e)))]
+        if users:
+            _kill(users)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(f"removed {path} (ssh connections of dead controller pid {owner}"
+                       f"{f', {len(users)} ssh process(es) stopped' if users else ''})")
+    return removed
+
+
 def cleanup(verbose: bool = False, log: Callable[[str], None] | None = None) -> list[str]:
     """Remove gradbed leftovers; returns what was removed (empty when nothing was there)."""
     removed: list[str] = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -41,6 +42,7 @@ from mininet.nodelib import LinuxBridge
 
 from agents.core.cluster_config import ClusterConfig
 from topo import clocks
+from topo.cleanup import SSH_DIR_PREFIX
 from topo.placement import LOCAL, crossings, node_servers, servers_used
 from topo.server_lock import Lock, LockSet, ServerLock, lock_order
 from topo.spec import NetSpec, SpecError
@@ -249,7 +251,9 @@ class Cluster:
         difference); the answer opens the connection the run's commands share
         (``SshAccess.control_dir``)."""
         if not self.access.control_dir:
-            self.access = replace(self.access, control_dir=tempfile.mkdtemp(prefix="gbssh-"))
+            # Named by this process: gradbed cleanup removes it once this process is gone.
+            self.access = replace(self.access, control_dir=tempfile.mkdtemp(
+                prefix=f"{SSH_DIR_PREFIX}{os.getpid()}-"))
         here, wrong = local_versions(), []
         probe = (f"id -u && cd {shlex.quote(str(REPO))} && "
                  f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSION_PROBE)}")

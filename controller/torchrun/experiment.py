@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,14 +48,16 @@ from controller.roles.torchrun import (
     torchrun_spec,
     training_hosts,
 )
-from controller.run import Experiment
+from controller.run import SERVER_GRACE_S, Experiment
 from controller.runner import RoleRunner
 from controller.torchrun import proof
 from controller.torchrun.busy import BusyClock, tree_cpu_s
 from controller.torchrun.servers import (
+    SSH_FAILED,
     RankServers,
     ServerUser,
     ServerWatch,
+    failed_watch,
     forwarded_env,
     invoking_user_name,
     server_argv,
@@ -249,6 +252,7 @@ class TorchrunExperiment(Experiment):
             # Every watch samples before any rank starts: no destroy message is missed.
             for w in self._watches:
                 w.wait_ready()
+            self.sampler.mark_start()
             runner.start_agents()
             if self.progress:
                 tail = _Tail(runner.procs[0][1].log_path(self.run_dir), sys.stdout)
@@ -292,15 +296,18 @@ class TorchrunExperiment(Experiment):
         deadline = time.monotonic() + self.cfg.run.timeout_s
         while True:
             if lost := self._server_lost():
-                return lost
+                return self._stopping(lost)
             if any(p.poll() not in (None, 0) for _, p in procs):
-                return self._first_failure(procs)
+                return self._lost_or(self._first_failure(procs), procs)
             if all(p.poll() is not None for _, p in procs):
                 return "completed"
             if time.monotonic() > deadline:
                 return timeout_reason(self.cfg.run.timeout_s)
             now = now_ns()
             self._watch_cpu(procs, now)
+            # A server's watch that ended early sends no more samples: like a local
+            # sampler that failed, it reads no bytes, and that is no stall.
+            self.sampler.error = self.sampler.error or failed_watch(self._watches)
             running = [c.host for c, p in procs if p.poll() is None]
             # Peers of a rank that has not called init_process_group wait in theirs: while
             # one has not, only such ranks are judged, each once idle for stall_s. A
@@ -310,8 +317,30 @@ class TorchrunExperiment(Experiment):
             stalled = [h for h in (late or running) if self.sampler.error is None
                        and (now - self._last_progress_ns(h)) / 1e9 > tr.stall_s]
             if stalled:
-                return self._stalled(stalled[0], tr.stall_s)
+                # The host that stopped reading (its peers' bytes wait unread in its
+                # sockets) is the stuck one, its peers wait on it; else the host idle
+                # longest, which stopped first.
+                sampler = self.sampler
+                host = min(stalled, key=lambda h: (sampler.unread_bytes(h) == 0,
+                                                   self._last_progress_ns(h)))
+                return self._lost_or(self._stalled(host, tr.stall_s), procs)
             time.sleep(POLL_S)
+
+    def _stopping(self, lost: str) -> str:
+        self.say(f"{lost}: stopping")
+        return lost
+
+    def _lost_or(self, reason: str, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]]
+                 ) -> str:
+        """``reason``, or the loss of a server when that is what ended the run: a server
+        that dies takes its hosts' ssh sessions (status 255) and its watch with it, and
+        its control connection may end a moment after them (a busy machine), by when
+        the peers of its ranks may have failed too. Given SERVER_GRACE_S then."""
+        remote = self._servers.where if self._servers is not None else {}
+        signs = (any(p.poll() == SSH_FAILED for c, p in procs if c.host in remote)
+                 or any(w.failed for w in self._watches))
+        lost = wait_lost(self._server_lost, SERVER_GRACE_S) if signs else ""
+        return self._stopping(lost) if lost else reason
 
     def _watch_cpu(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]],
                    now: int) -> None:
@@ -374,21 +403,24 @@ class TorchrunExperiment(Experiment):
 
     def _stalled(self, host: str, stall_s: float) -> str:
         assert self.sampler is not None
+        named = f"host {host}"
+        if self._servers is not None and host in self._servers.where:
+            named += f" on {self._servers.where[host]}"  # its watch ran there
         plan = self.plans[host]
         env = " ".join(f"{k}={v}" for k, v in sorted(plan.env.items())
                        if k.endswith("IFNAME") or k.startswith("NCCL"))
         master = f"{self.plans[next(iter(self.plans))].ip}:{self.cfg.torchrun.port}"
         if self.sampler.progress[host][0] == 0:
             return failed_start_reason(
-                f"{self._ranks(host)} (host {host}) never reached rendezvous: no "
+                f"{self._ranks(host)} ({named}) never reached rendezvous: no "
                     f"connection to another host in {stall_s:g} s (master {master}, {env}); "
                     f"see logs/{host}.log")
         if not self._reached_init(host):
             return failed_start_reason(
-                f"{self._ranks(host)} (host {host}) never reached init_process_group: "
+                f"{self._ranks(host)} ({named}) never reached init_process_group: "
                     f"idle for {stall_s:g} s, no byte moved and no CPU used "
                     f"(torchrun.stall_s; master {master}, {env}); see logs/{host}.log")
-        return (f"{self._ranks(host)} (host {host}) stalled: its connections moved no bytes "
+        return (f"{self._ranks(host)} ({named}) stalled: its connections moved no bytes "
                 f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 
     def _stop_ranks(self, runner: RoleRunner) -> set[str]:
@@ -397,7 +429,8 @@ class TorchrunExperiment(Experiment):
         such a host is only its ssh), then here. Returns the hosts stopped so."""
         stopped = {c.host for _, c, p in runner.procs if p.poll() is None}
         if self._servers is not None:
-            for line in self._servers.stop(STOP_GRACE_S):
+            lost = self._remote.lost_servers() if self._remote is not None else set()
+            for line in self._servers.stop(STOP_GRACE_S, skip=lost):
                 self.say(f"ranks stopped on {line}")
 
         def reap() -> None:
@@ -490,6 +523,15 @@ class TorchrunExperiment(Experiment):
         rundir.write_json(run_dir / "meta.json", meta_now)
         if self.report:
             self._write_report(run_dir)
+
+
+def wait_lost(server_lost: Callable[[], str], grace_s: float) -> str:
+    """What ``server_lost()`` says once it names a lost server, within ``grace_s``; ""
+    if it names none by then."""
+    deadline = time.monotonic() + grace_s
+    while not (lost := server_lost()) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return lost
 
 
 def points_busy(links_path: Path) -> dict[str, float | None]:

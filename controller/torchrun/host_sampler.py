@@ -22,12 +22,13 @@ It imports neither torch nor pandas: it starts in a fraction of a second.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import IO, Any
 
 from agents.core.events import now_ns
@@ -69,19 +70,72 @@ def sample_line(host: str, ts_ns: int, conns: Iterable[ConnSample], cpu_s: float
     return json.dumps(row)
 
 
+#: The longest line the controller reads from a server's watch: a sample of one host
+#: with thousands of connections fits; a server that sends endless bytes without a
+#: newline is refused instead of filling the controller's memory.
+MAX_LINE_CHARS = 4 << 20
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _conn(c: Any) -> ConnSample:
+    """One ``conns`` entry as a :class:`ConnSample`; ValueError naming the bad field."""
+    if not isinstance(c, dict):
+        raise ValueError(f"a connection that is not an object: {str(c)[:80]!r}")
+    kinds = {f.name: str(f.type) for f in fields(ConnSample)}
+    if unknown := sorted(set(c) - set(kinds)):
+        raise ValueError(f"a connection with unknown field(s) {', '.join(unknown)}")
+    required = [f.name for f in fields(ConnSample) if f.default is MISSING]
+    if missing := sorted(n for n in required if n not in c):
+        raise ValueError(f"a connection without {', '.join(missing)}")
+    for name, value in c.items():
+        ok = {"int": _is_int(value) and value >= 0, "str": isinstance(value, str),
+              "bool": isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value)}[kinds[name]]
+        if not ok:
+            raise ValueError(f"a connection's {name} is {str(value)[:40]!r}, not a "
+                             f"{'non-negative int' if kinds[name] == 'int' else kinds[name]}")
+    return ConnSample(**c)
+
+
 def parse_line(line: str) -> dict[str, Any]:
     """A line of the program's output as the controller uses it: ``conns`` as
-    :class:`ConnSample`; ValueError naming what is wrong (pure)."""
-    row = json.loads(line)
+    :class:`ConnSample`, ``iface`` as a pair of ints; ValueError naming what is wrong
+    (pure). The line comes from another machine over the network: every field is
+    checked, none is trusted."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        raise ValueError(f"not JSON: {line[:200]!r}") from None
     if not isinstance(row, dict):
-        raise ValueError(f"host sampler: not an object: {line[:200]!r}")
-    if "host" in row:
-        if not isinstance(row.get("ts_ns"), int) or not isinstance(row.get("conns"), list):
-            raise ValueError(f"host sampler: a sample without ts_ns or conns: {line[:200]!r}")
-        row["conns"] = [ConnSample(**c) for c in row["conns"]]
-        if "iface" in row:
-            rx, tx = row["iface"]
-            row["iface"] = (int(rx), int(tx))
+        raise ValueError(f"not an object: {line[:200]!r}")
+    if "error" in row and not isinstance(row["error"], str):
+        raise ValueError(f"an error that is not a string: {line[:200]!r}")
+    if "host" not in row:
+        return row
+    if not isinstance(row["host"], str):
+        raise ValueError(f"a sample whose host is not a string: {line[:200]!r}")
+    if not _is_int(row.get("ts_ns")) or not isinstance(row.get("conns"), list):
+        raise ValueError(f"a sample without ts_ns or conns: {line[:200]!r}")
+    try:
+        row["conns"] = [_conn(c) for c in row["conns"]]
+    except ValueError as e:
+        raise ValueError(f"host {row['host']}: {e}: {line[:200]!r}") from None
+    cpu = row.get("cpu_s")
+    if cpu is not None and not (isinstance(cpu, (int, float)) and not isinstance(cpu, bool)
+                                and math.isfinite(cpu) and cpu >= 0):
+        raise ValueError(f"host {row['host']}: cpu_s is {str(cpu)[:40]!r}, not a "
+                         f"non-negative number: {line[:200]!r}")
+    if "iface" in row:
+        iface = row["iface"]
+        if not (isinstance(iface, list) and len(iface) == 2
+                and all(_is_int(v) and v >= 0 for v in iface)):
+            raise ValueError(f"host {row['host']}: iface is {str(iface)[:40]!r}, not "
+                             f"[rx_bytes, tx_bytes]: {line[:200]!r}")
+        row["iface"] = (iface[0], iface[1])
     return row
 
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,6 +38,7 @@ from controller.run_as import RunAs, invoking
 from controller.torchrun import host_sampler
 from controller.torchrun.host_sampler import WatchedHost
 from controller.torchrun.sockdiag import ConnSampler
+from controller.torchrun.stop import PID_DIR
 from topo import clocks
 from topo.cluster import REPO, Cluster, on_each
 
@@ -47,12 +48,12 @@ from topo.cluster import REPO, Cluster, on_each
 #: terminal, sudo's variables) stays here; a server's ranks get that server's own.
 FORWARDED_PREFIXES = ("GRADBED_", "TORCH", "NCCL_", "GLOO_", "OMP_", "MKL_", "CUDA_")
 FORWARDED_NAMES = ("PYTHONPATH",)
-#: Where each server's torchrun pids are kept, in the run's directory there (removed by
-#: the stop, never gathered into the run directory).
-PID_DIR = "torchrun-pids"
 READY_TIMEOUT_S = 60.0
 SSH_TIMEOUT_S = 60.0
 MISSING_EXIT = 3
+#: ssh's own status when the connection failed or ended under it (a lost server): a
+#: command's own status otherwise, never this one (torchrun's failures are 1).
+SSH_FAILED = 255
 
 
 #: The invoking user as one server knows it (the same name, that server's ids).
@@ -104,6 +105,19 @@ def check_script(paths: Mapping[str, str], user: str, make_dirs: Sequence[str],
     return "\n".join(lines)
 
 
+def parse_user(server: str, user: str, line: str) -> ServerUser:
+    """``user`` as ``server`` knows it, from the check's last line (``uid gid home``,
+    :func:`check_script`); TorchrunError naming the server and the line when it is not
+    that (pure)."""
+    uid, _, rest = line.partition(" ")
+    gid, _, home = rest.partition(" ")
+    if not (uid.isascii() and uid.isdigit() and gid.isascii() and gid.isdigit()
+            and home.startswith("/")):
+        raise TorchrunError(f"server {server}: user {user}: the check's answer is not "
+                            f"'uid gid home': {line[:200]!r}")
+    return ServerUser(user, int(uid), int(gid), home)
+
+
 class ServerWatch:
     """``controller.torchrun.host_sampler`` on one server, feeding ``sampler``: started
     by :meth:`start` and :meth:`wait_ready`, ended by :meth:`stop`, which reads its last
@@ -129,6 +143,8 @@ class ServerWatch:
         self._ended = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
+        self._names = {h.name for h in self.hosts}
+        self._stopping = False  # set by stop(): an end from then on is no failure
 
     def start(self) -> None:
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -142,13 +158,26 @@ class ServerWatch:
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.1):
             if self._ended.is_set() or time.monotonic() > deadline:
-                raise TorchrunError(f"server {self.server}: the ranks' watch did not start: "
-                                    f"{self.error or self._stderr() or 'no answer'}")
+                raise TorchrunError(self.error or f"server {self.server}: the ranks' watch "
+                                    f"did not start: {self._stderr() or 'no answer'}")
+
+    @property
+    def failed(self) -> bool:
+        """The watch ended, or stopped reading, before :meth:`stop` was called: its hosts'
+        samples no longer arrive (its server lost, or a line refused)."""
+        return self._ended.is_set() and not self._stopping
 
     def _read(self, out: IO[str]) -> None:
+        n = 0
         try:
-            for line in out:
+            while line := out.readline(host_sampler.MAX_LINE_CHARS):
+                n += 1
+                if not line.endswith("\n") and len(line) >= host_sampler.MAX_LINE_CHARS:
+                    raise ValueError(f"a line longer than {host_sampler.MAX_LINE_CHARS} "
+                                     "characters")
                 self._line(line)
+        except ValueError as e:  # bytes from another machine: refused, named, never trusted
+            self.error = f"server {self.server}: line {n} of its ranks' watch refused: {e}"
         except Exception as e:  # noted in the summary; the run itself goes on
             self.error = f"server {self.server}: {type(e).__name__}: {e}"
         finally:
@@ -159,9 +188,12 @@ class ServerWatch:
         if row.get("ready"):
             self._ready.set()
         elif "error" in row:
-            self.error = f"server {self.server}: {row['error']}"
+            self.error = f"server {self.server}: {row['error'][:300]}"
         elif "host" in row:
-            host = str(row["host"])
+            host = row["host"]
+            if host not in self._names:
+                raise ValueError(f"a sample of host {host[:40]!r}, not one of this server's "
+                                 f"({', '.join(sorted(self._names))})")
             ts = row["ts_ns"] - self.offset_ns
             self.sampler.feed(host, ts, row["conns"])
             if row.get("cpu_s") is not None:
@@ -178,6 +210,7 @@ class ServerWatch:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Close its stdin; its last lines (destroy messages, counters) are read here."""
         p = self._proc
+        self._stopping = True
         if p is None:
             return
         if p.stdin is not None:
@@ -198,6 +231,15 @@ class ServerWatch:
             why = self._stderr()  # read once: the pipe is drained by reading it
             self.error = (f"server {self.server}: no final counters for {', '.join(missing)}"
                           f"{': ' + why if why else ''}")
+
+
+def failed_watch(watches: Sequence[ServerWatch]) -> str | None:
+    """Why the first watch that ended early (:attr:`ServerWatch.failed`) did; None while
+    every one samples."""
+    for w in watches:
+        if w.failed:
+            return w.error or f"server {w.server}: the ranks' watch ended"
+    return None
 
 
 class RankServers:
@@ -241,28 +283,30 @@ class RankServers:
                                   [str(self.log_dir().parent), str(self.log_dir()), *logs,
                                    events])
             p = self._run(server, script)
-            if p.returncode == MISSING_EXIT:
-                what = p.stdout.strip().splitlines()[-1].removeprefix("missing ")
-                if what == "user":
-                    raise TorchrunError(
-                        f"server {server}: no user {user} there (the ranks run as the user "
-                        "who ran sudo, never as root; make that user on every server)")
+            lines = p.stdout.strip().splitlines()
+            what = lines[-1].removeprefix("missing ") if lines else ""
+            if p.returncode == MISSING_EXIT and what == "user":
+                raise TorchrunError(
+                    f"server {server}: no user {user} there (the ranks run as the user "
+                    "who ran sudo, never as root; make that user on every server)")
+            if p.returncode == MISSING_EXIT and what in paths:
                 raise TorchrunError(f"server {server}: {what} {paths[what]}: not there "
                                     "(every server needs it at the same path)")
             if p.returncode != 0:
                 raise TorchrunError(f"server {server}: the ranks' check failed (exit "
-                                    f"{p.returncode}): {p.stderr.strip()[-300:]}")
-            if not user:
-                return None
-            uid, gid, home = p.stdout.split()[-3:]
-            return ServerUser(user, int(uid), int(gid), home)
+                                    f"{p.returncode}): "
+                                    f"{(p.stderr or p.stdout).strip()[-300:]!r}")
+            return parse_user(server, user, lines[-1] if lines else "") if user else None
 
         return self._on_each(one)
 
-    def stop(self, grace_s: float) -> list[str]:
+    def stop(self, grace_s: float, skip: Collection[str] = ()) -> list[str]:
         """Every torchrun tree of every server stopped there (SIGTERM, SIGKILL after
-        ``grace_s``) and its pid file removed; one line per server."""
+        ``grace_s``) and its pid file removed; one line per server. ``skip``: servers
+        known lost (nothing of theirs is left to stop, and ssh would wait to reach them)."""
         def one(server: str) -> str:
+            if server in skip:
+                return f"{server}: not reached (server lost)"
             files = " ".join(shlex.quote(self.pid_file(h))
                              for h, s in self.where.items() if s == server)
             command = (f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m "

@@ -61,6 +61,10 @@ class ConnSample:
     snd_cwnd_pkts: int
     delivery_rate_bps: float
     final: bool = False
+    #: Bytes that arrived and wait in the socket for its process to read them (the
+    #: kernel's receive queue, ``idiag_rqueue``): a process that stopped reading (stopped,
+    #: hung) leaves its peers' bytes there.
+    unread_bytes: int = 0
 
 
 def dump_request(family: int, seq: int) -> bytes:
@@ -102,7 +106,7 @@ def _parse_one(body: bytes, final: bool) -> ConnSample | None:
     if len(body) < _DIAG_MSG.size:
         return None
     (family, state, _timer, _retrans, sport, dport, src, dst, _if, cookie,
-     *_rest) = _DIAG_MSG.unpack_from(body)
+     _expires, rqueue, *_rest) = _DIAG_MSG.unpack_from(body)
     info = None
     off = _DIAG_MSG.size
     while off + 4 <= len(body):
@@ -122,7 +126,9 @@ def _parse_one(body: bytes, final: bool) -> ConnSample | None:
         bytes_acked=info.bytes_acked or 0, bytes_received=info.bytes_received or 0,
         bytes_retrans=info.bytes_retrans or 0, total_retrans=info.total_retrans,
         rtt_us=info.rtt_us, snd_cwnd_pkts=info.snd_cwnd_pkts,
-        delivery_rate_bps=float(info.delivery_rate_bps or 0.0), final=final)
+        delivery_rate_bps=float(info.delivery_rate_bps or 0.0), final=final,
+        # Only an established socket's (1): a listening one's is its accept backlog.
+        unread_bytes=rqueue if state == 1 else 0)
 
 
 def is_local(c: ConnSample, host_ip: str) -> bool:
@@ -229,6 +235,14 @@ class ConnSampler(threading.Thread):
         self.stop_event = threading.Event()
         self.error: str | None = None
 
+    def mark_start(self) -> None:
+        """The ranks start now: the time before (the servers' checks, the admission
+        rules: seconds over ssh on a loaded machine) is no host's idle time."""
+        now = now_ns()
+        with self.lock:
+            self.progress = {h: (total, max(ts, now)) for h, (total, ts) in
+                             self.progress.items()}
+
     def feed(self, host: str, ts: int, conns: list[ConnSample]) -> None:
         """Samples of a host of another server, ``ts`` on this machine's clock."""
         self._keep(host, ts, conns)
@@ -283,6 +297,13 @@ class ConnSampler(threading.Thread):
         finally:
             for d in self.diags.values():
                 d.close()
+
+    def unread_bytes(self, host: str) -> int:
+        """What ``host``'s open connections to other hosts hold unread, at their latest
+        samples: bytes its peers sent that its processes have not read."""
+        with self.lock:
+            return sum(c.unread_bytes for (h, _), c in self.last.items()
+                       if h == host and not c.final and not is_local(c, self.ips[host]))
 
     def final_connections(self) -> list[tuple[str, ConnSample]]:
         """Each connection's newest counters (its last ones when it was destroyed)."""

@@ -16,6 +16,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -213,6 +214,7 @@ def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster
     assert _forked_from_warm(cluster, s1, "agents.dp.ps")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    assert list(Path(tempfile.gettempdir()).glob(f"gbssh-{proc.pid}-*"))  # left behind
     (run_dir,) = tmp_path.glob("tiny-*")
     cleaned = subprocess.run([sys.executable, "-m", "controller.cli", "cleanup", "--wait-s",
                               "600", str(run_dir)],
@@ -221,6 +223,8 @@ def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster
     # Done on the servers themselves, over ssh: their lines name them.
     assert f"{s2}: " in cleaned.stdout and f"{s1}: gathered" in cleaned.stdout, cleaned.stdout
     assert _server_leftovers(cluster) == []
+    # The dead controller's shared ssh connections and their folder are gone too.
+    assert list(Path(tempfile.gettempdir()).glob(f"gbssh-{proc.pid}-*")) == [], cleaned.stdout
     assert summary(run_dir)["stop_reason"] == "controller killed"
     assert not (Path("/run/gradbed/runs") / f"{run_dir.name}.json").exists()
     assert (run_dir / "events" / "ps.parquet").exists()  # the PS's events, from server 1

@@ -2,12 +2,20 @@
 each emulated host start on that host's server, are watched there and stopped there, and
 their logs come back. Real Mininet, ssh, torchrun and gloo; root.
 
-One run, as small as its checks allow: the example's DDP script for 2 steps on a fabric
-of 2 hosts, one on each server (no delay line, no trace), beside the same script over
-loopback on this machine (the reference). After training, rank 0 exits with status 3
-and rank 1 sleeps: the run must name rank 0 from its server's torchrun output and stop
-rank 1's tree on the other server. A cluster of its own for this module: the other
-cluster file kills a server in its last test.
+One cluster for the module, several short runs on a fabric of 2 hosts, one on each
+server (no delay line, no trace); each run is as small as its checks allow:
+
+- the example's DDP script for 2 steps, beside the same script over loopback on this
+  machine (the reference). After training, rank 0 exits with status 3 and rank 1
+  sleeps: the run must name rank 0 from its server's torchrun output and stop rank 1's
+  tree on the other server;
+- an all-reduce, then rank 1 stops itself (SIGSTOP) on server 2: the stall check
+  names its host and server, and the stopped tree is stopped there;
+- last (it kills server 2): one step, then both ranks sleep, and server 2's sshd is
+  killed: the run ends with status 6 naming server 2, server 1's ranks stopped and its
+  logs gathered.
+
+A cluster of its own: the other cluster file kills a server in its last test.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +33,7 @@ import pandas as pd
 import pytest
 import torch
 
-from controller.exit_status import status_for
+from controller.exit_status import AGENT_LOST, SERVER_LOST, status_for
 from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, leftovers, summary
 
@@ -49,15 +58,34 @@ time.sleep(600)
 """
 
 
+#: An all-reduce, then rank 1 stops itself (as a debugger or a hung device would stop
+#: it) and rank 0 waits for it in the next one, whose first half it has sent.
+STOP_AFTER_ONE = """import os, signal, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(1 << 14)
+dist.all_reduce(x)
+print("trained", flush=True)
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+dist.all_reduce(x)
+"""
+#: One step, then both ranks sleep: a run that only its end (here, its server's) can stop.
+SLEEP_AFTER_ONE = f"""import runpy, time
+runpy.run_path({str(EXAMPLE / "train.py")!r}, run_name="__main__")
+print("trained", flush=True)
+time.sleep(600)
+"""
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCluster]:
     with fake_cluster(tmp_path_factory.mktemp("fc") / "cluster", n=2) as c:
         yield c
 
 
-def _server_leftovers(c: FakeCluster) -> list[str]:
+def _server_leftovers(c: FakeCluster, servers: list[str] | None = None) -> list[str]:
     """torchrun trees, samplers, host shells, gradbed links and run directories still on
-    any server."""
+    ``servers`` (every server by default)."""
     def on(s: str) -> list[str]:
         text = c.ssh(s, "ps -eo args | grep -E '[t]orch[.]distributed|[h]ost_sampler|"
                         "[m]ininet:|[t]rain[.]py|[f]ail_and_sleep[.]py' || true; "
@@ -66,7 +94,7 @@ def _server_leftovers(c: FakeCluster) -> list[str]:
         return [f"{s}: {ln}" for ln in text.splitlines() if ln.strip()]
 
     with ThreadPoolExecutor() as pool:
-        return [ln for lines in pool.map(on, c.servers) for ln in lines]
+        return [ln for lines in pool.map(on, servers or c.servers) for ln in lines]
 
 
 def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
@@ -157,3 +185,83 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
 
 def tr_codes(run_dir: Path) -> dict[str, int]:
     return dict(summary(run_dir)["torchrun"]["exit_codes"])
+
+
+def _start(c: FakeCluster, tmp_path: Path, script_text: str, *extra: str
+           ) -> subprocess.Popen[str]:
+    """``gradbed torchrun`` of ``script_text`` for one step on gbh0 (server 1) and gbh1
+    (server 2), in the background."""
+    s1, s2 = c.servers
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
+    overrides = ["net.workers=2", "topo.traces={}", "net.delay_ms=0", "net.loss_pct=0",
+                 f'cluster.servers=["{s1}", "{s2}"]',
+                 f'cluster.pins={{gbh0="{s1}", gbh1="{s2}"}}',
+                 f'cluster.ssh_config="{c.ssh_config}"', *extra]
+    argv = [sys.executable, "-m", "controller.cli", "torchrun",
+            str(EXAMPLE / "fabric4.toml"), "--out", str(tmp_path), "--no-progress",
+            "--no-report", *(a for o in overrides for a in ("--set", o)), "--",
+            str(script), "--steps", "1"]
+    # As under sudo by root, as the first run (no warm process here: no host is here).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SUDO_UID": "0", "SUDO_GID": "0"}
+    return subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_trained(tmp_path: Path, proc: subprocess.Popen[str], timeout_s: float = 600
+                  ) -> Path:
+    """The run directory once rank 0 (gbh0, its output live over ssh) has trained."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for log in tmp_path.glob("torchrun-ddp-*/logs/gbh0.log"):
+            if "trained" in log.read_text(errors="replace"):
+                return log.parents[1]
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    _, err = proc.communicate(timeout=60)
+    raise AssertionError(f"rank 0 never trained (status {proc.returncode}): {err[-3000:]}")
+
+
+def test_a_stopped_rank_on_a_server_is_declared_stalled_naming_its_host_and_server(
+        cluster: FakeCluster, tmp_path: Path) -> None:
+    _, s2 = cluster.servers
+    proc = _start(cluster, tmp_path, STOP_AFTER_ONE, "torchrun.stall_s=4")
+    _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    (run_dir,) = tmp_path.glob("torchrun-ddp-*")
+    reason = summary(run_dir)["stop_reason"]
+    # Rank 1 stopped; rank 0 waits on it, so both hosts are idle. Rank 0's last bytes
+    # wait unread in gbh1's sockets: gbh1 is the stuck one, named with its server.
+    assert reason.startswith(f"rank 1 (host gbh1 on {s2}) stalled: its connections moved no "
+                             "bytes for 4 s"), (reason, err[-3000:])
+    assert proc.returncode == status_for(reason) == AGENT_LOST
+    assert summary(run_dir)["torchrun"]["sampler_error"] is None
+    # The stopped tree was stopped on its server: SIGTERM, and SIGCONT so that it acts.
+    log = (run_dir / "run.log").read_text()
+    stopped = [ln for ln in log.splitlines() if f"ranks stopped on {s2}: stopped " in ln]
+    assert stopped and int(stopped[0].split("stopped ")[-1].split()[0]) >= 2, stopped
+    assert _server_leftovers(cluster) == []
+
+
+def test_a_server_lost_mid_torchrun_ends_with_status_6_and_server_1_clean(
+        cluster: FakeCluster, tmp_path: Path) -> None:
+    """Last: server 2 is gone afterwards."""
+    s1, s2 = cluster.servers
+    proc = _start(cluster, tmp_path, SLEEP_AFTER_ONE)
+    run_dir = _wait_trained(tmp_path, proc)
+    subprocess.run(["kill", "-9", str(cluster.sshd_pid(s2))], check=True)  # all of server 2
+    _, err = proc.communicate(timeout=120)
+    reason = summary(run_dir)["stop_reason"]
+    assert reason.startswith(f"server lost: {s2} "), (reason, err[-3000:])
+    assert proc.returncode == SERVER_LOST == status_for(reason)
+    log = (run_dir / "run.log").read_text()
+    assert f"{reason}: stopping" in log
+    # Server 1's ranks were stopped there; server 2 was not waited for.
+    stopped = [ln for ln in log.splitlines() if f"ranks stopped on {s1}: stopped " in ln]
+    assert stopped and int(stopped[0].split("stopped ")[-1].split()[0]) >= 2, stopped
+    assert f"ranks stopped on {s2}: not reached (server lost)" in log
+    assert f"{s1}: gathered" in log
+    assert list((run_dir / "logs" / "ranks" / "gbh0").rglob("*.log"))
+    assert json.loads((run_dir / "meta.json").read_text())["cluster"]["lost"].keys() == {s2}
+    assert _server_leftovers(cluster, [s1]) == []
+    assert [x for x in leftovers() if "gbh" in x or "torch.distributed" in x] == []
