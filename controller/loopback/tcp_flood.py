@@ -30,9 +30,12 @@ from dataclasses import asdict, dataclass
 SLOW_BYTES = b"GBED\x01\x00\x01\x00\x00\x00"
 #: What a churning connection sends before it hangs up: not a frame (wrong magic).
 CHURN_BYTES = b"not a gradbed frame\n"
-#: A round's poll: short, so a refused connection is reopened at once (the listener may
-#: not exist yet) and the churn keeps its rate; the flooder is a busy process by design.
-ROUND_S = 0.002
+#: A round's poll while a slow connection is not yet connected, or a churn runs: short,
+#: so a refused connection is reopened at once (the listener may not exist yet: the flood
+#: is in its backlog within a millisecond of its listen) and the churn keeps its rate.
+ROUND_S = 0.001
+#: A round's poll once every slow connection is held: only a close wakes it.
+IDLE_ROUND_S = 0.1
 
 
 @dataclass
@@ -109,12 +112,13 @@ class _Flooder:
             while churn_due >= 1:
                 churn_due -= 1
                 self._open("churn")
-            for fd, ev in self.poller.poll(ROUND_S * 1e3):
-                if fd in self.live:
-                    self._event(fd, ev)
             held = sum(1 for _, k, c in self.live.values() if k == "slow" and c)
             if self.slow and not self.count.held_ns and held >= self.slow:
                 self.count.held_ns = time.time_ns()
+            busy = self.churn_per_s > 0 or held < self.slow
+            for fd, ev in self.poller.poll((ROUND_S if busy else IDLE_ROUND_S) * 1e3):
+                if fd in self.live:
+                    self._event(fd, ev)
         for fd in list(self.live):
             self._drop(fd)
         return self.count

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -130,3 +132,56 @@ def agent_pid(run_dir: Path, module: str, *args: str) -> int:
             found.append(pid)
     assert len(found) == 1, (module, args, found)
     return found[0]
+
+
+def _ancestors(pid: int) -> Iterator[int]:
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return
+        pid = int(stat.rpartition(")")[2].split()[1])  # ppid, after the command's name
+        yield pid
+
+
+def host_shell_pid(host: str, run: subprocess.Popen[str], timeout_s: float = 600) -> int:
+    """The pid of Mininet's shell for ``host`` (its network namespace) in the network of
+    the ``gradbed run`` process ``run``, once that exists: another run's network, which
+    may have a host of that name while ``run`` waits for the lock, is not it."""
+    deadline = time.monotonic() + timeout_s
+    want = f"mininet:{host}".encode()
+    while time.monotonic() < deadline and run.poll() is None:
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[-2:-1] != [want]:
+                        continue
+            except OSError:
+                continue
+            if run.pid in _ancestors(int(p)):
+                return int(p)
+        time.sleep(0.01)
+    raise AssertionError(f"no Mininet shell for {host} under pid {run.pid} (status "
+                         f"{run.poll()})")
+
+
+@contextmanager
+def tcp_flood_from(host: str, run: subprocess.Popen[str], target: tuple[str, int],
+                   args: list[str]) -> Iterator[dict[str, int]]:
+    """``controller.loopback.tcp_flood`` against ``target`` from inside ``host`` of the
+    run ``run`` (so from that host's address, across the fabric), started as soon as the
+    host exists, before the run's agents; stopped on exit, when the dict yielded gets
+    what the flooder counted (``opened``, ``connected``, ``held_ns``)."""
+    shell = host_shell_pid(host, run)
+    flooder = subprocess.Popen(
+        ["nsenter", "-t", str(shell), "-n", sys.executable, "-m",
+         "controller.loopback.tcp_flood", target[0], str(target[1]), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    count: dict[str, int] = {}
+    try:
+        yield count
+    finally:
+        flooder.terminate()
+        out, err = flooder.communicate(timeout=30)
+        assert flooder.returncode == 0 and out.strip(), err[-2000:]
+        count.update(json.loads(out.strip().splitlines()[-1]))
