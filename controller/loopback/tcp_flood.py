@@ -5,11 +5,13 @@ as the far end closes it, at its handshake deadline or at once when refused) and
 and hang up: every one a refusal at admission or a failed handshake.
 
 The flooder is a process (``python -m controller.loopback.tcp_flood HOST PORT``) so that
-it can run where the flood comes from: inside a Mininet host (``nsenter -t PID -n``), from
-that host's own address, or on loopback from a background address of its own
-(``--source 127.0.0.N``). Until the listener exists its connections are refused and
-reopened every couple of milliseconds, so a flood started before the agent is there holds
-its slots from the agent's first accept. It prints one JSON line when it ends: connections
+it can run where the flood comes from: inside a Mininet host, from that host's own
+address (``--netns-pid-stdin``: started ahead, it enters the network namespace of the
+pid it is then given, a host's shell, the moment the host exists), or on loopback from a
+background address of its own (``--source 127.0.0.N``). Until the listener exists one
+connection at a time probes it, every millisecond; the first that connects brings the
+others, so a flood started before the agent is in the listener's backlog within a
+millisecond or two of its listen. It prints one JSON line when it ends: connections
 made, those that connected, and when all ``slow`` were first held at once. Shared by
 ``tests/agents/net/test_admission.py`` and ``tests/agents/net/test_admission_mininet.py``.
 """
@@ -17,11 +19,14 @@ made, those that connected, and when all ``slow`` were first held at once. Share
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
+import os
 import select
 import signal
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -36,6 +41,11 @@ CHURN_BYTES = b"not a gradbed frame\n"
 ROUND_S = 0.001
 #: A round's poll once every slow connection is held: only a close wakes it.
 IDLE_ROUND_S = 0.1
+#: How soon slow connections the far end closed are reopened once the listener is there
+#: (the probe before it is one connection a round): a few hundred a second at most, so
+#: the refusals of a flood beyond its bound cost the listener little.
+SLOW_REOPEN_S = 0.01
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass
@@ -55,6 +65,7 @@ class _Flooder:
         self.addr, self.source = (host, port), source
         self.slow, self.churn_per_s = slow, churn_per_s
         self.count = FloodCount()
+        self.reopen_at = 0.0  # when closed slow connections may be reopened
         self.poller = select.poll()
         # fd -> (socket, kind, connected): kind "slow" or "churn".
         self.live: dict[int, tuple[socket.socket, str, bool]] = {}
@@ -99,14 +110,27 @@ class _Flooder:
         self.live[fd] = (s, kind, True)
         self.poller.modify(s, select.POLLIN)
 
+    def _top_up(self, now: float) -> None:
+        """Open the slow connections that are missing: one probe at a time until one
+        has connected (nobody listens yet), then all of them at once, and after that
+        every SLOW_REOPEN_S at most."""
+        slow = [c for _, k, c in self.live.values() if k == "slow"]
+        if not any(slow):
+            if not slow:
+                self._open("slow")
+            self.reopen_at = 0.0  # the first that connects brings the others at once
+        elif now >= self.reopen_at:
+            self.reopen_at = now + SLOW_REOPEN_S
+            for _ in range(self.slow - len(slow)):
+                self._open("slow")
+
     def run(self, seconds: float, stop: list[int]) -> FloodCount:
         end = time.monotonic() + seconds
         churn_due, last = 0.0, time.monotonic()
         while time.monotonic() < end and not stop:
-            kinds = [k for _, k, _ in self.live.values()]
-            for _ in range(self.slow - kinds.count("slow")):
-                self._open("slow")
             now = time.monotonic()
+            if self.slow:
+                self._top_up(now)
             churn_due = min(churn_due + (now - last) * self.churn_per_s, 64.0)
             last = now
             while churn_due >= 1:
@@ -119,9 +143,27 @@ class _Flooder:
             for fd, ev in self.poller.poll((ROUND_S if busy else IDLE_ROUND_S) * 1e3):
                 if fd in self.live:
                     self._event(fd, ev)
+            if self.slow and not held:  # a probe may have just connected: the rest now
+                self._top_up(time.monotonic())
         for fd in list(self.live):
             self._drop(fd)
         return self.count
+
+
+def enter_netns(pid: int) -> None:
+    """Move this thread (the flooder's only one) into the network namespace of ``pid``,
+    which must be another than this process's: a flood meant to come from a host must
+    not come from the root namespace."""
+    if os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino:
+        raise OSError(f"pid {pid} is in this process's network namespace")
+    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into pid {pid}'s network namespace: "
+                               f"{os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def flood(host: str, port: int, *, source: str = "", slow: int = 0,
@@ -142,7 +184,11 @@ def main() -> None:
     ap.add_argument("--churn-per-s", type=float, default=0.0,
                     help="connections a second that send garbage and hang up")
     ap.add_argument("--seconds", type=float, default=600.0)
+    ap.add_argument("--netns-pid-stdin", action="store_true",
+                    help="first read a pid from stdin and enter its network namespace")
     a = ap.parse_args()
+    if a.netns_pid_stdin:
+        enter_netns(int(sys.stdin.readline()))
     count = flood(a.host, a.port, source=a.source, slow=a.slow, churn_per_s=a.churn_per_s,
                   seconds=a.seconds)
     print(json.dumps(asdict(count)), flush=True)
