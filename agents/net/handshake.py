@@ -26,9 +26,11 @@ the disk with events.
 A dialer that must wait for admission after proving itself (a data-parallel worker waits
 for an iteration boundary) passes ``welcome_timeout_s`` for that last wait.
 
-Each handshake, passed or refused, is reported once to ``log`` (the agent's event log) as
-a ``handshake`` event, so a run's logs show every connection it made and
-how long each took to authenticate.
+Each handshake that passes, and each that fails at the dialing end, is reported once to
+``log`` (the agent's event log) as a ``handshake`` event, so a run's logs show every
+connection it made and how long each took to authenticate. A listener's failed
+handshakes are a flood's, one per connection: every caller under :func:`accept_forever`
+passes ``log_refusal=False`` and they are counted in its aggregated refusals instead.
 """
 
 from __future__ import annotations
