@@ -273,8 +273,7 @@ class StageLinks:
             session = handshake.answer(
                 sock, answerer, run_tag=self.tag, name=name,
                 welcome=("stage", self._rank(self.s)),
-                timeout_s=self.cfg.guard.handshake_timeout_s, log=self.log,
-                log_refusal=False)  # refusals are reported aggregated (_refused)
+                timeout_s=self.cfg.guard.handshake_timeout_s, log=self.log)
             with lock:  # only the neighbour holds the key; it is let in once
                 if done.is_set():
                     raise handshake.HandshakeError(f"{name}: already connected",
