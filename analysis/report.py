@@ -197,17 +197,31 @@ def _overview(paths: Sequence[Path], runs: Sequence[Run], labels: Sequence[str])
     return table
 
 
-def _regime(summary: dict[str, Any]) -> str:
-    """The run's regime in words (``agent_limited``): whether its figures measure the
-    network or gradbed's agents on this machine."""
+def regime(summary: dict[str, Any], config: dict[str, Any]) -> str:
+    """The run's regime in words (``agent_limited``, ``agent_limited_why``), as HTML:
+    whether its figures measure the emulated network or, on this machine, the processes
+    that fed it, named by the kind of run (``config``, the run's resolved config; a
+    torchrun run's summary has its ``torchrun`` section). Empty when the summary has
+    no reason."""
     why = summary.get("agent_limited_why")
     if not why:
         return ""
     if summary.get("agent_limited"):
         return (f'<p class="warning"><b>Agent-limited run.</b> {html.escape(str(why))}. '
-                "Its times and utilisation describe the agents on this machine, not the "
-                "emulated network.</p>")
+                f"Its times and utilisation describe {html.escape(_feeders(summary, config))} on this "
+                "machine, not the emulated network.</p>")
     return f'<p class="meta">Regime: {html.escape(str(why))}.</p>'
+
+
+def _feeders(summary: dict[str, Any], config: dict[str, Any]) -> str:
+    """Who held the data an agent-limited run's links waited for."""
+    if "torchrun" in summary:
+        return "the script's ranks (its compute and gloo)"
+    if int(config.get("pipeline", {}).get("stages", 0) or 0) > 0:
+        return "gradbed's pipeline stages"
+    if config.get("topo", {}).get("role") == "expert":
+        return "gradbed's MoE expert hosts"
+    return "gradbed's agents (the workers and the PS)"
 
 
 def _run_section(run: Run, label: str, ident: int) -> str:
@@ -219,7 +233,7 @@ def _run_section(run: Run, label: str, ident: int) -> str:
     if run.summary:
         summ = pd.DataFrame([{k: v for k, v in run.summary.items()
                               if not isinstance(v, dict | list)}])
-        parts.append("<h3>Summary</h3>" + _regime(run.summary)
+        parts.append("<h3>Summary</h3>" + regime(run.summary, run.config)
                      + _transposed(summ, "number", ["value"]))
     parts.append(_torchrun_hosts(run.summary))
     parts.append("<h3>Iteration time breakdown (mean per iteration, s)</h3>"

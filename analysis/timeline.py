@@ -149,12 +149,19 @@ _WORKER_EVENTS = ("compute_done", "compress_done", "send_done", "recv_done", "it
 
 
 def _worker_bounds(g: dict[str, list[Row]]) -> tuple[int, int] | None:
-    """(start_ns, end_ns) of one worker iteration: ``iter_done`` minus ``iter_s`` to
-    ``iter_done``; for an iteration cut short, from the compute's start to its last event."""
+    """(start_ns, end_ns) of one worker iteration: ``start_ns`` to ``start_ns + iter_s``
+    from ``iter_done`` (before runs recorded its start: ``iter_done`` minus ``iter_s`` to
+    ``iter_done``, late by however long the worker took to write it, which on a busy
+    machine pushed the compute past the send); for an iteration cut short, from the
+    compute's start to its last event."""
     done = g.get("iter_done", [])
     if done and _num(done[0], "iter_s") is not None:
+        iter_ns = round(float(done[0]["iter_s"]) * 1e9)
+        start = _num(done[0], "start_ns")
+        if start:
+            return int(start), int(start) + iter_ns
         end = int(done[0]["ts_ns"])
-        return end - round(float(done[0]["iter_s"]) * 1e9), end
+        return end - iter_ns, end
     comp = g.get("compute_done", [])
     if not comp or _num(comp[0], "compute_s") is None:
         return None

@@ -36,11 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def gradbed_run(config: Path, name: str, overrides: list[str], out: Path,
-                timeout_s: float = 900) -> Path:
-    """Run one real experiment (``gradbed run``, Mininet) and return its run directory.
-    Raises when the run fails or completes no iteration, pointing at its logs."""
+                timeout_s: float = 900, report: bool = True) -> Path:
+    """Run one real experiment (``gradbed run``, Mininet) and return its run directory
+    (``report``: False skips the run's report/ folder). Raises when the run fails or
+    completes no iteration, pointing at its logs."""
     argv = [sys.executable, "-m", "controller.cli", "run", str(config), "--no-progress",
             "--out", str(out), "--set", f'run.name="{name}"']
+    if not report:
+        argv.append("--no-report")
     for o in overrides:
         argv += ["--set", o]
     t0 = time.monotonic()

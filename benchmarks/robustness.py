@@ -38,7 +38,12 @@ SIGKILL'ed pipeline PS must each end the run with status 4, naming it;
 ``control_socket_flood``: one process (what a background host is to the control socket,
 which tells its peers apart by process) keeps opening 20,000 slow keyless connections to a
 real run's control socket; the run must complete and its median iteration time stay
-within 1.2x of a clean run's, run just before it on the same machine.
+within 1.2x of a clean run's, run just before it on the same machine; ``ps_flood``: the
+same against the PS's TCP listener, from a background host of the emulated network (one
+host, 20,000 slow connections from two processes), and the PS's event log may grow by at
+most 1 MiB a minute; ``dark_30s_down``: the downlink goes dark for 30 s (three times the
+default ``run.stall_timeout_s``) and the run must complete with nobody lost and no step in
+the dark.
 
 Inputs and files, through ``gradbed``'s command line (``--dry-run``: nothing is built): a
 trace spanning 10^12 ms, a trace that is one endless line (a FIFO whose writer never stops),
@@ -82,7 +87,7 @@ from controller.loopback.dp import (
     start_ps,
     start_worker,
 )
-from controller.loopback.unix_flood import unix_flood
+from controller.loopback.slow_flood import tcp_flood, unix_flood
 
 CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval_every=250",
          "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
@@ -363,11 +368,15 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
             ("--auth", "stdin"), signal.SIGSTOP, 4, "lost: no heartbeat"),
             tmp / "sigstop_pipeline_ps"),
         "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
+        "ps_flood": _verdict(ps_flood, tmp / "ps_flood"),
+        "dark_30s_down": _verdict(lambda t: dark_stretch(t, "down"), tmp / "dark_down"),
     }
 
 
 FLOOD_CONNECTIONS = 20_000
 FLOOD_SLOWDOWN = 1.2  # the flooded run's median iteration time, at most this x the clean's
+FLOOD_LOG_BYTES_PER_MIN = 1 << 20  # what a flood may add to a run's logs
+DARK_AT_S, DARK_S = 3.0, 30.0  # a cellular outage: three times run.stall_timeout_s's default
 
 
 def _median_iter_s(run_dir: Path) -> float:
@@ -405,6 +414,91 @@ def control_socket_flood(tmp: Path) -> tuple[bool, str]:
     ok = proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN
     return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
                 f"{flood.opened} connections opened, {refused} refused")
+
+
+def _host_pid(name: str) -> int:
+    """The shell of the emulated host ``name`` (``bash ... mininet:NAME``): its network
+    namespace is the host's."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"mininet:{name}".encode() in cmd:
+            return int(pid)
+    raise RuntimeError(f"no shell of host {name}")
+
+
+def ps_flood(tmp: Path) -> tuple[bool, str]:
+    """A clean run with one background host, then the same run while that host (its own
+    address, through the emulated network) keeps FLOOD_CONNECTIONS slow keyless
+    connections at the PS: the run must complete, its median iteration
+    time stay within FLOOD_SLOWDOWN of the clean run's, and the PS's event log grow by at
+    most FLOOD_LOG_BYTES_PER_MIN. Real Mininet (``gradbed run``), root only."""
+    sets = ["net.background_hosts=1", "run.iterations=60", "run.eval_every=1000",
+            "run.timeout_s=300", "net.port=5600"]
+    tmp.mkdir(parents=True, exist_ok=True)
+    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
+    clean.communicate(timeout=600)
+    if clean.returncode != 0:
+        return False, f"the clean run exited {clean.returncode}"
+    (clean_dir,) = (tmp / "clean").glob("*/")
+    proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
+    try:
+        run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
+        ps_ip = json.loads((run_dir / "network.json").read_text())["hosts"]["ps"]["ip"]
+        t0 = time.monotonic()
+        # Two processes of the one host: a process may hold fewer than 20,000 descriptors
+        # (RLIMIT_NOFILE) and the PS tells its peers apart by address.
+        with tcp_flood(ps_ip, 5600, netns_pid=_host_pid("bg0"), processes=2,
+                       per_process=FLOOD_CONNECTIONS // 2) as flood:
+            proc.communicate(timeout=600)
+        flooded_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    refused = sum(int(e.get("count", 0)) for e in ps_events(run_dir, "refused"))
+    log_per_min = (run_dir / "events" / "ps.jsonl").stat().st_size / (flooded_s / 60)
+    ratio = _median_iter_s(run_dir) / _median_iter_s(clean_dir)
+    ok = (proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN and flood.opened >= FLOOD_CONNECTIONS
+          and log_per_min <= FLOOD_LOG_BYTES_PER_MIN)
+    return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
+                f"{flood.opened} connections opened, {refused} refused at the PS; "
+                f"ps.jsonl {log_per_min / 1024:.0f} KiB a minute over {flooded_s:.0f} s")
+
+
+def dark_stretch(tmp: Path, direction: str) -> tuple[bool, str]:
+    """A trace whose ``direction`` goes dark (0 Mbit/s) for DARK_S from DARK_AT_S, three
+    times ``run.stall_timeout_s`` (the default): the run must complete with nobody lost, no
+    step inside the dark once what was queued before it drained, and steps on both sides.
+    Real Mininet (``gradbed run``), root only."""
+    from analysis.load import load_run
+    from traces.generate import steps, write_rate_log
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    trace = tmp / "dark.log"
+    write_rate_log(steps([(0.0, 50.0), (DARK_AT_S, 0.0), (DARK_AT_S + DARK_S, 50.0)],
+                         period_s=600.0), trace)
+    proc = _gradbed_run("configs/test_tiny.toml", [
+        "run.iterations=40", "run.timeout_s=300", f'trace.{direction}="{trace}"'], tmp)
+    proc.communicate(timeout=600)
+    (run_dir,) = tmp.glob("*/")
+    run = load_run(run_dir)
+    s, ev = run.summary, run.events
+    steps_at = ev[(ev["event"] == "trace_step") & (ev["direction"] == direction)]
+    dark_ns, light_ns = (int(t) for t in steps_at.sort_values("ts_ns")["ts_ns"].iloc[1:3])
+    done = ev.loc[ev["event"] == "ps_iter_done", "ts_ns"].astype("int64")
+    # What was queued before the dark drains at 0.01 Mbit/s for a few seconds at most.
+    in_dark = int(((done > dark_ns + 5e9) & (done < light_ns)).sum())
+    ok = (proc.returncode == 0 and s["stop_reason"] == "completed"
+          and s["agents_lost"] == [] and in_dark == 0
+          and bool((done < dark_ns).any()) and bool((done > light_ns).any()))
+    return ok, (f"exit {proc.returncode}; {s['stop_reason']}; {(light_ns - dark_ns) / 1e9:.1f} s "
+                f"dark on {direction}; {in_dark} steps inside it; agents lost "
+                f"{s['agents_lost']}; {int((done < dark_ns).sum())} steps before, "
+                f"{int((done > light_ns).sum())} after")
 
 
 def _verdict(case: Any, tmp: Path) -> tuple[bool, str]:

@@ -30,9 +30,17 @@ gets a plain :class:`subprocess.Popen` (a fresh interpreter) instead, and so doe
 request when ``GRADBED_WARM=0``. ``GRADBED_WARM=0`` is how to compare against, or rule out,
 the warm start.
 
+Under sudo, a torchrun run's warm process runs as the invoking user (``WarmStarter``'s
+``user``: started through ``setpriv`` as a fresh rank would be, keeping only
+``CAP_SYS_ADMIN``, which ``setns`` needs), so that what forks from it is never root; each
+child joins its host's namespace, then drops every capability before it runs anything.
+
 The protocol: one ``SOCK_SEQPACKET`` socket pair; the client sends one JSON request per
 packet (``spawn``, with the child's stdin, stdout and stderr as three passed file
-descriptors, or ``signal``) and gets one JSON reply each; the warm process holds a pidfd
+descriptors and, for a host's agent, the host's namespace as a fourth, which the client
+opens as root; or ``signal``) and gets one JSON reply each (``{"pid": ...}``, or
+``{"cold": why}`` for a ``cwd`` the warm process's user cannot enter: the client then
+starts a fresh interpreter); the warm process holds a pidfd
 per child, reaps each as it exits and sends ``{"exited": pid, "status": ...}``. When the
 client goes (its end closed, or the controller killed), the warm process kills every child
 it still has and exits: nothing outlives the run.
@@ -41,6 +49,7 @@ it still has and exits: nothing outlives the run.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import json
 import os
@@ -54,7 +63,10 @@ import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the warm process itself never needs it
+    from controller.run_as import RunAs
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_PACKET = 1 << 20
@@ -83,7 +95,7 @@ def _serve(sock: socket.socket, workload: str = "") -> None:
         for fd in readable:
             if fd is sock:
                 try:
-                    msg, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 3)
+                    msg, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 4)
                 except ConnectionError:  # a shutdown with a reply unread reads as a reset
                     msg, fds = b"", []
                 if not msg:  # the client went: leave nothing behind
@@ -91,7 +103,13 @@ def _serve(sock: socket.socket, workload: str = "") -> None:
                         _try_signal(pidfd, signal.SIGKILL)
                     os._exit(0)
                 req = json.loads(msg)
-                if req["op"] == "spawn":
+                if req["op"] == "spawn" and not os.access(req["cwd"], os.X_OK):
+                    # A user's warm process (WarmStarter's user) cannot enter a folder
+                    # that root could: a fresh start (chdir as root, then setpriv) can.
+                    for f in fds:
+                        os.close(f)
+                    _tell(sock, {"cold": f"uid {os.getuid()} cannot enter {req['cwd']}"})
+                elif req["op"] == "spawn":
                     pid = os.fork()
                     if pid == 0:
                         _become(req, fds, sock, list(children), argv_area)  # no return
@@ -184,8 +202,6 @@ def _argv_area() -> tuple[int, int]:
 def _write_cmdline(argv: list[str], area: tuple[int, int]) -> None:
     """Put ``argv`` where the kernel reads this process's command line, NUL-separated and
     padded with NULs (cut to the room there is: the module name comes first)."""
-    import ctypes
-
     start, end = area
     raw = b"".join(a.encode() + b"\0" for a in argv)[: end - start - 1]
     ctypes.memmove(start, raw.ljust(end - start, b"\0"), end - start)
@@ -193,40 +209,78 @@ def _write_cmdline(argv: list[str], area: tuple[int, int]) -> None:
 
 def _enter_netns(pid: int) -> None:
     """Join process ``pid``'s network namespace (an emulated host's), as ``nsenter -n``."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into the network namespace of pid {pid}: "
-                               f"{os.strerror(err)}")
+        _setns(fd, f"pid {pid}")
     finally:
         os.close(fd)
+
+
+def _setns(fd: int, whose: str) -> None:
+    """Join the network namespace that ``fd`` (``/proc/PID/ns/net``, opened) stands for."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns into the network namespace of {whose}: {os.strerror(err)}")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+
+
+def _drop_capabilities() -> None:
+    """Give up every capability (ambient, inheritable, permitted, effective), as a process
+    that ``setpriv`` started as the user without ``--ambient-caps`` has none: what a user's
+    warm process held to enter the hosts' namespaces (setns) must not reach the user's
+    torchrun, nor the ranks it starts."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    none = (_CapData * 2)()  # version 3: two 32-bit words of each set, all zero
+    if (libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0
+            or libc.capset(ctypes.byref(_CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)),
+                           none) != 0):
+        err = ctypes.get_errno()
+        raise OSError(err, f"dropping the capabilities: {os.strerror(err)}")
 
 
 def _become(req: dict[str, Any], fds: list[int], sock: socket.socket,
             pidfds: list[int], argv_area: tuple[int, int]) -> None:
     """In the child: take the request's namespace, session, stdio, cwd, environment and
-    argv, and run the module as ``__main__``. A ``SystemExit`` or an uncaught exception
-    leaves through the interpreter's own exit (exit code, message, traceback, atexit), as
-    ``python -m``."""
+    argv, and run the module as ``__main__``. ``fds``: stdin, stdout, stderr and, when the
+    request says ``netns_fd``, the namespace to join (opened by the client, which may
+    read what this process may not: a user's warm process). A child of a warm process
+    that is not root gives up every capability before it runs anything. A ``SystemExit``
+    or an uncaught exception leaves through the interpreter's own exit (exit code,
+    message, traceback, atexit), as ``python -m``."""
     import runpy
 
     sock.close()
     for pidfd in pidfds:
         os.close(pidfd)
-    for target, fd in enumerate(fds):
+    netns = fds[3] if req.get("netns_fd") else None
+    for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
-    for fd in fds:
+    for fd in fds[:3]:
         if fd > 2:
             os.close(fd)
     try:
-        if req.get("netns_pid"):
+        if netns is not None:
+            _setns(netns, f"host pid {req.get('netns_pid')}")
+            os.close(netns)
+        elif req.get("netns_pid"):
             _enter_netns(int(req["netns_pid"]))
         if req.get("new_session"):
             os.setsid()
+        if os.getuid() != 0:
+            _drop_capabilities()
     except OSError as e:  # the host went before its agent started: say so, as nsenter would
         print(f"warm start: {e}", file=sys.stderr, flush=True)
         os._exit(1)
@@ -252,13 +306,20 @@ class WarmStarter:
     torch while the caller goes on (building the network, say): the first request waits
     for it. workload: a run's ``workload.name``; the warm process then also imports what
     that run's agents import (:func:`_preload`; :data:`EVERY_WORKLOAD`: what the agents of
-any workload import). Empty: torch, numpy and cryptography only.
+    any workload import). Empty: torch, numpy and cryptography only. user: run the warm
+    process, and so every child, as this user (``sudo gradbed torchrun``: the ranks never
+    run as root); it then forks only commands that ``user.argv()`` starts (what the same
+    command would be started fresh as), with that prefix taken off. It keeps
+    ``CAP_SYS_ADMIN`` to enter the hosts' namespaces (setns, through a descriptor the
+    client opens) and each child drops it, and every other capability, before it runs.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None, workload: str = "",
-                 free_env: Collection[str] = ()) -> None:
+                 free_env: Collection[str] = (), user: RunAs | None = None) -> None:
         start_env = dict(os.environ if env is None else env)
         self.free_env = frozenset(free_env)
+        self.prefix = user.argv() if user is not None else []
+        launch = user.argv(keep_caps=("sys_admin",)) if user is not None else []
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The warm process's stderr (what it says when a preload fails): a file with no
         # name, so that no run, not even a SIGKILLed caller's, leaves one in /tmp; the
@@ -266,7 +327,7 @@ any workload import). Empty: torch, numpy and cryptography only.
         self.log: IO[bytes] = tempfile.TemporaryFile(prefix="gradbed-warm-")
         self.env = self._env(start_env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.warm", str(theirs.fileno()),
+            [*launch, sys.executable, "-m", "controller.warm", str(theirs.fileno()),
              workload or "-", "-" * ARGV_ROOM_BYTES], cwd=REPO, env=start_env,
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=self.log,
@@ -335,19 +396,22 @@ any workload import). Empty: torch, numpy and cryptography only.
 
     def can_fork(self, argv: Sequence[str], env: Mapping[str, str], stderr: Any) -> bool:
         """Whether ``argv`` with ``env`` may be a fork of this warm process (the module
-        docstring says when not)."""
-        return (os.environ.get("GRADBED_WARM", "1") != "0" and len(argv) >= 3
-                and argv[0] == sys.executable and argv[1] == "-m"
+        docstring says when not; a user's warm process: ``argv`` starts with its
+        :attr:`prefix`)."""
+        n = len(self.prefix)
+        return (os.environ.get("GRADBED_WARM", "1") != "0" and list(argv[:n]) == self.prefix
+                and len(argv) >= n + 3 and argv[n] == sys.executable and argv[n + 1] == "-m"
                 and stderr != subprocess.PIPE and self._env(env) == self.env)
 
     def spawn(self, argv: Sequence[str], *, cwd: Path | str, stdin: Any = None,
               stdout: Any = None, stderr: Any = None, env: Mapping[str, str] | None = None,
               netns_pid: int | None = None, start_new_session: bool = False
               ) -> WarmProcess | None:
-        """Fork ``argv`` (``[sys.executable, "-m", module, *args]``) from the warm process,
-        in ``netns_pid``'s network namespace when given; None when it may not be
-        (:meth:`can_fork`): the caller then starts a fresh interpreter. ``stdin``,
-        ``stdout`` and ``stderr`` take what :class:`subprocess.Popen` takes for them
+        """Fork ``argv`` (``[*prefix, sys.executable, "-m", module, *args]``) from the warm
+        process, in ``netns_pid``'s network namespace when given; None when it may not be
+        (:meth:`can_fork`, or a user's warm process cannot enter ``cwd``): the caller then
+        starts a fresh interpreter. ``stdin``, ``stdout`` and ``stderr`` take what
+        :class:`subprocess.Popen` takes for them
         (``PIPE`` but not for stderr, ``DEVNULL``, ``STDOUT`` for stderr, a file, or None
         to inherit)."""
         env = dict(os.environ if env is None else env)
@@ -357,14 +421,27 @@ any workload import). Empty: torch, numpy and cryptography only.
         mine_in, fd_in = _stdio(stdin, 0, opened)
         mine_out, fd_out = _stdio(stdout, 1, opened)
         fd_err = fd_out if stderr == subprocess.STDOUT else _stdio(stderr, 2, opened)[1]
+        fds = [fd_in, fd_out, fd_err]
+        if netns_pid is not None:
+            try:  # opened here: a user's warm process may not open a root host's
+                fds.append(os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC))
+                opened.append(fds[3])
+            except OSError:
+                pass  # the host is gone: the child's setns by pid says so in its log
+        python = argv[len(self.prefix):]
         try:
-            reply = self.request({"op": "spawn", "executable": argv[0], "module": argv[2],
-                                  "args": list(argv[3:]), "cwd": str(cwd), "env": env,
-                                  "netns_pid": netns_pid, "new_session": start_new_session},
-                                 [fd_in, fd_out, fd_err])
+            reply = self.request({"op": "spawn", "executable": python[0], "module": python[2],
+                                  "args": list(python[3:]), "cwd": str(cwd), "env": env,
+                                  "netns_pid": netns_pid, "netns_fd": len(fds) == 4,
+                                  "new_session": start_new_session}, fds)
         finally:
             for fd in opened:
                 os.close(fd)
+        if "pid" not in reply:  # cold: a fresh interpreter instead
+            for f in (mine_in, mine_out):
+                if f is not None:
+                    f.close()
+            return None
         return WarmProcess(self, reply["pid"], list(argv), mine_in, mine_out)
 
     def popen_in_netns(self, argv: Sequence[str], netns_pid: int, **kw: Any

@@ -81,6 +81,11 @@ class RunConfig:
     # iteration reuses the pages the last one freed instead of faulting in fresh ones;
     # "default" leaves glibc's adaptive thresholds as they are.
     allocator: str = "steady"
+    # The order in which the PS adds a chunk's contributions: "rank" (worker 0, 1, ...,
+    # whatever the order they arrived in: the network changes timing, never the weights)
+    # or "arrival" (each added as it comes: no contribution held until the last, one copy
+    # less per dense chunk, and float sums that follow the arrival order).
+    sum_order: str = "rank"
 
     def validate(self, p: str) -> None:
         _check(self.iterations >= 1, f"{p}.iterations", self.iterations, "must be >= 1")
@@ -92,6 +97,8 @@ class RunConfig:
         _check(self.timeout_s > 0, f"{p}.timeout_s", self.timeout_s, "must be > 0")
         _check(self.stall_timeout_s >= 3 * HEARTBEAT_S, f"{p}.stall_timeout_s",
                self.stall_timeout_s, f"must be >= {3 * HEARTBEAT_S:g} s (three heartbeats)")
+        _check(self.sum_order in ("rank", "arrival"), f"{p}.sum_order", self.sum_order,
+               "must be 'rank' or 'arrival'")
         _check(self.on_agent_death in ("continue", "stop"), f"{p}.on_agent_death",
                self.on_agent_death, "must be 'continue' or 'stop'")
         _check(0.0 <= self.target_accuracy <= 1.0, f"{p}.target_accuracy",

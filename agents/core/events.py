@@ -141,7 +141,9 @@ _declare("iter_done", "worker", "one training iteration is over on this worker",
          iter_s="wall time of the iteration (s)", compute_s="forward+backward (s)",
          compress_s="compression, summed over chunks (s)", send_s="as in send_done (s)",
          wait_s="as in recv_done (s)", bytes_up="wire bytes sent",
-         bytes_down="wire bytes received", loss="training loss")
+         bytes_down="wire bytes received", loss="training loss",
+         start_ns="when the iteration began (CLOCK_MONOTONIC ns): it spans start_ns to "
+                  "start_ns + iter_s")
 _declare("worker_error", "worker", "the worker stopped on an error", error="the message")
 
 # -- parameter server (agents/dp/ps.py) ---------------------------------------------------------

@@ -13,11 +13,14 @@ reads chunk k+1 and writes chunk k-1's weights: the receive, check, accumulate, 
 pipeline of ps-lite's and BytePS's servers. On one thread the loop stood still for each
 of those passes (docs/linerate.md).
 
-The order of the floating-point additions is unchanged: jobs run one at a time in the
-order the loop submitted them, which is the order the messages arrived, so the weights
-are bit-identical to the serial PS's (``tests/agents/dp/test_transparency.py``). A step
-job is submitted after every add of its chunk, so it runs after them, and it takes the
-mean over the contributions its accumulator actually holds.
+The order of the floating-point additions is the workers' (``rank_order``, the
+default, ``run.sum_order = "rank"``): a checked contribution is held until its chunk's
+step, which adds what it holds in worker order, so the weights are the same bits whatever
+order the network delivered them in (a sum of three or more floats depends on its order).
+With ``rank_order`` off each is added as it arrives; jobs run one at a time in the order
+the loop submitted them, the order the messages arrived. A step job is submitted after
+every add of its chunk, so it runs after them, and it takes the mean over the
+contributions its accumulator actually holds.
 
 Every job's outcome comes back as data (:class:`Added`, :class:`Stepped`), in order, on a
 queue the loop drains; :meth:`ChunkWork.start`'s ``wake`` interrupts the loop's wait. A
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agents.compress.base import Compressor, PayloadError
-from agents.compress.checks import check_gradient
+from agents.compress.checks import check_gradient, checked_sparse
 from agents.compress.sparse import SparseCompressor
 from agents.dp.aggregate import SparseAccumulator, weights_delta
 from agents.net import codec, wire
@@ -117,7 +120,8 @@ class ChunkWork:
     :meth:`outcomes`."""
 
     def __init__(self, model: FlatModel, chunks: list[tuple[int, int]], compressor: Compressor,
-                 *, momentum: float, shadow: torch.Tensor | None, max_abs_grad: float) -> None:
+                 *, momentum: float, shadow: torch.Tensor | None, max_abs_grad: float,
+                 rank_order: bool = True) -> None:
         self.model = model
         self.chunks = chunks
         self.compressor = compressor
@@ -130,6 +134,11 @@ class ChunkWork:
         self.acc = [SparseAccumulator(e - s, torch.float32, into=model.flat_grad[s:e])
                     for s, e in chunks]
         self.momentum_buf = torch.zeros_like(model.flat_params) if momentum > 0 else None
+        # Per chunk, the checked contributions waiting for its step (rank_order): worker ->
+        # the add, and the workers active when the first arrived.
+        self.rank_order = rank_order
+        self._held: list[dict[int, Callable[[], None]]] = [{} for _ in chunks]
+        self._held_n = [0] * len(chunks)
         self._jobs: queue.SimpleQueue[AddJob | StepJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Outcome | _Failed] = queue.SimpleQueue()
         self._refused: set[Hashable] = set()  # connections with a refused payload
@@ -195,22 +204,42 @@ class ChunkWork:
             if sparse is not None:
                 # Every check first (range, finite, bounded, no duplicate index), then the
                 # add in the order the duplicate test sorted: nothing added if it fails.
-                if a.added == 0:
-                    a.expect(job.n_active)
-                a.add_checked(*sparse, who=who, max_abs=self.max_abs_grad,
-                              unique_indices=isinstance(self.compressor, SparseCompressor))
+                idx, values = checked_sparse(
+                    *sparse, e - s, who=who, max_abs=self.max_abs_grad,
+                    unique_indices=isinstance(self.compressor, SparseCompressor))
+                self._add(job, lambda: a.add_sparse(idx, values, who=who, validate=False))
                 return Added(job)
             dense = self.compressor.decompress(payload).reshape(-1)
             check_gradient(None, dense, e - s, who=who, max_abs=self.max_abs_grad,
                            unique_indices=False)
-            if a.added == 0:
-                a.expect(job.n_active)
-            a.add_dense(dense, who=who)
+            # Held, it is copied: the received buffers go back to the pool now.
+            kept = dense.clone() if self.rank_order else dense
+            self._add(job, lambda: a.add_dense(kept, who=who))
         except PAYLOAD_ERRORS as err:
             self._refused.add(job.conn)
             msg = str(err) if str(err).startswith(f"worker {w}") else f"{who}: {err}"
             return Added(job, error=msg)
         return Added(job, dense=True)
+
+    def _add(self, job: AddJob, add: Callable[[], None]) -> None:
+        """Add one checked contribution now, or hold it for its chunk's step (rank_order)."""
+        c = job.header.chunk
+        if self.rank_order:
+            if not self._held[c]:
+                self._held_n[c] = job.n_active
+            self._held[c][job.worker] = add
+            return
+        if self.acc[c].added == 0:
+            self.acc[c].expect(job.n_active)
+        add()
+
+    def _add_held(self, c: int) -> None:
+        """Chunk ``c``'s held contributions, in worker order."""
+        held, self._held[c] = self._held[c], {}
+        if held:
+            self.acc[c].expect(self._held_n[c])
+        for w in sorted(held):
+            held[w]()
 
     def _stepped(self, job: StepJob) -> Stepped:
         """Mean and SGD step of one chunk (SGD is elementwise, so chunk-wise steps are
@@ -219,6 +248,7 @@ class ChunkWork:
         t0 = time.perf_counter()
         c = job.chunk
         s, e = self.chunks[c]
+        self._add_held(c)
         acc = self.acc[c]
         grad = self.model.flat_grad[s:e]
         params = self.model.flat_params[s:e]

@@ -221,7 +221,8 @@ class ParameterServer:
             self.model, self.chunks, build_compressor(CompressionSpec.from_config(cfg)),
             momentum=0.0 if cfg.feedback.momentum_correction else cfg.workload.momentum,
             shadow=self.model.flat_params.clone() if cfg.compress.downlink == "update"
-            else None, max_abs_grad=cfg.guard.max_abs_grad)
+            else None, max_abs_grad=cfg.guard.max_abs_grad,
+            rank_order=cfg.run.sum_order == "rank")
         # What happened, in order, for the main loop: filled by the event loop (``_poll``)
         # on this thread; handshake threads hand over ``joins``, the chunk work its outcomes.
         self.events: deque[PSEvent | Outcome] = deque()

@@ -429,7 +429,7 @@ class Worker:
                 leave_at = -1
                 continue
             self.apply_commands()
-            t0 = time.perf_counter()
+            t0, start_ns = time.perf_counter(), now_ns()
             loss = self.compute()
             compute_s = time.perf_counter() - t0
             # Compute is done with the parameters: the new ones may land while we send.
@@ -446,7 +446,7 @@ class Worker:
                           first_ns=first_ns)
             self.log.emit("iter_done", iter=self.iteration, iter_s=iter_s, compute_s=compute_s,
                           compress_s=compress_s, send_s=send_s, wait_s=wait_s, bytes_up=up,
-                          bytes_down=down, loss=loss)
+                          bytes_down=down, loss=loss, start_ns=start_ns)
             self.ctl.send("iter_done", iter=self.iteration, iter_s=iter_s, bytes_up=up)
             self.iteration += 1
         return 0

@@ -30,7 +30,7 @@ import pandas as pd
 
 from agents.core import config as cfgmod
 from agents.core.events import now_ns
-from controller import rundir
+from controller import run_as, rundir
 from controller.exit_status import failed_start_reason, timeout_reason
 from controller.roles import RoleCommand
 from controller.roles.torchrun import (
@@ -111,16 +111,26 @@ class TorchrunExperiment(Experiment):
         """One process that imports torch while the network is built; each host's torchrun
         agent is a fork of it (controller.warm) instead of an interpreter that imports torch
         (about 3 s of CPU per host, all at once) before it starts its ranks. The ranks are
-        torchrun's own fresh interpreters either way. None where a fork could not stand for
-        the command: another interpreter (torchrun.python), the ranks run as the invoking
-        user (setpriv), NCCL (WarmStarter.can_fork refuses any other difference), or
-        GRADBED_WARM=0."""
+        torchrun's own fresh interpreters either way. Under sudo the warm process runs as
+        the invoking user (setpriv, with that user's variables), so its forks and their
+        ranks do too, as a fresh start through setpriv would.
+
+        None where a fork could not stand for the command: another interpreter
+        (torchrun.python), GRADBED_WARM=0, or NCCL. Each NCCL host gets its own
+        ``CUDA_VISIBLE_DEVICES`` and NCCL variables, and a fork stands for a fresh start
+        only for variables that nothing reads while torch loads (``free_env``): a CUDA
+        build's import loads the CUDA libraries, whose reading of those variables was
+        never checked (that needs a GPU per emulated host), and a fork of a process that
+        had touched CUDA fails in CUDA ("Cannot re-initialize CUDA in forked subprocess").
+        A NCCL run loses only each agent's import: its ranks are fresh either way."""
         tr = self.cfg.torchrun
         if (os.environ.get("GRADBED_WARM", "1") == "0" or tr.python != sys.executable
-                or rundir.invoking_user() is not None or tr.backend == "nccl"):
+                or tr.backend == "nccl"):
             return None
-        return WarmStarter({**os.environ, **run_env(run_dir / "logs" / "ranks")},
-                           free_env=HOST_ENV)
+        user = run_as.invoking()
+        return WarmStarter({**os.environ, **run_env(run_dir / "logs" / "ranks"),
+                            **(user.env() if user is not None else {})},
+                           free_env=HOST_ENV, user=user)
 
     def headline(self) -> str:
         tr = self.cfg.torchrun
@@ -146,15 +156,10 @@ class TorchrunExperiment(Experiment):
         rundir.hand_over(run_dir / "events", recursive=False)
         env = {**os.environ, **plan.env}
         argv = list(cmd.argv)
-        owner = rundir.invoking_user()
-        if owner is not None:  # under sudo: the ranks run as the user, never as root
-            import pwd
-
-            uid, gid = owner
-            user = pwd.getpwuid(uid)
-            env |= {"HOME": user.pw_dir, "USER": user.pw_name, "LOGNAME": user.pw_name}
-            argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--init-groups", "--",
-                    *argv]
+        user = run_as.invoking()
+        if user is not None:  # under sudo: the ranks run as the user, never as root
+            env |= user.env()
+            argv = [*user.argv(), *argv]  # or a fork of the user's warm process
         path = cmd.log_path(run_dir)
         # The terminal gets one short line; run.log the whole command with its variables.
         self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}")

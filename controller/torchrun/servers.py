@@ -30,12 +30,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from controller import rundir
 from controller.roles.torchrun import RankPlan, TorchrunError
+from controller.run_as import RunAs, invoking
 from controller.torchrun import host_sampler
 from controller.torchrun.host_sampler import WatchedHost
 from controller.torchrun.sockdiag import ConnSampler
@@ -56,14 +55,8 @@ SSH_TIMEOUT_S = 60.0
 MISSING_EXIT = 3
 
 
-@dataclass(frozen=True)
-class ServerUser:
-    """The invoking user as one server knows it (the same name, that server's ids)."""
-
-    name: str
-    uid: int
-    gid: int
-    home: str
+#: The invoking user as one server knows it (the same name, that server's ids).
+ServerUser = RunAs
 
 
 def forwarded_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -80,9 +73,8 @@ def server_argv(plan: RankPlan, cwd: str, pid_file: str, user: ServerUser | None
     env = {**forwarded, **plan.env}
     run_as: list[str] = []
     if user is not None:
-        env |= {"HOME": user.home, "USER": user.name, "LOGNAME": user.name}
-        run_as = ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups",
-                  "--"]
+        env |= user.env()
+        run_as = user.argv()
     return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', pid_file, "env", "-C", cwd,
             *(f"{k}={v}" for k, v in sorted(env.items())), *run_as, *plan.argv]
 
@@ -288,12 +280,8 @@ class RankServers:
 def invoking_user_name() -> str:
     """The name of the user who ran sudo ("" when not under sudo): the servers know the
     user by name, each with its own ids."""
-    owner = rundir.invoking_user()
-    if owner is None:
-        return ""
-    import pwd
-
-    return pwd.getpwuid(owner[0]).pw_name
+    user = invoking()
+    return user.name if user is not None else ""
 
 
 def start_watches(servers: RankServers, cluster: Cluster,

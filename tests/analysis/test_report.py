@@ -17,7 +17,7 @@ import pytest
 from matplotlib.image import imread
 
 from analysis.cli import report_main
-from analysis.report import write_report
+from analysis.report import regime, write_report
 from tests.support import real_run
 from tests.support.make_fake_run import fake_tcp_samples, make_fake_run
 
@@ -238,9 +238,13 @@ def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(
     fake_tcp_samples(base).to_parquet(run / "tcp.parquet", index=False)
     summary = json.loads((run / "summary.json").read_text())
     summary["torchrun"] = fake_torchrun_section()
+    summary["agent_limited"], summary["agent_limited_why"] = True, TORCHRUN_LIMITED_WHY
     (run / "summary.json").write_text(json.dumps(summary))
     page = write_report([run], tmp_path / "with")
     html = page.read_text(encoding="utf-8")
+    # The regime names the script's ranks, not gradbed's agents, as what the times measure.
+    assert "<b>Agent-limited run.</b> agent-limited: the gbh0.up link" in html
+    assert "describe the script&#x27;s ranks (its compute and gloo) on this machine" in html
     caption = "TCP connections between hosts (tcp.parquet"
     assert caption in html and caption not in without
     assert html.count("<img ") == without.count("<img ") + 1
@@ -254,6 +258,34 @@ def test_a_torchrun_runs_connections_get_a_plot_and_its_hosts_a_table(
     points = first_table(html.split("Shaping points: busy fraction")[1])
     assert points == [{"point": "gbh1.up", "busy_utilization": "0.8123"}]
     _check_page(page, tmp_path, min_images=without.count("<img ") + 1)
+
+
+#: A torchrun run's agent_limited_why (controller.summary.torchrun_agent_limited's words).
+TORCHRUN_LIMITED_WHY = (
+    "agent-limited: the gbh0.up link was busy 0.04 of the transfer windows (< 0.9) with no "
+    "queue at the shaper (median backlog 0 B): data waited in the ranks, not in the "
+    "network, so the times measure the script and gloo on this machine; the windows: the "
+    "ranks' DDP buckets (gradbed.ddp.instrument)")
+
+
+@pytest.mark.parametrize(("config", "who"), [
+    ({"topo": {"shape": "star"}}, "gradbed&#x27;s agents (the workers and the PS)"),
+    ({"pipeline": {"stages": 2}, "topo": {"role": "stage"}}, "gradbed&#x27;s pipeline stages"),
+    ({"topo": {"role": "expert"}}, "gradbed&#x27;s MoE expert hosts"),
+])
+def test_the_regime_says_whose_time_an_agent_limited_run_measures(config: dict, who: str
+                                                                  ) -> None:
+    """The report's regime sentence for a PS, a pipeline and an MoE run: the summary's
+    reason, then who held the data; a network-limited run gets the reason only, and a
+    summary without one (an older run) nothing."""
+    why = "agent-limited: the links (gbh0.up, gbh1.up) were busy 0.01 of the transfer windows"
+    limited = regime({"agent_limited": True, "agent_limited_why": why}, config)
+    assert limited.startswith('<p class="warning"><b>Agent-limited run.</b> agent-limited:')
+    assert f"describe {who} on this machine, not the emulated network" in limited
+    calm = regime({"agent_limited": False, "agent_limited_why": "network-limited: busy 0.97"},
+                  config)
+    assert calm == '<p class="meta">Regime: network-limited: busy 0.97.</p>'
+    assert regime({"agent_limited": None}, config) == ""
 
 
 def first_table(page: str) -> list[dict[str, str]]:

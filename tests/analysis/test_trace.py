@@ -221,3 +221,25 @@ def test_the_controller_writes_the_trace_of_a_real_run(tmp_path_factory: pytest.
     trace = load_trace(run_dir / TRACE_FILE)
     assert check_worker_partition(trace, load_events(run_dir), need_receive=True) > 0
     assert any(e["ph"] == "C" and "queue" in e["name"] for e in trace["traceEvents"])
+
+
+def test_an_iteration_written_late_keeps_its_send_wait_and_receive() -> None:
+    """A worker descheduled between measuring an iteration and writing ``iter_done`` (a
+    busy machine): the iteration spans ``start_ns`` to ``start_ns + iter_s``, not the 50 ms
+    late write minus ``iter_s``, which put the compute past the send and the wait (the
+    intermittent partition failure of the dense transparency test)."""
+    from analysis.timeline import host_timeline
+
+    t0, ms = 10**12, 10**6
+    rows = [("compute_done", t0 + 2 * ms, {"compute_s": 0.002}),
+            ("compress_done", t0 + 3 * ms, {"key": "c0", "compress_s": 0.0005}),
+            ("send_done", t0 + 3 * ms, {}),
+            ("recv_done", t0 + 5 * ms, {"first_ns": t0 + 4 * ms}),
+            ("iter_done", t0 + 55 * ms, {"iter_s": 0.005, "compute_s": 0.002,
+                                         "start_ns": t0})]
+    ev = pd.DataFrame([{"event": e, "ts_ns": ts, "node": "w0", "iter": 0, **f}
+                       for e, ts, f in rows])
+    tl = host_timeline(ev)
+    spans = tl[(tl["node"] == "w0") & (tl["lane"] == "main")].sort_values("start_ns")
+    assert spans["category"].tolist() == ["compute", "compress", "send", "wait", "receive"]
+    assert spans["start_ns"].iloc[0] == t0 and spans["end_ns"].iloc[-1] == t0 + 5 * ms

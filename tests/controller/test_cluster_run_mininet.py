@@ -3,9 +3,10 @@ servers' Mininet hosts, speak to the controller through forwarded control socket
 their events come back onto the controller's clock. Real Mininet, ssh and training; root.
 
 One cluster of two servers serves the module; the test that kills a server runs last.
-Each kind of run (data-parallel, pipeline, MoE, a killed controller, a killed server) is
-one ``gradbed run``, the smallest that still shows what its test asserts; the reference
-for identical weights is a loopback run of the same config (no network at all).
+Each kind of run (data-parallel, pipeline, MoE, a killed controller, a killed delay line,
+a killed server) is one ``gradbed run``, the smallest that still shows what its test
+asserts; the reference for identical weights is a loopback run of the same config (no
+network at all).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from controller.exit_status import SERVER_LOST, status_for
+from controller.exit_status import FAILED, SERVER_LOST, status_for
 from controller.loopback.dp import run_loopback
 from controller.remote import cleanup_run
+from controller.run import SERVER_GRACE_S
 from controller.warm_remote import WARM_ROOT
-from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, gradbed_run, start_run, summary
 from topo.cluster import SshAccess
+from topo.fake_cluster import FakeCluster, fake_cluster
 from topo.server_lock import ServerLock
 
 pytestmark = [pytest.mark.mininet,
@@ -246,6 +248,65 @@ def test_cleanup_leaves_a_server_whose_lock_another_run_holds_and_names_that_run
     assert f"{s2}: network lock taken" in cleanup_run(tmp_path, record, wait_s=5)
 
 
+def _seconds_after(clock: time.struct_time, line: str) -> int:
+    """Whole seconds from the local time ``clock`` to a ``run.log`` line's stamp (the
+    local time of day, to the second)."""
+    h, m, sec = (int(x) for x in line.split()[0].split(":"))
+    return ((h * 3600 + m * 60 + sec)
+            - (clock.tm_hour * 3600 + clock.tm_min * 60 + clock.tm_sec)) % 86400
+
+
+def _kill_delay_line_of(c: FakeCluster, server: str, host: str) -> int:
+    """SIGKILL ``host``'s delay line on ``server`` (the one in its shell's network
+    namespace, there); its pid on that server."""
+    out = c.ssh(server, f"""
+        ns=$(readlink /proc/$(pgrep -f 'mininet:{host}$' | head -1)/ns/net)
+        for p in $(pgrep -f '[t]opo[.]delayline'); do
+            if [ "$(readlink /proc/$p/ns/net)" = "$ns" ]; then kill -9 $p && echo $p; fi
+        done""").stdout.split()
+    assert len(out) == 1, f"{host}'s delay line on {server}: {out}"
+    return int(out[0])
+
+
+def test_a_delay_line_killed_on_a_server_ends_the_run_naming_host_and_server(
+        cluster, tmp_path):
+    s1, s2 = cluster.servers
+    # 1 ms on the bottleneck: a delay line in the PS (server 1) and in w0 (server 2).
+    proc = start_run("configs/test_tiny.toml",
+                     _placed(cluster, s1, s2, "net.workers=1", "run.iterations=5000",
+                             "net.delay_ms=1"), tmp_path)
+    _wait_remote_iterations(cluster, s1, proc, 1)
+    killed_clock = time.localtime()
+    _kill_delay_line_of(cluster, s2, "w0")  # the delay line alone: its server lives on
+    killed_at = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # not stopped: the test fails; the run tears down on SIGTERM
+            proc.terminate()
+            proc.communicate(timeout=120)
+    (run_dir,) = tmp_path.glob("tiny-*")
+    reason = summary(run_dir)["stop_reason"]
+    # The watch sees the delay line's session end at once and gives its server's own watch
+    # SERVER_GRACE_S to say the server died with it; the kill's ssh, reading the delay
+    # line's stderr there and the log's whole seconds take a few more on a loaded machine.
+    stopping = [ln for ln in (run_dir / "run.log").read_text().splitlines()
+                if "delay line on" in ln and ln.endswith(": stopping")]
+    assert stopping and _seconds_after(killed_clock, stopping[0]) <= SERVER_GRACE_S + 7, \
+        stopping
+    assert time.monotonic() - killed_at < 60, reason
+    assert proc.returncode == FAILED == status_for(reason), (reason, err[-3000:])
+    assert reason.startswith(f"failed: host w0: delay line on {s2} died (exit 137") \
+        and reason.endswith("its link drops every packet"), reason
+    w0 = next(h for h in json.loads((run_dir / "meta.json").read_text())["impairment"]
+              ["hosts"] if h["host"] == "w0")
+    assert str(w0["delay_line_died"]).startswith("exit 137"), w0
+    # Nothing is left on either server, nor the run's records here.
+    assert _server_leftovers(cluster) == []
+    assert not (Path("/run/gradbed/runs") / f"{run_dir.name}.json").exists()
+    assert not (Path("/run/gradbed/clusters") / f"{run_dir.name}.json").exists()
+
+
 def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path):
     s1, s2 = cluster.servers
     # A delay on every link: the killed server's delay lines die with it, and the run
@@ -266,10 +327,7 @@ def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path)
              if "server lost" in ln and ln.endswith(": stopping")]
     assert ended, "the run log does not say the server was lost"
     # Noticed within 30 s (run.log stamps each line with the local time of day).
-    h, m, sec = (int(x) for x in ended[0].split()[0].split(":"))
-    noticed_s = (h * 3600 + m * 60 + sec) - (killed_clock.tm_hour * 3600
-                                             + killed_clock.tm_min * 60 + killed_clock.tm_sec)
-    assert 0 <= noticed_s % 86400 <= 30, ended[0]
+    assert 0 <= _seconds_after(killed_clock, ended[0]) <= 30, ended[0]
     assert time.monotonic() - killed_at < 120  # stopped, torn down and finished
     # Server 1 is left clean; server 2 is gone.
     assert [ln for ln in _server_leftovers(cluster) if ln.startswith(f"{s1}: ")] == []

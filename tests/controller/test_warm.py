@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.run_as import RunAs
 from controller.warm import WarmStarter, spawn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -214,3 +216,50 @@ def test_a_killed_caller_leaves_no_log():
         time.sleep(0.05)
     assert not _running(int(pid)), "the warm process outlived its killed caller"
     assert _warm_logs(int(caller)) == [], "the killed caller's warm process left its log"
+
+
+#: The user a ``sudo gradbed`` run acts for in the tests: nobody, who owns nothing here.
+NOBODY = RunAs("nobody", 65534, 65534, "/nonexistent")
+needs_root_and_setpriv = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root, and setpriv to act as another user")
+
+
+@needs_root_and_setpriv
+def test_a_users_warm_process_forks_what_setpriv_would_start_fresh(tmp_path, other_netns):
+    """Under sudo the warm process runs as the invoking user: a fork of it, in a host's
+    namespace (which that user could not enter: the client passes it), is the user with
+    what a fresh ``setpriv`` start of the same command has (ids, groups, no capability,
+    the user's HOME), never root, and keeps none of the CAP_SYS_ADMIN its parent holds
+    to enter the namespace. A command without the user's prefix (one that would run as
+    root) is not forked, and a folder the user cannot enter gets a fresh start."""
+    env = {**os.environ, **NOBODY.env(), "GRADBED_PROBE": "warm"}
+    s = WarmStarter(env, user=NOBODY)
+    try:
+        python = [sys.executable, "-m", "tests.support.show_self"]
+        out = tmp_path / "forked.json"
+        with open(out, "wb") as f:
+            proc = s.spawn([*NOBODY.argv(), *python], cwd=REPO, stdout=f,
+                           stderr=subprocess.STDOUT, env=env, netns_pid=other_netns)
+        assert proc is not None, "the request should have been forked"
+        assert proc.wait(timeout=60) == 0, out.read_text()
+        forked = json.loads(out.read_text())
+        fresh = json.loads(subprocess.run([*NOBODY.argv(), *python], cwd=REPO, env=env,
+                                          capture_output=True, text=True, check=True).stdout)
+        assert forked["identity"] == fresh["identity"], (forked, fresh)
+        assert forked["identity"]["Uid"] == ["65534"] * 4
+        assert forked["identity"]["CapEff"] == ["0000000000000000"]
+        assert forked["home"] == "/nonexistent"
+        assert forked["netns"] == os.readlink(f"/proc/{other_netns}/ns/net")
+        # The parent itself is the user too, holding only what setns needs.
+        with open(f"/proc/{s.proc.pid}/status") as f:
+            parent = dict(ln.split(":", 1) for ln in f if ":" in ln)
+        assert parent["Uid"].split() == ["65534"] * 4
+        assert int(parent["CapEff"], 16) == 1 << 21  # CAP_SYS_ADMIN alone
+        # As root, or from a folder nobody may enter: a fresh start instead.
+        assert s.spawn(python, cwd=REPO, env=env) is None
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o700)
+        assert s.spawn([*NOBODY.argv(), *python], cwd=locked, env=env) is None
+    finally:
+        s.close()

@@ -3,8 +3,12 @@
 cgroup v2's ``cpu.max`` where the v2 hierarchy has the cpu controller; otherwise the v1
 cpu controller's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, the same CFS bandwidth
 limit under its older name (this machine mounts cpu on v1). :func:`cap_when_connected`
-moves a run's workers in once each holds its TCP connection to the PS, so their start
-(importing torch) runs at full speed and only the data transfer is capped.
+moves a run's agents in once each host holds a TCP connection on the run's port (a worker's
+to the PS, a stage's to the pipeline's PS, an MoE host's in the mesh), so their start
+(importing torch) runs at full speed and only the training is capped.
+:func:`cap_rank_after_event` does the same for a ``gradbed torchrun`` rank once its
+instrumented script has logged an event, since a rank's host also holds torchrun's
+rendezvous connections before the rank has imported torch.
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ class CpuCap:
         (self.path / "cgroup.procs").write_text(str(pid))
         self.pids.append(pid)
 
+    def lift(self) -> None:
+        """No limit any more; the processes stay in the cgroup (its cpu.stat still counts)."""
+        if self.kind == "v2":
+            (self.path / "cpu.max").write_text(f"max {PERIOD_US}")
+        else:
+            (self.path / "cpu.cfs_quota_us").write_text("-1")
+
     def throttled_us(self) -> int:
         """Time the cgroup's processes waited for their quota (cpu.stat)."""
         stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
@@ -85,17 +96,29 @@ class CpuCap:
 
 
 def _connected_to(pid: int, port: int) -> bool:
-    """Whether process ``pid`` (in its own network namespace) has an established TCP
-    connection to remote ``port``."""
+    """Whether the network namespace of process ``pid`` (its Mininet host) holds an
+    established TCP connection with either end on ``port``: a client of a listener on
+    ``port`` (a worker to the PS), or that listener's side of one (the first MoE host, which
+    only accepts)."""
     try:
         lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
     except OSError:
         return False
     for ln in lines:
         f = ln.split()
-        if len(f) > 3 and f[3] == "01" and int(f[2].split(":")[1], 16) == port:
+        if len(f) > 3 and f[3] == "01" and port in (int(f[1].split(":")[1], 16),
+                                                    int(f[2].split(":")[1], 16)):
             return True
     return False
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (kv.decode(errors="replace").partition("=") for kv in raw.split(b"\0") if kv)
+    return {k: v for k, _, v in pairs}
 
 
 def _cmdline(pid: int) -> str:
@@ -130,3 +153,51 @@ def cap_when_connected(cap: CpuCap, marker: str, module: str, port: int, count: 
     t = threading.Thread(target=watch, name="cpu-cap", daemon=True)
     t.start()
     return t
+
+
+def cap_rank_after_event(cap: CpuCap, out: Path, host: str, event: str, lift: str,
+                         stop: threading.Event, timeout_s: float = 120.0
+                         ) -> tuple[threading.Thread, list[int]]:
+    """Start a thread that moves the ``gradbed torchrun`` rank on ``host`` of a run under
+    ``out`` (the process with ``RANK`` in its environment, not torchrun's agent) into
+    ``cap`` as soon as the run's ``events/HOST.jsonl`` holds an ``event`` (the
+    instrumentation's ``ddp_iter``): by then the rank has imported torch and joined its
+    process group. Once the log holds the line ``lift`` (a fragment of the last bucket's
+    event) the cap is lifted, so the rank's exit (torch's teardown) runs at full speed.
+    The list it returns receives the CLOCK_MONOTONIC times of the move and of the lift,
+    so a test can check which of the rank's iterations ran capped."""
+    times_ns: list[int] = []
+    needle = f'"event": "{event}"'
+
+    def find() -> tuple[int, Path] | None:
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            env = _environ(int(d))
+            run_dir = env.get("GRADBED_RUN_DIR", "")
+            if env.get("GRADBED_HOST") == host and "RANK" in env \
+                    and run_dir.startswith(str(out)):
+                return int(d), Path(run_dir) / "events" / f"{host}.jsonl"
+        return None
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        found = None
+        while found is None and not stop.is_set() and time.monotonic() < deadline:
+            found = find()
+            stop.wait(0.05)
+        while found is not None and not stop.is_set() and time.monotonic() < deadline:
+            try:
+                text = found[1].read_text(errors="replace")
+            except OSError:
+                text = ""  # not written yet
+            if not times_ns and needle in text:
+                cap.add(found[0])
+                times_ns.append(time.monotonic_ns())
+            if times_ns and lift in text:
+                cap.lift()
+                times_ns.append(time.monotonic_ns())
+                return
+            stop.wait(0.01)
+
+    t = threading.Thread(target=watch, name="cpu-cap-rank", daemon=True)
+    t.start()
+    return t, times_ns

@@ -1,11 +1,23 @@
-"""Rank bodies for the DDP hook tests: a real gloo group on 127.0.0.1 (torch.multiprocessing
-spawn), each rank writing what it saw to ``OUT/rank<R>.pt`` for the test to check."""
+"""Rank bodies for the DDP hook tests: a real gloo group on 127.0.0.1, each rank writing
+what it saw to ``OUT/rank<R>.pt`` for the test to check.
+
+The ranks are forks of one fresh interpreter that imported torch and torch._dynamo
+(``tests.support.fork_ranks`` runs this file as its script): spawned ranks would each
+import both again (about 5 s of CPU per rank on a 2-core machine) and tear torch down at
+exit. The parent imports nothing of gradbed, the controller or Mininet, so what a rank
+has loaded is what its own work loaded.
+
+    python -m tests.support.fork_ranks WORLD tests/support/ddp_ranks.py FN OUT ARGS_JSON
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+REPO = Path(__file__).resolve().parents[2]
+#: Long enough for a loaded 2-core machine; a hung collective fails the test instead of
+#: waiting for gloo's 30-minute timeout.
+RANKS_TIMEOUT_S = 600
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,20 +40,27 @@ def free_port() -> int:
 
 
 def spawn(fn: Any, world: int, out: Path, *args: Any) -> list[dict[str, Any]]:
-    """Run ``fn(rank, world, port, out, *args)`` on ``world`` spawned ranks; their results."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_entry, args=(fn, world, free_port(), out, args), nprocs=world, join=True)
+    """Run ``fn(rank, world, *args)`` (a function of this module; ``args`` plain JSON) on
+    ``world`` ranks forked from one interpreter; their results, in rank order."""
+    argv = [sys.executable, "-m", "tests.support.fork_ranks", str(world), __file__,
+            fn.__name__, str(out), json.dumps(list(args))]
+    # This checkout first: a rank imports gradbed from it, not from an installed copy.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(argv, cwd=out, env=env, capture_output=True, text=True,
+                       timeout=RANKS_TIMEOUT_S, check=False)
+    assert p.returncode == 0, f"the ranks of {fn.__name__} failed ({p.returncode}):\n" \
+                              f"{p.stderr[-4000:]}"
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
-def _entry(rank: int, fn: Any, world: int, port: int, out: Path, args: tuple[Any, ...]) -> None:
+def _main(name: str, out: Path, args: list[Any]) -> None:
+    """One rank (its variables set by fork_ranks): join the group, run ``name``, save."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # MASTER_ADDR, _PORT
     try:
-        result = fn(rank, world, *args)
+        result = globals()[name](rank, world, *args)
         torch.save(result, out / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -89,17 +113,47 @@ def reduced_grads(rank: int, world: int, name: str, ratio: float, iters: int
 
 def _sent_over(fn: Any, times: int) -> float:
     """This rank's TCP bytes acked per call of ``fn`` (the ranks call it in step)."""
-    from gradbed.ddp.wire import own_tcp_bytes
-
     dist.barrier()
-    time.sleep(0.2)
-    before = own_tcp_bytes()[0]
+    before = _acked_when_settled()
     for _ in range(times):
         fn()
-    time.sleep(0.3)  # the last segments' ACKs
-    after = own_tcp_bytes()[0]
+    after = _acked_when_settled()
     dist.barrier()
     return (after - before) / times
+
+
+#: How long the last segments' ACKs may take on a loaded machine before the test fails.
+SETTLE_TIMEOUT_S = 30.0
+
+
+def _acked_when_settled() -> int:
+    """This rank's TCP bytes acked (``gradbed.ddp.wire.own_tcp_bytes``) once every byte it
+    has written is acked: no socket of its own has a segment unacked or a byte unsent. A
+    finished collective has written all it sends (gloo waits for its sends), so from then
+    on the count is exact, however long the ACKs take."""
+    from agents.net.tcpinfo import read_tcp_info
+    from gradbed.ddp.wire import own_tcp_bytes
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        pending = 0
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                    continue
+                sock = socket.socket(fileno=os.dup(int(name)))
+            except OSError:  # the listing's own descriptor, closed
+                continue
+            with sock:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                          socket.AF_INET6):
+                    continue
+                info = read_tcp_info(sock)
+            pending += info.unacked_pkts + (info.notsent_bytes or 0)
+        if pending == 0:
+            return own_tcp_bytes()[0]
+        assert time.monotonic() < deadline, f"{pending} segments and bytes never acked"
+        time.sleep(0.002)
 
 
 def framing(rank: int, world: int) -> dict[str, float]:
@@ -181,11 +235,9 @@ def adaptive_keeps(rank: int, world: int, iters: int) -> list[tuple[int, int, fl
 
 
 def everything(rank: int, world: int, iters: int, byte_hooks: list[str]) -> dict[str, Any]:
-    """All of the above in one group (each spawn costs a torch import per rank), then the
-    modules of the controller, the topology or Mininet that this fresh interpreter loaded
-    while it built and ran every hook."""
-    import sys
-
+    """All of the above in one group (each group costs a fork per rank and a rendezvous),
+    then the modules of the controller, the topology or Mininet that this rank loaded while
+    it built and ran every hook (its parent loaded none: the module docstring)."""
     out = {"adaptive": adaptive_keeps(rank, world, 6),
            "topk": reduced_grads(rank, world, "topk", 0.05, iters),
            "fp16": reduced_grads(rank, world, "fp16", 1.0, 3),
@@ -195,3 +247,7 @@ def everything(rank: int, world: int, iters: int, byte_hooks: list[str]) -> dict
                            if m.split(".")[0] in ("controller", "topo", "mininet"))
     out["gradbed_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] == "gradbed")
     return out
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]))

@@ -1,5 +1,6 @@
 """Run an unmodified ``torch.distributed`` script's ranks on loopback, each a fork of one
-process that has imported torch: the reference runs the Mininet tests compare with.
+process that has imported torch: the reference runs the Mininet tests compare with, and the
+DDP hook tests' gloo groups (``tests/support/ddp_ranks.py`` as the script).
 
     python -m tests.support.fork_ranks NPROC SCRIPT.py [ARGS...]
 

@@ -1,6 +1,7 @@
 """A network spread over fake servers (``scripts/fake_cluster.sh``) with Mininet Cluster
 Edition: the star with the PS on one server and four workers on another, its workers'
-links VXLAN tunnels, and a fabric over three servers. Real Mininet over real ssh; root.
+links VXLAN tunnels, and a fabric over three servers whose shaped links across servers
+deliver what the same link on one server does. Real Mininet over real ssh; root.
 
 One cluster of three servers serves the module. While the star is up, a second network
 on servers it holds is refused by their locks (``topo.server_lock``)."""
@@ -16,14 +17,16 @@ import pytest
 
 from agents.core import config as cfgmod
 from controller.run import plan_commands
-from tests.support.fake_cluster import MONO_STEP_S, FakeCluster, fake_cluster
 from topo.build import Network
 from topo.cluster import LINK_MTU, SshAccess
+from topo.fake_cluster import MONO_STEP_S, FakeCluster, fake_cluster
+from topo.iperf import iperf3_goodput
 from topo.lock import LockTimeout
 from topo.placement import crossings, node_servers
 from topo.remote_delayline import DELAY_ROOT, ServerDelayLine
 from topo.server_lock import ServerLock
 from topo.shapes import shape_spec
+from topo.spec import default_queue_bytes
 
 pytestmark = [pytest.mark.mininet,
               pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(),
@@ -164,19 +167,45 @@ def test_a_star_with_the_ps_on_one_server_and_its_workers_on_another(cluster):
     assert _lock_is_free(c, s1) and _lock_is_free(c, s2)
 
 
-def test_a_fabric_spread_round_robin_over_three_servers(cluster):
+# The fabric's access links, both ways; a 20 ms queue at that rate (the default's), so the
+# queue that drains into iperf3's last interval weighs 1 % of a 2 s flow.
+FABRIC_LINK_MBPS = 20.0
+# A shaped link delivers its rate, no more: the HTB bucket's first burst is omitted and the
+# drained queue adds 1 %. Most of it even on a loaded machine: 20 Mbit/s is 1700 frames a
+# second, a sliver of a core for the sender, the tunnels and the receiver.
+OF_CEILING = (0.90, 1.02)
+
+
+def test_a_fabric_spread_round_robin_over_three_servers_shaped_as_on_one(cluster):
     c = cluster
     servers = ", ".join(f'"{s}"' for s in c.servers)
+    # gbh4 is pinned to the switch's server, beside gbh2: a path that stays on one server.
     cfg = cfgmod.load("configs/demo.toml", [
         'topo.shape="fabric"', "topo.hosts=5", "net.workers=5", "net.delay_ms=0",
-        "net.loss_pct=0", 'trace.up=""', f"cluster.servers=[{servers}]",
-        'cluster.placement="roundrobin"'])
+        "net.loss_pct=0", 'trace.up=""', f"net.worker_link_mbps={FABRIC_LINK_MBPS:g}",
+        f"net.queue_bytes={default_queue_bytes(FABRIC_LINK_MBPS)}",
+        f"cluster.servers=[{servers}]", 'cluster.placement="roundrobin"',
+        f'cluster.pins={{gbh4="{c.servers[0]}"}}'])
     spec = shape_spec(cfg)
     planned = node_servers(spec)
-    assert set(planned.values()) == set(c.servers)  # every server holds some node
+    s1, s2, s3 = c.servers
+    assert planned == {"gbsw0": s1, "gbh0": s2, "gbh1": s3, "gbh2": s1, "gbh3": s2,
+                       "gbh4": s1}
     with Network(spec, caps=CAPS, access=SshAccess(ssh_config=str(c.ssh_config)),
                  lock_timeout_s=60) as net:
         assert net.cluster is not None
         assert net.cluster.built_placement(net.mininet) == planned
         _all_pairs_reach(net, list(spec.host_names()))
+        # Side by side, in the same seconds: gbh0 -> gbh1 crosses both tunnels (gbh0's
+        # server, the switch's, gbh1's), gbh2 -> gbh4 stays on the switch's server. The
+        # two flows share no shaping point (each host's up, the other's down).
+        with ThreadPoolExecutor(2) as pool:
+            flows = [pool.submit(iperf3_goodput, net, a, b, FABRIC_LINK_MBPS, 2)
+                     for a, b in (("gbh0", "gbh1"), ("gbh2", "gbh4"))]
+            placed, one = (f.result() for f in flows)
+    figures = (f"across servers {placed.goodput_mbps:.2f} Mbit/s ({placed.of_ceiling:.3f} of "
+               f"the ceiling), on one {one.goodput_mbps:.2f} ({one.of_ceiling:.3f})")
+    assert placed.mtu_bytes == one.mtu_bytes == LINK_MTU
+    assert OF_CEILING[0] <= one.of_ceiling <= OF_CEILING[1], figures
+    assert OF_CEILING[0] <= placed.of_ceiling <= OF_CEILING[1], figures
     assert _server_leftovers(c) == []

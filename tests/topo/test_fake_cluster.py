@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.fake_cluster import MONO_STEP_S, fake_cluster, leftovers
+from topo.fake_cluster import MONO_STEP_S, fake_cluster, leftovers
 
 pytestmark = [pytest.mark.mininet,
               pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(),

@@ -55,11 +55,12 @@ def _run(work: ChunkWork, jobs: list[AddJob | StepJob]) -> list[Outcome]:
 
 
 def test_the_thread_steps_to_the_serial_weights_bit_for_bit() -> None:
-    """Three workers' chunks added in arrival order and stepped twice (momentum 0.9): the
-    weights equal, exactly, the serial PS's arithmetic in the same order."""
+    """Three workers' chunks added in arrival order (``run.sum_order = "arrival"``) and
+    stepped twice (momentum 0.9): the weights equal, exactly, the serial PS's arithmetic
+    in the same order."""
     gen = torch.Generator().manual_seed(1)
     model, ref = _model(), _model()
-    work = _work(model)
+    work = _work(model, rank_order=False)
     grads = [[torch.randn(NUMEL, generator=gen) for _ in range(3)] for _ in range(2)]
     jobs: list[AddJob | StepJob] = []
     for it in range(2):
@@ -90,6 +91,40 @@ def test_the_thread_steps_to_the_serial_weights_bit_for_bit() -> None:
     s, e = work.chunks[last.job.chunk]
     assert last.tensors[0].data_ptr() == model.flat_params[s:e].data_ptr()
     assert last.crcs == [codec.payload_crc32(codec.tensor_view(last.tensors[0]))]
+
+
+def _stepped_after(order: tuple[int, ...], compressor: str, rank_order: bool) -> torch.Tensor:
+    """The weights after one step of four workers' chunks arriving in ``order``."""
+    gen = torch.Generator().manual_seed(3)
+    # Magnitudes six decades apart: a float sum of them depends on its order.
+    grads = [torch.randn(NUMEL, generator=gen) * 10.0 ** (2 * w - 3) for w in range(4)]
+    model = _model()
+    work = _work(model, compressor, rank_order=rank_order)
+    codec_ = make(compressor)
+    jobs: list[AddJob | StepJob] = []
+    for c, (s, e) in enumerate(work.chunks):
+        for w in order:
+            payload = codec_.compress(grads[w][s:e].clone(), f"c{c}", 0.5,
+                                      torch.Generator().manual_seed(w))
+            jobs.append(AddJob(f"conn{w}", w, _header(w, c, e - s), list(payload.tensors), 4))
+        jobs.append(StepJob(c, 0, 0.1))
+    outs = _run(work, jobs)
+    assert all(o.error is None for o in outs if isinstance(o, Added))
+    return model.flat_params.clone()
+
+
+@pytest.mark.parametrize("compressor", ["none", "topk"])
+def test_in_rank_order_the_weights_do_not_depend_on_the_arrival_order(compressor: str) -> None:
+    """``run.sum_order = "rank"`` (the default): four workers' chunks arriving in two
+    different orders step to the same bits; added as they arrive, they do not (so the
+    test can fail)."""
+    a = _stepped_after((3, 1, 0, 2), compressor, rank_order=True)
+    b = _stepped_after((0, 2, 3, 1), compressor, rank_order=True)
+    assert torch.equal(a, b)
+    c = _stepped_after((3, 1, 0, 2), compressor, rank_order=False)
+    d = _stepped_after((0, 2, 3, 1), compressor, rank_order=False)
+    assert not torch.equal(c, d)
+    assert torch.allclose(a, c, rtol=1e-5, atol=1e-6)  # the same sum, in another order
 
 
 def test_a_refused_payload_adds_nothing_and_its_connection_is_skipped() -> None:

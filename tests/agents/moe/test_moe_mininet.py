@@ -1,13 +1,17 @@
 """4 MoE expert hosts on the fabric at 100 Mbit/s, in real Mininet: training runs and the
 loss falls; the summary says whether the agents or the links set the dispatches' pace;
 the run leaves nothing behind. The run's expert host 1 is flooded from host 0's address
-meanwhile, and its real peers join it through their own admission slots."""
+meanwhile, and its real peers join it through their own admission slots. A second, small
+run of 2 hosts whose CPU a cgroup caps, on 1 Gbit/s links, reads agent-limited, and the
+report's words name the expert hosts."""
 
 from __future__ import annotations
 
 import os
 import re
 import statistics
+import threading
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,16 @@ from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
 from analysis.metrics import agent_limited_points, busiest_point_windows
-from tests.support.mininet_run import REPO, leftovers, start_run, summary, tcp_flood_from
+from analysis.report import regime
+from tests.support.cpu_cap import CpuCap, cap_when_connected, cpu_cap_kind
+from tests.support.mininet_run import (
+    REPO,
+    gradbed_run,
+    leftovers,
+    start_run,
+    summary,
+    tcp_flood_from,
+)
 from topo.qdisc import htb_burst_bytes
 
 pytestmark = [pytest.mark.mininet,
@@ -102,3 +115,36 @@ def _check_flood_refused(rows: list[dict]) -> None:
     # takes both retries landing in the millisecond or two before its own: in 12 runs at
     # load 4-7 the later of the two came 7-350 ms after the pool was full.
     assert min(full) < max(joined.values()), (full, joined)
+
+
+@pytest.mark.skipif(cpu_cap_kind() is None, reason="no cgroup cpu controller")
+def test_expert_hosts_with_their_cpu_capped_at_1gbit_are_agent_limited(tmp_path: Path) -> None:
+    """Two expert hosts on 1 Gbit/s links sharing a fifth of a core (a cgroup's CPU
+    bandwidth limit, from their first mesh connection on): the links idle while token rows
+    wait in the hosts."""
+    hosts = 2
+    port = cfgmod.load(REPO / "configs" / "moe.toml").net.port
+    stop = threading.Event()
+    with CpuCap("gradbed-test-cap-experts", cores=0.2) as cap:
+        watcher = cap_when_connected(cap, str(tmp_path), "agents.moe.expert", port, hosts,
+                                     stop, timeout_s=900)
+        try:
+            # The timeout leaves room for the machine-wide network lock (600 s).
+            run_dir, proc = gradbed_run("configs/moe.toml", [
+                f"moe.hosts={hosts}", f"topo.hosts={hosts}", "moe.experts=4",
+                "run.iterations=3", "net.worker_link_mbps=1000", "moe.eval_every=1000"],
+                tmp_path, timeout_s=900)
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(cap.pids) == hosts, f"capped {cap.pids}"
+        assert cap.throttled_us() > 0, "the cap never bit"
+    run_summary = summary(run_dir)
+    assert run_summary["agent_limited"] is True, run_summary["agent_limited_why"]
+    assert re.match(r"agent-limited: the (gbh\d\.(up|down)|links .*) (was|were) busy 0\.\d\d",
+                    run_summary["agent_limited_why"]), run_summary["agent_limited_why"]
+    # The report says so in words, naming who held the data.
+    words = regime(run_summary, tomllib.loads((run_dir / "config.toml").read_text()))
+    assert "<b>Agent-limited run.</b>" in words, words
+    assert "describe gradbed&#x27;s MoE expert hosts on this machine" in words, words

@@ -10,12 +10,17 @@ stage to its neighbours, middle stages both ways) plus the last stage's link bac
 first, and each stage holds two slices, so the PS averages two per stage. GPipe and 1F1B
 are the same stage executor, links and PS in another order of actions; their exact
 weights, link bytes and averaging over TCP are checked on loopback
-(test_pipeline_transparency, test_pipeline_accuracy)."""
+(test_pipeline_transparency, test_pipeline_accuracy).
+
+A second, small run gives the other answer: two stages whose CPU a cgroup caps, on
+1 Gbit/s links, read agent-limited, and the report's words name the stages."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import tomllib
 from pathlib import Path
 
 import pandas as pd
@@ -27,7 +32,9 @@ from agents.pipeline.partition import balance_by_params, split
 from agents.workloads.base import FlatModel
 from agents.workloads.factory import make_workload
 from analysis.planner import pipeline_dp_link_bytes
+from analysis.report import regime
 from analysis.timeline import host_timeline
+from tests.support.cpu_cap import CpuCap, cap_when_connected, cpu_cap_kind
 from tests.support.mininet_run import events, gradbed_run, leftovers, summary
 
 pytestmark = pytest.mark.mininet
@@ -100,3 +107,36 @@ def test_two_group_replicas_train_and_average_through_the_ps_on_the_fabric(
     assert run_summary["agent_limited"] is False, run_summary["agent_limited_why"]
     assert re.search(r"gbh\d\.(up|down).* busy \d\.\d\d", run_summary["agent_limited_why"]), run_summary
     assert leftovers() == []
+
+
+@pytest.mark.skipif(cpu_cap_kind() is None, reason="no cgroup cpu controller")
+def test_stages_with_their_cpu_capped_at_1gbit_are_agent_limited(tmp_path: Path) -> None:
+    """The other answer of the run above: a 2-stage pipeline on 1 Gbit/s links whose two
+    stages share a fifth of a core (a cgroup's CPU bandwidth limit, from their connection
+    to the pipeline's PS on): the links idle while activations wait in the stages."""
+    p = 2
+    port = cfgmod.load("configs/pipeline.toml").net.port
+    stop = threading.Event()
+    with CpuCap("gradbed-test-cap-stages", cores=0.2) as cap:
+        # The trailing space leaves out the pipeline's PS (agents.pipeline.stage_ps).
+        watcher = cap_when_connected(cap, str(tmp_path), "agents.pipeline.stage ", port, p,
+                                     stop, timeout_s=900)
+        try:
+            # The timeout leaves room for the machine-wide network lock (600 s).
+            run_dir, proc = gradbed_run("configs/pipeline.toml", [
+                f"pipeline.stages={p}", f"topo.hosts={p + 1}", "run.iterations=3",
+                "net.worker_link_mbps=1000"], tmp_path, timeout_s=900)
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(cap.pids) == p, f"capped {cap.pids}"
+        assert cap.throttled_us() > 0, "the cap never bit"
+    run_summary = summary(run_dir)
+    assert run_summary["agent_limited"] is True, run_summary["agent_limited_why"]
+    assert re.match(r"agent-limited: the (gbh\d\.(up|down)|links .*) (was|were) busy 0\.\d\d",
+                    run_summary["agent_limited_why"]), run_summary["agent_limited_why"]
+    # The report says so in words, naming who held the data.
+    words = regime(run_summary, tomllib.loads((run_dir / "config.toml").read_text()))
+    assert "<b>Agent-limited run.</b>" in words, words
+    assert "describe gradbed&#x27;s pipeline stages on this machine" in words, words

@@ -16,16 +16,20 @@ module:
   its collectives;
 - on 2 hosts without delay lines: a rank that exits non-zero, one that never reaches
   init_process_group, and Ctrl-C each end the run naming the cause, with a loadable run
-  directory and nothing left behind.
+  directory and nothing left behind; the Ctrl-C run is ``sudo gradbed torchrun`` by
+  nobody, whose torchrun agents fork from a warm process that runs as nobody, and whose
+  agents and ranks run as nobody without a capability.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,10 +71,14 @@ def torchrun_argv(out: Path, script: Path, args: list[str], overrides: list[str]
 
 
 def start_torchrun(out: Path, script: Path, args: list[str], overrides: list[str] = (),
-                   report: bool = False) -> subprocess.Popen[str]:
+                   report: bool = False, sudo_uid: int | None = None
+                   ) -> subprocess.Popen[str]:
+    """``sudo_uid``: as ``sudo gradbed torchrun`` run by that user (SUDO_UID, SUDO_GID)."""
     # From the test's folder (the ranks start where gradbed was started), with this
     # checkout first on the path.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if sudo_uid is not None:
+        env |= {"SUDO_UID": str(sudo_uid), "SUDO_GID": str(sudo_uid)}
     return subprocess.Popen(torchrun_argv(out, script, args, list(overrides), report),
                             cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -425,21 +433,70 @@ def test_a_rank_that_never_reaches_init_process_group_is_named(tmp_path: Path) -
     assert summary(done.run_dir)["wall_s"] < 200
 
 
-def test_ctrl_c_during_training_stops_the_run_cleanly(tmp_path: Path) -> None:
-    """SIGINT to ``gradbed torchrun`` once rank 0 trains (as a terminal's Ctrl-C reaches
-    it; the ranks run in sessions of their own): status 130, a run directory that loads
-    and says so, every rank stopped, nothing left behind."""
-    proc = start_torchrun(tmp_path, EXAMPLE / "train.py", ["--steps", "1000000"], SMALL)
+def _identities(cwd: Path) -> dict[str, dict[str, list[str]]]:
+    """The ids and capabilities (``/proc/PID/status``) of every torchrun agent and rank
+    that runs in ``cwd`` (the run's own: gradbed starts them where it was started), by
+    ``PID command``."""
+    out = {}
+    for p in Path("/proc").iterdir():
+        try:
+            if not p.name.isdigit() or os.readlink(p / "cwd") != str(cwd):
+                continue
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "train.py" not in cmd or "controller.cli" in cmd:
+                continue
+            status = dict(ln.split(":", 1) for ln in (p / "status").read_text().splitlines()
+                          if ":" in ln)
+        except OSError:  # gone meanwhile
+            continue
+        out[f"{p.name} {cmd[:80]}"] = {k: status[k].split() for k in
+                                       ("Uid", "Gid", "CapPrm", "CapEff", "CapAmb")}
+    return out
+
+
+def test_ctrl_c_during_training_stops_the_run_cleanly() -> None:
+    """SIGINT to ``sudo gradbed torchrun`` (as nobody) once rank 0 trains (as a terminal's
+    Ctrl-C reaches it; the ranks run in sessions of their own): status 130, a run directory
+    that loads and says so, every rank stopped, nothing left behind. Until then, each
+    host's torchrun agent, a fork of the warm process, and every rank it started ran as
+    the user, without a capability: the warm process ran as the user too (as root, its
+    forks would be root)."""
+    # A folder the user may enter, as the one a user runs sudo from is (the test's own
+    # temporary folders are root's alone).
+    d = Path(tempfile.mkdtemp(prefix="gradbed-torchrun-sudo-"))
+    d.chmod(0o755)
+    try:
+        _ctrl_c_as_nobody(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _ctrl_c_as_nobody(d: Path) -> None:
+    nobody = 65534
+    proc = start_torchrun(d, EXAMPLE / "train.py", ["--steps", "1000000"], SMALL,
+                          sudo_uid=nobody)
     deadline = time.monotonic() + 1200  # the network lock may be another run's first
     while time.monotonic() < deadline and proc.poll() is None:
-        logs = list(tmp_path.glob("*/logs/gbh0.log"))
+        logs = list(d.glob("*/logs/gbh0.log"))
         if logs and "step 2/" in logs[0].read_text(errors="replace"):
             break
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
+    seen = _identities(d)
     proc.send_signal(signal.SIGINT)
     done = finish(proc, timeout_s=120)
     assert done.status == 130, done.stderr[-3000:]
+    # Two hosts: each a torchrun agent and its rank.
+    assert sum("torch.distributed.run" in k for k in seen) == 2, seen
+    assert len(seen) == 4, seen
+    for who, ids in seen.items():
+        assert ids["Uid"] == [str(nobody)] * 4 and ids["Gid"] == [str(nobody)] * 4, (who, ids)
+        assert {int(ids[c][0], 16) for c in ("CapPrm", "CapEff", "CapAmb")} == {0}, (who, ids)
+    torchrun = json.loads((done.run_dir / "meta.json").read_text())["torchrun"]
+    assert torchrun["run_as"] == [nobody, nobody]
+    assert {h: v["forked"] for h, v in torchrun["hosts"].items()} == {"gbh0": True,
+                                                                     "gbh1": True}
+    assert done.run_dir.stat().st_uid == nobody  # handed over, as every sudo run's
     run = load_run(done.run_dir)
     assert run.summary["stop_reason"] == "interrupted by SIGINT", run.summary
     assert run.summary["interrupted"] is True

@@ -1,7 +1,8 @@
-"""gradbed's DDP hooks on a real gloo group (spawned ranks on 127.0.0.1): the reduced
-gradient is the mean of what each rank sent, error feedback keeps the residual, each
-hook's TCP bytes equal its formula within 1 %, the adaptive ranks agree on one rate, and
-``gradbed.ddp`` loads neither the controller nor Mininet."""
+"""gradbed's DDP hooks on a real gloo group (ranks on 127.0.0.1, forks of one fresh
+interpreter that imported torch: tests.support.ddp_ranks): the reduced gradient is the
+mean of what each rank sent, error feedback keeps the residual, each hook's TCP bytes
+equal its formula within 1 %, the adaptive ranks agree on one rate, and ``gradbed.ddp``
+loads neither the controller nor Mininet."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ HOOKS = ["allreduce", "fp16", "topk", "randomk", "qsgd", "signsgd", "powersgd"]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """One 3-rank gloo group runs every check (a spawn costs a torch import per rank)."""
+    """One 3-rank gloo group runs every check (a group costs a fork per rank and a
+    rendezvous; the ranks share one torch import)."""
     out = tmp_path_factory.mktemp("ddp")
     return ddp_ranks.spawn(ddp_ranks.everything, 3, out, ITERS, HOOKS)
 
@@ -136,8 +138,9 @@ def test_the_adaptive_hook_gives_every_bucket_of_an_iteration_one_keep_on_every_
 
 
 def test_gradbed_ddp_imports_neither_the_controller_nor_mininet(ranks):
-    """Each rank is a fresh interpreter (spawned) that imported gradbed.ddp and ran every
-    hook: none of them loaded the controller, the topology or Mininet."""
+    """Each rank is a fork of an interpreter that loaded torch and nothing of gradbed;
+    it imported gradbed.ddp and ran every hook: none of them loaded the controller, the
+    topology or Mininet."""
     assert [r["loaded"] for r in ranks] == [[]] * len(ranks)
     assert all("gradbed.ddp" in r["gradbed_loaded"] for r in ranks)
 
