@@ -24,11 +24,11 @@ from analysis.report import regime
 from tests.support.cpu_cap import CpuCap, cap_when_connected, cpu_cap_kind
 from tests.support.mininet_run import (
     REPO,
+    churn_flood_from,
     gradbed_run,
     leftovers,
     start_run,
     summary,
-    tcp_flood_from,
 )
 from topo.qdisc import htb_burst_bytes
 
@@ -51,7 +51,7 @@ FLOODER_IP, HOST1_IP = "10.0.0.10", "10.0.0.11"
 
 def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
     port = cfgmod.load(REPO / "configs" / "moe.toml").net.port
-    with tcp_flood_from("gbh0", lambda: start_run("configs/moe.toml", [
+    with churn_flood_from("gbh0", lambda: start_run("configs/moe.toml", [
             f"run.iterations={ITERATIONS}", "net.worker_link_mbps=100", "moe.eval_every=1000",
             *FLOOD_GUARD], tmp_path), (HOST1_IP, port), FLOOD) as (proc, _):
         out, err = proc.communicate(timeout=240)

@@ -4,7 +4,7 @@ as the far end closes it, at its handshake deadline or at once when refused) and
 ``churn_per_s``, a stream of connections that each send a few bytes that are not a frame
 and hang up: every one a refusal at admission or a failed handshake.
 
-The flooder is a process (``python -m controller.loopback.tcp_flood HOST PORT``) so that
+The flooder is a process (``python -m controller.loopback.churn_flood HOST PORT``) so that
 it can run where the flood comes from: inside a Mininet host, from that host's own
 address (``--netns-pid-stdin``: started ahead, it enters the network namespace of the
 pid it is then given, a host's shell, the moment the host exists), or on loopback from a
@@ -12,8 +12,14 @@ background address of its own (``--source 127.0.0.N``). Until the listener exist
 connection at a time probes it, every millisecond; the first that connects brings the
 others, so a flood started before the agent is in the listener's backlog within a
 millisecond or two of its listen. It prints one JSON line when it ends: connections
-made, those that connected, and when all ``slow`` were first held at once. Shared by
-``tests/agents/net/test_admission.py`` and ``tests/agents/net/test_admission_mininet.py``.
+made, those that connected, and when all ``slow`` were first held at once. Used by
+``tests/agents/net/test_admission.py`` (what a flood costs a log) and
+``tests/agents/moe/test_moe_mininet.py`` (through ``tests/support/mininet_run.py``).
+
+:mod:`controller.loopback.slow_flood` is the other flooder: thousands of slow
+connections from several processes, for a listener's or the control socket's bounds on
+descriptors and threads; this one is for a listener's slots from its first accept and its
+log's growth.
 """
 
 from __future__ import annotations
