@@ -333,8 +333,8 @@ def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: st
 
 
 def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
-    """A hung worker, a hung stage, a killed stage, a hung PS and a killed pipeline PS, in
-    real Mininet (root only)."""
+    """A hung worker, a hung stage, a killed stage, a hung PS and a killed and a hung
+    pipeline PS, in real Mininet (root only)."""
     if os.geteuid() != 0:
         return {}
     stall = "run.stall_timeout_s=8"
@@ -363,6 +363,10 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
             ("--auth", "stdin"), signal.SIGKILL, 4, "exited with status -9"),
             tmp / "kill_pipeline_ps"),
+        "sigstopped_pipeline_ps": _verdict(lambda t: _agent_fault(
+            t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
+            ("--auth", "stdin"), signal.SIGSTOP, 4, "lost: no heartbeat"),
+            tmp / "sigstop_pipeline_ps"),
         "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
         "ps_flood": _verdict(ps_flood, tmp / "ps_flood"),
         "dark_30s_down": _verdict(lambda t: dark_stretch(t, "down"), tmp / "dark_down"),

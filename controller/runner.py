@@ -207,5 +207,6 @@ class RoleRunner:
     def _declare(self, role: Role, c: RoleCommand, why: str) -> None:
         action = "stop" if role.ends_run else "peers decide"
         self.say(f"agent lost: {why}: {'stopping' if role.ends_run else 'going on'}")
-        self.events.emit("agent_lost", host=c.host, role=role.name, reason=why, action=action)
+        self.events.emit("agent_lost", host=c.host, role=c.agent or role.name, reason=why,
+                         action=action)
         self.heard_s.pop(c.host, None)

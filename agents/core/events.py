@@ -167,7 +167,9 @@ _declare("refused", "any agent that listens (agents.net.handshake.accept_forever
          example="the last refusal's full message")
 _declare("agent_lost", "controller", "an agent was declared lost: its process ended, or "
          "it sent no heartbeat for run.stall_timeout_s",
-         host="the agent's host", role="its role", reason="why",
+         host="the agent's host",
+         role="its role, or what it is under its role (stage_ps: the pipeline's PS)",
+         reason="why",
          action="what follows: 'stop' ends the run, 'continue' goes on without it")
 _declare("grads_in", "ps", "the last chunk of an iteration's gradients is in from every "
          "active worker (the end of the upload window)", workers="active workers")

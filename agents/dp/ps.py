@@ -266,7 +266,7 @@ class ParameterServer:
             else None, accepts=f"0..{workers - 1}")
         session = handshake.answer(sock, answerer, run_tag=self.tag, name=peer, welcome=None,
                                    timeout_s=self.cfg.guard.handshake_timeout_s,
-                                   log=self.log, log_refusal=False)
+                                   log=self.log)
         # Authenticated: from here the main thread's event loop serves the socket.
         sock.setblocking(False)
         self.joins.put(Joined(_Conn(session.worker, sock, peer, session), session.join_at))

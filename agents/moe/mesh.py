@@ -207,8 +207,7 @@ class Mesh:
                                      accepts=f"expert hosts {sorted(waiting)}")
         session = handshake.answer(conn, answerer, run_tag=self.run_tag, name=name,
                                    welcome=("expert", self.me),
-                                   timeout_s=self.handshake_timeout_s, log=self.log,
-                                   log_refusal=False)
+                                   timeout_s=self.handshake_timeout_s, log=self.log)
         lk = link.Link.answered(conn, session, name=name, run_tag=self.run_tag)
         self.answered.add(lk.peer)  # set.add is atomic: a second try for it is refused
         return lk

@@ -26,9 +26,11 @@ the disk with events.
 A dialer that must wait for admission after proving itself (a data-parallel worker waits
 for an iteration boundary) passes ``welcome_timeout_s`` for that last wait.
 
-Each handshake, passed or refused, is reported once to ``log`` (the agent's event log) as
-a ``handshake`` event, so a run's logs show every connection it made and
-how long each took to authenticate.
+Each handshake that passes, and each that fails at the dialing end, is reported once to
+``log`` (the agent's event log) as a ``handshake`` event, so a run's logs show every
+connection it made and how long each took to authenticate. A listener's failed
+handshakes are a flood's, one per connection: :func:`answer` leaves them out of ``log``
+unless asked, and :func:`accept_forever` counts them in its aggregated refusals.
 """
 
 from __future__ import annotations
@@ -110,14 +112,15 @@ def dial(sock: socket.socket, dialer: protocol.Dialer, *, run_tag: int, name: st
 
 def answer(sock: socket.socket, answerer: protocol.Answerer, *, run_tag: int, name: str,
            welcome: tuple[str, int] | None, timeout_s: float = DEFAULT_TIMEOUT_S,
-           log: EventSink | None = None, log_refusal: bool = True) -> protocol.Session:
+           log: EventSink | None = None, log_refusal: bool = False) -> protocol.Session:
     """Authenticate a connection this end accepted. ``welcome``: this end's ``(role,
     index)``, said in a WELCOME sealed under the session (which proves we hold the key
     too); None when the caller welcomes later itself (the PS admits a worker at an
     iteration boundary, with the weights). On any failure an ERROR frame tells the peer
     why, and HandshakeError names the connection; the caller closes the socket. The
-    socket's timeout is restored. ``log_refusal=False``: a failure is not reported to
-    ``log`` (under :func:`accept_forever`, which reports refusals aggregated)."""
+    socket's timeout is restored. A failure is not reported to ``log`` unless
+    ``log_refusal``: under :func:`accept_forever`, where every answering end runs, each
+    would be a flood's line, and the refusals are reported aggregated there."""
     start_s = time.monotonic()
     deadline_s = start_s + timeout_s
     # The same feed an event loop drives (controller.control), here fed exactly the bytes

@@ -183,7 +183,7 @@ class StagePS:
         session = handshake.answer(sock, answerer, run_tag=self.tag, name=name,
                                    welcome=("stage", ps_index(self.p, self.d)),
                                    timeout_s=self.cfg.guard.handshake_timeout_s,
-                                   log=self.log, log_refusal=False)
+                                   log=self.log)
         sock.settimeout(None)
         lk = link.Link.answered(sock, session, name=name, run_tag=self.tag)
         r, s = divmod(lk.peer, self.p)

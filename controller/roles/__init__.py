@@ -44,12 +44,15 @@ class RoleCommand:
     """One process to start in ``host``'s namespace; its output goes to ``log`` (a path
     relative to the run directory). ``links``: the mesh links it is an end of, as
     ``(mesh, its name there, the peer's name)``; the runner hands it those links' pair
-    keys on its stdin, and no others (:func:`agents.net.auth.bundle_for`)."""
+    keys on its stdin, and no others (:func:`agents.net.auth.bundle_for`). ``agent``:
+    what the process is where that is not the role's name (the pipeline's PS runs under
+    the stage role), as an ``agent_lost`` event names it."""
 
     host: str
     argv: tuple[str, ...]
     log: str = ""
     links: tuple[tuple[str, str, str], ...] = ()
+    agent: str = ""
 
     def log_path(self, run_dir: Path) -> Path:
         return run_dir / (self.log or f"logs/{self.host}.log")

@@ -33,7 +33,7 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.pipeline.stage_ps", "--run-dir",
                                  str(ctx.run_dir), "--port", str(ctx.cfg.net.port),
                                  "--auth", "stdin", *expect),
-                       links=tuple(stage_ps_links(p, d)))]
+                       links=tuple(stage_ps_links(p, d)), agent="stage_ps")]
     for h in ranked[:p * d]:
         r, s = divmod(h.rank, p)
         peers = ",".join(f"{ranked[r * p + i].ip}:{ctx.cfg.net.port + i}" for i in range(p))

@@ -115,6 +115,30 @@ def test_a_hung_stage_is_declared_lost_and_ends_the_run_with_status_4(tmp_path: 
     assert (lost["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
 
 
+# The pipeline's PS (agents.pipeline.stage_ps) runs on the fabric's last host, gbh2 here.
+PIPELINE_PS_HOST = "gbh2"
+
+
+def test_a_killed_pipeline_ps_ends_the_run_at_once_with_status_4(tmp_path: Path) -> None:
+    (lost,), killed_ns, _ = _fault_ends_the_run(tmp_path, "configs/pipeline.toml", PIPELINE,
+                                                "pp_step_done", signal.SIGKILL,
+                                                "agents.pipeline.stage_ps")
+    assert (lost["host"], lost["role"]) == (PIPELINE_PS_HOST, "stage_ps"), lost
+    assert lost["reason"].startswith(f"{PIPELINE_PS_HOST} exited with status -9"), lost
+    # The decision, not the teardown after it; run.timeout_s is 300.
+    assert (lost["ts_ns"] - killed_ns) / 1e9 < 10, lost
+
+
+def test_a_hung_pipeline_ps_is_declared_lost_and_ends_the_run_with_status_4(
+        tmp_path: Path) -> None:
+    (lost,), stopped_ns, _ = _fault_ends_the_run(tmp_path, "configs/pipeline.toml", PIPELINE,
+                                                 "pp_step_done", signal.SIGSTOP,
+                                                 "agents.pipeline.stage_ps")
+    assert (lost["host"], lost["role"]) == (PIPELINE_PS_HOST, "stage_ps"), lost
+    assert "no heartbeat" in lost["reason"], lost
+    assert (lost["ts_ns"] - stopped_ns) / 1e9 < STALL_S + 3, lost
+
+
 def test_a_killed_expert_host_ends_the_run_at_once_with_status_4(tmp_path: Path) -> None:
     lost, killed_ns, _ = _fault_ends_the_run(tmp_path, "configs/moe.toml", MOE, "moe_step",
                                              signal.SIGKILL, "agents.moe.expert", "--host", "1")

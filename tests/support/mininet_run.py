@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -130,3 +132,81 @@ def agent_pid(run_dir: Path, module: str, *args: str) -> int:
             found.append(pid)
     assert len(found) == 1, (module, args, found)
     return found[0]
+
+
+
+def _descendants(pid: int) -> Iterator[int]:
+    """Every process below ``pid`` (the kernel's children lists, no scan of /proc)."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                kids = Path(f"/proc/{p}/task/{t}/children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                yield k
+                todo.append(k)
+
+
+def host_shell_pid(host: str, run: subprocess.Popen[str], timeout_s: float = 600) -> int:
+    """The pid of Mininet's shell for ``host`` (its network namespace) in the network of
+    the ``gradbed run`` process ``run``, within a millisecond or two of its start:
+    another run's network, which may have a host of that name while ``run`` waits for
+    the lock, is not below ``run``."""
+    deadline = time.monotonic() + timeout_s
+    want = f"mininet:{host}".encode()
+    root_ns = os.stat(f"/proc/{run.pid}/ns/net").st_ino
+    while time.monotonic() < deadline and run.poll() is None:
+        for p in _descendants(run.pid):
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[-2:-1] != [want]:
+                        continue
+                # Its own namespace yet (mnexec unshares it, then runs the shell).
+                if os.stat(f"/proc/{p}/ns/net").st_ino != root_ns:
+                    return p
+            except OSError:
+                continue
+        time.sleep(0.001)
+    raise AssertionError(f"no Mininet shell for {host} under pid {run.pid} (status "
+                         f"{run.poll()})")
+
+
+@contextmanager
+def churn_flood_from(host: str, start: Callable[[], subprocess.Popen[str]],
+                   target: tuple[str, int], args: list[str]
+                   ) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+    """``controller.loopback.churn_flood`` against ``target`` from inside ``host`` (from its
+    address, across the fabric) of the ``gradbed run`` that ``start`` starts: the flooder
+    is started first and enters the host's namespace the moment the host exists, before
+    the run's agents. Yields the run's process and a dict that gets what the flooder
+    counted (``opened``, ``connected``, ``held_ns``) once it is stopped, on exit."""
+    # At a higher priority than the run: a flooding host has cores of its own, which the
+    # agents of this one machine would otherwise take from it (at a load of 7, a process
+    # woken every millisecond may wait tens of them for a core).
+    flooder = subprocess.Popen(
+        [sys.executable, "-m", "controller.loopback.churn_flood", target[0], str(target[1]),
+         "--netns-pid-stdin", *args],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: os.nice(-10))
+    count: dict[str, int] = {}
+    run = start()
+    try:
+        assert flooder.stdin is not None
+        flooder.stdin.write(f"{host_shell_pid(host, run)}\n")
+        flooder.stdin.flush()
+        yield run, count
+    finally:
+        flooder.terminate()
+        out, err = flooder.communicate(timeout=30)
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        assert flooder.returncode == 0 and out.strip(), err[-2000:]
+        count.update(json.loads(out.strip().splitlines()[-1]))

@@ -1,7 +1,9 @@
 """4 MoE expert hosts on the fabric at 100 Mbit/s, in real Mininet: training runs and the
 loss falls; the summary says whether the agents or the links set the dispatches' pace;
-the run leaves nothing behind. A second, small run of 2 hosts whose CPU a cgroup caps, on
-1 Gbit/s links, reads agent-limited, and the report's words name the expert hosts."""
+the run leaves nothing behind. The run's expert host 1 is flooded from host 0's address
+meanwhile, and its real peers join it through their own admission slots. A second, small
+run of 2 hosts whose CPU a cgroup caps, on 1 Gbit/s links, reads agent-limited, and the
+report's words name the expert hosts."""
 
 from __future__ import annotations
 
@@ -20,7 +22,14 @@ from analysis import moe as amoe
 from analysis.metrics import agent_limited_points, busiest_point_windows
 from analysis.report import regime
 from tests.support.cpu_cap import CpuCap, cap_when_connected, cpu_cap_kind
-from tests.support.mininet_run import REPO, gradbed_run, leftovers, summary
+from tests.support.mininet_run import (
+    REPO,
+    churn_flood_from,
+    gradbed_run,
+    leftovers,
+    start_run,
+    summary,
+)
 from topo.qdisc import htb_burst_bytes
 
 pytestmark = [pytest.mark.mininet,
@@ -30,12 +39,26 @@ pytestmark = [pytest.mark.mininet,
 ITERATIONS = 12
 
 
+# A keyless flood of expert host 1's listener from gbh0 (host 0 only answers dials, so at
+# host 1 its address is a stranger's), started before the agents: 12 slow connections,
+# against a pool of 10 of which hosts 2 and 3 (they dial host 1) keep one each, so the
+# flood's 8 (guard.max_handshakes_per_source) fill the shared pool and the rest are
+# refused. The admitted ones hold their slots for the whole join (a 60 s deadline).
+FLOOD = ["--slow", "12"]
+FLOOD_GUARD = ["guard.max_handshakes=10", "guard.handshake_timeout_s=60"]
+FLOODER_IP, HOST1_IP = "10.0.0.10", "10.0.0.11"
+
+
 def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
-    run_dir, proc = gradbed_run("configs/moe.toml",
-                                [f"run.iterations={ITERATIONS}", "net.worker_link_mbps=100",
-                                 "moe.eval_every=1000"], tmp_path, timeout_s=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    port = cfgmod.load(REPO / "configs" / "moe.toml").net.port
+    with churn_flood_from("gbh0", lambda: start_run("configs/moe.toml", [
+            f"run.iterations={ITERATIONS}", "net.worker_link_mbps=100", "moe.eval_every=1000",
+            *FLOOD_GUARD], tmp_path), (HOST1_IP, port), FLOOD) as (proc, _):
+        out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    run_dir = Path(out.strip().splitlines()[-1])
     rows = amoe.load_events(run_dir)
+    _check_flood_refused(rows)
     for h in range(4):
         ce = [r["ce"] for r in sorted((r for r in rows if r.get("event") == "moe_step"
                                        and r["node"] == f"e{h}"), key=lambda r: r["iter"])]
@@ -71,6 +94,27 @@ def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
     assert run_summary["agent_limited_why"] == agent_limited_points(
         samples, busiest_point_windows(samples, windows))[1]
     assert not leftovers()
+
+
+def _check_flood_refused(rows: list[dict]) -> None:
+    """Only host 1 refused anyone, and only the flooder's address: its 8 held the shared
+    pool (it met its bound per source) before host 2 or host 3 joined host 1, and both
+    joined, through the slot each keeps there."""
+    refused = [r for r in rows if r.get("event") == "refused"]
+    assert {(r["node"], r["source"]) for r in refused} == {("e1", FLOODER_IP)}, refused
+    full = [r["ts_ns"] for r in refused
+            if r["reason"] == "8 unauthenticated connections already"]
+    assert full, refused
+    joined = {r["peer_index"]: r["ts_ns"] - r["elapsed_ms"] * 1e6 for r in rows
+              if r.get("event") == "handshake" and r["node"] == "e1" and r["end"] == "answer"
+              and r["ok"]}
+    assert sorted(joined) == [2, 3], joined
+    # Each dials host 1 only after its handshake with host 0, and retries every 50 ms
+    # while host 1 does not listen yet; the flood, there before, probes every millisecond
+    # (at a higher priority than the run), so it is usually first. Both hosts beating it
+    # takes both retries landing in the millisecond or two before its own: in 12 runs at
+    # load 4-7 the later of the two came 7-350 ms after the pool was full.
+    assert min(full) < max(joined.values()), (full, joined)
 
 
 @pytest.mark.skipif(cpu_cap_kind() is None, reason="no cgroup cpu controller")

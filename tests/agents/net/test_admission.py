@@ -5,6 +5,9 @@ join and train."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,8 +19,9 @@ from agents.core.config import ConfigError
 from agents.core.config import load as load_config
 from agents.core.events import read_jsonl
 from agents.net.admission import Admission, AdmissionLimits, RefusalLog, Ticket
+from controller import warm
 from controller.loopback import hostile
-from controller.loopback.dp import make_run_dir, start_ps, start_worker
+from controller.loopback.dp import REPO, free_port, make_run_dir, start_ps, start_worker
 
 LIMITS = AdmissionLimits(per_source=2, total=4, connects_per_source_per_s=5,
                          report_interval_s=1.0)
@@ -326,3 +330,79 @@ def test_expert_hosts_join_while_four_hosts_flood_a_listener() -> None:
     # 127.0.0.1: the test's own probe for a listening host 0, and nothing else.
     _check_held([e for e in refused if e["source"] != "127.0.0.1"])
     assert sum(e["count"] for e in refused if e["source"] == "127.0.0.1") <= 1, refused
+
+
+# -- what a flood costs an agent's logs, in bytes -----------------------------------------
+
+# The promise (docs/robustness.md): a flood grows a run's logs by at most 1 MB a minute.
+LOG_BOUND_BYTES_PER_MIN = 1_000_000
+LOG_FLOOD_S = 6.0
+# One keyless address per agent: four slow connections (cut off at a 1 s handshake
+# deadline and reopened) and 500 a second that send a line of garbage and hang up, so
+# each second some 60 handshakes are admitted and fail (the per-second bound is 64) and
+# the rest are refused unread.
+LOG_FLOOD = ["--slow", "4", "--churn-per-s", "500"]
+
+
+def _flood_agent(source: str, port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "controller.loopback.churn_flood",
+                             "127.0.0.1", str(port), "--source", source, *LOG_FLOOD],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def _log_bytes(files: list[Path]) -> int:
+    return sum(f.stat().st_size for f in files if f.exists())
+
+
+@pytest.mark.loopback
+def test_a_flood_grows_an_agents_logs_by_less_than_a_megabyte_a_minute(tmp_path: Path
+                                                                        ) -> None:
+    """A data-parallel PS and a pipeline stage waiting for its neighbour, each flooded by
+    a keyless address for LOG_FLOOD_S: what each writes meanwhile (its events and its
+    output), in bytes a minute, stays under the bound, though one line per refusal
+    would have written more than twice the bound."""
+    from controller.loopback.pipeline import make_run_dir as pipeline_run_dir
+
+    guard = ["guard.handshake_timeout_s=1"]
+    ps_dir, ps_cfg = make_run_dir(tmp_path, [*guard, "run.timeout_s=120"], name="dp")
+    st_dir, _ = pipeline_run_dir(tmp_path, ["pipeline.stages=2", *guard], name="pp")
+    ports = [free_port(), free_port()]
+    stage = warm.spawn([sys.executable, "-m", "agents.pipeline.stage", "--run-dir",
+                        str(st_dir), "--stage", "1", "--peers",
+                        ",".join(f"127.0.0.1:{p}" for p in ports)],
+                       cwd=REPO, stdout=open(st_dir / "s1.log", "wb"),
+                       stderr=subprocess.STDOUT)
+    agents = {"ps": (start_ps(ps_dir), ps_cfg.net.port, "127.0.0.30",
+                     [ps_dir / "events" / "ps.jsonl", ps_dir / "ps.log"]),
+              "s1": (stage, ports[1], "127.0.0.31",
+                     [st_dir / "events" / "s1.jsonl", st_dir / "s1.log"])}
+    floods = []
+    try:
+        for _, port, _, _ in agents.values():
+            hostile.connect(port).close()  # it listens
+        floods = [_flood_agent(src, port) for _, port, src, _ in agents.values()]
+        time.sleep(1.0)  # the flood at its pace
+        before = {a: _log_bytes(files) for a, (_, _, _, files) in agents.items()}
+        t0_ns, t0 = time.monotonic_ns(), time.monotonic()
+        time.sleep(LOG_FLOOD_S)
+        after = {a: _log_bytes(files) for a, (_, _, _, files) in agents.items()}
+        t1_ns, took_s = time.monotonic_ns(), time.monotonic() - t0
+    finally:
+        for f in floods:
+            f.terminate()
+            f.communicate(timeout=30)
+        for p, _, _, _ in agents.values():
+            p.kill()
+            p.wait()
+    for a, (_, _, src, files) in agents.items():
+        per_min = (after[a] - before[a]) / took_s * 60
+        lines = files[0].read_text().splitlines()
+        refused = [(len(line) + 1, e) for line in lines
+                   if (e := json.loads(line))["event"] == "refused" and e["source"] == src]
+        assert {"handshake failed", "more than 64 connections a second"} <= {
+            e["reason"] for _, e in refused}, refused
+        inside = sum(e["count"] for _, e in refused if t0_ns <= e["ts_ns"] <= t1_ns)
+        # One refused line per refusal would have written at least this much.
+        unaggregated = inside / took_s * 60 * min(n for n, _ in refused)
+        assert unaggregated > 2 * LOG_BOUND_BYTES_PER_MIN, (a, inside, took_s)
+        assert per_min <= LOG_BOUND_BYTES_PER_MIN, (a, per_min, inside, took_s)
