@@ -12,6 +12,12 @@ is only CPU: torchrun's agent and every rank would each import torch again, and 
 rank torch._dynamo (together about 5 s of CPU per rank on a 2-core machine), beside the
 emulated run the reference is compared with.
 
+The rendezvous store is this process's, as torchrun's agent hosts it
+(``TORCHELASTIC_USE_AGENT_STORE``: every rank a client): it listens on a port the kernel
+picks and keeps from the start. A port found free and handed to rank 0 to bind seconds
+later could meanwhile become another process's (a gloo listener of a test beside this one,
+in the same namespace), and the ranks would then wait on a stranger until a timeout.
+
 The status is the first failing rank's (the others are then killed: a peer of a dead rank
 would wait in its collective for gloo's 30-minute timeout), else 0.
 """
@@ -21,23 +27,16 @@ from __future__ import annotations
 import os
 import runpy
 import signal
-import socket
 import sys
 import traceback
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(script: Path, args: list[str], rank: int, world: int, port: int) -> None:
     """In a fork: be rank ``rank`` of the script, then leave with its status (no return)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     sys.argv = [str(script), *args]
     sys.path[0] = str(script.parent)  # what ``python SCRIPT.py`` puts first
     code = 0
@@ -63,8 +62,11 @@ def run(nproc: int, script: Path, args: list[str]) -> int:
     # torch, imported once for every rank (the point of the fork), and torch._dynamo: DDP's
     # constructor reads it, which loads dynamo and sympy, as much CPU again.
     import torch._dynamo  # noqa: F401
+    from torch.distributed import TCPStore
 
-    port = free_port()
+    # Held open until the ranks are done: port 0, the kernel's pick, bound from now on.
+    store = TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    port = store.port
     pids = []
     for rank in range(nproc):
         pid = os.fork()
