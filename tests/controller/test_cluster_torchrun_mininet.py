@@ -9,8 +9,6 @@ server (no delay line, no trace); each run is as small as its checks allow:
   machine (the reference). After training, rank 0 exits with status 3 and rank 1
   sleeps: the run must name rank 0 from its server's torchrun output and stop rank 1's
   tree on the other server;
-- an all-reduce, then rank 1 stops itself (SIGSTOP) on server 2: the stall check
-  names its host and server, and the stopped tree is stopped there;
 - last (it kills server 2): one step, then both ranks sleep, and server 2's sshd is
   killed: the run ends with status 6 naming server 2, server 1's ranks stopped and its
   logs gathered.
@@ -33,7 +31,7 @@ import pandas as pd
 import pytest
 import torch
 
-from controller.exit_status import AGENT_LOST, SERVER_LOST, status_for
+from controller.exit_status import SERVER_LOST, status_for
 from tests.support.fake_cluster import FakeCluster, fake_cluster
 from tests.support.mininet_run import REPO, events, leftovers, summary
 
@@ -58,17 +56,6 @@ time.sleep(600)
 """
 
 
-#: An all-reduce, then rank 1 stops itself (as a debugger or a hung device would stop
-#: it) and rank 0 waits for it in the next one, whose first half it has sent.
-STOP_AFTER_ONE = """import os, signal, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-x = torch.ones(1 << 14)
-dist.all_reduce(x)
-print("trained", flush=True)
-if dist.get_rank() == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)
-dist.all_reduce(x)
-"""
 #: One step, then both ranks sleep: a run that only its end (here, its server's) can stop.
 SLEEP_AFTER_ONE = f"""import runpy, time
 runpy.run_path({str(EXAMPLE / "train.py")!r}, run_name="__main__")
@@ -221,26 +208,6 @@ def _wait_trained(tmp_path: Path, proc: subprocess.Popen[str], timeout_s: float 
         proc.kill()
     _, err = proc.communicate(timeout=60)
     raise AssertionError(f"rank 0 never trained (status {proc.returncode}): {err[-3000:]}")
-
-
-def test_a_stopped_rank_on_a_server_is_declared_stalled_naming_its_host_and_server(
-        cluster: FakeCluster, tmp_path: Path) -> None:
-    _, s2 = cluster.servers
-    proc = _start(cluster, tmp_path, STOP_AFTER_ONE, "torchrun.stall_s=4")
-    _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
-    (run_dir,) = tmp_path.glob("torchrun-ddp-*")
-    reason = summary(run_dir)["stop_reason"]
-    # Rank 1 stopped; rank 0 waits on it, so both hosts are idle. Rank 0's last bytes
-    # wait unread in gbh1's sockets: gbh1 is the stuck one, named with its server.
-    assert reason.startswith(f"rank 1 (host gbh1 on {s2}) stalled: its connections moved no "
-                             "bytes for 4 s"), (reason, err[-3000:])
-    assert proc.returncode == status_for(reason) == AGENT_LOST
-    assert summary(run_dir)["torchrun"]["sampler_error"] is None
-    # The stopped tree was stopped on its server: SIGTERM, and SIGCONT so that it acts.
-    log = (run_dir / "run.log").read_text()
-    stopped = [ln for ln in log.splitlines() if f"ranks stopped on {s2}: stopped " in ln]
-    assert stopped and int(stopped[0].split("stopped ")[-1].split()[0]) >= 2, stopped
-    assert _server_leftovers(cluster) == []
 
 
 def test_a_server_lost_mid_torchrun_ends_with_status_6_and_server_1_clean(

@@ -36,7 +36,8 @@ def _rank(script: Path, args: list[str], rank: int, world: int, port: int) -> No
     """In a fork: be rank ``rank`` of the script, then leave with its status (no return)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     sys.argv = [str(script), *args]
     sys.path[0] = str(script.parent)  # what ``python SCRIPT.py`` puts first
     code = 0
