@@ -68,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,18 +295,23 @@ def _wait_events(out: Path, proc: subprocess.Popen[str], event: str, n: int) -> 
     raise RuntimeError(f"no {n} {event} events (status {proc.poll()})")
 
 
-def _agent_pid(run_dir: Path, module: str, *args: str) -> int:
-    """The process of agent ``module`` for ``run_dir`` whose command line holds ``args`` in
-    order (none: the run's only process of that module)."""
+def _cmdlines() -> Iterator[tuple[int, list[str]]]:
+    """Every process's pid and command line, as far as it can be read."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = [c.decode(errors="replace") for c in f.read().split(b"\0")]
+                yield int(pid), [c.decode(errors="replace") for c in f.read().split(b"\0")]
         except OSError:
             continue
+
+
+def _agent_pid(run_dir: Path, module: str, *args: str) -> int:
+    """The process of agent ``module`` for ``run_dir`` whose command line holds ``args`` in
+    order (none: the run's only process of that module)."""
+    for pid, cmd in _cmdlines():
         if module in cmd and str(run_dir) in cmd and any(
                 tuple(cmd[i:i + len(args)]) == args for i in range(len(cmd) - len(args) + 1)):
-            return int(pid)
+            return pid
     raise RuntimeError(f"no {module} {' '.join(args)} for {run_dir}")
 
 
@@ -419,14 +425,9 @@ def control_socket_flood(tmp: Path) -> tuple[bool, str]:
 def _host_pid(name: str) -> int:
     """The shell of the emulated host ``name`` (``bash ... mininet:NAME``): its network
     namespace is the host's."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"mininet:{name}".encode() in cmd:
-            return int(pid)
+    for pid, cmd in _cmdlines():
+        if f"mininet:{name}" in cmd:
+            return pid
     raise RuntimeError(f"no shell of host {name}")
 
 

@@ -201,3 +201,22 @@ def cap_rank_after_event(cap: CpuCap, out: Path, host: str, event: str, lift: st
     t = threading.Thread(target=watch, name="cpu-cap-rank", daemon=True)
     t.start()
     return t, times_ns
+
+
+def assert_agent_limited(run_dir: Path, who: str) -> None:
+    """A capped run's summary reads agent-limited with its busy fraction, and its report
+    says so in words naming ``who`` held the data (``analysis.report.regime``)."""
+    import re
+    import tomllib
+
+    from analysis.report import regime
+    from tests.support.mininet_run import summary
+
+    run_summary = summary(run_dir)
+    why = run_summary["agent_limited_why"]
+    assert run_summary["agent_limited"] is True, why
+    assert re.match(r"agent-limited: the (gbh\d\.(up|down)|links .*) (was|were) busy 0\.\d\d",
+                    why), why
+    words = regime(run_summary, tomllib.loads((run_dir / "config.toml").read_text()))
+    assert "<b>Agent-limited run.</b>" in words, words
+    assert f"describe gradbed&#x27;s {who} on this machine" in words, words

@@ -11,7 +11,6 @@ import os
 import re
 import statistics
 import threading
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,12 @@ from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
 from analysis.metrics import agent_limited_points, busiest_point_windows
-from analysis.report import regime
-from tests.support.cpu_cap import CpuCap, cap_when_connected, cpu_cap_kind
+from tests.support.cpu_cap import (
+    CpuCap,
+    assert_agent_limited,
+    cap_when_connected,
+    cpu_cap_kind,
+)
 from tests.support.mininet_run import (
     REPO,
     churn_flood_from,
@@ -140,11 +143,4 @@ def test_expert_hosts_with_their_cpu_capped_at_1gbit_are_agent_limited(tmp_path:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert len(cap.pids) == hosts, f"capped {cap.pids}"
         assert cap.throttled_us() > 0, "the cap never bit"
-    run_summary = summary(run_dir)
-    assert run_summary["agent_limited"] is True, run_summary["agent_limited_why"]
-    assert re.match(r"agent-limited: the (gbh\d\.(up|down)|links .*) (was|were) busy 0\.\d\d",
-                    run_summary["agent_limited_why"]), run_summary["agent_limited_why"]
-    # The report says so in words, naming who held the data.
-    words = regime(run_summary, tomllib.loads((run_dir / "config.toml").read_text()))
-    assert "<b>Agent-limited run.</b>" in words, words
-    assert "describe gradbed&#x27;s MoE expert hosts on this machine" in words, words
+    assert_agent_limited(run_dir, "MoE expert hosts")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import tomllib
 from pathlib import Path
 
 import pandas as pd
@@ -32,9 +31,13 @@ from agents.pipeline.partition import balance_by_params, split
 from agents.workloads.base import FlatModel
 from agents.workloads.factory import make_workload
 from analysis.planner import pipeline_dp_link_bytes
-from analysis.report import regime
 from analysis.timeline import host_timeline
-from tests.support.cpu_cap import CpuCap, cap_when_connected, cpu_cap_kind
+from tests.support.cpu_cap import (
+    CpuCap,
+    assert_agent_limited,
+    cap_when_connected,
+    cpu_cap_kind,
+)
 from tests.support.mininet_run import events, gradbed_run, leftovers, summary
 
 pytestmark = pytest.mark.mininet
@@ -132,11 +135,4 @@ def test_stages_with_their_cpu_capped_at_1gbit_are_agent_limited(tmp_path: Path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert len(cap.pids) == p, f"capped {cap.pids}"
         assert cap.throttled_us() > 0, "the cap never bit"
-    run_summary = summary(run_dir)
-    assert run_summary["agent_limited"] is True, run_summary["agent_limited_why"]
-    assert re.match(r"agent-limited: the (gbh\d\.(up|down)|links .*) (was|were) busy 0\.\d\d",
-                    run_summary["agent_limited_why"]), run_summary["agent_limited_why"]
-    # The report says so in words, naming who held the data.
-    words = regime(run_summary, tomllib.loads((run_dir / "config.toml").read_text()))
-    assert "<b>Agent-limited run.</b>" in words, words
-    assert "describe gradbed&#x27;s pipeline stages on this machine" in words, words
+    assert_agent_limited(run_dir, "pipeline stages")
