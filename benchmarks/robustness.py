@@ -392,17 +392,24 @@ def _median_iter_s(run_dir: Path) -> float:
     return iteration_time_percentiles(load_run(run_dir).events)["p50"]
 
 
+def _clean_run(tmp: Path, sets: list[str]) -> Path:
+    """The run a flooded twin is compared with: ``configs/test_tiny.toml`` with ``sets``,
+    under ``tmp/clean``; a failure fails the case (:func:`_verdict`)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
+    clean.communicate(timeout=600)
+    if clean.returncode != 0:
+        raise RuntimeError(f"the clean run exited {clean.returncode}")
+    (clean_dir,) = (tmp / "clean").glob("*/")
+    return clean_dir
+
+
 def control_socket_flood(tmp: Path) -> tuple[bool, str]:
     """A clean run, then the same run while one process floods its control socket with
     FLOOD_CONNECTIONS slow connections (a byte a second, never a whole HELLO): in real
     Mininet (``gradbed run``), root only."""
     sets = ["run.iterations=60", "run.eval_every=1000", "run.timeout_s=300"]
-    tmp.mkdir(parents=True, exist_ok=True)
-    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
-    clean.communicate(timeout=600)
-    if clean.returncode != 0:
-        return False, f"the clean run exited {clean.returncode}"
-    (clean_dir,) = (tmp / "clean").glob("*/")
+    clean_dir = _clean_run(tmp, sets)
     proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
     try:
         run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
@@ -439,12 +446,7 @@ def ps_flood(tmp: Path) -> tuple[bool, str]:
     most FLOOD_LOG_BYTES_PER_MIN. Real Mininet (``gradbed run``), root only."""
     sets = ["net.background_hosts=1", "run.iterations=60", "run.eval_every=1000",
             "run.timeout_s=300", "net.port=5600"]
-    tmp.mkdir(parents=True, exist_ok=True)
-    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
-    clean.communicate(timeout=600)
-    if clean.returncode != 0:
-        return False, f"the clean run exited {clean.returncode}"
-    (clean_dir,) = (tmp / "clean").glob("*/")
+    clean_dir = _clean_run(tmp, sets)
     proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
     try:
         run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
