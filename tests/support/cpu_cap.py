@@ -203,6 +203,28 @@ def cap_rank_after_event(cap: CpuCap, out: Path, host: str, event: str, lift: st
     return t, times_ns
 
 
+def capped_run(name: str, module: str, port: int, count: int, config: str,
+               overrides: list[str], out: Path) -> Path:
+    """``gradbed run CONFIG`` with the ``count`` processes of ``module`` sharing a fifth of
+    a core (cgroup ``name``) from their connection to ``port`` on; the run must complete,
+    every one of them be capped and the cap bite. Returns the run directory."""
+    from tests.support.mininet_run import gradbed_run
+
+    stop = threading.Event()
+    with CpuCap(name, cores=0.2) as cap:
+        watcher = cap_when_connected(cap, str(out), module, port, count, stop, timeout_s=900)
+        try:
+            # The timeout leaves room for the machine-wide network lock (600 s).
+            run_dir, proc = gradbed_run(config, overrides, out, timeout_s=900)
+        finally:
+            stop.set()
+            watcher.join(timeout=5)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(cap.pids) == count, f"capped {cap.pids}"
+        assert cap.throttled_us() > 0, "the cap never bit"
+    return run_dir
+
+
 def assert_agent_limited(run_dir: Path, who: str) -> None:
     """A capped run's summary reads agent-limited with its busy fraction, and its report
     says so in words naming ``who`` held the data (``analysis.report.regime``)."""

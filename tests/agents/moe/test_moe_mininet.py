@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import threading
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,10 @@ from agents.core import config as cfgmod
 from agents.core.ethernet import TCP_GOODPUT_FRACTION
 from analysis import moe as amoe
 from analysis.metrics import agent_limited_points, busiest_point_windows
-from tests.support.cpu_cap import (
-    CpuCap,
-    assert_agent_limited,
-    cap_when_connected,
-    cpu_cap_kind,
-)
+from tests.support.cpu_cap import assert_agent_limited, capped_run, cpu_cap_kind
 from tests.support.mininet_run import (
     REPO,
     churn_flood_from,
-    gradbed_run,
     leftovers,
     start_run,
     summary,
@@ -127,20 +120,9 @@ def test_expert_hosts_with_their_cpu_capped_at_1gbit_are_agent_limited(tmp_path:
     wait in the hosts."""
     hosts = 2
     port = cfgmod.load(REPO / "configs" / "moe.toml").net.port
-    stop = threading.Event()
-    with CpuCap("gradbed-test-cap-experts", cores=0.2) as cap:
-        watcher = cap_when_connected(cap, str(tmp_path), "agents.moe.expert", port, hosts,
-                                     stop, timeout_s=900)
-        try:
-            # The timeout leaves room for the machine-wide network lock (600 s).
-            run_dir, proc = gradbed_run("configs/moe.toml", [
-                f"moe.hosts={hosts}", f"topo.hosts={hosts}", "moe.experts=4",
-                "run.iterations=3", "net.worker_link_mbps=1000", "moe.eval_every=1000"],
-                tmp_path, timeout_s=900)
-        finally:
-            stop.set()
-            watcher.join(timeout=5)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert len(cap.pids) == hosts, f"capped {cap.pids}"
-        assert cap.throttled_us() > 0, "the cap never bit"
+    run_dir = capped_run("gradbed-test-cap-experts", "agents.moe.expert", port, hosts,
+                         "configs/moe.toml", [
+                             f"moe.hosts={hosts}", f"topo.hosts={hosts}", "moe.experts=4",
+                             "run.iterations=3", "net.worker_link_mbps=1000",
+                             "moe.eval_every=1000"], tmp_path)
     assert_agent_limited(run_dir, "MoE expert hosts")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import pandas as pd
@@ -32,12 +31,7 @@ from agents.workloads.base import FlatModel
 from agents.workloads.factory import make_workload
 from analysis.planner import pipeline_dp_link_bytes
 from analysis.timeline import host_timeline
-from tests.support.cpu_cap import (
-    CpuCap,
-    assert_agent_limited,
-    cap_when_connected,
-    cpu_cap_kind,
-)
+from tests.support.cpu_cap import assert_agent_limited, capped_run, cpu_cap_kind
 from tests.support.mininet_run import events, gradbed_run, leftovers, summary
 
 pytestmark = pytest.mark.mininet
@@ -119,20 +113,9 @@ def test_stages_with_their_cpu_capped_at_1gbit_are_agent_limited(tmp_path: Path)
     to the pipeline's PS on): the links idle while activations wait in the stages."""
     p = 2
     port = cfgmod.load("configs/pipeline.toml").net.port
-    stop = threading.Event()
-    with CpuCap("gradbed-test-cap-stages", cores=0.2) as cap:
-        # The trailing space leaves out the pipeline's PS (agents.pipeline.stage_ps).
-        watcher = cap_when_connected(cap, str(tmp_path), "agents.pipeline.stage ", port, p,
-                                     stop, timeout_s=900)
-        try:
-            # The timeout leaves room for the machine-wide network lock (600 s).
-            run_dir, proc = gradbed_run("configs/pipeline.toml", [
-                f"pipeline.stages={p}", f"topo.hosts={p + 1}", "run.iterations=3",
-                "net.worker_link_mbps=1000"], tmp_path, timeout_s=900)
-        finally:
-            stop.set()
-            watcher.join(timeout=5)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert len(cap.pids) == p, f"capped {cap.pids}"
-        assert cap.throttled_us() > 0, "the cap never bit"
+    # The trailing space leaves out the pipeline's PS (agents.pipeline.stage_ps).
+    run_dir = capped_run("gradbed-test-cap-stages", "agents.pipeline.stage ", port, p,
+                         "configs/pipeline.toml", [
+                             f"pipeline.stages={p}", f"topo.hosts={p + 1}",
+                             "run.iterations=3", "net.worker_link_mbps=1000"], tmp_path)
     assert_agent_limited(run_dir, "pipeline stages")
