@@ -69,6 +69,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,18 @@ def flood_admission(tmp: Path) -> tuple[bool, str]:
                 f"refused in {len(refused)} events; ps.jsonl {log_kb:.0f} KiB")
 
 
+@contextmanager
+def _ended(proc: subprocess.Popen[str]) -> Iterator[None]:
+    """A case's ``gradbed`` run: one the case left running (it raised, or timed out) is
+    stopped as a terminal's Ctrl-C stops it."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+
+
 def _gradbed_run(config: str, sets: list[str], out: Path) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "controller.cli", "run", str(REPO / config), "--out",
             str(out), "--no-progress", "--no-report"]
@@ -322,16 +335,12 @@ def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: st
     judge the exit status, the summary's stop reason and the time to the decision."""
     tmp.mkdir(parents=True, exist_ok=True)
     proc = _gradbed_run(config, sets, tmp)
-    try:
+    with _ended(proc):
         run_dir = _wait_events(tmp, proc, event, 3)
         os.kill(_agent_pid(run_dir, module, *who), sig)
         t0 = time.monotonic()
         proc.communicate(timeout=300)
         took_s = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=120)
     s = json.loads((run_dir / "summary.json").read_text())
     reason = str(s.get("stop_reason", ""))
     ok = proc.returncode == status and lost in reason
@@ -411,15 +420,11 @@ def control_socket_flood(tmp: Path) -> tuple[bool, str]:
     sets = ["run.iterations=60", "run.eval_every=1000", "run.timeout_s=300"]
     clean_dir = _clean_run(tmp, sets)
     proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
-    try:
+    with _ended(proc):
         run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
         with unix_flood(control_path(run_dir), processes=1,
                         per_process=FLOOD_CONNECTIONS) as flood:
             proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=120)
     refused = sum(int(e.get("count", 0)) for e in read_jsonl(run_dir / "events" /
                                                              "controller.jsonl")
                   if e.get("event") == "refused")
@@ -448,7 +453,7 @@ def ps_flood(tmp: Path) -> tuple[bool, str]:
             "run.timeout_s=300", "net.port=5600"]
     clean_dir = _clean_run(tmp, sets)
     proc = _gradbed_run("configs/test_tiny.toml", sets, tmp / "flooded")
-    try:
+    with _ended(proc):
         run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
         ps_ip = json.loads((run_dir / "network.json").read_text())["hosts"]["ps"]["ip"]
         t0 = time.monotonic()
@@ -458,10 +463,6 @@ def ps_flood(tmp: Path) -> tuple[bool, str]:
                        per_process=FLOOD_CONNECTIONS // 2) as flood:
             proc.communicate(timeout=600)
         flooded_s = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=120)
     refused = sum(int(e.get("count", 0)) for e in ps_events(run_dir, "refused"))
     log_per_min = (run_dir / "events" / "ps.jsonl").stat().st_size / (flooded_s / 60)
     ratio = _median_iter_s(run_dir) / _median_iter_s(clean_dir)
