@@ -370,6 +370,8 @@ class Experiment:
                     # network's teardown and the summary run to the end.
                     self._stops.disarm()
                     self.runner.stop_sessions()
+                    # The samplers' last reads while the shaped points still stand.
+                    self._finish_samplers(sampler, class_sampler)
         except KeyboardInterrupt as e:
             interrupted = True
             stop_reason = self._stop_reason(e)
@@ -383,12 +385,8 @@ class Experiment:
             try:
                 if self.driver is not None:
                     self.driver.stop()
-                if sampler is not None:
-                    sampler.stop_event.set()
-                    sampler.join(timeout=2)
+                self._finish_samplers(sampler, class_sampler)
                 if class_sampler is not None:
-                    class_sampler.stop_event.set()
-                    class_sampler.join(timeout=2)
                     rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
                                        "classes.parquet", self.say)
                 rundir.best_effort(lambda: self._gather_remote(meta), "gathering from the "
@@ -526,6 +524,16 @@ class Experiment:
         if (lost := self._server_lost()) and lost != reason:
             self.say(f"{lost}: stopping")
         return lost or reason
+
+    def _finish_samplers(self, *samplers: PeriodicSampler | None) -> None:
+        """Each sampler's last read and stop (idempotent); a read that failed is noted in
+        run.log, once: its samples end there, and so may the windows they cover."""
+        for s in samplers:
+            if s is None or s.stop_event.is_set():
+                continue
+            s.finish()
+            if s.error is not None:
+                self.say(f"warning: {s.name} stopped early: {s.error}")
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:

@@ -6,8 +6,10 @@ Reads are scheduled on a fixed grid of CLOCK_MONOTONIC, so a slow read does not 
 every later one; after a stall (the controller shares the cores with the agents) the
 grid restarts from now instead of firing a burst of catch-up reads whose samples would
 all carry nearly the same timestamp. A read that raises ends the loop and keeps what was
-sampled: the network is going away at the end of a run; the message is in
-:attr:`~PeriodicSampler.error`.
+sampled; the message is in :attr:`~PeriodicSampler.error`. :meth:`~PeriodicSampler.start`
+takes the first read in the caller's thread and :meth:`~PeriodicSampler.finish` the last
+one, while the network still stands: every transfer between the two lies inside the
+samples, however late the thread is scheduled on a busy machine.
 """
 
 from __future__ import annotations
@@ -31,13 +33,32 @@ class PeriodicSampler(threading.Thread):
         """One read of every point (subclasses)."""
         raise NotImplementedError
 
+    def start(self) -> None:
+        """The first read now, in the caller's thread (before the agents start: a window
+        that begins at once is inside the samples), then the loop in its own."""
+        self._read()
+        super().start()
+
+    def finish(self, timeout_s: float = 10.0) -> None:
+        """Stops the loop after one last read, and waits for it (before the network is
+        torn down: that read must find the points still there). Idempotent."""
+        self.stop_event.set()
+        if self.is_alive():
+            self.join(timeout=timeout_s)
+
+    def _read(self) -> bool:
+        try:
+            self.sample()
+        except Exception as e:  # the network is going away; keep what we have
+            self.error = str(e)
+            return False
+        return True
+
     def run(self) -> None:
-        next_t = time.monotonic()
+        next_t = time.monotonic() + self.period_s
+        self.stop_event.wait(self.period_s)
         while not self.stop_event.is_set():
-            try:
-                self.sample()
-            except Exception as e:  # the network is going away; keep what we have
-                self.error = str(e)
+            if not self._read():
                 return
             next_t += self.period_s
             now = time.monotonic()
@@ -46,7 +67,4 @@ class PeriodicSampler(threading.Thread):
             self.stop_event.wait(max(0.0, next_t - now))
         # One read when stopped: the samples then reach past the agents' last moment, so
         # a run's last window (ended up to a period before the stop) is inside them.
-        try:
-            self.sample()
-        except Exception as e:  # the network is going away; keep what we have
-            self.error = str(e)
+        self._read()

@@ -1,6 +1,6 @@
 """The controller samplers' shared periodic loop (controller/sampler.py): a fixed grid,
-no burst of catch-up reads after a stall, and a read that raises ends the loop with its
-message kept. Both samplers (links.parquet, classes.parquet) are this loop."""
+no burst of catch-up reads after a stall, a read that raises ends the loop with its
+message kept, and the first and last reads are taken when the run starts and stops it. Both samplers (links.parquet, classes.parquet) are this loop."""
 
 from __future__ import annotations
 
@@ -62,3 +62,16 @@ def test_a_stop_takes_one_last_read_so_the_samples_reach_the_runs_end() -> None:
     with pytest.raises(ValueError, match="test-sampler: period_s=0"):
         _Recorder(0, 0, 0, 0)
     assert issubclass(LinkSampler, PeriodicSampler) and issubclass(ClassSampler, PeriodicSampler)
+
+
+def test_start_reads_before_it_returns_and_finish_reads_once_more() -> None:
+    # A run's first window may begin before the thread is first scheduled (a busy
+    # machine): the first read is the caller's, so the samples begin before the agents.
+    s = _Recorder(60.0, stall_at=0, stall_s=0, fail_at=10**9)
+    before = time.monotonic()
+    s.start()
+    assert len(s.ts) == 1 and s.ts[0] >= before
+    s.finish()
+    assert not s.is_alive() and len(s.ts) == 2 and s.error is None
+    s.finish()  # idempotent
+    assert len(s.ts) == 2
