@@ -373,8 +373,14 @@ class Experiment:
         cfg = self.cfg
         parts.meta["impairment"] = net.impairment_record()
         if net.cluster is not None:
+            # The run directories and control connections on the other servers.
+            from controller.remote import RemoteAgents
+
             assert parts.ctl is not None
-            self._remote = self._remote_agents(net, parts.ctl.path, parts.meta, parts.warms)
+            remote = RemoteAgents(net.cluster, self.run_dir, parts.ctl.path, self.say,
+                                  parts.warms)
+            remote.start(net.cluster.clocks, parts.meta, self.run_dir / "meta.json")
+            self._remote = remote
         rundir.write_json(self.run_dir / "meta.json", parts.meta)
         # Time zero of the experiment proper: after any wait for the network lock.
         setup_s = time.monotonic() - parts.t_start
@@ -446,36 +452,13 @@ class Experiment:
         known = any(h.name == node and h.role for h in self.spec.hosts)
         return auth.node_key(self._master, node) if known else None
 
-    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any],
-                       warms: ServerWarms | None) -> RemoteAgents:
-        """The run directories and control connections on the other servers, recorded
-        first (in meta.json, and where ``gradbed cleanup`` finds the servers)."""
-        from controller.remote import RemoteAgents
-
-        assert net.cluster is not None
-        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say, warms)
-        meta["cluster"] = remote.record(net.cluster.clocks)
-        assert self.run_dir is not None
-        rundir.write_json(self.run_dir / "meta.json", meta)
-        remote.register(net.cluster.clocks)
-        remote.prepare()
-        return remote
-
     def _gather_remote(self, meta: dict[str, Any]) -> None:
         """Once the network is down: every server's events and files into the run
         directory, on this machine's clock; the offsets and any lost server in meta.json."""
         remote, self._remote = self._remote, None
-        if remote is None:
-            return
-        remote.close()
-        cluster = self._net.cluster if self._net is not None else None
-        clock_record = cluster.clocks if cluster is not None else {}
-        try:
-            for line in remote.gather(clock_record):
-                self.say(line)
-        finally:
-            remote.unregister()
-        meta["cluster"] = remote.record(clock_record)
+        if remote is not None:
+            cluster = self._net.cluster if self._net is not None else None
+            meta["cluster"] = remote.finish(cluster.clocks if cluster is not None else {})
 
     def _server_lost(self) -> str:
         return self._remote.lost() if self._remote is not None else ""
