@@ -7,7 +7,8 @@ training host, and what only such a run needs around it:
 - the ranks' connections are sampled with sock_diag from the start (:mod:`.sockdiag`);
 - rank 0's output is shown live; a host whose torchrun fails ends the run naming the rank;
   a host whose connections move no bytes for ``torchrun.stall_s`` ends it too (one that
-  never connected is named as never reaching rendezvous / ``init_process_group``);
+  never connected is named as never reaching rendezvous / ``init_process_group``): the
+  wait and its stop reasons are :mod:`.wait`;
 - at the end: ``tcp.parquet`` (every sample of every connection), per-rank exit codes,
   the bytes proof (:mod:`.proof`), all in ``summary.json``'s ``torchrun`` section, and
   the variables and interpreter in ``meta.json``.
