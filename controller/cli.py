@@ -26,13 +26,15 @@ import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from agents.core.config import ExperimentConfig
+    from controller.run import Experiment
     from controller.warm import WarmStarter
+    from topo.spec import NetSpec
 
 
 def _need_root(what: str) -> None:
@@ -92,105 +94,142 @@ def run_main(argv: Sequence[str]) -> int:
             warm.close()
 
 
+class _Refused(Exception):
+    """A check before the run failed: the line ``gradbed run`` prints, status 2."""
+
+
 def _checked_run(args: argparse.Namespace, argv: Sequence[str], cfg: ExperimentConfig,
                  notes: list[str], warm: WarmStarter | None) -> int:
     """``gradbed run`` once its config is loaded: the files it names, the shape, then the
     dry run, the CLI or the run itself (with ``warm``, the agents' warm process)."""
-    from agents.core.bandwidth import TraceError, load_trace
-    from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
-    from controller.paths import OutDirError, check_out_dir
-    from topo.spec import RATE_MAX_MBPS
+    try:
+        spec = _checked_spec(args.config, cfg)
+        if args.dry_run:
+            _dry_run(cfg, spec)
+            return 0
+        if args.cli:
+            _need_root("run")
+            _open_cli(cfg, spec)
+            return 0
+        # Checked (and made) only now: a config or trace error leaves no folder behind.
+        args.out = _checked_out(args.out)
+    except _Refused as e:
+        print(f"gradbed run: {e}", file=sys.stderr)
+        return 2
+    _need_root("run")
+    from controller.run import Experiment
+
+    exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
+                     progress=not args.no_progress, spec=spec, report=not args.no_report,
+                     notes=notes, warm=warm)
+    return _run(exp)
+
+
+def _checked_spec(config: Path, cfg: ExperimentConfig) -> NetSpec:
+    """The config's shape, once every file it names loads: a bad trace or flow-size file
+    is named (file:line) before any network is built. Raises _Refused."""
+    from agents.core.bandwidth import TraceError
+    from topo.shapes import shape_spec
+    from topo.spec import SpecError
     from traces.pcap import pcap_summary
 
-    # A bad trace or flow-size file is named (file:line) before any network is built.
-    def trace(path: str) -> object:
-        return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0,
-                          max_rate_mbps=RATE_MAX_MBPS)
-
-    def flow_cdf(path: str) -> object:
-        # Says what it loaded and the distribution's mean (and whether that is the mean the
-        # file states), before anything is built.
-        import warnings
-
-        bg = cfg.background
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", FlowSizeMeanWarning)
-            cdf = load_flow_cdf(path, format=bg.flow_cdf_format,
-                                interpolation=bg.flow_cdf_interpolation,
-                                packet_bytes=bg.flow_cdf_packet_bytes,
-                                log=lambda m: print(f"background.flow_cdf: {m}",
-                                                    file=sys.stderr))
-        for w in caught:
-            print(f"background.flow_cdf: warning: {w.message}", file=sys.stderr)
-        return cdf
-
-    files = [("trace.up", cfg.trace.up, trace), ("trace.down", cfg.trace.down, trace),
-             ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
-              else "", flow_cdf),
-             ("background.pcap", cfg.background.pcap, pcap_summary)]
+    files: list[tuple[str, str, Callable[[str], object]]] = [
+        ("trace.up", cfg.trace.up, lambda p: _load_trace(cfg, p)),
+        ("trace.down", cfg.trace.down, lambda p: _load_trace(cfg, p)),
+        ("background.flow_cdf", cfg.background.flow_cdf if cfg.background.kind == "flows"
+         else "", lambda p: _load_flow_cdf(cfg, p)),
+        ("background.pcap", cfg.background.pcap, pcap_summary)]
     for field, path, loader in files:
         try:
             if path:
                 loader(path)
         except TraceError as e:
-            print(f"gradbed run: {args.config}: {field}: {e}", file=sys.stderr)
-            return 2
-    from controller.roles import RoleError
-    from topo.qdisc import CapabilityError
-    from topo.shapes import shape_spec
-    from topo.spec import SpecError
-
+            raise _Refused(f"{config}: {field}: {e}") from e
     try:
         spec = shape_spec(cfg)
     except SpecError as e:
-        print(f"gradbed run: {args.config}: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(f"{config}: {e}") from e
     # Every shaping point's trace, named in the error when it is bad.
     for place in spec.places():
         if place.point.trace and place.point.name not in ("up", "down"):
             try:
-                trace(place.point.trace)
+                _load_trace(cfg, place.point.trace)
             except TraceError as e:
-                print(f"gradbed run: {args.config}: topo.traces[{place.point.name!r}]: {e}",
-                      file=sys.stderr)
-                return 2
-    if args.dry_run:
-        from controller.run import plan_commands
-        from topo.probe import probe
+                raise _Refused(f"{config}: topo.traces[{place.point.name!r}]: {e}") from e
+    return spec
 
-        try:
-            print("\n".join(plan_commands(cfg, probe(), spec)))
-        except (CapabilityError, SpecError, RoleError) as e:
-            print(f"gradbed run: {e}", file=sys.stderr)
-            return 2
-        return 0
-    if args.cli:
-        _need_root("run")
-        from controller.interactive import open_cli
 
-        try:
-            open_cli(cfg, spec)
-        except (CapabilityError, SpecError, RoleError) as e:
-            print(f"gradbed run: {e}", file=sys.stderr)
-            return 2
-        return 0
-    # Checked (and made) only now: a config or trace error leaves no folder behind.
+def _load_trace(cfg: ExperimentConfig, path: str) -> object:
+    from agents.core.bandwidth import load_trace
+    from topo.spec import RATE_MAX_MBPS
+
+    return load_trace(path, granularity_s=cfg.trace.granularity_ms / 1000.0,
+                      max_rate_mbps=RATE_MAX_MBPS)
+
+
+def _load_flow_cdf(cfg: ExperimentConfig, path: str) -> object:
+    """The background's flow sizes. Says what it loaded and the distribution's mean (and
+    whether that is the mean the file states), before anything is built."""
+    from agents.core.flowsize import FlowSizeMeanWarning, load_flow_cdf
+
+    bg = cfg.background
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FlowSizeMeanWarning)
+        cdf = load_flow_cdf(path, format=bg.flow_cdf_format,
+                            interpolation=bg.flow_cdf_interpolation,
+                            packet_bytes=bg.flow_cdf_packet_bytes,
+                            log=lambda m: print(f"background.flow_cdf: {m}", file=sys.stderr))
+    for w in caught:
+        print(f"background.flow_cdf: warning: {w.message}", file=sys.stderr)
+    return cdf
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """What the roles, the kernel or the spec refuse in a dry run or as the CLI opens."""
+    from controller.roles import RoleError
+    from topo.qdisc import CapabilityError
+    from topo.spec import SpecError
+
+    return CapabilityError, SpecError, RoleError
+
+
+def _dry_run(cfg: ExperimentConfig, spec: NetSpec) -> None:
+    from controller.run import plan_commands
+    from topo.probe import probe
+
+    try:
+        print("\n".join(plan_commands(cfg, probe(), spec)))
+    except _refusals() as e:
+        raise _Refused(str(e)) from e
+
+
+def _open_cli(cfg: ExperimentConfig, spec: NetSpec) -> None:
+    from controller.interactive import open_cli
+
+    try:
+        open_cli(cfg, spec)
+    except _refusals() as e:
+        raise _Refused(str(e)) from e
+
+
+def _checked_out(out: Path) -> Path:
+    """The run's parent folder, made and checked (a folder gradbed may hand over)."""
+    from controller.paths import OutDirError, check_out_dir
     from controller.rundir import check_owner
 
     try:
-        args.out = check_out_dir(args.out)
-        check_owner(args.out)
+        out = check_out_dir(out)
+        check_owner(out)
     except (OutDirError, PermissionError) as e:
-        print(f"gradbed run: {e}", file=sys.stderr)
-        return 2
-    _need_root("run")
+        raise _Refused(str(e)) from e
+    return out
+
+
+def _run(exp: Experiment) -> int:
+    """Run ``exp``; print its summary and directory; its exit status."""
     from controller.exit_status import SIGNAL_BASE
-    from controller.run import Experiment
     from controller.signals import Interrupted
 
-    exp = Experiment(cfg, out_root=args.out, argv=["gradbed", "run", *argv],
-                     progress=not args.no_progress, spec=spec, report=not args.no_report,
-                     notes=notes, warm=warm)
     try:
         run_dir = exp.run()
     except Interrupted as e:  # before _run took over: the directory is finished all the same
@@ -198,20 +237,26 @@ def _checked_run(args: argparse.Namespace, argv: Sequence[str], cfg: ExperimentC
             _tell(str(exp.run_dir), sys.stdout)
         return SIGNAL_BASE + e.signum
     except Exception as e:
-        if exp.run_dir is None:
-            raise
-        # The run directory holds the error (summary.json) and the traceback (run.log).
-        with open(exp.run_dir / "run.log", "a", encoding="utf-8") as log:
-            log.write(traceback.format_exc())
-        _tell(f"gradbed run: failed: {type(e).__name__}: {e}; see {exp.run_dir / 'run.log'}",
-              sys.stderr)
-        _tell(str(exp.run_dir), sys.stdout)
+        tell_failure("gradbed run", exp, e)
         return exp.exit_status
     summary = run_dir / "summary.json"
     if summary.exists():
         _tell(summary.read_text().strip(), sys.stderr)
     _tell(str(run_dir), sys.stdout)
     return exp.exit_status
+
+
+def tell_failure(command: str, exp: Experiment, e: Exception) -> None:
+    """A run that an error ended: its traceback into run.log, the error and the run
+    directory on the terminal. Re-raises ``e`` when no run directory was made."""
+    if exp.run_dir is None:
+        raise  # the error in hand, with its own traceback
+    # The run directory holds the error (summary.json) and the traceback (run.log).
+    with open(exp.run_dir / "run.log", "a", encoding="utf-8") as log:
+        log.write(traceback.format_exc())
+    _tell(f"{command}: failed: {type(e).__name__}: {e}; see {exp.run_dir / 'run.log'}",
+          sys.stderr)
+    _tell(str(exp.run_dir), sys.stdout)
 
 
 def _tell(line: str, stream: TextIO) -> None:

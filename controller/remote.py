@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from agents.core.config import ExperimentConfig
 from agents.core.events import clock_fields
 from controller.agent_env import agent_environment
+from controller.rundir import write_json
 from controller.warm_remote import ServerWarms
 from topo import clocks
 from topo.cluster import REPO, Cluster, SshAccess, on_each, server_ip
@@ -140,6 +141,15 @@ class RemoteAgents:
 
     # -- start ---------------------------------------------------------------------
 
+    def start(self, clock_record: Mapping[str, Any], meta: dict[str, Any],
+              meta_path: Path) -> None:
+        """Recorded first (``meta["cluster"]`` written to ``meta_path``, and where
+        ``gradbed cleanup`` finds the servers), then :meth:`prepare`."""
+        meta["cluster"] = self.record(clock_record)
+        write_json(meta_path, meta)
+        self.register(clock_record)
+        self.prepare()
+
     def prepare(self) -> None:
         """On every server: a fresh run directory holding the run's config, and the control
         connection forwarding its ``control.sock`` here (waited for, so an agent started
@@ -229,6 +239,18 @@ class RemoteAgents:
         return proc.stderr.read().decode(errors="replace").strip()[-300:]
 
     # -- the end ---------------------------------------------------------------------
+
+    def finish(self, clock_record: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        """Once the network is down: the control connections ended, every server's files
+        gathered (a line each), the record unregistered; what meta.json now says about
+        the servers, with their offsets and any lost one."""
+        self.close()
+        try:
+            for line in self.gather(clock_record):
+                self.log(line)
+        finally:
+            self.unregister()
+        return self.record(clock_record)
 
     def close(self) -> None:
         """End the control connections (the remote sockets go with them)."""

@@ -15,15 +15,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from agents.core import config as cfgmod
 from agents.core.events import EventLog, now_ns
-from agents.core.files import write_atomic_with
 from agents.core.links import LINK_COLUMNS
 from agents.net import auth
 from agents.net.control import control_path
@@ -34,8 +33,10 @@ from controller.control import ControlServer, pid_source
 from controller.driver import check_driver
 from controller.exit_status import FAILED_PREFIX, failed_start_reason, signal_reason, status_for
 from controller.paths import resolve_paths
+from controller.record import write_record, write_report
 from controller.roles import RoleCommand, RoleContext
 from controller.roles import plan_commands as role_commands
+from controller.runlog import RunLog
 from controller.runner import RoleRunner
 from controller.sampler import PeriodicSampler
 from controller.signals import Interrupted, StopSignals
@@ -149,12 +150,16 @@ def network_broken(server_lost: Callable[[], str], net: Network, grace_s: float)
     dead = net.dead_delay_line()
     if not dead:
         return ""
+    return wait_lost(server_lost, grace_s) or f"{FAILED_PREFIX} {dead}"
+
+
+def wait_lost(server_lost: Callable[[], str], grace_s: float) -> str:
+    """What ``server_lost()`` says once it names a lost server, within ``grace_s``; ""
+    if it names none by then."""
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if lost := server_lost():
-            return lost
+    while not (lost := server_lost()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return f"{FAILED_PREFIX} {dead}"
+    return lost
 
 
 class Experiment:
@@ -177,18 +182,16 @@ class Experiment:
         self.quiet = quiet
         # False: no report/index.html (a sweep writes one report for all its runs).
         self.report = report
-        self._say_lock = threading.Lock()
         # The agents' warm process when the caller started it early (``gradbed run`` does,
         # before its checks); the run then owns it and closes it at its teardown. None: the
         # run starts its own (controller.warm.warm_for_agents).
         self._warm = warm
         self.run_dir: Path | None = None
-        self._logf: IO[str] | None = None
-        self._bar: Any = None
-        self._ps_state: dict[str, Any] = {"iter": -1}
         self.driver: Any = None
         self.runner: RoleRunner | None = None
         self._stops = StopSignals()
+        self.log = RunLog(self.progress, lambda: self._stops.hung_up)
+        self.events: EventLog | None = None
         self._started = False  # every agent came up: a failure from here on is no failed start
         self.stop_reason = ""
         # A bad shape or trace placement is refused here, before any directory exists.
@@ -212,23 +215,9 @@ class Experiment:
     # -- logging --------------------------------------------------------------------
 
     def say(self, line: str) -> None:
-        # Status lines (not the echoed tc commands) are shown live to the user too.
-        # After SIGHUP the terminal is gone (writes fail with EIO): the run log only.
-        if self.progress and not line.startswith("$ ") and not self._stops.hung_up:
-            if self._bar is not None:
-                self._bar.write(line, file=sys.stderr)
-            else:
-                print(line, file=sys.stderr, flush=True)
-        try:
-            # A network over several servers says its commands from several threads.
-            with self._say_lock:
-                if self._logf is not None:
-                    self._logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-                    self._logf.flush()
-                    if line.startswith("$ ") and self.events is not None:
-                        self.events.emit("tc", cmd=line[2:])
-        except OSError:
-            pass  # a full disk: the line is lost, the run goes on and its summary has room
+        """A line of the run (``controller.runlog``): into run.log, and on the terminal
+        but for an echoed command."""
+        self.log.say(line)
 
     def _on_report(self, msg: dict[str, Any]) -> None:
         """Reports from agents over the control socket, and its own refusals (runs on the
@@ -244,15 +233,7 @@ class Experiment:
             self.runner.on_report(msg)
         progress = self.runner.progress_nodes if self.runner is not None else set()
         if node in progress and kind == "iter_done":
-            self._ps_state["iter"] = int(msg["iter"])
-            if self._bar is not None and not self._stops.hung_up:
-                post = {"workers": msg.get("workers")}
-                if msg.get("accuracy") is not None:
-                    self._ps_state["accuracy"] = msg["accuracy"]
-                if "accuracy" in self._ps_state:
-                    post["acc"] = f"{self._ps_state['accuracy']:.3f}"
-                self._bar.set_postfix(post, refresh=False)
-                self._bar.update(int(msg["iter"]) + 1 - self._bar.n)
+            self.log.progress(msg)
         if self.driver is not None:
             self.driver.on_report(msg)
 
@@ -295,83 +276,22 @@ class Experiment:
         if isinstance(e, KeyboardInterrupt):
             return "interrupted"
         if lost := self._server_lost():
-            self.say(f"{lost}: stopping")
-            return lost  # what failed after that failed because of it
+            return self._stopping(lost)  # what failed after that failed because of it
         error = str(e) or type(e).__name__
         return f"failed: {error}" if self._started else failed_start_reason(error)
 
     def _run(self, run_dir: Path) -> Path:
-        cfg = self.cfg
-        started_ns = now_ns()
+        """The run's phases: its record opened, the network built and the agents run in it
+        (:meth:`_in_network`), everything stopped (:meth:`_teardown`), the record
+        finished (:meth:`_finalize`), the last files closed (:meth:`_close_last`)."""
         t_start = time.monotonic()
-        # Room for the summary is kept from the start, and a provisional one says, until the
-        # real one replaces it, that the run never finished.
-        rundir.reserve_room(run_dir)
-        rundir.write_summary(run_dir, rundir.provisional_summary())
-        self._logf = open(run_dir / "run.log", "a", buffering=1, encoding="utf-8")
-        self.events: EventLog | None = EventLog.for_node(run_dir, run_dir.name, "controller")
-        caps = probe()
-        rundir.write_atomic(run_dir / "config.toml", cfgmod.dumps(cfg))
-        meta = rundir.meta(run_dir, caps, started_ns, self.argv)
-        rundir.write_json(run_dir / "meta.json", meta)
-        # The network as built: hosts, roles, every shaping point and where it sits.
-        rundir.write_json(run_dir / "network.json", self.spec.describe())
-        self.say(f"run {run_dir.name}: {self.headline()}")
-        for note in self.notes:
-            self.say(note)
+        caps, meta = self._open_record(run_dir)
+        parts = _Parts(meta, t_start)
         interrupted = False
         stop_reason = ""
-        sampler: LinkSampler | None = None
-        class_sampler: ClassSampler | None = None
-        ctl: ControlServer | None = None
-        starter: WarmStarter | None = None
-        warms: ServerWarms | None = None
-        assert self.events is not None
         self.say("building the network")
         try:
-            ctl = ControlServer(control_path(run_dir), self._on_report, self._control_key,
-                                guard=cfg.guard)
-            self._ctl = ctl
-            # Imports torch once while the network is built (or since the command began);
-            # each agent of this machine's hosts is a fork of it.
-            starter = self._warm or self._warm_starter(run_dir)
-            # And one on each other server, over ssh, for that server's agents.
-            if self._access is not None and self.forks_agents:
-                from controller.remote import server_warms
-
-                warms = server_warms(self.spec, self._access, run_dir.name, cfg, self.say)
-            with Network(self.spec, log=self.say, caps=caps, access=self._access,
-                         spawner=starter.popen_in_netns if starter else None) as net:
-                self._net = net  # its impairment record goes into meta.json at the end
-                meta["impairment"] = net.impairment_record()
-                if net.cluster is not None:
-                    self._remote = self._remote_agents(net, ctl.path, meta, warms)
-                rundir.write_json(run_dir / "meta.json", meta)
-                # Time zero of the experiment proper: after any wait for the network lock.
-                setup_s = time.monotonic() - t_start
-                t_start = time.monotonic()
-                self.events.emit("run_start", workers=cfg.net.workers, setup_s=setup_s)
-                net.set_congestion_control(cfg.net.congestion)
-                sampler = LinkSampler(net)
-                sampler.start()
-                if (period_ms := class_sample_ms(cfg, net.cluster is not None)) > 0:
-                    class_sampler = ClassSampler(net, period_ms / 1000)
-                    class_sampler.start()
-                from controller.driver import NetworkDriver
-
-                self.driver = NetworkDriver(cfg, net, ctl, self.events, self.say)
-                ctx = RoleContext(cfg, net.spec, run_dir, sys.executable)
-                self.runner = RoleRunner(ctx, lambda c: self._start(net, c, run_dir),
-                                         self.say, self.events)
-                try:
-                    stop_reason = self._run_agents(net, self.runner)
-                finally:
-                    # Teardown from here: a signal now is noted, never raised, so the
-                    # network's teardown and the summary run to the end.
-                    self._stops.disarm()
-                    self.runner.stop_sessions()
-                    # The samplers' last reads while the shaped points still stand.
-                    self._finish_samplers(sampler, class_sampler)
+            stop_reason = self._in_network(run_dir, caps, parts)
         except KeyboardInterrupt as e:
             interrupted = True
             stop_reason = self._stop_reason(e)
@@ -383,43 +303,136 @@ class Experiment:
             self._stops.disarm()  # a second Ctrl-C, or SIGTERM after it, must not cut this short
             self.stop_reason = stop_reason
             try:
-                if self.driver is not None:
-                    self.driver.stop()
-                self._finish_samplers(sampler, class_sampler)
-                if class_sampler is not None:
-                    rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
-                                       "classes.parquet", self.say)
-                rundir.best_effort(lambda: self._gather_remote(meta), "gathering from the "
-                                   "servers", self.say)
-                if ctl is not None:
-                    ctl.close()
-                if starter is not None:
-                    # Waited for after the tables: its exit overlaps them.
-                    rundir.best_effort(starter.hang_up, "warm process", self.say)
-                if warms is not None:
-                    for line in warms.close():
-                        self.say(line)
-                # Also when a signal cut the control server's start short (ctl unset).
-                rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
-                if self._bar is not None:
-                    self._bar.close()
-                events = self.events
-                rundir.best_effort(lambda: events.emit("run_end", reason=stop_reason),
-                                   "run_end event", self.say)
-                rundir.best_effort(events.close, "controller events", self.say)
-                self._finalize(run_dir, sampler, meta, time.monotonic() - t_start,
-                               interrupted, stop_reason)
+                self._teardown(run_dir, parts, stop_reason)
+                self._finalize(run_dir, parts.sampler, parts.meta,
+                               time.monotonic() - parts.t_start, interrupted, stop_reason)
             finally:
-                if starter is not None:
-                    warm_log = run_dir / "warm.log"
-                    rundir.best_effort(lambda: starter.close(keep_log=warm_log),
-                                       "warm process", self.say)
-                    if starter.log_kept is not None:
-                        self.say(f"the warm process could not preload the agents' imports "
-                                 f"(each agent imports them itself); it said why in {warm_log}")
-                if self._logf is not None:
-                    rundir.best_effort(self._logf.close, "run.log", lambda _: None)
+                self._close_last(run_dir, parts.starter)
         return run_dir
+
+    def _open_record(self, run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The run directory's first files, run.log and the controller's events opened;
+        the kernel's capabilities and the run's meta.json as written."""
+        started_ns = now_ns()
+        # Room for the summary is kept from the start, and a provisional one says, until the
+        # real one replaces it, that the run never finished.
+        rundir.reserve_room(run_dir)
+        rundir.write_summary(run_dir, rundir.provisional_summary())
+        self.events = EventLog.for_node(run_dir, run_dir.name, "controller")
+        self.log.open(run_dir / "run.log", self.events)
+        caps = probe()
+        rundir.write_atomic(run_dir / "config.toml", cfgmod.dumps(self.cfg))
+        meta = rundir.meta(run_dir, caps, started_ns, self.argv)
+        rundir.write_json(run_dir / "meta.json", meta)
+        # The network as built: hosts, roles, every shaping point and where it sits.
+        rundir.write_json(run_dir / "network.json", self.spec.describe())
+        self.say(f"run {run_dir.name}: {self.headline()}")
+        for note in self.notes:
+            self.say(note)
+        return caps, meta
+
+    def _in_network(self, run_dir: Path, caps: dict[str, Any], parts: _Parts) -> str:
+        """The control socket and the warm processes, then the network with the run in it;
+        the stop reason. The samplers' last reads come before the network goes."""
+        cfg = self.cfg
+        parts.ctl = self._ctl = ControlServer(control_path(run_dir), self._on_report,
+                                              self._control_key, guard=cfg.guard)
+        # Imports torch once while the network is built (or since the command began);
+        # each agent of this machine's hosts is a fork of it.
+        parts.starter = starter = self._warm or self._warm_starter(run_dir)
+        # And one on each other server, over ssh, for that server's agents.
+        if self._access is not None and self.forks_agents:
+            from controller.remote import server_warms
+
+            parts.warms = server_warms(self.spec, self._access, run_dir.name, cfg, self.say)
+        with Network(self.spec, log=self.say, caps=caps, access=self._access,
+                     spawner=starter.popen_in_netns if starter else None) as net:
+            self._net = net  # its impairment record goes into meta.json at the end
+            self._network_up(net, parts)
+            from controller.driver import NetworkDriver
+
+            assert self.events is not None
+            self.driver = NetworkDriver(cfg, net, parts.ctl, self.events, self.say)
+            ctx = RoleContext(cfg, net.spec, run_dir, sys.executable)
+            self.runner = RoleRunner(ctx, lambda c: self._start(net, c, run_dir),
+                                     self.say, self.events)
+            try:
+                return self._run_agents(net, self.runner)
+            finally:
+                # Teardown from here: a signal now is noted, never raised, so the
+                # network's teardown and the summary run to the end.
+                self._stops.disarm()
+                self.runner.stop_sessions()
+                # The samplers' last reads while the shaped points still stand.
+                self._finish_samplers(parts.sampler, parts.class_sampler)
+
+    def _network_up(self, net: Network, parts: _Parts) -> None:
+        """Once the network stands: its record (and the other servers') in meta.json, time
+        zero of the run, the congestion control, the samplers started."""
+        assert self.run_dir is not None and self.events is not None
+        cfg = self.cfg
+        parts.meta["impairment"] = net.impairment_record()
+        if net.cluster is not None:
+            # The run directories and control connections on the other servers.
+            from controller.remote import RemoteAgents
+
+            assert parts.ctl is not None
+            remote = RemoteAgents(net.cluster, self.run_dir, parts.ctl.path, self.say,
+                                  parts.warms)
+            remote.start(net.cluster.clocks, parts.meta, self.run_dir / "meta.json")
+            self._remote = remote
+        rundir.write_json(self.run_dir / "meta.json", parts.meta)
+        # Time zero of the experiment proper: after any wait for the network lock.
+        setup_s = time.monotonic() - parts.t_start
+        parts.t_start = time.monotonic()
+        self.events.emit("run_start", workers=cfg.net.workers, setup_s=setup_s)
+        net.set_congestion_control(cfg.net.congestion)
+        parts.sampler = LinkSampler(net)
+        parts.sampler.start()
+        if (period_ms := class_sample_ms(cfg, net.cluster is not None)) > 0:
+            parts.class_sampler = ClassSampler(net, period_ms / 1000)
+            parts.class_sampler.start()
+
+    def _teardown(self, run_dir: Path, parts: _Parts, stop_reason: str) -> None:
+        """Once the network is down, whatever ended the run: the driver and samplers
+        stopped, the servers' files gathered, the control socket and warm processes
+        closed, leftovers removed, the controller's events ended."""
+        if self.driver is not None:
+            self.driver.stop()
+        self._finish_samplers(parts.sampler, parts.class_sampler)
+        if (class_sampler := parts.class_sampler) is not None:
+            rundir.best_effort(lambda: class_sampler.write(run_dir / "classes.parquet"),
+                               "classes.parquet", self.say)
+        rundir.best_effort(lambda: self._gather_remote(parts.meta), "gathering from the "
+                           "servers", self.say)
+        if parts.ctl is not None:
+            parts.ctl.close()
+        if (starter := parts.starter) is not None:
+            # Waited for after the tables: its exit overlaps them.
+            rundir.best_effort(starter.hang_up, "warm process", self.say)
+        if parts.warms is not None:
+            for line in parts.warms.close():
+                self.say(line)
+        # Also when a signal cut the control server's start short (ctl unset).
+        rundir.best_effort(lambda: rundir.remove_leftovers(run_dir), "cleanup", self.say)
+        self.log.close_bar()
+        events = self.events
+        assert events is not None
+        rundir.best_effort(lambda: events.emit("run_end", reason=stop_reason),
+                           "run_end event", self.say)
+        rundir.best_effort(events.close, "controller events", self.say)
+
+    def _close_last(self, run_dir: Path, starter: WarmStarter | None) -> None:
+        """The warm process ended (its log kept when it could not preload) and run.log
+        closed: after everything else, even a failed record."""
+        if starter is not None:
+            warm_log = run_dir / "warm.log"
+            rundir.best_effort(lambda: starter.close(keep_log=warm_log), "warm process",
+                               self.say)
+            if starter.log_kept is not None:
+                self.say(f"the warm process could not preload the agents' imports "
+                         f"(each agent imports them itself); it said why in {warm_log}")
+        rundir.best_effort(self.log.close, "run.log", lambda _: None)
 
     def _warm_starter(self, run_dir: Path) -> WarmStarter | None:
         """The warm process this run's local processes fork from (started now, so that it
@@ -439,39 +452,21 @@ class Experiment:
         known = any(h.name == node and h.role for h in self.spec.hosts)
         return auth.node_key(self._master, node) if known else None
 
-    def _remote_agents(self, net: Network, socket: Path, meta: dict[str, Any],
-                       warms: ServerWarms | None) -> RemoteAgents:
-        """The run directories and control connections on the other servers, recorded
-        first (in meta.json, and where ``gradbed cleanup`` finds the servers)."""
-        from controller.remote import RemoteAgents
-
-        assert net.cluster is not None
-        remote = RemoteAgents(net.cluster, self.run_dir or Path(), socket, self.say, warms)
-        meta["cluster"] = remote.record(net.cluster.clocks)
-        assert self.run_dir is not None
-        rundir.write_json(self.run_dir / "meta.json", meta)
-        remote.register(net.cluster.clocks)
-        remote.prepare()
-        return remote
-
     def _gather_remote(self, meta: dict[str, Any]) -> None:
         """Once the network is down: every server's events and files into the run
         directory, on this machine's clock; the offsets and any lost server in meta.json."""
         remote, self._remote = self._remote, None
-        if remote is None:
-            return
-        remote.close()
-        cluster = self._net.cluster if self._net is not None else None
-        clock_record = cluster.clocks if cluster is not None else {}
-        try:
-            for line in remote.gather(clock_record):
-                self.say(line)
-        finally:
-            remote.unregister()
-        meta["cluster"] = remote.record(clock_record)
+        if remote is not None:
+            cluster = self._net.cluster if self._net is not None else None
+            meta["cluster"] = remote.finish(cluster.clocks if cluster is not None else {})
 
     def _server_lost(self) -> str:
         return self._remote.lost() if self._remote is not None else ""
+
+    def _stopping(self, lost: str) -> str:
+        """A lost server as the stop reason, said in run.log."""
+        self.say(f"{lost}: stopping")
+        return lost
 
     def _start(self, net: Network, cmd: RoleCommand, run_dir: Path
                ) -> subprocess.Popen[Any]:
@@ -508,11 +503,7 @@ class Experiment:
         cfg = self.cfg
         runner.start_agents()
         self._started = True
-        if self.progress:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=cfg.run.iterations, desc=cfg.run.name, unit="it",
-                             dynamic_ncols=True, file=sys.stderr)
+        self.log.start_bar(cfg.run.iterations, cfg.run.name)
         assert self.driver is not None
         self.driver.start()
         runner.start_sessions(net)
@@ -522,7 +513,7 @@ class Experiment:
         # ssh sessions may end before its control connection does (a busy machine), and the
         # runner then named one of its agents first.
         if (lost := self._server_lost()) and lost != reason:
-            self.say(f"{lost}: stopping")
+            return self._stopping(lost)
         return lost or reason
 
     def _finish_samplers(self, *samplers: PeriodicSampler | None) -> None:
@@ -537,46 +528,28 @@ class Experiment:
 
     def _finalize(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
                   wall_s: float, interrupted: bool, stop_reason: str) -> None:
-        from analysis.load import load_events
-        from controller.summary import read_classes, summarize
-
-        # A full disk may fail any of these but the summary, for which room was kept.
-        rundir.convert_events(run_dir)
-        links = sampler.frame() if sampler is not None else links_frame([])
-        rundir.best_effort(lambda: write_atomic_with(
-            run_dir / "links.parquet", lambda fh: links.to_parquet(fh, index=False)),
-            "links.parquet", self.say)
-        events = load_events(run_dir, allow_empty=True)
-        summary = summarize(events, links, self.cfg.to_dict(), wall_s, interrupted, stop_reason,
-                            read_classes(run_dir / "classes.parquet"))
-        rundir.write_summary(run_dir, summary)
-        meta = {**meta, "ended_ns": now_ns(), "interrupted": interrupted,
-                "stop_reason": stop_reason}
-        if self._net is not None:
-            # Torn down by now: the record holds what each delay line did, and whether
-            # one died (its link then dropped every packet).
-            meta["impairment"] = self._net.impairment_record()
-            for host in meta["impairment"]["hosts"]:
-                if host.get("delay_line_died"):
-                    self.say(f"warning: the delay line in {host['host']} died "
-                             f"({host['delay_line_died']}); its link dropped every packet")
-        rundir.best_effort(lambda: rundir.write_json(run_dir / "meta.json", meta), "meta.json",
-                           self.say)
-        secret = run_dir / "secret"
-        if secret.exists():
-            secret.unlink()  # the run is over: nobody else may join it
-        rundir.write_timelines(run_dir, self.say, events)  # every run, a sweep's too
+        """The run's record (:meth:`_write_record`), then its report."""
+        self._write_record(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
         if self.report:
-            self._write_report(run_dir)
+            write_report(run_dir, self.say, self.quiet)
 
-    def _write_report(self, run_dir: Path) -> None:
-        """report/index.html for this run; a failure is a warning, never the run's end."""
-        try:
-            from analysis.report import write_report
+    def _write_record(self, run_dir: Path, sampler: LinkSampler | None, meta: dict[str, Any],
+                      wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        """``controller.record.write_record``: tables, summary, meta.json, timelines."""
+        links = sampler.frame() if sampler is not None else links_frame([])
+        impairment = self._net.impairment_record() if self._net is not None else None
+        write_record(run_dir, self.cfg, links, meta, impairment, wall_s, interrupted,
+                     stop_reason, self.say)
 
-            write_report([run_dir], run_dir / "report")
-        except Exception as e:  # plots are a convenience; the data is what must survive
-            self.say(f"warning: report not written: {e}")
-            if not self.quiet:
-                print(f"warning: report not written: {e}", file=sys.stderr)
 
+@dataclass
+class _Parts:
+    """What a run has started so far, for its teardown (None: not started)."""
+
+    meta: dict[str, Any]  # meta.json as last written
+    t_start: float  # monotonic: the command's start, then time zero once the network stands
+    sampler: LinkSampler | None = None
+    class_sampler: ClassSampler | None = None
+    ctl: ControlServer | None = None
+    starter: WarmStarter | None = None
+    warms: ServerWarms | None = None

@@ -4,9 +4,9 @@ The "build" half of Mininet's describe/build split (STYLE.md). Mininet provides 
 namespaces, veths and ``LinuxBridge`` switches (no controller: this kernel has no OVS
 datapath). Links are plain ``Link`` objects, not ``TCLink``: rates, queues and delay are
 installed by the commands of ``topo.plan.build_plan`` (the same list ``--dry-run``
-prints) through ``topo.tc``, so rates above 1000 Mbit/s work, failures raise, and rate
-changes (link/N shaping of seeds/004, bandwidth traces on any shaping point) use
-``tc class change`` without ever dropping a queue.
+prints) through ``topo.tc``, so rates above 1000 Mbit/s work and failures raise. Rate
+changes (link/N shaping of seeds/004, bandwidth traces on any shaping point) and the
+points' counters are ``topo.points``: ``tc class change`` without ever dropping a queue.
 
 Every shaping point sits on the egress of its interface (``NetSpec.places``): in a
 host's namespace for a host's own interface, in the root namespace for a switch port.
@@ -36,15 +36,16 @@ from topo import qdisc
 from topo.cleanup import cleanup
 from topo.lock import DEFAULT_LOCK_PATH, NetLock
 from topo.netfilter import HostImpairment, Impairment, ImpairmentError
-from topo.netlink import ClassCounters, RtNetlink
+from topo.netlink import ClassCounters
 from topo.placement import LOCAL, servers_used
-from topo.plan import Step, build_plan, delay_loss, group_steps, require_local
+from topo.plan import Step, build_plan, group_steps, require_local
 from topo.plan import impairments as _impairments
 from topo.plan import require_impairments as _require_impairments
+from topo.points import ShapedPoints
 from topo.probe import probe
 from topo.qdisc import QdiscStats
-from topo.spec import LinkSpec, NetSpec, SpecError, default_queue_bytes
-from topo.tc import Tc, TcError
+from topo.spec import NetSpec, SpecError
+from topo.tc import Tc
 
 if TYPE_CHECKING:  # topo.cluster imports Mininet, needed only for a spread network
     from topo.cluster import Cluster, SshAccess
@@ -118,10 +119,7 @@ class Network:
         self._locks: NetLock | LockSet = self._lock
         self._net: Any = None
         self._procs: list[Any] = []  # Popen, or what the spawner returned
-        self._rates: dict[str, float | None] = {}
-        self._netlink: dict[str | None, RtNetlink] = {}
-        self._auto_queue: dict[str, bool] = {}
-        self._ack_first: dict[str, bool] = {}  # dev -> built with the ACKs-first layout
+        self.points = ShapedPoints(self.spec, self._dev_tc, self.pid, self.cluster)
         self.removed_at_start: list[str] = []
         # Delay and loss: the mechanisms in use, and the netfilter ones per host.
         self.mechanisms: dict[str, str | None] = {"delay": None, "loss": None}
@@ -189,12 +187,7 @@ class Network:
         self._say(f"{spec.shape} up: {len(spec.hosts)} hosts, switches "
                   f"{', '.join(s.name for s in spec.switches)}")
         self._run_steps(plan)
-        for place in spec.places():
-            link = delay_loss(place, self.caps, self._seeded)  # as its qdiscs have it
-            if link.shaped:
-                self._rates[place.dev] = link.rate_mbps
-                self._auto_queue[place.dev] = link.queue_bytes is None
-                self._ack_first[place.dev] = qdisc.acks_first(link, place.point.ack_first)
+        self.points.record(self.caps)
         # Without netem every delay and loss; with it only a seeded loss.
         if not self._netem or self._seeded:
             for host, imps in _impairments(spec, netem=self._netem).items():
@@ -274,9 +267,7 @@ class Network:
     def _teardown(self) -> None:
         if self._checks is not None:  # a build refused early: its checks still ran
             _settled(self._checks)
-        for nl in self._netlink.values():
-            nl.close()
-        self._netlink.clear()
+        self.points.close()
         try:
             # While the namespaces exist: rules out, delay lines stopped, records kept.
             self._each_host(lambda hi: hi.__exit__(None, None, None), reverse=True)
@@ -354,63 +345,11 @@ class Network:
             raise SpecError(f"direction={direction!r}; allowed {list(DIRECTIONS)}")
         return direction
 
-    def _change_rate(self, host: str | None, dev: str, rate_mbps: float, what: str,
-                     queue_bytes: int | None = None, netem: bool = False,
-                     burst_bytes: int | None = None) -> None:
-        if dev not in self._rates:
-            raise SpecError(f"{what}: {dev} carries no gradbed qdisc (its LinkSpec is "
-                            f"unshaped); give it a rate_mbps to change it at run time")
-        # Validate both values (SpecError naming the field) before touching the kernel.
-        LinkSpec(rate_mbps=rate_mbps, queue_bytes=queue_bytes)
-        if queue_bytes is None and self._auto_queue.get(dev, False):
-            # The spec left the queue to gradbed (20 ms at the rate): keep it 20 ms at the
-            # new rate, or a cap from 1000 to 2.5 Mbit/s would leave an 8 s queue behind.
-            queue_bytes = default_queue_bytes(rate_mbps)
-        tc = self._dev_tc(host, dev)
-        # The rate change goes over rtnetlink from this process (topo/netlink.py: a
-        # fork+exec of tc lands 15-60 ms late here); the log shows the equivalent command.
-        argv, = qdisc.change_rate_commands(dev, rate_mbps, offload=self.spec.offload,
-                                           burst_bytes=burst_bytes)
-        if tc.via:
-            # On another server netlink does not reach: the command itself, over the run's
-            # shared ssh connection (a round trip later; the trace's lead timer learns it).
-            tc.run(argv)
-        else:
-            tc.echo(argv, "via netlink")
-        if not tc.dry_run and not tc.via:
-            cls = qdisc.htb_class(rate_mbps, self.spec.offload, burst_bytes)
-            try:
-                self._rtnetlink(host, dev).change_htb_class(dev, cls)
-            except OSError as e:
-                raise TcError(argv, e.errno or -1, f"netlink: {e}", tc.where) from e
-        if queue_bytes is not None:
-            tc.run_all(qdisc.change_queue_commands(dev, queue_bytes, netem=netem,
-                                                   ack_first=self._ack_first.get(dev, False)))
-        self._rates[dev] = rate_mbps
-
-    def _rtnetlink(self, host: str | None, dev: str) -> RtNetlink:
-        """One netlink socket per namespace, opened on first use, closed at teardown."""
-        if self.cluster is not None:
-            self.cluster.require_here(host or dev.rsplit("-eth", 1)[0], dev)
-        if host not in self._netlink:
-            self._netlink[host] = RtNetlink(None if host is None else self.pid(host))
-        return self._netlink[host]
-
+    # What the run does to its shaping points, and what it reads of them: topo.points.
     def set_point_rate(self, point: str, rate_mbps: float,
                        queue_bytes: int | None = None) -> None:
-        """Change shaping point ``point``'s HTB rate in place (``tc class change``).
-
-        queue_bytes: also resize the bfifo in place (``tc qdisc change``). None keeps the
-            spec's fixed queue, or re-derives the default (20 ms) when the spec left it None.
-        """
-        place = self.spec.place(point)
-        link = place.point.link
-        # The bucket stays the link's own (burst_ms at the new rate).
-        burst = (None if link.burst_ms is None else
-                 qdisc.htb_burst_bytes(rate_mbps, self.spec.offload, link.burst_ms))
-        self._change_rate(place.host, place.dev, rate_mbps, f"point {point}", queue_bytes,
-                          delay_loss(place, self.caps or {}, self._seeded).needs_netem,
-                          burst_bytes=burst)
+        """:meth:`topo.points.ShapedPoints.set_point_rate`: a rate changed in place."""
+        self.points.set_point_rate(point, rate_mbps, queue_bytes)
 
     def set_bottleneck_rate(self, direction: Direction, rate_mbps: float,
                             queue_bytes: int | None = None) -> None:
@@ -418,77 +357,27 @@ class Network:
         self.set_point_rate(self._direction(direction), rate_mbps, queue_bytes)
 
     def set_worker_cap(self, worker: str, rate_mbps: float) -> None:
-        """Cap a worker's sending rate (link/N shaping) on its egress HTB class (point
-        ``wK.up``).
-
-        The bfifo keeps the worker link's own size: this queue holds only the worker's
-        own packets (TCP small queues bound it for loss-based senders), and shrinking it
-        to 20 ms at the cap made BBR -- which paces far above a cap it has not measured
-        yet -- overflow it; local drops are not retransmissions, the kernel backs off its
-        retries, and 2 MB uploads at 6.25 Mbit/s took 28-52 s instead of 2.6 s.
-        """
-        workers = self.spec.worker_names()
-        if worker not in workers:
-            raise SpecError(f"worker={worker!r}; allowed {workers}")
-        up = self.spec.point("up").link
-        up_rate = self._rates.get(self.point_dev("up")) or up.rate_mbps
-        up_queue = (up.queue_bytes if up.queue_bytes is not None
-                    else default_queue_bytes(up_rate))
-        burst = qdisc.cap_burst_bytes(rate_mbps, up_queue, len(workers), self.spec.offload)
-        place = self.spec.place(f"{worker}.up")
-        self._change_rate(place.host, place.dev, rate_mbps, f"worker cap {worker}",
-                          queue_bytes=place.point.link.effective_queue_bytes(),
-                          burst_bytes=burst)
+        """:meth:`topo.points.ShapedPoints.set_worker_cap`: link/N shaping's cap."""
+        self.points.set_worker_cap(worker, rate_mbps)
 
     def rate_mbps(self, dev: str) -> float | None:
         """The HTB rate gradbed last set on ``dev`` (None when unshaped)."""
-        return self._rates.get(dev)
+        return self.points.rate_mbps(dev)
 
     def point_stats(self, point: str) -> QdiscStats:
-        """The counters of shaping point ``point``'s queue (its bfifo leaf), read over
-        rtnetlink on this machine (what ``tc -s qdisc show`` reads, without its two
-        processes: the link sampler reads every watched point every 100 ms)."""
-        place = self.spec.place(point)
-        tc = self._dev_tc(place.host, place.dev)
-        if tc.via or tc.dry_run:
-            return qdisc.bottleneck_counters(tc.run(qdisc.stats_command(place.dev),
-                                                    echo=False))
-        try:
-            found = self._rtnetlink(place.host, place.dev).qdisc_counters(place.dev)
-        except OSError as e:
-            raise TcError(qdisc.stats_command(place.dev), e.errno or -1, f"netlink: {e}",
-                          tc.where) from e
-        return qdisc.bottleneck_of([QdiscStats(
-            kind=c.kind, handle=qdisc.tc_handle(c.classid), parent=qdisc.tc_handle(c.parent),
-            sent_bytes=c.sent_bytes, sent_pkts=c.sent_pkts, drops=c.drops,
-            overlimits=c.overlimits, requeues=c.requeues, backlog_bytes=c.backlog_bytes,
-            backlog_pkts=c.backlog_pkts) for c in found])
+        """:meth:`topo.points.ShapedPoints.point_stats`: a point's queue counters."""
+        return self.points.point_stats(point)
 
     def point_classes(self, point: str) -> dict[str, ClassCounters]:
-        """The counters of every HTB class of shaping point ``point`` (``"1:1"``: the
-        rate-limited class every packet through the point passes; with ``ack_first``
-        also ``"1:10"``, pure ACKs, and ``"1:11"``, everything else), read over
-        rtnetlink: no fork, ~15 us, so a sampler can read every point every few ms."""
-        place = self.spec.place(point)
-        try:
-            classes = self._rtnetlink(place.host, place.dev).class_counters(place.dev)
-        except OSError as e:
-            raise TcError(["tc", "-s", "class", "show", "dev", place.dev], e.errno or -1,
-                          f"netlink: {e}", self._dev_tc(place.host, place.dev).where) from e
-        out = {f"{c.classid >> 16:x}:{c.classid & 0xFFFF:x}": c for c in classes
-               if c.kind == "htb"}
-        if qdisc.CLASS_ID not in out:
-            raise SpecError(f"point {point!r}: {place.dev} has no htb class {qdisc.CLASS_ID} "
-                            f"(found {sorted(out)}); is it shaped?")
-        return out
+        """:meth:`topo.points.ShapedPoints.point_classes`: a point's HTB class counters."""
+        return self.points.point_classes(point)
 
     def bottleneck_stats(self, direction: Direction) -> QdiscStats:
         return self.point_stats(self._direction(direction))
 
     def qdisc_stats(self, host: str | None, dev: str) -> list[QdiscStats]:
         """Every qdisc on ``dev`` (in ``host``'s namespace, or the root one for None)."""
-        return qdisc.parse_tc_stats(self._dev_tc(host, dev).run(qdisc.stats_command(dev),
-                                                           echo=False))
+        return self.points.qdisc_stats(host, dev)
 
     def set_congestion_control(self, algo: str) -> None:
         """Set TCP congestion control in every host (the sysctl is per namespace)."""

@@ -15,13 +15,16 @@ import dataclasses
 import shlex
 import subprocess
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agents.core.config import ExperimentConfig
 from controller.exit_status import FAILED_START as EXIT_FAILED_START
 from controller.exit_status import USAGE as EXIT_USAGE
+
+if TYPE_CHECKING:
+    from controller.torchrun.experiment import TorchrunExperiment
 
 
 def split_script(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -44,10 +47,43 @@ def gpu_count() -> int:
 def torchrun_main(argv: Sequence[str]) -> int:
     from agents.core import config as cfgmod
     from controller.cli import _need_root, config_errors
-    from controller.paths import OutDirError, check_out_dir, load_config
+    from controller.paths import OutDirError, check_out_dir
+    from controller.roles import RoleError
     from controller.roles.torchrun import TorchrunError
+    from topo.qdisc import CapabilityError
+    from topo.spec import SpecError
 
     own, script = split_script(argv)
+    args = _parser().parse_args(own)
+    try:
+        cfg = _config(args, script)
+    except cfgmod.ConfigError as e:
+        config_errors("gradbed torchrun", e)
+        return EXIT_USAGE
+    if args.dry_run:
+        return _dry_run(cfg)
+    try:
+        # The script, the shape and the GPUs are checked before any folder is made.
+        gpus = _checked_gpus(cfg)
+        args.out = check_out_dir(args.out)
+    except (TorchrunError, SpecError, OutDirError) as e:
+        print(f"gradbed torchrun: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    _need_root("torchrun")
+    from controller.torchrun.experiment import TorchrunExperiment
+
+    try:
+        exp = TorchrunExperiment(cfg, out_root=args.out,
+                                 argv=["gradbed", "torchrun", *argv],
+                                 progress=not args.no_progress, gpus=gpus,
+                                 report=not args.no_report)
+    except (TorchrunError, SpecError, RoleError, CapabilityError) as e:
+        print(f"gradbed torchrun: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run(exp)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gradbed torchrun", usage="%(prog)s CONFIG [options] -- SCRIPT.py [ARGS]",
         description="Run an unmodified torch.distributed script with torchrun on every "
@@ -63,25 +99,26 @@ def torchrun_main(argv: Sequence[str]) -> int:
                     help="write no report/index.html (gradbed report RUN writes it later)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the network's commands and each host's torchrun; change nothing")
-    args = ap.parse_args(own)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        tr = cfg.torchrun
-        tr = dataclasses.replace(tr, script=script[0] if script else tr.script,
-                                 args=tuple(script[1:]) if script else tr.args,
-                                 python=args.python or tr.python)
-        cfg = cfgmod.from_dict({**cfg.to_dict(), "torchrun": dataclasses.asdict(tr)})
-    except cfgmod.ConfigError as e:
-        config_errors("gradbed torchrun", e)
-        return EXIT_USAGE
-    from controller.roles import RoleError
-    from controller.torchrun.experiment import TorchrunExperiment
-    from topo.qdisc import CapabilityError
-    from topo.spec import SpecError
+    return ap
 
-    if args.dry_run:
-        return _dry_run(cfg)
-    # The script, the shape and the GPUs are checked before any folder is made.
+
+def _config(args: argparse.Namespace, script: list[str]) -> ExperimentConfig:
+    """The config with the command line's script, its arguments and ``--python`` in its
+    ``[torchrun]`` section. Raises ConfigError."""
+    from agents.core import config as cfgmod
+    from controller.paths import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    tr = cfg.torchrun
+    tr = dataclasses.replace(tr, script=script[0] if script else tr.script,
+                             args=tuple(script[1:]) if script else tr.args,
+                             python=args.python or tr.python)
+    return cfgmod.from_dict({**cfg.to_dict(), "torchrun": dataclasses.asdict(tr)})
+
+
+def _checked_gpus(cfg: ExperimentConfig) -> int:
+    """The GPUs the run has (0 but for NCCL), once the script, the shaping, the shape and
+    the GPUs pass their checks. Raises TorchrunError or SpecError."""
     from controller.driver import check_driver
     from controller.roles.torchrun import (
         check_gpus,
@@ -92,44 +129,26 @@ def torchrun_main(argv: Sequence[str]) -> int:
     )
     from topo.shapes import shape_spec
 
-    try:
-        check_script(cfg.torchrun.script)
-        check_shaping(cfg)
-        spec = torchrun_spec(shape_spec(cfg))
-        check_driver(cfg, spec)
-        hosts = training_hosts(spec)
-        gpus = gpu_count() if cfg.torchrun.backend == "nccl" else 0
-        check_gpus(cfg, len(hosts), gpus)
-    except (TorchrunError, SpecError) as e:
-        print(f"gradbed torchrun: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        args.out = check_out_dir(args.out)
-    except OutDirError as e:
-        print(f"gradbed torchrun: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    _need_root("torchrun")
-    try:
-        exp = TorchrunExperiment(cfg, out_root=args.out,
-                                 argv=["gradbed", "torchrun", *argv],
-                                 progress=not args.no_progress, gpus=gpus,
-                                 report=not args.no_report)
-    except (TorchrunError, SpecError, RoleError, CapabilityError) as e:
-        print(f"gradbed torchrun: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    check_script(cfg.torchrun.script)
+    check_shaping(cfg)
+    spec = torchrun_spec(shape_spec(cfg))
+    check_driver(cfg, spec)
+    gpus = gpu_count() if cfg.torchrun.backend == "nccl" else 0
+    check_gpus(cfg, len(training_hosts(spec)), gpus)
+    return gpus
+
+
+def _run(exp: TorchrunExperiment) -> int:
+    """Run ``exp``; print how it ended and its directory; its exit status."""
+    import json
+
+    from controller.cli import tell_failure
+
     try:
         run_dir = exp.run()
     except Exception as e:
-        if exp.run_dir is None:
-            raise
-        with open(exp.run_dir / "run.log", "a", encoding="utf-8") as log:
-            log.write(traceback.format_exc())
-        print(f"gradbed torchrun: failed: {type(e).__name__}: {e}; see "
-              f"{exp.run_dir / 'run.log'}", file=sys.stderr)
-        print(exp.run_dir)
+        tell_failure("gradbed torchrun", exp, e)
         return EXIT_FAILED_START
-    import json
-
     summary = json.loads((run_dir / "summary.json").read_text())
     reason = summary.get("stop_reason", "")
     if reason != "completed":

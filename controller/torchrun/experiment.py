@@ -7,7 +7,8 @@ training host, and what only such a run needs around it:
 - the ranks' connections are sampled with sock_diag from the start (:mod:`.sockdiag`);
 - rank 0's output is shown live; a host whose torchrun fails ends the run naming the rank;
   a host whose connections move no bytes for ``torchrun.stall_s`` ends it too (one that
-  never connected is named as never reaching rendezvous / ``init_process_group``);
+  never connected is named as never reaching rendezvous / ``init_process_group``): the
+  wait and its stop reasons are :mod:`.wait`;
 - at the end: ``tcp.parquet`` (every sample of every connection), per-rank exit codes,
   the bytes proof (:mod:`.proof`), all in ``summary.json``'s ``torchrun`` section, and
   the variables and interpreter in ``meta.json``.
@@ -23,16 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import pandas as pd
 
 from agents.core import config as cfgmod
-from agents.core.events import now_ns
 from controller import run_as, rundir
-from controller.exit_status import failed_start_reason, timeout_reason
 from controller.roles import RoleCommand
 from controller.roles.torchrun import (
     HOST_ENV,
@@ -41,23 +39,19 @@ from controller.roles.torchrun import (
     check_gpus,
     check_script,
     check_shaping,
-    failure_time,
     rank_exit_codes,
     rank_plans,
     run_env,
     torchrun_spec,
     training_hosts,
 )
-from controller.run import SERVER_GRACE_S, Experiment
+from controller.run import Experiment
 from controller.runner import RoleRunner
 from controller.torchrun import proof
-from controller.torchrun.busy import BusyClock, tree_cpu_s
 from controller.torchrun.servers import (
-    SSH_FAILED,
     RankServers,
     ServerUser,
     ServerWatch,
-    failed_watch,
     forwarded_env,
     invoking_user_name,
     server_argv,
@@ -65,17 +59,13 @@ from controller.torchrun.servers import (
 )
 from controller.torchrun.sockdiag import ConnSampler, interface_bytes
 from controller.torchrun.stop import stop_trees
+from controller.torchrun.wait import RanksWait, ranks_text, read_log
 from controller.warm import WarmProcess, WarmStarter
 from topo.build import Network
 from topo.shapes import shape_spec
 from topo.spec import NetSpec
 
 STOP_GRACE_S = 5.0
-FAILURE_SETTLE_S = 1.0
-POLL_S = 0.1
-#: How often the CPU time of the hosts that have not reached init_process_group is read
-#: (one pass over /proc; .busy judges it per BUSY_WINDOW_S).
-CPU_READ_S = 0.25
 
 
 class TorchrunExperiment(Experiment):
@@ -101,8 +91,6 @@ class TorchrunExperiment(Experiment):
         self.plans: dict[str, RankPlan] = {}
         self.sampler: ConnSampler | None = None
         self.result: dict[str, Any] = {}
-        self.busy = BusyClock()
-        self._cpu_read_ns = 0
         # The training hosts of other servers (None: all here), their users there, and the
         # watch on each of those servers (controller.torchrun.servers).
         self._servers: RankServers | None = None
@@ -165,11 +153,9 @@ class TorchrunExperiment(Experiment):
             argv = [*user.argv(), *argv]  # or a fork of the user's warm process
         path = cmd.log_path(run_dir)
         # The terminal gets one short line; run.log the whole command with its variables.
-        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}")
-        if self._logf is not None:
-            self._logf.write(f"{time.strftime('%H:%M:%S')} $ "
-                             f"{' '.join(f'{k}={v}' for k, v in plan.env.items())} "
-                             f"{' '.join(argv)}  # in {cmd.host}\n")
+        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {ranks_text(plan)}")
+        self.log.note(f"$ {' '.join(f'{k}={v}' for k, v in plan.env.items())} "
+                      f"{' '.join(argv)}  # in {cmd.host}")
         with open(path, "ab") as log:
             proc = net.popen(cmd.host, argv, stdin=subprocess.DEVNULL, stdout=log,
                              stderr=subprocess.STDOUT, cwd=str(self.cwd), env=env,
@@ -198,11 +184,9 @@ class TorchrunExperiment(Experiment):
         server = self._servers.where[cmd.host]
         argv = server_argv(plan, str(self.cwd), self._servers.pid_file(cmd.host),
                            self._users.get(server), forwarded_env(os.environ))
-        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {self._ranks(cmd.host)}, "
+        self.say(f"start {cmd.host}: torchrun node {plan.node_rank}, {ranks_text(plan)}, "
                  f"on {server}")
-        if self._logf is not None:
-            self._logf.write(f"{time.strftime('%H:%M:%S')} $ {shlex.join(argv)}  "
-                             f"# in {cmd.host}, on {server}\n")
+        self.log.note(f"$ {shlex.join(argv)}  # in {cmd.host}, on {server}")
         path = cmd.log_path(run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab") as log:
@@ -260,7 +244,10 @@ class TorchrunExperiment(Experiment):
             assert self.driver is not None
             self.driver.start()
             runner.start_sessions(net)
-            reason = self._wait(runner)
+            wait = RanksWait(self.cfg, self.run_dir, self.plans, self.sampler,
+                             self._servers.where if self._servers is not None else {},
+                             self._watches, self._server_lost, self.say)
+            reason = wait([(c, p) for _, c, p in runner.procs])
             return reason
         finally:
             # Trace replay ends with the ranks, before the network goes (the base class
@@ -287,141 +274,6 @@ class TorchrunExperiment(Experiment):
             for f in [pool.submit(net.run, host, ["sh", "-c", " && ".join(map(shlex.join, cmds))])
                       for host, cmds in rules.items()]:
                 f.result()
-
-    def _wait(self, runner: RoleRunner) -> str:
-        """Until every host's torchrun has exited, one fails, one stalls, or the timeout."""
-        assert self.sampler is not None
-        tr = self.cfg.torchrun
-        procs = [(c, p) for _, c, p in runner.procs]
-        deadline = time.monotonic() + self.cfg.run.timeout_s
-        while True:
-            if lost := self._server_lost():
-                return self._stopping(lost)
-            if any(p.poll() not in (None, 0) for _, p in procs):
-                return self._lost_or(self._first_failure(procs), procs)
-            if all(p.poll() is not None for _, p in procs):
-                return "completed"
-            if time.monotonic() > deadline:
-                return timeout_reason(self.cfg.run.timeout_s)
-            now = now_ns()
-            self._watch_cpu(procs, now)
-            # A server's watch that ended early sends no more samples: like a local
-            # sampler that failed, it reads no bytes, and that is no stall.
-            self.sampler.error = self.sampler.error or failed_watch(self._watches)
-            running = [c.host for c, p in procs if p.poll() is None]
-            # Peers of a rank that has not called init_process_group wait in theirs: while
-            # one has not, only such ranks are judged, each once idle for stall_s. A
-            # sampler that failed reads no bytes: that is no stall (its error is in the
-            # summary's torchrun.sampler_error).
-            late = [h for h in running if not self._reached_init(h)]
-            stalled = [h for h in (late or running) if self.sampler.error is None
-                       and (now - self._last_progress_ns(h)) / 1e9 > tr.stall_s]
-            if stalled:
-                # The host that stopped reading (its peers' bytes wait unread in its
-                # sockets) is the stuck one, its peers wait on it; else the host idle
-                # longest, which stopped first.
-                sampler = self.sampler
-                host = min(stalled, key=lambda h: (sampler.unread_bytes(h) == 0,
-                                                   self._last_progress_ns(h)))
-                return self._lost_or(self._stalled(host, tr.stall_s), procs)
-            time.sleep(POLL_S)
-
-    def _stopping(self, lost: str) -> str:
-        self.say(f"{lost}: stopping")
-        return lost
-
-    def _lost_or(self, reason: str, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]]
-                 ) -> str:
-        """``reason``, or the loss of a server when that is what ended the run: a server
-        that dies takes its hosts' ssh sessions (status 255) and its watch with it, and
-        its control connection may end a moment after them (a busy machine), by when
-        the peers of its ranks may have failed too. Given SERVER_GRACE_S then."""
-        remote = self._servers.where if self._servers is not None else {}
-        signs = (any(p.poll() == SSH_FAILED for c, p in procs if c.host in remote)
-                 or any(w.failed for w in self._watches))
-        lost = wait_lost(self._server_lost, SERVER_GRACE_S) if signs else ""
-        return self._stopping(lost) if lost else reason
-
-    def _watch_cpu(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]],
-                   now: int) -> None:
-        """Feed the busy clock the CPU time of each host that has not reached
-        init_process_group (its torchrun and ranks), at most every CPU_READ_S."""
-        if now - self._cpu_read_ns < CPU_READ_S * 1e9:
-            return
-        self._cpu_read_ns = now
-        remote = self._servers.where if self._servers is not None else {}
-        late = {c.host: p.pid for c, p in procs
-                if p.poll() is None and not self._reached_init(c.host)}
-        roots = {h: pid for h, pid in late.items() if h not in remote}
-        if roots:  # once every rank trains, only bytes count
-            for host, cpu_s in tree_cpu_s(roots).items():
-                self.busy.update(host, cpu_s, now)
-        # A host of another server: its watch's latest reading of the tree there.
-        for w in self._watches:
-            for host, (cpu_s, ts) in list(w.cpu.items()):
-                if host in late:
-                    self.busy.update(host, cpu_s, ts)
-
-    def _last_progress_ns(self, host: str) -> int:
-        """When ``host`` last moved a byte to another host, or, until its ranks reached
-        init_process_group, last used CPU (importing torch is no stall: .busy)."""
-        moved = self.sampler.progress[host][1] if self.sampler is not None else 0
-        if self._reached_init(host):
-            return moved
-        return max(moved, self.busy.busy_since(host))
-
-    def _reached_init(self, host: str) -> bool:
-        """Whether every rank of ``host`` opened its store connection (init_process_group):
-        one client connection per rank besides torchrun's own."""
-        assert self.sampler is not None
-        return len(self.sampler.store_clients[host]) > self.cfg.torchrun.nproc_per_node
-
-    def _first_failure(self, procs: list[tuple[RoleCommand, subprocess.Popen[Any]]]) -> str:
-        """The stop reason naming the rank that failed first. Its peers fail right after
-        it (gloo: connection closed by peer), often within one poll: after a short wait,
-        the failure that torchrun's report dates first wins, and among those, a rank
-        whose own exit code is not the peers' 1."""
-        assert self.run_dir is not None
-        time.sleep(FAILURE_SETTLE_S)
-        found = []
-        for c, p in procs:
-            if p.poll() in (None, 0):
-                continue
-            text = _read(self.run_dir / "logs" / f"{c.host}.log")
-            codes = rank_exit_codes(self.plans[c.host], p.returncode, text)
-            for r, code in codes.items():
-                if code not in (0, None):
-                    found.append((failure_time(text, r), code == 1, r, code, c.host))
-            if not any(code not in (0, None) for code in codes.values()):
-                found.append(("~", True, self.plans[c.host].ranks[0], p.returncode, c.host))
-        _, _, rank, code, host = min(found)
-        return f"rank {rank} (host {host}) exited with status {code}; see logs/{host}.log"
-
-    def _ranks(self, host: str) -> str:
-        ranks = list(self.plans[host].ranks)
-        return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-    def _stalled(self, host: str, stall_s: float) -> str:
-        assert self.sampler is not None
-        named = f"host {host}"
-        if self._servers is not None and host in self._servers.where:
-            named += f" on {self._servers.where[host]}"  # its watch ran there
-        plan = self.plans[host]
-        env = " ".join(f"{k}={v}" for k, v in sorted(plan.env.items())
-                       if k.endswith("IFNAME") or k.startswith("NCCL"))
-        master = f"{self.plans[next(iter(self.plans))].ip}:{self.cfg.torchrun.port}"
-        if self.sampler.progress[host][0] == 0:
-            return failed_start_reason(
-                f"{self._ranks(host)} ({named}) never reached rendezvous: no "
-                    f"connection to another host in {stall_s:g} s (master {master}, {env}); "
-                    f"see logs/{host}.log")
-        if not self._reached_init(host):
-            return failed_start_reason(
-                f"{self._ranks(host)} ({named}) never reached init_process_group: "
-                    f"idle for {stall_s:g} s, no byte moved and no CPU used "
-                    f"(torchrun.stall_s; master {master}, {env}); see logs/{host}.log")
-        return (f"{self._ranks(host)} ({named}) stalled: its connections moved no bytes "
-                f"for {stall_s:g} s (torchrun.stall_s); see logs/{host}.log")
 
     def _stop_ranks(self, runner: RoleRunner) -> set[str]:
         """Every torchrun still running and every process under it stopped
@@ -474,7 +326,7 @@ class TorchrunExperiment(Experiment):
                                     {h: net.ip(h) for h in hosts}, self.cfg.torchrun.port)
         codes: dict[str, int | None] = {}
         for _, c, p in runner.procs:
-            log = _read(self.run_dir / "logs" / f"{c.host}.log")
+            log = read_log(self.run_dir / "logs" / f"{c.host}.log")
             status = -signal.SIGTERM if c.host in stopped else p.returncode
             for r, code in rank_exit_codes(self.plans[c.host], status, log).items():
                 codes[str(r)] = code
@@ -492,18 +344,14 @@ class TorchrunExperiment(Experiment):
             "bytes": proof.bytes_summary(per_host, iface, self.cfg.torchrun.nproc_per_node),
         }
 
-    def _finalize(self, run_dir: Path, sampler: Any, meta: dict[str, Any], wall_s: float,
-                  interrupted: bool, stop_reason: str) -> None:
+    def _write_record(self, run_dir: Path, sampler: Any, meta: dict[str, Any],
+                      wall_s: float, interrupted: bool, stop_reason: str) -> None:
+        """The record of every run, with the summary's and meta.json's ``torchrun``
+        sections (the report, written after, reads the hosts' table there)."""
         if self.result.get("bypass"):
             stop_reason = f"failed: {self.result['bypass']}"
             self.stop_reason = stop_reason  # the exit status follows it (status 1)
-        # The report reads the summary's torchrun section (the hosts' table): written once
-        # that section is in.
-        report, self.report = self.report, False
-        try:
-            super()._finalize(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
-        finally:
-            self.report = report
+        super()._write_record(run_dir, sampler, meta, wall_s, interrupted, stop_reason)
         self.result["exit_status"] = self.exit_status
         self.result["points_busy_utilization"] = points_busy(run_dir / "links.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -521,17 +369,6 @@ class TorchrunExperiment(Experiment):
                                "forked": self.forked.get(p.host, False)}
                       for p in self.plans.values()}}
         rundir.write_json(run_dir / "meta.json", meta_now)
-        if self.report:
-            self._write_report(run_dir)
-
-
-def wait_lost(server_lost: Callable[[], str], grace_s: float) -> str:
-    """What ``server_lost()`` says once it names a lost server, within ``grace_s``; ""
-    if it names none by then."""
-    deadline = time.monotonic() + grace_s
-    while not (lost := server_lost()) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    return lost
 
 
 def points_busy(links_path: Path) -> dict[str, float | None]:
@@ -582,13 +419,6 @@ def _intf(spec: NetSpec, host: str) -> str:
     from controller.roles.torchrun import interface
 
     return interface(spec, host)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 class _Tail(threading.Thread):

@@ -100,7 +100,7 @@ def test_the_summary_and_the_report_agree_on_one_run_directory(tmp_path) -> None
     cfg = tomllib.loads((run_dir / "config.toml").read_text())
     cfg["run"].update(target_accuracy=0.8, warmup_iterations=2)
     (run_dir / "config.toml").write_text(tomli_w.dumps(cfg))
-    # What the controller does when a run ends (controller/run.py _finalize).
+    # What the controller does when a run ends (controller/record.py write_record).
     summary = summarize(load_events(run_dir), pd.read_parquet(run_dir / "links.parquet"),
                         cfg, wall_s=12.0, interrupted=False, stop_reason="completed")
     (run_dir / "summary.json").write_text(json.dumps(summary))

@@ -421,7 +421,7 @@ def test_bytes_a_process_has_not_read_are_seen_and_name_the_stuck_host() -> None
 def test_a_lost_server_is_waited_for_only_its_grace() -> None:
     """After a failure that came with a sign of a dying server, its control connection
     is given the grace to end: its loss is then the reason; without it, "" in time."""
-    from controller.torchrun.experiment import wait_lost
+    from controller.run import wait_lost
 
     t0 = time.monotonic()
     assert wait_lost(lambda: "server lost: s2 (x)" if time.monotonic() - t0 > 0.3 else "",
