@@ -59,6 +59,7 @@ before the first attack to the end of the last.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -68,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ from controller.loopback.dp import (
     start_ps,
     start_worker,
 )
-from controller.loopback.slow_flood import tcp_flood, unix_flood
+from controller.loopback.flood import tcp_flood, unix_flood
 
 CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval_every=250",
          "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
@@ -347,9 +348,13 @@ def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: st
     return ok, f"exit {proc.returncode} {took_s:.1f} s after {sig.name}; stop_reason: {reason}"
 
 
-def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
+Case = Callable[[Path], tuple[bool, str]]
+
+
+def liveness_cases() -> dict[str, Case]:
     """A hung worker, a hung stage, a killed stage, a hung PS and a killed and a hung
-    pipeline PS, in real Mininet (root only)."""
+    pipeline PS, floods of the control socket and the PS, a dark downlink: in real Mininet
+    (root only; none otherwise)."""
     if os.geteuid() != 0:
         return {}
     stall = "run.stall_timeout_s=8"
@@ -358,34 +363,39 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
             "run.iterations=400", "run.timeout_s=300", stall]
     return {
         # Dropped after run.stall_timeout_s; the run completes without it (status 0).
-        "sigstopped_worker": _verdict(lambda t: _agent_fault(
+        "sigstopped_worker": lambda t: _agent_fault(
             t, "configs/test_tiny.toml", ["run.iterations=40", "run.timeout_s=240", stall],
             "ps_iter_done", "agents.dp.worker", ("--worker", "1"), signal.SIGSTOP, 0,
-            "completed"), tmp / "sigstop_worker"),
-        "sigstopped_stage": _verdict(lambda t: _agent_fault(
+            "completed"),
+        "sigstopped_stage": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
-            ("--stage", "0"), signal.SIGSTOP, 4, "no heartbeat"), tmp / "sigstop_stage"),
-        "killed_stage": _verdict(lambda t: _agent_fault(
+            ("--stage", "0"), signal.SIGSTOP, 4, "no heartbeat"),
+        "killed_stage": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
-            ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"), tmp / "kill_stage"),
+            ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"),
         # The PS of either kind: the run stops with 4, naming it; hung, it is found by its
         # silence on the control channel (its sockets stay open).
-        "sigstopped_ps": _verdict(lambda t: _agent_fault(
+        "sigstopped_ps": lambda t: _agent_fault(
             t, "configs/test_tiny.toml", ["run.iterations=100000", "run.timeout_s=240", stall],
             "ps_iter_done", "agents.dp.ps", (), signal.SIGSTOP, 4, "ps lost: no heartbeat"),
-            tmp / "sigstop_ps"),
-        "killed_pipeline_ps": _verdict(lambda t: _agent_fault(
+        "killed_pipeline_ps": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
             ("--auth", "stdin"), signal.SIGKILL, 4, "exited with status -9"),
-            tmp / "kill_pipeline_ps"),
-        "sigstopped_pipeline_ps": _verdict(lambda t: _agent_fault(
+        "sigstopped_pipeline_ps": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
             ("--auth", "stdin"), signal.SIGSTOP, 4, "lost: no heartbeat"),
-            tmp / "sigstop_pipeline_ps"),
-        "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
-        "ps_flood": _verdict(ps_flood, tmp / "ps_flood"),
-        "dark_30s_down": _verdict(lambda t: dark_stretch(t, "down"), tmp / "dark_down"),
+        "control_socket_flood": control_socket_flood,
+        "ps_flood": ps_flood,
+        "dark_30s_down": lambda t: dark_stretch(t, "down"),
     }
+
+
+def separate_cases() -> dict[str, Case]:
+    """Every case that runs on its own (not an attack on the shared attacked run), by
+    name: what ``--only`` may name."""
+    return {"poisoned_gradients": poison_run, "controller_death": controller_death,
+            "control_socket_injection": control_injection,
+            "flood_admission": flood_admission, **liveness_cases()}
 
 
 FLOOD_CONNECTIONS = 20_000
@@ -575,9 +585,39 @@ def root_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
     return v
 
 
+def _run_only(names: list[str], tmp: Path) -> None:
+    cases = separate_cases()
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        raise SystemExit(f"--only: no case {', '.join(unknown)}; the cases that run on "
+                         f"their own here: {', '.join(cases)}")
+    results = {}
+    for name in names:
+        log(name)
+        ok, why = _verdict(cases[name], tmp / name)
+        results[name] = {"survived": ok, "what_happened": why}
+        log(f"{name:28s} {'survived' if ok else 'FAILED':9s} {why[:110]}")
+    emit("robustness", sum(r["survived"] for r in results.values()),
+         "attacks and faults survived (--only: not the headline)",
+         f"= tried ({len(results)})", {"tried": len(results), "results": results,
+                                      "only": names})
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="CASE",
+                    help="run only these cases (those that run on their own: "
+                         "poisoned_gradients, flood_admission, ps_flood, ...), not the "
+                         "attacked run")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="robustness-"))
+    if args.only:
+        try:
+            _run_only(args.only, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     log("clean run")
     clean_dir, rc = run_loopback(tmp / "clean", CLEAN, timeout_s=300)
     if rc != 0:
@@ -592,17 +632,14 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {
         k: {"survived": ok and run_end[0] and identical, "what_happened": why}
                for k, (ok, why) in verdicts.items()}
+    log("bounded inputs, the lock, root and a user's files")
+    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root")}.items():
+        results[k] = {"survived": ok, "what_happened": why}
     # A case that breaks is a case not survived, with what broke it; the others still run.
-    for name, case in (("poisoned_gradients", poison_run), ("controller_death", controller_death),
-                       ("control_socket_injection", control_injection),
-                       ("flood_admission", flood_admission)):
+    for name, case in separate_cases().items():
         log(name)
         ok, why = _verdict(case, tmp / name)
         results[name] = {"survived": ok, "what_happened": why}
-    log("bounded inputs, the lock, root and a user's files")
-    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root"),
-                         **liveness_cases(tmp / "liveness")}.items():
-        results[k] = {"survived": ok, "what_happened": why}
     for k, r in results.items():
         log(f"{k:28s} {'survived' if r['survived'] else 'FAILED':9s} {r['what_happened'][:110]}")
     survived = sum(r["survived"] for r in results.values())

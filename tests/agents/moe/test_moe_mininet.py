@@ -21,7 +21,7 @@ from analysis.metrics import agent_limited_points, busiest_point_windows
 from tests.support.cpu_cap import assert_agent_limited, capped_run, cpu_cap_kind
 from tests.support.mininet_run import (
     REPO,
-    churn_flood_from,
+    flood_from,
     leftovers,
     start_run,
     summary,
@@ -47,7 +47,7 @@ FLOODER_IP, HOST1_IP = "10.0.0.10", "10.0.0.11"
 
 def test_expert_hosts_train_on_the_fabric(tmp_path: Path) -> None:
     port = cfgmod.load(REPO / "configs" / "moe.toml").net.port
-    with churn_flood_from("gbh0", lambda: start_run("configs/moe.toml", [
+    with flood_from("gbh0", lambda: start_run("configs/moe.toml", [
             f"run.iterations={ITERATIONS}", "net.worker_link_mbps=100", "moe.eval_every=1000",
             *FLOOD_GUARD], tmp_path), (HOST1_IP, port), FLOOD) as (proc, _):
         out, err = proc.communicate(timeout=240)

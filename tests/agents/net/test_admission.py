@@ -345,8 +345,9 @@ LOG_FLOOD = ["--slow", "4", "--churn-per-s", "500"]
 
 
 def _flood_agent(source: str, port: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "controller.loopback.churn_flood",
-                             "127.0.0.1", str(port), "--source", source, *LOG_FLOOD],
+    return subprocess.Popen([sys.executable, "-m", "controller.loopback.flood",
+                             f"127.0.0.1:{port}", "--probe", "--source", source,
+                             *LOG_FLOOD],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
