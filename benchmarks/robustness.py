@@ -41,7 +41,10 @@ real run's control socket; the run must complete and its median iteration time s
 within 1.2x of a clean run's, run just before it on the same machine; ``ps_flood``: the
 same against the PS's TCP listener, from a background host of the emulated network (one
 host, 20,000 slow connections from two processes), and the PS's event log may grow by at
-most 1 MiB a minute; ``dark_30s_down``: the downlink goes dark for 30 s (three times the
+most 1 MiB a minute; ``stage_flood`` and ``pipeline_ps_flood``: the same at a 2-stage
+pipeline on the fabric, at stage 1's listener and at the pipeline's PS, from a keyless
+address of the fabric (a second address on another pipeline host's interface: the fabric
+has no host outside the pipeline), the median step time within 1.2x; ``dark_30s_down``: the downlink goes dark for 30 s (three times the
 default ``run.stall_timeout_s``) and the run must complete with nobody lost and no step in
 the dark.
 
@@ -65,6 +68,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -386,6 +390,8 @@ def liveness_cases() -> dict[str, Case]:
             ("--auth", "stdin"), signal.SIGSTOP, 4, "lost: no heartbeat"),
         "control_socket_flood": control_socket_flood,
         "ps_flood": ps_flood,
+        "stage_flood": lambda t: pipeline_flood(t, "stage"),
+        "pipeline_ps_flood": lambda t: pipeline_flood(t, "ps"),
         "dark_30s_down": lambda t: dark_stretch(t, "down"),
     }
 
@@ -481,6 +487,58 @@ def ps_flood(tmp: Path) -> tuple[bool, str]:
     return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
                 f"{flood.opened} connections opened, {refused} refused at the PS; "
                 f"ps.jsonl {log_per_min / 1024:.0f} KiB a minute over {flooded_s:.0f} s")
+
+
+#: A keyless host's address on the fabric, which has no host outside the pipeline: carried
+#: by a pipeline host's interface as a second address (the fabric is one switch, so the
+#: target's kernel reaches it by ARP like any host), it is a stranger to every listener.
+FABRIC_STRANGER = "10.0.0.99"
+PIPE_FLOOD = ["pipeline.stages=2", "topo.hosts=3", "pipeline.schedule='gpipe'",
+              "run.iterations=600", "run.timeout_s=300"]
+
+
+def _median_step_s(run_dir: Path) -> float:
+    """The median ``step_s`` of every stage's ``pp_step_done``."""
+    steps = [float(e["step_s"]) for p in (run_dir / "events").glob("*.jsonl")
+             for e in read_jsonl(p) if e.get("event") == "pp_step_done"]
+    if not steps:
+        raise RuntimeError(f"no pp_step_done in {run_dir}")
+    return statistics.median(steps)
+
+
+def pipeline_flood(tmp: Path, target: str) -> tuple[bool, str]:
+    """A clean 2-stage pipeline run on the fabric, then the same run while a keyless host
+    (FABRIC_STRANGER, on the interface of a host that is not the target's) keeps
+    FLOOD_CONNECTIONS slow connections at ``target``: ``"stage"``, stage 1's listener
+    (its upstream neighbour dials it as its first act), or ``"ps"``, the pipeline's PS
+    (every stage dials it). The run must complete and its median step time stay within
+    FLOOD_SLOWDOWN of the clean run's. Real Mininet (``gradbed run``), root only."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    clean = _gradbed_run("configs/pipeline.toml", PIPE_FLOOD, tmp / "clean")
+    clean.communicate(timeout=600)
+    if clean.returncode != 0:
+        raise RuntimeError(f"the clean run exited {clean.returncode}")
+    (clean_dir,) = (tmp / "clean").glob("*/")
+    proc = _gradbed_run("configs/pipeline.toml", PIPE_FLOOD, tmp / "flooded")
+    with _ended(proc):
+        run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
+        hosts = json.loads((run_dir / "network.json").read_text())["hosts"]
+        port = 5000 + (1 if target == "stage" else 0)  # configs/pipeline.toml's net.port
+        victim, carrier = ("gbh1", "gbh2") if target == "stage" else ("gbh2", "gbh0")
+        pid = _host_pid(carrier)
+        subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "addr", "add",
+                        f"{FABRIC_STRANGER}/32", "dev", f"{carrier}-eth0"], check=True)
+        with tcp_flood(hosts[victim]["ip"], port, netns_pid=pid, source=FABRIC_STRANGER,
+                       processes=2, per_process=FLOOD_CONNECTIONS // 2) as flood:
+            proc.communicate(timeout=600)
+    refused = [e for p in (run_dir / "events").glob("*.jsonl") for e in read_jsonl(p)
+               if e.get("event") == "refused" and e.get("source") == FABRIC_STRANGER]
+    ratio = _median_step_s(run_dir) / _median_step_s(clean_dir)
+    ok = (proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN
+          and flood.opened >= FLOOD_CONNECTIONS)
+    return ok, (f"exit {proc.returncode}; median step {ratio:.2f}x the clean run's; "
+                f"{flood.opened} connections opened at {victim}:{port}, "
+                f"{sum(int(e['count']) for e in refused)} refused by its agent")
 
 
 def dark_stretch(tmp: Path, direction: str) -> tuple[bool, str]:

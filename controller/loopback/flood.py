@@ -307,16 +307,17 @@ def unix_flood(path: Path, *, processes: int, per_process: int, trickle_s: float
 
 
 @contextmanager
-def tcp_flood(ip: str, port: int, *, netns_pid: int | None = None, processes: int = 1,
-              per_process: int, trickle_s: float = 1.0, seconds: float = 600.0,
-              ready_s: float = 60.0) -> Iterator[Flood]:
+def tcp_flood(ip: str, port: int, *, netns_pid: int | None = None, source: str = "",
+              processes: int = 1, per_process: int, trickle_s: float = 1.0,
+              seconds: float = 600.0, ready_s: float = 60.0) -> Iterator[Flood]:
     """As :func:`unix_flood`, against the TCP listener ``ip:port``, from the network
     namespace of process ``netns_pid`` (an emulated host's: the flood comes from its
-    address), or from this one's; each process binds its connections to ports of its own
-    slice of :data:`FLOOD_PORTS`."""
+    address, or from ``source``, one of its addresses), or from this one's; each process
+    binds its connections to ports of its own slice of :data:`FLOOD_PORTS`."""
     lo, hi = FLOOD_PORTS
     span = (hi - lo) // processes
     netns = ["--netns-pid", str(netns_pid)] if netns_pid is not None else []
+    netns += ["--source", source] if source else []
     args = [[f"{ip}:{port}", "--slow", str(per_process), f"--trickle-s={trickle_s}",
              f"--seconds={seconds}", f"--ports={lo + i * span}-{lo + (i + 1) * span}",
              *netns] for i in range(processes)]
