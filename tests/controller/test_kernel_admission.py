@@ -101,12 +101,16 @@ _KNOCK = textwrap.dedent("""
             s = socket.socket(); s.bind((source, 0)); s.setblocking(False)
             s.connect_ex(("127.0.0.1", port)); out.append(s)
         return out
-    socks = {"src": knock(src, n), "other": knock(other, 1)}
+    t0 = time.monotonic()
+    socks = {"src": knock(src, n)}
+    knock_s = time.monotonic() - t0
+    socks["other"] = knock(other, 1)
     time.sleep(wait_s)
     def connected(s):
         _, w, _ = select.select([], [s], [], 0)
         return bool(w) and s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
-    print(json.dumps({k: sum(map(connected, v)) for k, v in socks.items()}))
+    print(json.dumps({**{k: sum(map(connected, v)) for k, v in socks.items()},
+                      "knock_s": knock_s}))
 """)
 
 
@@ -135,7 +139,9 @@ def netns() -> Iterator[_Netns]:
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
-def _knock(ns: _Netns, port: int, n: int) -> dict[str, int]:
+def _knock(ns: _Netns, port: int, n: int) -> dict[str, float]:
+    """How many of ``n`` attempts from one address and of one from another connected, and
+    how long the ``n`` took to send (``knock_s``)."""
     out = ns.run("h", [sys.executable, "-c", _KNOCK, str(port), "127.0.0.2", str(n),
                        "127.0.0.3", "0.5"]).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -148,7 +154,8 @@ def test_the_kernel_drops_a_sources_surplus_and_lets_another_in(netns: _Netns):
     cap = 4 + kernel_admission.AUTHENTICATED_PER_SOURCE
     # 30 attempts from one address: the first `cap` connect, the rest are dropped (their
     # SYNs wait for a retransmit); another address still gets in.
-    assert _knock(netns, 7100, 30) == {"src": cap, "other": 1}
+    got = _knock(netns, 7100, 30)
+    assert (got["src"], got["other"]) == (cap, 1), got
     assert len(said) == 2 and all(x.endswith("# in h") for x in said)  # run.log's lines
 
 
@@ -156,7 +163,9 @@ def test_the_kernel_holds_a_source_to_its_connections_a_second(netns: _Netns):
     guard = GuardConfig(max_handshakes_per_source=1000, max_handshakes=1000,
                         max_connects_per_source_per_s=5)
     kernel_admission.install(netns, "h", [7200], guard, lambda _: None)
-    assert _knock(netns, 7200, 30) == {"src": 5, "other": 1}
+    got = _knock(netns, 7200, 30)
+    # The bucket of 5 refills at 5 a second: a loaded machine may take a while to send 30.
+    assert 5 <= got["src"] <= 5 + int(got["knock_s"] * 5) and got["other"] == 1, got
 
 
 def test_a_kernel_that_refuses_the_rules_is_named_with_the_way_out():
