@@ -41,7 +41,10 @@ real run's control socket; the run must complete and its median iteration time s
 within 1.2x of a clean run's, run just before it on the same machine; ``ps_flood``: the
 same against the PS's TCP listener, from a background host of the emulated network (one
 host, 20,000 slow connections from two processes), and the PS's event log may grow by at
-most 1 MiB a minute; ``dark_30s_down``: the downlink goes dark for 30 s (three times the
+most 1 MiB a minute; ``stage_flood`` and ``pipeline_ps_flood``: the same at a 2-stage
+pipeline on the fabric, at stage 1's listener and at the pipeline's PS, from a keyless
+address of the fabric (a second address on another pipeline host's interface: the fabric
+has no host outside the pipeline), the median step time within 1.2x; ``dark_30s_down``: the downlink goes dark for 30 s (three times the
 default ``run.stall_timeout_s``) and the run must complete with nobody lost and no step in
 the dark.
 
@@ -59,16 +62,18 @@ before the first attack to the end of the last.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -89,7 +94,7 @@ from controller.loopback.dp import (
     start_ps,
     start_worker,
 )
-from controller.loopback.slow_flood import tcp_flood, unix_flood
+from controller.loopback.flood import tcp_flood, unix_flood
 
 CLEAN = ["net.workers=2", "workload.hidden=32", "run.iterations=1000", "run.eval_every=250",
          "compress.name=none", "run.seed=11", "guard.handshake_timeout_s=2",
@@ -347,9 +352,13 @@ def _agent_fault(tmp: Path, config: str, sets: list[str], event: str, module: st
     return ok, f"exit {proc.returncode} {took_s:.1f} s after {sig.name}; stop_reason: {reason}"
 
 
-def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
+Case = Callable[[Path], tuple[bool, str]]
+
+
+def liveness_cases() -> dict[str, Case]:
     """A hung worker, a hung stage, a killed stage, a hung PS and a killed and a hung
-    pipeline PS, in real Mininet (root only)."""
+    pipeline PS, floods of the control socket and the PS, a dark downlink: in real Mininet
+    (root only; none otherwise)."""
     if os.geteuid() != 0:
         return {}
     stall = "run.stall_timeout_s=8"
@@ -358,34 +367,41 @@ def liveness_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
             "run.iterations=400", "run.timeout_s=300", stall]
     return {
         # Dropped after run.stall_timeout_s; the run completes without it (status 0).
-        "sigstopped_worker": _verdict(lambda t: _agent_fault(
+        "sigstopped_worker": lambda t: _agent_fault(
             t, "configs/test_tiny.toml", ["run.iterations=40", "run.timeout_s=240", stall],
             "ps_iter_done", "agents.dp.worker", ("--worker", "1"), signal.SIGSTOP, 0,
-            "completed"), tmp / "sigstop_worker"),
-        "sigstopped_stage": _verdict(lambda t: _agent_fault(
+            "completed"),
+        "sigstopped_stage": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
-            ("--stage", "0"), signal.SIGSTOP, 4, "no heartbeat"), tmp / "sigstop_stage"),
-        "killed_stage": _verdict(lambda t: _agent_fault(
+            ("--stage", "0"), signal.SIGSTOP, 4, "no heartbeat"),
+        "killed_stage": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage",
-            ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"), tmp / "kill_stage"),
+            ("--stage", "1"), signal.SIGKILL, 4, "exited with status -9"),
         # The PS of either kind: the run stops with 4, naming it; hung, it is found by its
         # silence on the control channel (its sockets stay open).
-        "sigstopped_ps": _verdict(lambda t: _agent_fault(
+        "sigstopped_ps": lambda t: _agent_fault(
             t, "configs/test_tiny.toml", ["run.iterations=100000", "run.timeout_s=240", stall],
             "ps_iter_done", "agents.dp.ps", (), signal.SIGSTOP, 4, "ps lost: no heartbeat"),
-            tmp / "sigstop_ps"),
-        "killed_pipeline_ps": _verdict(lambda t: _agent_fault(
+        "killed_pipeline_ps": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
             ("--auth", "stdin"), signal.SIGKILL, 4, "exited with status -9"),
-            tmp / "kill_pipeline_ps"),
-        "sigstopped_pipeline_ps": _verdict(lambda t: _agent_fault(
+        "sigstopped_pipeline_ps": lambda t: _agent_fault(
             t, "configs/pipeline.toml", pipe, "pp_step_done", "agents.pipeline.stage_ps",
             ("--auth", "stdin"), signal.SIGSTOP, 4, "lost: no heartbeat"),
-            tmp / "sigstop_pipeline_ps"),
-        "control_socket_flood": _verdict(control_socket_flood, tmp / "control_flood"),
-        "ps_flood": _verdict(ps_flood, tmp / "ps_flood"),
-        "dark_30s_down": _verdict(lambda t: dark_stretch(t, "down"), tmp / "dark_down"),
+        "control_socket_flood": control_socket_flood,
+        "ps_flood": ps_flood,
+        "stage_flood": lambda t: pipeline_flood(t, "stage"),
+        "pipeline_ps_flood": lambda t: pipeline_flood(t, "ps"),
+        "dark_30s_down": lambda t: dark_stretch(t, "down"),
     }
+
+
+def separate_cases() -> dict[str, Case]:
+    """Every case that runs on its own (not an attack on the shared attacked run), by
+    name: what ``--only`` may name."""
+    return {"poisoned_gradients": poison_run, "controller_death": controller_death,
+            "control_socket_injection": control_injection,
+            "flood_admission": flood_admission, **liveness_cases()}
 
 
 FLOOD_CONNECTIONS = 20_000
@@ -471,6 +487,58 @@ def ps_flood(tmp: Path) -> tuple[bool, str]:
     return ok, (f"exit {proc.returncode}; median iteration {ratio:.2f}x the clean run's; "
                 f"{flood.opened} connections opened, {refused} refused at the PS; "
                 f"ps.jsonl {log_per_min / 1024:.0f} KiB a minute over {flooded_s:.0f} s")
+
+
+#: A keyless host's address on the fabric, which has no host outside the pipeline: carried
+#: by a pipeline host's interface as a second address (the fabric is one switch, so the
+#: target's kernel reaches it by ARP like any host), it is a stranger to every listener.
+FABRIC_STRANGER = "10.0.0.99"
+PIPE_FLOOD = ["pipeline.stages=2", "topo.hosts=3", "pipeline.schedule='gpipe'",
+              "run.iterations=600", "run.timeout_s=300"]
+
+
+def _median_step_s(run_dir: Path) -> float:
+    """The median ``step_s`` of every stage's ``pp_step_done``."""
+    steps = [float(e["step_s"]) for p in (run_dir / "events").glob("*.jsonl")
+             for e in read_jsonl(p) if e.get("event") == "pp_step_done"]
+    if not steps:
+        raise RuntimeError(f"no pp_step_done in {run_dir}")
+    return statistics.median(steps)
+
+
+def pipeline_flood(tmp: Path, target: str) -> tuple[bool, str]:
+    """A clean 2-stage pipeline run on the fabric, then the same run while a keyless host
+    (FABRIC_STRANGER, on the interface of a host that is not the target's) keeps
+    FLOOD_CONNECTIONS slow connections at ``target``: ``"stage"``, stage 1's listener
+    (its upstream neighbour dials it as its first act), or ``"ps"``, the pipeline's PS
+    (every stage dials it). The run must complete and its median step time stay within
+    FLOOD_SLOWDOWN of the clean run's. Real Mininet (``gradbed run``), root only."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    clean = _gradbed_run("configs/pipeline.toml", PIPE_FLOOD, tmp / "clean")
+    clean.communicate(timeout=600)
+    if clean.returncode != 0:
+        raise RuntimeError(f"the clean run exited {clean.returncode}")
+    (clean_dir,) = (tmp / "clean").glob("*/")
+    proc = _gradbed_run("configs/pipeline.toml", PIPE_FLOOD, tmp / "flooded")
+    with _ended(proc):
+        run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
+        hosts = json.loads((run_dir / "network.json").read_text())["hosts"]
+        port = 5000 + (1 if target == "stage" else 0)  # configs/pipeline.toml's net.port
+        victim, carrier = ("gbh1", "gbh2") if target == "stage" else ("gbh2", "gbh0")
+        pid = _host_pid(carrier)
+        subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "addr", "add",
+                        f"{FABRIC_STRANGER}/32", "dev", f"{carrier}-eth0"], check=True)
+        with tcp_flood(hosts[victim]["ip"], port, netns_pid=pid, source=FABRIC_STRANGER,
+                       processes=2, per_process=FLOOD_CONNECTIONS // 2) as flood:
+            proc.communicate(timeout=600)
+    refused = [e for p in (run_dir / "events").glob("*.jsonl") for e in read_jsonl(p)
+               if e.get("event") == "refused" and e.get("source") == FABRIC_STRANGER]
+    ratio = _median_step_s(run_dir) / _median_step_s(clean_dir)
+    ok = (proc.returncode == 0 and ratio <= FLOOD_SLOWDOWN
+          and flood.opened >= FLOOD_CONNECTIONS)
+    return ok, (f"exit {proc.returncode}; median step {ratio:.2f}x the clean run's; "
+                f"{flood.opened} connections opened at {victim}:{port}, "
+                f"{sum(int(e['count']) for e in refused)} refused by its agent")
 
 
 def dark_stretch(tmp: Path, direction: str) -> tuple[bool, str]:
@@ -575,9 +643,39 @@ def root_cases(tmp: Path) -> dict[str, tuple[bool, str]]:
     return v
 
 
+def _run_only(names: list[str], tmp: Path) -> None:
+    cases = separate_cases()
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        raise SystemExit(f"--only: no case {', '.join(unknown)}; the cases that run on "
+                         f"their own here: {', '.join(cases)}")
+    results = {}
+    for name in names:
+        log(name)
+        ok, why = _verdict(cases[name], tmp / name)
+        results[name] = {"survived": ok, "what_happened": why}
+        log(f"{name:28s} {'survived' if ok else 'FAILED':9s} {why[:110]}")
+    emit("robustness", sum(r["survived"] for r in results.values()),
+         "attacks and faults survived (--only: not the headline)",
+         f"= tried ({len(results)})", {"tried": len(results), "results": results,
+                                      "only": names})
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="CASE",
+                    help="run only these cases (those that run on their own: "
+                         "poisoned_gradients, flood_admission, ps_flood, ...), not the "
+                         "attacked run")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="robustness-"))
+    if args.only:
+        try:
+            _run_only(args.only, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     log("clean run")
     clean_dir, rc = run_loopback(tmp / "clean", CLEAN, timeout_s=300)
     if rc != 0:
@@ -592,17 +690,14 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {
         k: {"survived": ok and run_end[0] and identical, "what_happened": why}
                for k, (ok, why) in verdicts.items()}
+    log("bounded inputs, the lock, root and a user's files")
+    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root")}.items():
+        results[k] = {"survived": ok, "what_happened": why}
     # A case that breaks is a case not survived, with what broke it; the others still run.
-    for name, case in (("poisoned_gradients", poison_run), ("controller_death", controller_death),
-                       ("control_socket_injection", control_injection),
-                       ("flood_admission", flood_admission)):
+    for name, case in separate_cases().items():
         log(name)
         ok, why = _verdict(case, tmp / name)
         results[name] = {"survived": ok, "what_happened": why}
-    log("bounded inputs, the lock, root and a user's files")
-    for k, (ok, why) in {**bounded_inputs(tmp / "inputs"), **root_cases(tmp / "root"),
-                         **liveness_cases(tmp / "liveness")}.items():
-        results[k] = {"survived": ok, "what_happened": why}
     for k, r in results.items():
         log(f"{k:28s} {'survived' if r['survived'] else 'FAILED':9s} {r['what_happened'][:110]}")
     survived = sum(r["survived"] for r in results.values())

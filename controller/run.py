@@ -26,7 +26,7 @@ from agents.core.events import EventLog, now_ns
 from agents.core.links import LINK_COLUMNS
 from agents.net import auth
 from agents.net.control import control_path
-from controller import rundir
+from controller import kernel_admission, rundir
 from controller.agent_env import agent_environment
 from controller.class_sampler import ClassSampler, class_sample_ms
 from controller.control import ControlServer, pid_source
@@ -88,6 +88,7 @@ def plan_commands(cfg: cfgmod.ExperimentConfig, caps: dict[str, Any],
     out += describe_impairments(spec, caps)
     ctx = RoleContext(cfg, spec, Path("RUN"))
     for role, c in role_commands(ctx):
+        out += kernel_admission.describe(c.host, c.listens, cfg.guard)
         out.append(f"$ {' '.join(c.argv)}   # in {c.host}, role {role.name}")
     for p in spec.places():
         if p.point.trace:
@@ -473,6 +474,8 @@ class Experiment:
         path = cmd.log_path(run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         env = agent_environment(os.environ, str(rundir.REPO_ROOT), self.cfg.run.allocator)
+        # Before it listens: a flood's surplus is the kernel's to drop, not the agent's.
+        kernel_admission.install(net, cmd.host, cmd.listens, self.cfg.guard, self.say)
         self.say(f"start {cmd.host}: {' '.join(cmd.argv)}")
         argv = list(cmd.argv)
         if self._remote is not None and self._remote.is_remote(cmd.host):

@@ -9,7 +9,8 @@ socket (``agents.net.admission``): a whole handshake within ``handshake_timeout_
 most ``max_handshakes_per_source`` at once from one address and ``max_handshakes`` in
 all (each expected agent's host keeps one slot of its own beyond those), at most
 ``max_connects_per_source_per_s`` new connections a second from one address, and one
-``refused`` event per (source, reason) per ``refusal_report_interval_s``.
+``refused`` event per (source, reason) per ``refusal_report_interval_s``. With
+``kernel_admission`` the per-source bounds are enforced in the listening host's kernel too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class GuardConfig:
     # longer, fewer events (a flood's log grows by a line per source and reason per
     # interval); shorter, finer timing of a flood in the events.
     refusal_report_interval_s: float = 1.0
+    # The per-source bounds above, enforced by netfilter too in each listening agent's
+    # host (controller.kernel_admission): a flood's surplus is dropped by the kernel
+    # instead of accepted and closed by the agent. false: the agents' checks alone (a
+    # kernel without xt_connlimit or xt_hashlimit).
+    kernel_admission: bool = True
 
     def validate(self, p: str) -> None:
         check(math.isfinite(self.max_abs_grad) and self.max_abs_grad >= 0,
@@ -56,3 +62,5 @@ class GuardConfig:
               and 0 < self.refusal_report_interval_s <= 3600,
               f"{p}.refusal_report_interval_s", self.refusal_report_interval_s,
               "must be in (0, 3600] seconds")
+        check(isinstance(self.kernel_admission, bool), f"{p}.kernel_admission",
+              self.kernel_admission, "must be true or false")

@@ -5,9 +5,9 @@ What the loopback tests and the benchmarks that need no network (``benchmarks/ro
 ``benchmarks/pipeline.py``) share: :mod:`controller.loopback.dp` (a PS and its workers, the
 handshake by hand), :mod:`controller.loopback.pipeline` (pipeline stages, their PS and
 one-process references), :mod:`controller.loopback.hostile` (peers that misbehave on
-purpose), the two flooders, processes of their own that a test may also start inside an
-emulated host (:mod:`controller.loopback.slow_flood`: thousands of slow connections;
-:mod:`controller.loopback.churn_flood`: a listener's slots from its first accept and
-connections that each cost a refusal) and :mod:`controller.warm` (agent processes forked
+purpose), the flooder, a process of its own that a test may also start inside an emulated
+host (:mod:`controller.loopback.flood`: slow connections that hold a listener's slots,
+thousands of them from several processes, and connections that each cost a refusal) and
+:mod:`controller.warm` (agent processes forked
 from one warm interpreter, so each starts in milliseconds).
 """

@@ -46,13 +46,16 @@ class RoleCommand:
     ``(mesh, its name there, the peer's name)``; the runner hands it those links' pair
     keys on its stdin, and no others (:func:`agents.net.auth.bundle_for`). ``agent``:
     what the process is where that is not the role's name (the pipeline's PS runs under
-    the stage role), as an ``agent_lost`` event names it."""
+    the stage role), as an ``agent_lost`` event names it. ``listens``: the TCP ports it
+    accepts peers on through the handshake driver, where a keyless host may knock; the
+    kernel caps each source's connections there too (:mod:`controller.kernel_admission`)."""
 
     host: str
     argv: tuple[str, ...]
     log: str = ""
     links: tuple[tuple[str, str, str], ...] = ()
     agent: str = ""
+    listens: tuple[int, ...] = ()
 
     def log_path(self, run_dir: Path) -> Path:
         return run_dir / (self.log or f"logs/{self.host}.log")

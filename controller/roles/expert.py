@@ -23,7 +23,8 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
                                  "--auth", "stdin"),
                         # The key of its link to every other expert host (agents.net.link).
                         links=tuple(("expert", f"e{h.rank}", f"e{j}")
-                                    for j in range(m.hosts) if j != h.rank))
+                                    for j in range(m.hosts) if j != h.rank),
+                        listens=(ctx.cfg.net.port,))
             for h in hosts]
 
 

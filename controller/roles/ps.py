@@ -15,7 +15,7 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     expect = [a for h in ctx.spec.hosts if h.role == "worker" and h.ip
               for a in ("--expect", h.ip)]
     return [RoleCommand(h.name, (ctx.python, "-m", "agents.dp.ps", "--run-dir",
-                                 str(ctx.run_dir), *expect))
+                                 str(ctx.run_dir), *expect), listens=(ctx.cfg.net.port,))
             for h in hosts]
 
 

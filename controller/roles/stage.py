@@ -33,7 +33,8 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
     out = [RoleCommand(ps.name, (ctx.python, "-m", "agents.pipeline.stage_ps", "--run-dir",
                                  str(ctx.run_dir), "--port", str(ctx.cfg.net.port),
                                  "--auth", "stdin", *expect),
-                       links=tuple(stage_ps_links(p, d)), agent="stage_ps")]
+                       links=tuple(stage_ps_links(p, d)), agent="stage_ps",
+                       listens=(ctx.cfg.net.port,))]
     for h in ranked[:p * d]:
         r, s = divmod(h.rank, p)
         peers = ",".join(f"{ranked[r * p + i].ip}:{ctx.cfg.net.port + i}" for i in range(p))
@@ -42,7 +43,7 @@ def commands(ctx: RoleContext, hosts: Sequence[HostSpec]) -> list[RoleCommand]:
             "--replica", str(r), "--peers", peers, "--auth", "stdin",
             "--ps", f"{ps.ip}:{ctx.cfg.net.port}"),
             # The keys of the links this stage is an end of, on its stdin (agents.net.link).
-            links=tuple(stage_links(r, s, p, d))))
+            links=tuple(stage_links(r, s, p, d)), listens=(ctx.cfg.net.port + s,)))
     return out
 
 

@@ -179,10 +179,10 @@ def host_shell_pid(host: str, run: subprocess.Popen[str], timeout_s: float = 600
 
 
 @contextmanager
-def churn_flood_from(host: str, start: Callable[[], subprocess.Popen[str]],
+def flood_from(host: str, start: Callable[[], subprocess.Popen[str]],
                    target: tuple[str, int], args: list[str]
                    ) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
-    """``controller.loopback.churn_flood`` against ``target`` from inside ``host`` (from its
+    """``controller.loopback.flood`` against ``target`` from inside ``host`` (from its
     address, across the fabric) of the ``gradbed run`` that ``start`` starts: the flooder
     is started first and enters the host's namespace the moment the host exists, before
     the run's agents. Yields the run's process and a dict that gets what the flooder
@@ -191,7 +191,7 @@ def churn_flood_from(host: str, start: Callable[[], subprocess.Popen[str]],
     # agents of this one machine would otherwise take from it (at a load of 7, a process
     # woken every millisecond may wait tens of them for a core).
     flooder = subprocess.Popen(
-        [sys.executable, "-m", "controller.loopback.churn_flood", target[0], str(target[1]),
+        [sys.executable, "-m", "controller.loopback.flood", f"{target[0]}:{target[1]}", "--probe",
          "--netns-pid-stdin", *args],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, preexec_fn=lambda: os.nice(-10))

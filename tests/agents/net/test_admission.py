@@ -6,6 +6,7 @@ join and train."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -345,8 +346,9 @@ LOG_FLOOD = ["--slow", "4", "--churn-per-s", "500"]
 
 
 def _flood_agent(source: str, port: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "controller.loopback.churn_flood",
-                             "127.0.0.1", str(port), "--source", source, *LOG_FLOOD],
+    return subprocess.Popen([sys.executable, "-m", "controller.loopback.flood",
+                             f"127.0.0.1:{port}", "--probe", "--source", source,
+                             *LOG_FLOOD],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
@@ -406,3 +408,80 @@ def test_a_flood_grows_an_agents_logs_by_less_than_a_megabyte_a_minute(tmp_path:
         unaggregated = inside / took_s * 60 * min(n for n, _ in refused)
         assert unaggregated > 2 * LOG_BOUND_BYTES_PER_MIN, (a, inside, took_s)
         assert per_min <= LOG_BOUND_BYTES_PER_MIN, (a, per_min, inside, took_s)
+
+
+# -- the bound with several flooding addresses, at the handshake driver itself -------------
+
+SOURCES = [f"127.0.0.{40 + i}" for i in range(5)]
+SEVERAL_LIMITS = AdmissionLimits(per_source=2, total=64, connects_per_source_per_s=30,
+                                 report_interval_s=0.5)
+SEVERAL_FLOOD_S = 3.0
+
+
+@pytest.mark.loopback
+def test_refusals_from_several_addresses_are_one_line_per_source_and_reason_an_interval(
+        tmp_path: Path) -> None:
+    """``accept_forever`` answering real handshakes on a real socket while five keyless
+    addresses flood it (each a slow connection cut off at a 0.3 s deadline and reopened,
+    and 200 connections a second of garbage that hang up): every flooding address is named in the log, and the log holds
+    at most one ``refused`` line per (source, reason) per ``report_interval_s`` (the
+    first at once, the last at close), each with its count, though the refusals were
+    many times more."""
+    from agents.core.events import EventLog
+    from agents.net import codec, handshake, protocol
+
+    log = EventLog(tmp_path / "events" / "ps.jsonl", "several", "ps")
+    tag = codec.run_tag("several", codec.PUBLIC_SECRET)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(handshake.LISTEN_BACKLOG)
+    port = srv.getsockname()[1]
+    stopped = threading.Event()
+
+    def on_connection(sock: socket.socket, peer: str) -> None:
+        handshake.answer(sock, protocol.Answerer("several", "worker", lambda h: None,
+                                                 accepts="none"),
+                         run_tag=tag, name=peer, welcome=None, timeout_s=0.3)
+
+    def report(r: Any) -> None:
+        log.emit("refused", source=r.source, reason=r.reason, count=r.count,
+                 example=r.example)
+
+    accepting = threading.Thread(target=handshake.accept_forever, args=(srv, on_connection),
+                                 kwargs=dict(stopped=stopped, report=report,
+                                             limits=SEVERAL_LIMITS))
+    t0 = time.monotonic()
+    accepting.start()
+    floods = [subprocess.Popen([sys.executable, "-m", "controller.loopback.flood",
+                                f"127.0.0.1:{port}", "--source", src, "--slow", "1",
+                                "--churn-per-s", "200", f"--seconds={SEVERAL_FLOOD_S}"],
+                               cwd=REPO, stdout=subprocess.PIPE, text=True)
+              for src in SOURCES]
+    try:
+        made = [json.loads(f.communicate(timeout=60)[0].strip().splitlines()[-1])
+                for f in floods]
+    finally:
+        for f in floods:
+            f.kill()
+        stopped.set()
+        srv.shutdown(socket.SHUT_RDWR)
+        srv.close()
+        accepting.join(30)
+        took_s = time.monotonic() - t0
+        log.close()
+    refused = [e for e in read_jsonl(tmp_path / "events" / "ps.jsonl")
+               if e["event"] == "refused"]
+    assert {e["source"] for e in refused} == set(SOURCES), refused  # each one named
+    pairs: dict[tuple[str, str], int] = {}
+    for e in refused:
+        pairs[e["source"], e["reason"]] = pairs.get((e["source"], e["reason"]), 0) + 1
+    # Each address met the per-second bound, and its handshakes failed and timed out.
+    for src in SOURCES:
+        assert {"more than 30 connections a second", "handshake failed",
+                "handshake timed out"} <= {r for s, r in pairs if s == src}, pairs
+    most = int(took_s / SEVERAL_LIMITS.report_interval_s) + 2  # + the first and the close
+    assert max(pairs.values()) <= most, (pairs, took_s)
+    assert len(refused) <= len(pairs) * most
+    counted = sum(e["count"] for e in refused)
+    assert counted >= 5 * len(refused), (counted, len(refused))  # aggregated, not per refusal
+    assert counted <= sum(m["opened"] for m in made), (counted, made)

@@ -1,7 +1,7 @@
 """The controller's control server on the one event loop (controller.control, with the
 answering handshake as a feed of bytes, agents.net.answering): the feed alone, sans I/O,
 then the real server on a Unix socket under floods of slow keyless connections from other
-processes (controller.loopback.slow_flood), with a real agent beside them."""
+processes (controller.loopback.flood), with a real agent beside them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from agents.net import answering, auth, codec, protocol
 from agents.net.codec import HEADER_SIZE, MsgType
 from agents.net.control import CONTROL_RUN_ID, CONTROL_TAG, CONTROLLER_END, ControlClient
 from controller.control import ControlServer, pid_source
-from controller.loopback.slow_flood import unix_flood
+from controller.loopback.flood import unix_flood
 
 MASTER = auth.new_master()
 
