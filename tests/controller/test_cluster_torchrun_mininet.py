@@ -91,14 +91,12 @@ def test_ddp_ranks_on_two_servers_train_as_on_loopback_and_leave_nothing(
     script.write_text(FAIL_AND_SLEEP)
     ref = tmp_path / "loopback"
     ref.mkdir()
-    # The reference beside the run: 2 local ranks, no emulation, one step more. Forks of
-    # one process that imported torch (tests.support.fork_ranks): torchrun's agent and 2
-    # ranks each importing it would take the CPU the cluster run's own ranks need.
+    # The reference beside the run: 2 local processes, no emulation, one step more.
     loopback = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.fork_ranks", "2", str(EXAMPLE / "train.py"),
-         "--steps", str(STEPS + 1), "--history", str(ref / "hist.pt")], cwd=ref,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(EXAMPLE / "train.py"), "--steps", str(STEPS + 1), "--history",
+         str(ref / "hist.pt")], cwd=ref, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     overrides = ["net.workers=2", "topo.traces={}", "net.delay_ms=0", "net.loss_pct=0",
                  f'cluster.servers=["{s1}", "{s2}"]',
                  f'cluster.pins={{gbh0="{s1}", gbh1="{s2}"}}',
