@@ -156,11 +156,23 @@ def calibrate_lead(lead: LeadTimer, apply: Callable[[], None], *, clock_ns: Call
     ahead, sleeps until it is due minus the lead, applies it and observes how late it landed:
     the same wake-up and netlink path as a real step. Eight rounds at the default gain take
     the lead within 0.5 % of a steady lag.
+
+    Two rounds in a row that land later than ``lead.max_lead_ns`` end it early: the lead is
+    pinned at its cap and more such rounds cannot move it. A point on another server (a
+    change over ssh, some 300 ms) would otherwise spend 8 slow changes, seconds that a short
+    run waits for at its end; one slow first round alone (a cold netlink path) does not
+    end it.
     """
+    over_cap = 0
     for _ in range(rounds):
         due = clock_ns() + round(spacing_s * 1e9)
         wait = (due - lead.lead_ns - clock_ns()) / 1e9
         if wait > 0:
             sleep_s(wait)
+        used = lead.lead_ns
         apply()
-        lead.observe(due, clock_ns())
+        applied = clock_ns()
+        lead.observe(due, applied, used)
+        over_cap = over_cap + 1 if applied - (due - used) >= lead.max_lead_ns else 0
+        if over_cap == 2:
+            return

@@ -207,8 +207,10 @@ def _forked_from_warm(c: FakeCluster, server: str, module: str) -> bool:
 
 def test_a_killed_controller_leaves_nothing_on_the_servers_after_cleanup(cluster, tmp_path):
     s1, s2 = cluster.servers
+    # One worker: what is left and cleaned on server 2 is the same for one as for two.
     proc = start_run("configs/test_tiny.toml",
-                     _placed(cluster, s1, s2, "run.iterations=5000"), tmp_path)
+                     _placed(cluster, s1, s2, "net.workers=1", "run.iterations=5000"),
+                     tmp_path)
     _wait_remote_iterations(cluster, s1, proc, 1)
     # Each server's agents fork from its warm process, which dies with the controller.
     assert _forked_from_warm(cluster, s1, "agents.dp.ps")
@@ -313,11 +315,11 @@ def test_a_delay_line_killed_on_a_server_ends_the_run_naming_host_and_server(
 
 def test_a_killed_server_ends_the_run_with_status_6_naming_it(cluster, tmp_path):
     s1, s2 = cluster.servers
-    # A delay on every link: the killed server's delay lines die with it, and the run
-    # still names the server, not a delay line.
+    # A delay on every link: the killed server's delay line (w0's, its one worker) dies
+    # with it, and the run still names the server, not a delay line.
     proc = start_run("configs/test_tiny.toml",
-                     _placed(cluster, s1, s2, "run.iterations=5000", "net.delay_ms=1"),
-                     tmp_path)
+                     _placed(cluster, s1, s2, "net.workers=1", "run.iterations=5000",
+                             "net.delay_ms=1"), tmp_path)
     _wait_remote_iterations(cluster, s1, proc, 1)
     killed_at = time.monotonic()
     killed_clock = time.localtime()

@@ -126,6 +126,30 @@ def test_calibration_primes_the_lead_with_no_op_changes() -> None:
     assert lead.lead_ns == pytest.approx(12_000_000, rel=0.005)
 
 
+def test_calibration_stops_once_changes_land_past_the_leads_cap() -> None:
+    """A point on another server: each change lands 300 ms late (ssh), far past the lead's
+    25 ms cap; two such rounds pin the lead there, and the other six would only cost time.
+    A single slow first round (then 12 ms) does not stop it."""
+    def calibrate(lags_ns: list[int]) -> tuple[LeadTimer, int]:
+        clock, rounds = [0], [0]
+
+        def sleep_s(s: float) -> None:
+            clock[0] += round(s * 1e9)
+
+        def apply() -> None:
+            clock[0] += lags_ns[min(rounds[0], len(lags_ns) - 1)]
+            rounds[0] += 1
+
+        lead = LeadTimer()
+        calibrate_lead(lead, apply, clock_ns=lambda: clock[0], sleep_s=sleep_s)
+        return lead, rounds[0]
+
+    lead, rounds = calibrate([300_000_000])
+    assert (rounds, lead.lead_ns) == (2, lead.max_lead_ns)
+    lead, rounds = calibrate([300_000_000, 12_000_000])
+    assert rounds == 8 and lead.lead_ns < 13_000_000, lead
+
+
 def _class_msg(seq: int, ifindex: int, classid: int, sent: int, pkts: int, drops: int,
                overlimits: int, backlog: int, qlen: int, kind: bytes = b"htb\0") -> bytes:
     from topo.netlink import TCA_KIND, TCA_STATS2, TCA_STATS_BASIC, TCA_STATS_QUEUE, _rtattr
