@@ -18,6 +18,13 @@ picks and keeps from the start. A port found free and handed to rank 0 to bind s
 later could meanwhile become another process's (a gloo listener of a test beside this one,
 in the same namespace), and the ranks would then wait on a stranger until a timeout.
 
+A rank leaves by ``os._exit`` once the script returns (the kernel closes its sockets), and
+the script's ``dist.destroy_process_group()`` does nothing here: gloo's destructor joins its
+worker threads while holding the GIL, and a worker that is releasing a finished
+collective's tensors waits for the GIL, so one run in a few dozen hung there for good
+(seen in gdb; pytorch/pytorch#56297, #75097). A fork that exits without destructors has
+nothing to wait for.
+
 The status is the first failing rank's (the others are then killed: a peer of a dead rank
 would wait in its collective for gloo's 30-minute timeout), else 0.
 """
@@ -32,12 +39,19 @@ import traceback
 from pathlib import Path
 
 
+def _no_destroy(group: object = None) -> None:
+    """The rank's ``destroy_process_group``: nothing (its ``os._exit`` ends the group)."""
+
+
 def _rank(script: Path, args: list[str], rank: int, world: int, port: int) -> None:
     """In a fork: be rank ``rank`` of the script, then leave with its status (no return)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
                       GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group = _no_destroy  # the module docstring says why
     sys.argv = [str(script), *args]
     sys.path[0] = str(script.parent)  # what ``python SCRIPT.py`` puts first
     code = 0
