@@ -78,7 +78,12 @@ def test_dry_run_prints_the_builders_plan():
     lines = plan_commands(c, CAPS)
     spec = shape_spec(c)
     planned = ["$ " + " ".join(s.argv) for s in build_plan(spec, CAPS)]
-    assert [ln for ln in lines if ln.startswith("$ ") and "agents." not in ln] == planned
+    builder = [ln for ln in lines if ln.startswith("$ ") and "agents." not in ln
+               and "gradbed-admission" not in ln]
+    assert builder == planned
+    # Then, before each listening agent, the kernel's admission rules in its host.
+    ps = next(i for i, ln in enumerate(lines) if "agents.dp.ps" in ln)
+    assert all("gradbed-admission" in ln and ln.endswith("# in ps") for ln in lines[ps - 2:ps])
 
 
 def test_dumbbell_trunk_is_the_bottleneck_and_background_flows_cross_it(tmp_path):
