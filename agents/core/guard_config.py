@@ -38,10 +38,10 @@ class GuardConfig:
     # longer, fewer events (a flood's log grows by a line per source and reason per
     # interval); shorter, finer timing of a flood in the events.
     refusal_report_interval_s: float = 1.0
-    # The per-source bounds above, enforced by netfilter too in each listening agent's
-    # host (controller.kernel_admission): a flood's surplus is dropped by the kernel
+    # max_connects_per_source_per_s enforced by netfilter too in each listening agent's
+    # host (controller.kernel_admission): a flood's surplus SYNs are dropped by the kernel
     # instead of accepted and closed by the agent. false: the agents' checks alone (a
-    # kernel without xt_connlimit or xt_hashlimit).
+    # kernel without xt_hashlimit).
     kernel_admission: bool = True
 
     def validate(self, p: str) -> None:

@@ -41,7 +41,7 @@ ITERATIONS = 12
 # flood's 8 (guard.max_handshakes_per_source) fill the shared pool and the rest are
 # refused. The admitted ones hold their slots for the whole join (a 60 s deadline). These
 # are the agents' own slots, which must hold without the kernel's help (a loopback run, a
-# kernel without xt_connlimit): the kernel's per-source bounds are off here, since they
+# kernel without xt_hashlimit): the kernel's per-source bound is off here, since it
 # would hold back the flooder's probing (a SYN a millisecond until host 1 listens) by a
 # SYN retransmit, 1 s, past the joins (tests/controller/test_kernel_admission.py checks
 # the kernel's half).
