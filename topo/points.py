@@ -18,7 +18,7 @@ from topo import qdisc
 from topo.netlink import ClassCounters, RtNetlink
 from topo.plan import delay_loss
 from topo.qdisc import QdiscStats
-from topo.spec import LinkSpec, NetSpec, SpecError, default_queue_bytes
+from topo.spec import LinkSpec, NetSpec, PointPlace, SpecError, default_queue_bytes
 from topo.tc import Tc, TcError
 
 if TYPE_CHECKING:
@@ -45,6 +45,14 @@ class ShapedPoints:
         self._auto_queue: dict[str, bool] = {}
         self._ack_first: dict[str, bool] = {}  # dev -> built with the ACKs-first layout
         self._netlink: dict[str | None, RtNetlink] = {}
+        # Point name -> place, once: the samplers look a point up thousands of times a
+        # second, and NetSpec.place walks every edge.
+        self._places = {p.point.name: p for p in spec.places()}
+
+    def _place(self, point: str) -> PointPlace:
+        """:meth:`NetSpec.place`, from the table built once (its error for a name not
+        there)."""
+        return self._places.get(point) or self.spec.place(point)
 
     def record(self, caps: dict[str, Any]) -> None:
         """Once the points are built: each shaped one's rate, whether gradbed sized its
@@ -79,7 +87,7 @@ class ShapedPoints:
         queue_bytes: also resize the bfifo in place (``tc qdisc change``). None keeps the
             spec's fixed queue, or re-derives the default (20 ms) when the spec left it None.
         """
-        place = self.spec.place(point)
+        place = self._place(point)
         link = place.point.link
         # The bucket stays the link's own (burst_ms at the new rate).
         burst = (None if link.burst_ms is None else
@@ -102,11 +110,11 @@ class ShapedPoints:
         if worker not in workers:
             raise SpecError(f"worker={worker!r}; allowed {workers}")
         up = self.spec.point("up").link
-        up_rate = self._rates.get(self.spec.place("up").dev) or up.rate_mbps
+        up_rate = self._rates.get(self._place("up").dev) or up.rate_mbps
         up_queue = (up.queue_bytes if up.queue_bytes is not None
                     else default_queue_bytes(up_rate))
         burst = qdisc.cap_burst_bytes(rate_mbps, up_queue, len(workers), self.spec.offload)
-        place = self.spec.place(f"{worker}.up")
+        place = self._place(f"{worker}.up")
         self._change_rate(place.host, place.dev, rate_mbps, f"worker cap {worker}",
                           queue_bytes=place.point.link.effective_queue_bytes(),
                           burst_bytes=burst)
@@ -158,7 +166,7 @@ class ShapedPoints:
         """The counters of shaping point ``point``'s queue (its bfifo leaf), read over
         rtnetlink on this machine (what ``tc -s qdisc show`` reads, without its two
         processes: the link sampler reads every watched point every 100 ms)."""
-        place = self.spec.place(point)
+        place = self._place(point)
         tc = self._dev_tc(place.host, place.dev)
         if tc.via or tc.dry_run:
             return qdisc.bottleneck_counters(tc.run(qdisc.stats_command(place.dev),
@@ -179,7 +187,7 @@ class ShapedPoints:
         rate-limited class every packet through the point passes; with ``ack_first``
         also ``"1:10"``, pure ACKs, and ``"1:11"``, everything else), read over
         rtnetlink: no fork, ~15 us, so a sampler can read every point every few ms."""
-        place = self.spec.place(point)
+        place = self._place(point)
         try:
             classes = self._rtnetlink(place.host, place.dev).class_counters(place.dev)
         except OSError as e:
