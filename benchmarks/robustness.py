@@ -417,11 +417,11 @@ def _median_iter_s(run_dir: Path) -> float:
     return iteration_time_percentiles(load_run(run_dir).events)["p50"]
 
 
-def _clean_run(tmp: Path, sets: list[str]) -> Path:
-    """The run a flooded twin is compared with: ``configs/test_tiny.toml`` with ``sets``,
-    under ``tmp/clean``; a failure fails the case (:func:`_verdict`)."""
+def _clean_run(tmp: Path, sets: list[str], config: str = "configs/test_tiny.toml") -> Path:
+    """The run a flooded twin is compared with: ``config`` with ``sets``, under
+    ``tmp/clean``; a failure fails the case (:func:`_verdict`)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    clean = _gradbed_run("configs/test_tiny.toml", sets, tmp / "clean")
+    clean = _gradbed_run(config, sets, tmp / "clean")
     clean.communicate(timeout=600)
     if clean.returncode != 0:
         raise RuntimeError(f"the clean run exited {clean.returncode}")
@@ -513,12 +513,7 @@ def pipeline_flood(tmp: Path, target: str) -> tuple[bool, str]:
     (its upstream neighbour dials it as its first act), or ``"ps"``, the pipeline's PS
     (every stage dials it). The run must complete and its median step time stay within
     FLOOD_SLOWDOWN of the clean run's. Real Mininet (``gradbed run``), root only."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    clean = _gradbed_run("configs/pipeline.toml", PIPE_FLOOD, tmp / "clean")
-    clean.communicate(timeout=600)
-    if clean.returncode != 0:
-        raise RuntimeError(f"the clean run exited {clean.returncode}")
-    (clean_dir,) = (tmp / "clean").glob("*/")
+    clean_dir = _clean_run(tmp, PIPE_FLOOD, "configs/pipeline.toml")
     proc = _gradbed_run("configs/pipeline.toml", PIPE_FLOOD, tmp / "flooded")
     with _ended(proc):
         run_dir = _wait_events(tmp / "flooded", proc, "run_start", 1)
