@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from topo.cleanup import ssh_dir_owner, stale_ssh_dirs
@@ -25,9 +26,15 @@ def test_only_a_dead_controller_s_folder_and_its_ssh_processes_go(tmp_path: Path
     legacy = tmp_path / "gbssh-oldstyle"  # before the pid was in the name: left alone
     for d in (gone, live, legacy):
         d.mkdir()
-    # A connection master of the dead controller, still persisting, and a live one's.
-    master = subprocess.Popen(["sh", "-c", "sleep 300", "ssh", "-o", f"ControlPath={gone}/%C"])
-    mine = subprocess.Popen(["sh", "-c", "sleep 300", "ssh", "-o", f"ControlPath={live}/%C"])
+    # A connection master of the dead controller, still persisting, and a live one's: one
+    # process each that carries ssh's arguments and never forks (a shell running `sleep`
+    # forks, and its child holds the shell's arguments until it execs, which a scan under
+    # load can see as a second user of the folder).
+    def stand_in(folder: Path) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "ssh",
+                                 "-o", f"ControlPath={folder}/%C"])
+
+    master, mine = stand_in(gone), stand_in(live)
     try:
         lines = stale_ssh_dirs(str(tmp_path))
         assert lines == [f"removed {gone} (ssh connections of dead controller pid "
