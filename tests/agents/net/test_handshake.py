@@ -22,7 +22,7 @@ from agents.core.events import EventLog
 from agents.net import auth, codec, handshake, protocol
 from agents.net.control import control_path
 from controller.control import ControlServer
-from controller.loopback.dp import MASTERS, connect, make_run_dir, start_ps, start_worker
+from controller.loopback.dp import MASTERS, make_run_dir, start_ps, start_worker
 from controller.loopback.pipeline import run_pipeline
 
 RUN = "hs-run"
@@ -180,10 +180,17 @@ def test_the_ps_cuts_off_a_trickling_peer_at_guard_handshake_timeout_s(tmp_path:
     run_dir, cfg = make_run_dir(tmp_path, ["net.workers=1", "guard.handshake_timeout_s=2"])
     ps = start_ps(run_dir)
     try:
-        s = connect(cfg.net.port)
+        # The PS's deadline starts when it accepts, which may come before connect() returns
+        # here: the clock starts before each try, so the deadline cannot precede it.
+        while True:
+            t0 = time.monotonic()
+            try:
+                s = socket.create_connection(("127.0.0.1", cfg.net.port), timeout=30)
+                break
+            except OSError:
+                time.sleep(0.05)
         stop = threading.Event()
         t = threading.Thread(target=_trickle, args=(s, _hello_frame(), 1.0, stop))
-        t0 = time.monotonic()
         t.start()
         s.settimeout(30)
         try:
