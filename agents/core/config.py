@@ -64,6 +64,9 @@ class RunConfig:
     seed: int = 0                     # seeds models, data order and compressors
     eval_every: int = 5               # PS evaluates held-out accuracy every N iterations
     device: str = "auto"              # "auto" picks CUDA when present, else "cpu"
+    # The same bits from the same inputs on every run (agents/workloads/device.py): TF32
+    # off, cuDNN deterministic, torch.use_deterministic_algorithms; off is faster on a GPU.
+    deterministic: bool = True
     timeout_s: float = 900.0          # hard limit for the whole run; the run stops cleanly
     # An agent that sends no heartbeat on the control channel (every HEARTBEAT_S) for
     # this long is declared lost (docs/robustness.md says what follows, per role); lower

@@ -105,6 +105,11 @@ _declare("paced", "worker, ps", "a socket's SO_MAX_PACING_RATE was set by a cont
 _declare("compute_done", "worker", "forward and backward of one iteration are done",
          compute_s="forward+backward (or replay's simulated) time (s)",
          loss="training loss of this worker's batch (NaN for replay)")
+_declare("device_memory", "worker, stage, expert host", "this agent's peak GPU memory, at its end "
+         "(only on CUDA; agents.workloads.device.memory_stats)",
+         cuda_max_allocated_bytes="peak bytes the caching allocator handed out",
+         cuda_max_reserved_bytes="peak bytes it held from the driver (the CUDA context "
+         "is not counted)")
 _declare("tcp_info", "worker", "one kernel TCP_INFO sample of the upload connection",
          bytes_acked="tcpi_bytes_acked (bytes)",
          delivery_rate_bps="tcpi_delivery_rate (bit/s)",

@@ -40,8 +40,9 @@ class GuardConfig:
     refusal_report_interval_s: float = 1.0
     # max_connects_per_source_per_s enforced by netfilter too in each listening agent's
     # host (controller.kernel_admission): a flood's surplus SYNs are dropped by the kernel
-    # instead of accepted and closed by the agent. false: the agents' checks alone (a
-    # kernel without xt_hashlimit).
+    # instead of accepted and closed by the agent; and, in `gradbed torchrun`, the rules
+    # that let only the training hosts connect to a training host. false: neither (a
+    # machine without iptables or a kernel without xt_hashlimit; the agents' checks alone).
     kernel_admission: bool = True
 
     def validate(self, p: str) -> None:

@@ -55,6 +55,7 @@ from agents.net.pacing import clear_max_pacing_rate, set_max_pacing_rate
 from agents.net.tcpinfo import read_tcp_info
 from agents.net.txstamps import TxStampReader
 from agents.workloads.base import FlatModel, chunk_layer_specs, chunk_ranges
+from agents.workloads.device import make_deterministic, memory_stats, pick_device
 from agents.workloads.factory import make_workload
 from agents.workloads.replay import Replay
 
@@ -68,12 +69,6 @@ def notsent_lowat(a: cfgmod.AdaptiveConfig) -> int | None:
 
 class PSClosed(Exception):
     """The PS ended the run (BYE) or went away."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class RateSampler(threading.Thread):
@@ -449,6 +444,8 @@ class Worker:
                           bytes_down=down, loss=loss, start_ns=start_ns)
             self.ctl.send("iter_done", iter=self.iteration, iter_s=iter_s, bytes_up=up)
             self.iteration += 1
+        if self.device.type == "cuda":
+            self.log.emit("device_memory", iter=self.iteration, **memory_stats(self.device))
         return 0
 
     def _drop_stamps(self) -> None:
@@ -483,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = auth.read_bundle()  # from the controller, on our stdin: never a file
     auth.exit_with_controller()
     torch.set_num_threads(1)
+    make_deterministic(cfg.run.deterministic)
     w = Worker(cfg, args.run_dir, args.run_dir.name, keys.key,
                args.worker, args.ps, args.port or cfg.net.port,
                pick_device(args.device or cfg.run.device), args.gso_segs)

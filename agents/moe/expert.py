@@ -39,6 +39,7 @@ from agents.moe.zero import ParamClass, class_bytes
 from agents.net import auth, codec, wire
 from agents.net.admission import AdmissionLimits
 from agents.net.control import liveness_client
+from agents.workloads.device import make_deterministic, memory_stats
 
 
 def parse_addrs(text: str, hosts: int) -> list[tuple[str, int]]:
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     torch.set_num_threads(1)
     cfg = cfgmod.load(args.run_dir / "config.toml")
+    make_deterministic(cfg.run.deterministic)
     m = cfg.moe
     if not 0 <= args.host < m.hosts:
         raise SystemExit(f"--host: {args.host} not in [0, moe.hosts={m.hosts})")
@@ -132,6 +134,10 @@ def _train(cfg: cfgmod.ExperimentConfig, args: argparse.Namespace,
                    for c, sc in host.opt.classes.items()}
         for step in range(cfg.run.iterations):
             _step(cfg, args, host, mesh, log, step, formula)
+        torch.save(host.opt.local_state(), args.run_dir / f"e{args.host}_final_weights.pt")
+        if host.offload is not None and host.offload.device.type == "cuda":
+            log.emit("device_memory", cfg.run.iterations - 1,
+                     **memory_stats(host.offload.device))
         log.emit("moe_done", cfg.run.iterations - 1)
     return 0
 

@@ -376,6 +376,7 @@ class ShardedOptimizer:
         groups: dict[ParamClass, list[tuple[str, nn.Parameter]]] = {c: [] for c in ParamClass}
         for name, p in model.named_parameters():
             groups[classify(name, p, zero3_min_numel)].append((name, p))
+        self.expert_names = [n for n, _ in groups[ParamClass.EXPERT]]
         self.expert_params = [p for _, p in groups[ParamClass.EXPERT]]
         for p in self.expert_params:
             p.grad = torch.zeros_like(p)
@@ -393,6 +394,15 @@ class ShardedOptimizer:
         for p in self.expert_params:
             assert p.grad is not None
             p.grad.zero_()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """What this host alone holds: its shard of each shared class and its experts'
+        parameters. The hosts' states together are the whole model, read without a
+        gather, so saving it puts no byte on the wire."""
+        out = {f"{c.value}.shard": sc.shard.detach().clone() for c, sc in self.classes.items()}
+        out.update({n: p.detach().clone()
+                    for n, p in zip(self.expert_names, self.expert_params, strict=True)})
+        return out
 
     def begin_step(self) -> None:
         """Start a step's byte counts (:meth:`bytes_by_class` reports this step's)."""

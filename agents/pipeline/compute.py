@@ -23,6 +23,7 @@ from agents.core.schedules import Schedule
 from agents.pipeline.common import micro_batch
 from agents.pipeline.partition import balance_by_params, boundary_shapes, split
 from agents.workloads.base import Batch, FlatModel, Workload, sgd_step_
+from agents.workloads.device import pick_device
 from agents.workloads.factory import make_workload
 
 #: ``average(step, chunk, grad)``: replace ``grad`` in place by its mean over the replicas.
@@ -57,15 +58,15 @@ class _Held:
     saved_bytes: int = 0
 
 
-def _versions(schedule: Schedule, stage: int, pieces: Sequence[nn.Module]
-              ) -> dict[int, list[FlatModel]]:
+def _versions(schedule: Schedule, stage: int, pieces: Sequence[nn.Module],
+              device: torch.device) -> dict[int, list[FlatModel]]:
     """One FlatModel per chunk; a chunk in ``stale_chunks`` keeps two versions (2BW)."""
     out: dict[int, list[FlatModel]] = {}
     for c in range(schedule.chunks):
         piece = pieces[schedule.position(stage, c)]
-        flat = FlatModel(piece)
+        flat = FlatModel(piece, device)
         if c in schedule.stale_chunks:
-            twin = FlatModel(copy.deepcopy(piece))
+            twin = FlatModel(copy.deepcopy(piece), device)
             twin.flat_params.copy_(flat.flat_params)
             out[c] = [flat, twin]
         else:
@@ -74,7 +75,10 @@ def _versions(schedule: Schedule, stage: int, pieces: Sequence[nn.Module]
 
 
 class StageCompute:
-    """Stage ``stage``'s pieces of the model (piece ``chunk * p + stage`` of each chunk)."""
+    """Stage ``stage``'s pieces of the model (piece ``chunk * p + stage`` of each chunk),
+    on ``run.device``. What crosses this class's surface (inputs from the links, outputs
+    and gradients for them, weights for the PS) is on the CPU; a CUDA stage copies in and
+    out here, so the links never see a device tensor."""
 
     def __init__(self, cfg: cfgmod.ExperimentConfig, schedule: Schedule, stage: int,
                  replica: int) -> None:
@@ -93,7 +97,8 @@ class StageCompute:
                          for c in range(schedule.chunks)}
         self.out_shape = {c: self.shapes[schedule.position(stage, c)]
                           for c in range(schedule.chunks)}
-        self.versions = _versions(schedule, stage, pieces)
+        self.device = pick_device(cfg.run.device)
+        self.versions = _versions(schedule, stage, pieces, self.device)
         self._weight_storages = {fm.flat_params.untyped_storage().data_ptr()
                                  for vs in self.versions.values() for fm in vs}
         self.momentum: dict[int, torch.Tensor] = {}
@@ -148,7 +153,7 @@ class StageCompute:
         pos = self.schedule.position(self.s, chunk)
         last = pos == self.schedule.positions - 1
         module = self._model(chunk, mb).module
-        x = x.detach()
+        x = x.detach().to(self.device)
         if pos > 0:
             x.requires_grad_(True)
         held = _Held(x=x)
@@ -158,7 +163,7 @@ class StageCompute:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 out = module(x)
                 if last:
-                    y = self._micro_batch(mb).y
+                    y = self._micro_batch(mb).y.to(self.device)
                     out = nn.functional.cross_entropy(out, y) / self.pc.micro_batches
             held.out, held.saved_bytes = out, counter.bytes
             self.held_bytes += counter.bytes
@@ -170,7 +175,7 @@ class StageCompute:
         if last and held.out is not None:
             self.losses[mb] = float(held.out.detach()) * self.pc.micro_batches
         self._pad(t0)
-        return out
+        return out.detach().cpu()
 
     def recompute(self, mb: int, chunk: int) -> None:
         """Re-run a forward made without autograd, this time keeping its graph."""
@@ -189,10 +194,10 @@ class StageCompute:
         if grad_out is None:
             held.out.backward()
         else:
-            held.out.backward(grad_out)
+            held.out.backward(grad_out.to(self.device))
         self.held_bytes -= held.saved_bytes + held.x.numel() * held.x.element_size()
         self._pad(t0)
-        return held.x.grad
+        return None if held.x.grad is None else held.x.grad.cpu()
 
     def optimizer(self, step: int, chunk: int, average: Average | None) -> None:
         """SGD on this stage's slice, after ``average`` (None with one replica) replaced the
@@ -202,7 +207,9 @@ class StageCompute:
         vs = self.versions[chunk]
         fm = vs[step % len(vs)]
         if average is not None:
-            average(step, chunk, fm.flat_grad)
+            grad = fm.flat_grad.cpu()  # the links average host tensors (itself on the CPU)
+            average(step, chunk, grad)
+            fm.flat_grad.copy_(grad)
         first = self.opt_count.get(chunk, 0) == 0
         self.opt_count[chunk] = self.opt_count.get(chunk, 0) + 1
         wl = self.cfg.workload
@@ -226,11 +233,11 @@ class StageCompute:
     def fresh_weights(self, step: int) -> dict[int, torch.Tensor]:
         """Every chunk's weights just after step ``step``'s update (a stale chunk's
         just-updated version): what the PS evaluates."""
-        return {c: vs[step % len(vs)].flat_params for c, vs in self.versions.items()}
+        return {c: vs[step % len(vs)].flat_params.cpu() for c, vs in self.versions.items()}
 
     def final_params(self, chunk: int) -> torch.Tensor:
         """The weights after the run: for a stale chunk, ``V_{S+1}`` (the last gradient
         applied once more, the flush at the end of training)."""
         vs = self.versions[chunk]
-        return vs[(self.cfg.run.iterations + 1) % len(vs)].flat_params \
-            if len(vs) == 2 else vs[0].flat_params
+        return (vs[(self.cfg.run.iterations + 1) % len(vs)] if len(vs) == 2
+                else vs[0]).flat_params.cpu()

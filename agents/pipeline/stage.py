@@ -59,6 +59,7 @@ from agents.pipeline.common import LockedLog, StageError, build_schedule
 from agents.pipeline.compute import StageCompute
 from agents.pipeline.links import StageLinks
 from agents.pipeline.runtime import Runtime
+from agents.workloads.device import make_deterministic, memory_stats
 
 __all__ = ["Stage", "StageError", "main", "parse_peers"]
 
@@ -118,6 +119,8 @@ class Stage:
                       peak_held_bytes=self.compute.peak_held_bytes,
                       bytes_down=lk.down.bytes_sent if lk.down else 0,
                       bytes_up=lk.up.bytes_sent if lk.up else 0)
+        if self.compute.device.type == "cuda":
+            self.log.emit("device_memory", **memory_stats(self.compute.device))
 
 
 def parse_peers(text: str) -> list[tuple[str, int]]:
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None, on_error: Callable[[str], None] | None =
     # Heartbeats on the control channel: a hung agent is declared lost by the controller.
     liveness_client(args.run_dir, keys, timeout_s=cfg.guard.handshake_timeout_s)
     torch.set_num_threads(1)
+    make_deterministic(cfg.run.deterministic)
     ps = parse_peers(args.ps)[0] if args.ps else None
     st = Stage(cfg, args.run_dir, args.run_dir.name, secret, args.stage,
                parse_peers(args.peers), args.replica, ps, keys)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from agents.core.config import ExperimentConfig
+from agents.core.guard_config import GuardConfig
 from agents.core.policies import make_rate_policy
 from controller.roles import Role, RoleCommand, RoleContext, register
 from topo.spec import HostSpec, NetSpec, SpecError
@@ -252,14 +253,18 @@ def rank_plans(cfg: ExperimentConfig, spec: NetSpec, python: str, script: Path,
 ADMISSION_RULE_COMMENT = "gradbed-torchrun-admission"
 
 
-def admission_rules(spec: NetSpec) -> dict[str, list[list[str]]]:
+def admission_rules(spec: NetSpec, guard: GuardConfig) -> dict[str, list[list[str]]]:
     """Per training host, the iptables commands, run there before any rank starts, that
     let only the training hosts (and the host itself) open TCP connections to it; a
     connection from any other host of the run (a background host flooding the c10d store
     or a rank's gloo listener, say) is reset. The stores (the rendezvous store on the
     endpoint's port, the ranks' store on a port torchrun picks) and gloo's listeners are
     torch's own, outside gradbed's handshake; this is their admission. Only connection
-    attempts (SYN) are matched: what the ranks open themselves, and every reply, pass."""
+    attempts (SYN) are matched: what the ranks open themselves, and every reply, pass.
+    None with ``guard.kernel_admission`` off (a machine without iptables), as for
+    gradbed's own listeners (controller.kernel_admission)."""
+    if not guard.kernel_admission:
+        return {}
     hosts = training_hosts(spec)
     rule = ["iptables", "-w", "-A", "INPUT", "-p", "tcp", "--syn"]
     tag = ["-m", "comment", "--comment", ADMISSION_RULE_COMMENT]

@@ -187,7 +187,7 @@ def _dry_run(cfg: ExperimentConfig) -> int:
                  if "torch.distributed.run" not in line]
         python = cfg.torchrun.python or sys.executable
         lines += [f"$ {shlex.join(c)}   # in {host}"
-                  for host, cmds in admission_rules(spec).items() for c in cmds]
+                  for host, cmds in admission_rules(spec, cfg.guard).items() for c in cmds]
         lines += describe(rank_plans(cfg, spec, python, script,
                                      Path("RUN/logs/ranks")))
     except (TorchrunError, SpecError, RoleError, CapabilityError) as e:

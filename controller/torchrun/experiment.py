@@ -264,7 +264,10 @@ class TorchrunExperiment(Experiment):
         and gloo's listeners are torch's (roles.torchrun.admission_rules)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        rules = admission_rules(net.spec)
+        rules = admission_rules(net.spec, self.cfg.guard)
+        if not rules:
+            self.say("no admission rules at the training hosts (guard.kernel_admission = false)")
+            return
         for host, cmds in rules.items():
             for c in cmds:
                 self.say(f"$ {shlex.join(c)}  # in {host}")

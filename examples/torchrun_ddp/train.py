@@ -56,7 +56,15 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.01, help="the hook's keep ratio")
     ap.add_argument("--policy", default=None, help="adaptive: the ratio follows the link")
     ap.add_argument("--instrument", action="store_true", help="gradbed.ddp.instrument")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every rank on this "
+                    "host's GPU; gloo stages CUDA tensors through host memory)")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        # The same bits on every run, and float32 matmuls as on the CPU (no TF32).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -64,7 +72,9 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world}")
     torch.manual_seed(args.seed)
     x, y = load_digits()
+    x, y = x.to(device), y.to(device)
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
+    model.to(device)
     ddp = DDP(model)  # broadcasts rank 0's parameters to every rank
     if args.hook:
         import gradbed.ddp
@@ -82,7 +92,7 @@ def main() -> None:
     history = []
     t0 = time.monotonic()
     for step in range(args.steps):
-        idx = torch.randint(0, len(x), (args.batch,), generator=gen)
+        idx = torch.randint(0, len(x), (args.batch,), generator=gen).to(device)
         mine = idx[rank * per_rank:(rank + 1) * per_rank]
         opt.zero_grad()
         loss = nn.functional.cross_entropy(ddp(x[mine]), y[mine])
@@ -91,7 +101,7 @@ def main() -> None:
         if record is not None:
             record.loss(loss)
         if args.history and rank == 0:
-            history.append([p.detach().clone() for p in model.parameters()])
+            history.append([p.detach().cpu().clone() for p in model.parameters()])
         if rank == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f} "
                   f"t {time.monotonic() - t0:.2f} s", flush=True)
@@ -101,7 +111,7 @@ def main() -> None:
         print(f"done: {args.steps} steps, world {world}, train accuracy {acc:.3f}, "
               f"{time.monotonic() - t0:.2f} s (pid {os.getpid()})", flush=True)
         if args.save:
-            torch.save([p.detach() for p in model.parameters()], args.save)
+            torch.save([p.detach().cpu() for p in model.parameters()], args.save)
         if args.history:
             torch.save(history, args.history)
     dist.destroy_process_group()

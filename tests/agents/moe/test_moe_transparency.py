@@ -206,6 +206,18 @@ def test_spread_equals_one_process(tmp_path: Path, case: str) -> None:
                     == (H + 1) * gshard
             assert g["grad_buffers_kept_alive"] == 0
             assert g["expert_grad_bytes"] == 4 * start["expert_numel"]
+    # Each host saved what it alone holds: its experts, as the last step left them, and
+    # its shard of each shared class (together, the whole model without a gather).
+    last = cfg.run.iterations - 1
+    for h in range(H):
+        saved = torch.load(run_dir / f"e{h}_final_weights.pt")
+        dumped = dict(np.load(tmp_path / "dump" / f"h{h}_s{last}.npz"))
+        experts = [n for n in saved if not n.endswith(".shard")]
+        assert len(experts) == 4 * m.layers * per  # two weights, two biases per expert
+        for n in experts:
+            np.testing.assert_array_equal(saved[n].numpy(), dumped[f"weight/{n}"])
+        for kind in ("zero3", "zero2"):
+            assert saved[f"{kind}.shard"].numel() == -(-start[f"{kind}_numel"] // H)
     # Dispatch bytes (both phases, headers included) equal dispatch_bytes() of the
     # rows each host routed to each peer's experts.
     for h in range(H):

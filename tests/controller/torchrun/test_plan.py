@@ -5,6 +5,7 @@ the per-rank exit codes read from torchrun's failure report. No root, no torch r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,8 @@ def test_under_tc_each_rank_plans_for_its_link_n_cap() -> None:
 def test_training_hosts_admit_each_other_and_reset_every_other_host() -> None:
     c = cfg("topo.shape='star'", "topo.traces={}")
     spec = torchrun_spec(shape_spec(c))
-    rules = admission_rules(spec)
+    rules = admission_rules(spec, c.guard)
+    assert admission_rules(spec, replace(c.guard, kernel_admission=False)) == {}
     assert list(rules) == ["w0", "w1", "w2", "w3"]  # not the PS host: it trains nothing
     for cmds in rules.values():
         accepted = [cmd[cmd.index("-s") + 1] for cmd in cmds if cmd[-1] == "ACCEPT"]
