@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +63,50 @@ print(json.dumps({"name": "moe", "headline": d["efficiency_median"],
                  default=float))
 """
 
+# The same run, read over one window on both trees (first_entry_efficiency): the run's
+# dispatch phases and its own table go out, and the headline is taken here.
+MOE_FIRST_ENTRY_100 = """\
+import json, statistics, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+import moe
+from analysis import moe as amoe
+with tempfile.TemporaryDirectory(prefix="gradbed-moe-") as tmp:
+    rows = amoe.load_events(moe.run_fabric(100.0, Path(tmp)))
+own = [d for d in amoe.dispatch_table(rows, 100.0) if d["iter"] >= 1]
+phases = [{k: r[k] for k in ("iter", "layer", "node", "phase", "start_ns", "end_ns")}
+          for r in rows if r.get("event") == "moe_phase"
+          and r["phase"] in ("dispatch_counts", "dispatch_tokens")]
+print(json.dumps({"name": "moe", "headline": statistics.median(d["efficiency"] for d in own),
+                  "details": {"phases": phases, "dispatch": [
+                      {k: d[k] for k in ("iter", "layer", "payload_bytes", "efficiency")}
+                      for d in own]}}, default=int))
+"""
+
+
+def first_entry_efficiency(details: dict[str, Any], rate_mbps: float = 100.0) -> float:
+    """The MoE dispatch's efficiency over one window on both trees: from the first host
+    entering a (step, layer)'s dispatch to the last host leaving it, the median over the
+    benchmark's own dispatches (steps after the first). The benchmark's own window starts
+    at the last host entering where the counts go in a round of their own (before
+    80420b3) and at the first where they ride with the tokens, so its headline counts the
+    hosts' arrival spread on one side only."""
+    from agents.core.moe_metrics import dispatch_efficiency
+
+    window: dict[tuple[int, int], tuple[int, int]] = {}
+    for p in details["phases"]:
+        key = (int(p["iter"]), int(p["layer"]))
+        first, last = window.get(key, (int(p["start_ns"]), int(p["end_ns"])))
+        window[key] = (min(first, int(p["start_ns"])), max(last, int(p["end_ns"])))
+    eff = []
+    for d in details["dispatch"]:
+        first, last = window[(int(d["iter"]), int(d["layer"]))]
+        eff.append(dispatch_efficiency(int(d["payload_bytes"]), (last - first) / 1e9,
+                                       rate_mbps))
+    if not eff:
+        raise ValueError("no dispatch to measure")
+    return statistics.median(eff)
+
 
 @dataclass(frozen=True)
 class Bench:
@@ -75,6 +119,8 @@ class Bench:
     higher_is_better: bool  # False: a smaller headline is better (an error, a time)
     headline_unit: str
     code: str | None = None
+    # The headline taken from the run's details here instead of its own ``headline``.
+    headline_of: Callable[[dict[str, Any]], float] | None = None
 
 
 BENCHES: dict[str, Bench] = {b.name: b for b in (
@@ -85,6 +131,8 @@ BENCHES: dict[str, Bench] = {b.name: b for b in (
     Bench("moe", "moe", True, "dispatch efficiency median"),
     Bench("moe_dispatch_100", "moe", True, "dispatch efficiency median at 100 Mbit/s",
           MOE_DISPATCH_100),
+    Bench("moe_first_entry_100", "moe", True, "dispatch efficiency median at 100 Mbit/s, "
+          "first host in to last out", MOE_FIRST_ENTRY_100, first_entry_efficiency),
     Bench("link_fidelity", "link_fidelity", True, "goodput/ceiling, min over rates"),
 )}
 
@@ -239,10 +287,12 @@ def run_bench(tree: Path, side: Side, bench: Bench, args: Sequence[str],
     try:
         if proc.returncode != 0:
             raise ValueError(f"{source} exited with {proc.returncode}: {proc.stderr[-1500:]}")
-        value: float | None = headline(parse_result(proc.stdout, source), source)
+        result = parse_result(proc.stdout, source)
+        value: float | None = (headline(result, source) if bench.headline_of is None
+                               else bench.headline_of(result["details"]))
         error = None
-    except ValueError as e:
-        value, error = None, str(e)
+    except (ValueError, KeyError, TypeError) as e:
+        value, error = None, f"{source}: {type(e).__name__}: {e}"
         log(f"FAILED: {error}")
     log(f"{bench.name} {side}: {value} ({start} UTC, {wall_s:.0f} s, load "
         f"{load_before:.2f} -> {load_after:.2f})")

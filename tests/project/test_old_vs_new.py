@@ -91,3 +91,30 @@ def test_every_acceptance_benchmark_is_known_and_its_script_exists() -> None:
         ovn.parse_bench("nosuch --quick")
     bench, args = ovn.parse_bench("pipeline --quick --parts bubble")
     assert bench.name == "pipeline" and args == ("--quick", "--parts", "bubble")
+
+
+def _phase(it: int, node: str, phase: str, start_ms: float, end_ms: float) -> dict[str, object]:
+    return {"iter": it, "layer": 0, "node": node, "phase": phase,
+            "start_ns": int(start_ms * 1e6), "end_ns": int(end_ms * 1e6)}
+
+
+def test_moe_window_runs_from_the_first_host_in_to_the_last_out_on_both_kinds_of_run() -> None:
+    from agents.core.moe_metrics import dispatch_efficiency
+
+    payload = 500_000
+    # Counts in a round of their own (the old tree): e1 enters 20 ms after e0; the window
+    # is e0's entry to e1's last token, 70 ms, though the benchmark's own starts at 20 ms.
+    separate = {"phases": [_phase(1, "e0", "dispatch_counts", 0, 25),
+                           _phase(1, "e1", "dispatch_counts", 20, 25),
+                           _phase(1, "e0", "dispatch_tokens", 25, 60),
+                           _phase(1, "e1", "dispatch_tokens", 25, 70)],
+                "dispatch": [{"iter": 1, "layer": 0, "payload_bytes": payload}]}
+    # Counts riding with the tokens (the new tree): the same entries and exits.
+    merged = {"phases": [_phase(1, "e0", "dispatch_tokens", 0, 60),
+                         _phase(1, "e1", "dispatch_tokens", 20, 70)],
+              "dispatch": [{"iter": 1, "layer": 0, "payload_bytes": payload}]}
+    expected = dispatch_efficiency(payload, 0.070, 100.0)
+    assert ovn.first_entry_efficiency(separate) == pytest.approx(expected)
+    assert ovn.first_entry_efficiency(merged) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="no dispatch"):
+        ovn.first_entry_efficiency({"phases": [], "dispatch": []})
