@@ -19,8 +19,12 @@ passes at ``--min-ratio`` (0.97, issue 31's acceptance).
 
 ``--bench "NAME ARGS..."`` (repeatable) names a benchmark of :data:`BENCHES` and the
 arguments passed to it; both trees must accept them. Without ``--bench`` the six of the
-acceptance run with their quickest settings (:data:`ACCEPTANCE`). The Mininet benchmarks
-need root, and take the machine-wide network lock themselves.
+acceptance run with their quickest settings (:data:`ACCEPTANCE`). ``moe_dispatch_100`` is
+the moe benchmark's headline run alone; ``moe_first_entry_100`` reads the same run over one
+window on both trees (:func:`first_entry_efficiency`). The Mininet benchmarks need root,
+and take the machine-wide network lock themselves. ``--save DIR`` keeps each run's stdout
+and stderr. The result is one JSON line (``_common.emit``); docs/performance.md holds the
+sittings measured with it.
 """
 
 from __future__ import annotations
@@ -266,6 +270,29 @@ def check_imports(tree: Path) -> None:
         raise RuntimeError(f"{tree}: imports come from outside the tree: {stray}")
 
 
+def run_child(argv: list[str], tree: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run one benchmark process. Interrupted (Ctrl-C, SIGTERM, the time limit), it is
+    stopped as Ctrl-C stops it, so that its own teardown (a network, its agents) runs in
+    its ``finally`` blocks; it is killed only if that hangs. A Ctrl-C at the terminal
+    reaches it too, so after one it is given a few seconds to stop by itself first."""
+    with subprocess.Popen(argv, cwd=tree, env=tree_env(tree), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException as e:
+            own_s = 10.0 if isinstance(e, KeyboardInterrupt) else 0.0
+            for stop, wait_s in ((None, own_s), (signal.SIGINT, 120.0), (signal.SIGKILL, None)):
+                if stop is not None:
+                    proc.send_signal(stop)
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def run_bench(tree: Path, side: Side, bench: Bench, args: Sequence[str],
               timeout_s: float, save: Path | None, index: int) -> Run:
     argv = ([sys.executable, "-c", bench.code, *args] if bench.code is not None
@@ -274,8 +301,10 @@ def run_bench(tree: Path, side: Side, bench: Bench, args: Sequence[str],
     load_before = round(os.getloadavg()[0], 2)
     start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     t0 = time.monotonic()
-    proc = subprocess.run(argv, cwd=tree, env=tree_env(tree), capture_output=True, text=True,
-                          timeout=timeout_s)
+    try:
+        proc = run_child(argv, tree, timeout_s)
+    except subprocess.TimeoutExpired as e:  # stopped by run_child; a failed run, as below
+        proc = subprocess.CompletedProcess(argv, -1, "", f"past --timeout-s {e.timeout:g} s")
     wall_s = time.monotonic() - t0
     load_after = round(os.getloadavg()[0], 2)
     if save is not None:
