@@ -118,3 +118,22 @@ def test_moe_window_runs_from_the_first_host_in_to_the_last_out_on_both_kinds_of
     assert ovn.first_entry_efficiency(merged) == pytest.approx(expected)
     with pytest.raises(ValueError, match="no dispatch"):
         ovn.first_entry_efficiency({"phases": [], "dispatch": []})
+
+
+def test_worktrees_are_removed_when_the_sitting_fails() -> None:
+    import subprocess
+
+    if subprocess.run(["git", "-C", str(ovn.REPO), "rev-parse", "HEAD"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    head = ovn.git("rev-parse", "HEAD")
+    made: dict[str, Path] = {}
+    with pytest.raises(RuntimeError, match="a benchmark failed"):
+        with ovn.worktrees({"old": head, "new": head}) as trees:
+            made.update(trees)
+            assert (trees["old"] / "agents" / "__init__.py").is_file()
+            ovn.check_imports(trees["new"])
+            raise RuntimeError("a benchmark failed")
+    assert made and not any(p.exists() for p in made.values())
+    listed = ovn.git("worktree", "list", "--porcelain")
+    assert not any(str(p) in listed for p in made.values())
