@@ -77,9 +77,11 @@ CLONE_NEWNET = 0x40000000
 # Variables that may change in the test process after the warm process started and that
 # nothing it imported reads at import time (the child still gets the test's value): pytest's
 # per-test name; what scikit-learn sets when imported (for Intel's OpenMP, which torch's
-# libgomp build does not load); the inductor cache torch sets when it first compiles.
+# libgomp build does not load); the inductor cache torch sets when it first compiles;
+# cuBLAS's workspace, which an agent run inside the test process sets for itself
+# (agents.workloads.device, run.deterministic) and cuBLAS reads at its first handle.
 _ENV_IGNORED = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK",
-                "TORCHINDUCTOR_CACHE_DIR")
+                "TORCHINDUCTOR_CACHE_DIR", "CUBLAS_WORKSPACE_CONFIG")
 
 
 # -- the warm process ------------------------------------------------------------------

@@ -174,6 +174,25 @@ def test_the_loopback_warm_process_preloads_what_agents_of_any_workload_import(t
                                                         "agents.workloads.base"]
 
 
+@pytest.mark.skipif(os.environ.get("GRADBED_WARM") == "0", reason="no warm process asked for")
+def test_what_an_agent_sets_for_itself_in_the_test_process_keeps_the_forks_warm(
+        tmp_path, monkeypatch):
+    # An agent run as a thread of the test process (MoE hosts, say) sets cuBLAS's workspace
+    # for run.deterministic; the loopback agents started after it are forks still.
+    def preloaded(name: str) -> list[str]:
+        out = tmp_path / name
+        with open(out, "wb") as f:
+            proc = spawn([sys.executable, "-m", "tests.support.show_self"], cwd=REPO,
+                         stdout=f, stderr=subprocess.STDOUT)
+        assert proc.wait(timeout=60) == 0
+        return json.loads(out.read_text())["preloaded"]
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert preloaded("before.json") != []
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert preloaded("after.json") != []
+
+
 def _warm_logs(caller: int | None = None) -> list[str]:
     """Files the warm processes of ``caller`` (default: this process) left in the temporary
     folder, as main at 5c16cbd named them (none now: the log has no name)."""
