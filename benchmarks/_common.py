@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,32 @@ def emit(name: str, headline: float, unit: str, target: str, details: dict[str, 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_child(argv: list[str], *, cwd: Path, timeout_s: float,
+              env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one child (a benchmark, ``gradbed run``) and capture its output. Interrupted
+    (Ctrl-C, SIGTERM, the time limit), it is stopped as Ctrl-C stops it, so that its own
+    teardown (a network, its agents) runs in its ``finally`` blocks; it is killed only if
+    that hangs (``subprocess.run`` would kill it at once and leave its network behind). A
+    Ctrl-C at the terminal reaches it too, so after one it is given a few seconds to stop
+    by itself first. Raises what interrupted it (``TimeoutExpired`` past ``timeout_s``)."""
+    with subprocess.Popen(argv, cwd=cwd, env=None if env is None else dict(env),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException as e:
+            own_s = 10.0 if isinstance(e, KeyboardInterrupt) else 0.0
+            for stop, wait_s in ((None, own_s), (signal.SIGINT, 120.0), (signal.SIGKILL, None)):
+                if stop is not None:
+                    proc.send_signal(stop)
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def gradbed_run(config: Path, name: str, overrides: list[str], out: Path,
                 timeout_s: float = 900, report: bool = True) -> Path:
     """Run one real experiment (``gradbed run``, Mininet) and return its run directory
@@ -47,7 +75,7 @@ def gradbed_run(config: Path, name: str, overrides: list[str], out: Path,
     for o in overrides:
         argv += ["--set", o]
     t0 = time.monotonic()
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    res = run_child(argv, cwd=REPO, timeout_s=timeout_s)
     if res.returncode != 0:
         raise RuntimeError(f"gradbed run ({name}) failed:\n{res.stderr[-3000:]}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])

@@ -40,7 +40,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, emit, log
+from _common import REPO, emit, log, run_child
+
+from agents.core.files import write_atomic
 
 # The difference a device run may show against its CPU reference, relative to the
 # tensor's largest weight. One float32 rounding is 2^-24 (6e-8) of it; kernels that sum
@@ -64,26 +66,21 @@ class Results:
 
     def put(self, key: str, value: Any) -> None:
         self.data[key] = value
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.data, indent=1, default=str))
 
 
 def _run(cmd: list[str], cap_s: float, logf: Path) -> tuple[int, float]:
-    """``cmd`` from the checkout's root, output to ``logf``; (exit status, seconds). A
-    command past its cap is killed with its process group (status 124)."""
+    """``cmd`` from the checkout's root, its output appended to ``logf``; (exit status,
+    seconds). A command past its cap is stopped as Ctrl-C stops it, so its network is torn
+    down (status 124)."""
     t0 = time.monotonic()
-    with open(logf, "ab") as f:
-        f.write(f"$ {' '.join(cmd)}\n".encode())
-        f.flush()
-        p = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                             start_new_session=True)
-        try:
-            rc = p.wait(timeout=cap_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            p.wait()
-            rc = 124
+    try:
+        res = run_child(cmd, cwd=REPO, timeout_s=cap_s)
+        rc, said = res.returncode, res.stdout + res.stderr
+    except subprocess.TimeoutExpired:
+        rc, said = 124, f"stopped past its cap of {cap_s:g} s\n"
+    with open(logf, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{said}")
     return rc, time.monotonic() - t0
 
 

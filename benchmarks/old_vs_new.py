@@ -34,6 +34,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from _common import REPO, emit, log
+from _common import REPO, emit, log, run_child
 
 Side = Literal["old", "new"]
 
@@ -247,7 +248,7 @@ def worktrees(revs: dict[Side, str]) -> Iterator[dict[Side, Path]]:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                            capture_output=True)
         subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], capture_output=True)
-        subprocess.run(["rm", "-rf", str(tmp)])
+        shutil.rmtree(tmp, ignore_errors=True)
         signal.signal(signal.SIGTERM, previous)
 
 
@@ -270,29 +271,6 @@ def check_imports(tree: Path) -> None:
         raise RuntimeError(f"{tree}: imports come from outside the tree: {stray}")
 
 
-def run_child(argv: list[str], tree: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run one benchmark process. Interrupted (Ctrl-C, SIGTERM, the time limit), it is
-    stopped as Ctrl-C stops it, so that its own teardown (a network, its agents) runs in
-    its ``finally`` blocks; it is killed only if that hangs. A Ctrl-C at the terminal
-    reaches it too, so after one it is given a few seconds to stop by itself first."""
-    with subprocess.Popen(argv, cwd=tree, env=tree_env(tree), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except BaseException as e:
-            own_s = 10.0 if isinstance(e, KeyboardInterrupt) else 0.0
-            for stop, wait_s in ((None, own_s), (signal.SIGINT, 120.0), (signal.SIGKILL, None)):
-                if stop is not None:
-                    proc.send_signal(stop)
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            raise
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
 def run_bench(tree: Path, side: Side, bench: Bench, args: Sequence[str],
               timeout_s: float, save: Path | None, index: int) -> Run:
     argv = ([sys.executable, "-c", bench.code, *args] if bench.code is not None
@@ -302,7 +280,7 @@ def run_bench(tree: Path, side: Side, bench: Bench, args: Sequence[str],
     start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     t0 = time.monotonic()
     try:
-        proc = run_child(argv, tree, timeout_s)
+        proc = run_child(argv, cwd=tree, env=tree_env(tree), timeout_s=timeout_s)
     except subprocess.TimeoutExpired as e:  # stopped by run_child; a failed run, as below
         proc = subprocess.CompletedProcess(argv, -1, "", f"past --timeout-s {e.timeout:g} s")
     wall_s = time.monotonic() - t0
