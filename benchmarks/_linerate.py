@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from _common import log
+from _common import log, run_child
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: Processes whose CPU is counted: gradbed's agents, iperf3, gloo's ranks, the controller.
@@ -288,7 +288,7 @@ def gloo_all_to_all_peer(config: Path, overrides: list[str], out: Path,
     argv += ["--", str(REPO / "examples/torchrun_ddp/all_to_all.py"), "--floats", str(floats)]
     procs = ProcSampler(str(out))
     procs.start()
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    res = run_child(argv, cwd=REPO, timeout_s=1200)
     cpu = procs.result()
     run_dir = Path(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
     if res.returncode != 0 or run_dir is None:

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from _common import emit, log
+from _common import emit, log, run_child
 
 from agents.core import config as cfgmod
 from analysis.bounds import sync_iteration_floor_s
@@ -91,7 +90,7 @@ def run_point(rate_mbps: float, queue: str, cc: str, method: str) -> dict[str, A
             "--out", str(OUT)]
     for o in overrides:
         argv += ["--set", o]
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+    res = run_child(argv, cwd=REPO, timeout_s=900)
     if res.returncode != 0:
         raise RuntimeError(f"gradbed run {' '.join(overrides)} failed:\n{res.stderr[-2000:]}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])

@@ -50,14 +50,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, emit, log
+from _common import REPO, emit, log, run_child
 
 CONFIG = REPO / "configs" / "moe.toml"
 PLOTS = REPO / "docs" / "moe"
@@ -89,7 +88,7 @@ def run_fabric(rate_mbps: float, out: Path, extra: tuple[str, ...] = ()) -> Path
     for o in (*MODEL, *extra):
         argv += ["--set", o]
     t0 = time.monotonic()
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
+    res = run_child(argv, cwd=REPO, timeout_s=900)
     if res.returncode != 0:
         raise RuntimeError(f"gradbed run at {rate_mbps} Mbit/s failed:\n{res.stderr[-3000:]}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from _common import REPO, emit, gradbed_run, log
+from _common import REPO, emit, gradbed_run, log, run_child
 
 from analysis import metrics
 from analysis.load import load_events
@@ -109,8 +108,8 @@ def ddp_run(name: str, extra: list[str], rate: float, traced: bool, iters: int, 
         argv += ["--eval-every", str(EVAL_EVERY), "--target", str(TARGET)]
     t0 = time.monotonic()
     for _ in range(3):  # another engineer's network may hold the lock past its 600 s
-        res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=2400,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        res = run_child(argv, cwd=REPO, timeout_s=2400,
+                        env={**os.environ, "PYTHONPATH": str(REPO)})
         if "LockTimeout" not in res.stderr:
             break
         log(f"{name}: the network lock timed out; trying again")

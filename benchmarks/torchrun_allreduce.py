@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, emit, log
+from _common import REPO, emit, log, run_child
 
 from controller.torchrun.proof import ring_allreduce_bytes
 from topo.spec import TCP_GOODPUT_FRACTION
@@ -36,7 +35,7 @@ def one(rate_mbps: float, out: Path) -> dict[str, object]:
             "--set", "run.timeout_s=900",
             "--", str(REPO / "examples/torchrun_ddp/allreduce.py"), "--floats", str(FLOATS)]
     t0 = time.monotonic()
-    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    res = run_child(argv, cwd=REPO, timeout_s=1200)
     run_dir = Path(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
     if res.returncode != 0 or run_dir is None:
         raise RuntimeError(f"gradbed torchrun at {rate_mbps} Mbit/s failed:\n"
