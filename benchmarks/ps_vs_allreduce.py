@@ -18,7 +18,8 @@ for the PS, every rank's ``ddp_iter`` for DDP), the busy fraction of every shapi
 (``analysis.metrics.busy_utilization``) and the bytes each point carried; at 100 Mbit/s
 and on the trace also the time to accuracy (TTA: from the first iteration's start to the
 first held-out evaluation >= ``TARGET``, evaluated every ``EVAL_EVERY`` iterations, on
-the run's shared clock for both).
+the run's shared clock for both; both stop there: the PS by ``run.stop_at_target``, the
+script by ``--target``).
 
 The full benchmark (about 60 minutes on 2 cores) needs root and Mininet; ``--quick`` runs
 100 Mbit/s only, ``QUICK_ITERS`` iterations per variant, no TTA. The last stdout line is
@@ -83,8 +84,10 @@ def point_bytes(run_dir: Path) -> dict[str, int]:
 
 def ps_run(name: str, extra: list[str], rate: float, traced: bool, iters: int, tta: bool,
            out: Path) -> dict[str, Any]:
+    # A TTA run stops at the target, as DDP's script does (--target): run.stop_at_target.
     over = [*net_overrides(rate, traced), *extra, f"run.iterations={iters}",
-            f"run.eval_every={EVAL_EVERY if tta else iters}"]
+            f"run.eval_every={EVAL_EVERY if tta else iters}",
+            *([f"run.target_accuracy={TARGET}", "run.stop_at_target=true"] if tta else [])]
     run_dir = gradbed_run(CONFIG, f"pvr-{name}", over, out, timeout_s=2400)
     ev = load_events(run_dir)
     pct = metrics.iteration_time_percentiles(ev, (50, 99))

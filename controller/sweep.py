@@ -396,7 +396,8 @@ def _run_one(base_toml: Path, combo: Combination, spec: SweepSpec, sweep_dir: Pa
         argv += ["--set", o]
     log_path = sweep_dir / "logs" / f"{combo.index + 1:03d}.log"
     timeout_s = cfg.run.timeout_s + RUN_GRACE_S
-    planned = cfg.run.iterations
+    # A run that stops at its target accuracy completes with fewer iterations.
+    planned = 1 if cfg.run.stop_at_target else cfg.run.iterations
     t0 = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(argv) + "\n")

@@ -77,6 +77,9 @@ class RunConfig:
     # ``on_worker_death`` is still read, with a deprecation message.
     on_agent_death: str = "continue"
     target_accuracy: float = 0.0      # summary reports time to reach it (0 = not reported)
+    # The PS ends the run, completed, at its first evaluation that reaches target_accuracy
+    # (data-parallel runs): a time-to-accuracy run need not train on to run.iterations.
+    stop_at_target: bool = False
     # The first iterations (TCP slow start, first-touch allocations) left out of the
     # summary's iteration-time percentiles and utilisation; the events keep them all.
     warmup_iterations: int = 0
@@ -106,6 +109,8 @@ class RunConfig:
                self.on_agent_death, "must be 'continue' or 'stop'")
         _check(0.0 <= self.target_accuracy <= 1.0, f"{p}.target_accuracy",
                self.target_accuracy, "must be in [0, 1]")
+        _check(not self.stop_at_target or self.target_accuracy > 0, f"{p}.stop_at_target",
+               self.stop_at_target, "needs run.target_accuracy > 0 (the accuracy to stop at)")
         _check(RUN_NAME.fullmatch(self.name) is not None, f"{p}.name", self.name[:80],
                f"must be 1 to {RUN_NAME_MAX} characters of A-Z a-z 0-9 . _ - "
                "(it names the run's directory)")
@@ -496,6 +501,10 @@ class ExperimentConfig:
                    f"not {len(ratios)}")
             _check(self.adaptive.policy == "fixed", "compress.worker_ratios", list(ratios),
                    f'is read by adaptive.policy = "fixed" only, not "{self.adaptive.policy}"')
+        if self.run.stop_at_target:
+            _check(self.topo.role == "" and not self.torchrun.script, "run.stop_at_target",
+                   True, "is read by the data-parallel PS only, not by a fabric role "
+                   f"({self.topo.role!r}) or a torchrun script")
         bg = self.background
         if bg.active and self.net.background_hosts < 1:
             field_, value = {"bulk": ("background.flows", bg.flows),

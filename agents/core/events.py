@@ -194,7 +194,9 @@ _declare("ps_iter_done", "ps", "the PS finished an iteration (every chunk aggreg
          rx_buffers_new="received payloads that needed a new tensor (agents.net.buffers)",
          rx_buffers_reused="received payloads that landed in a tensor used before",
          recv_calls="recv_into system calls on the workers' sockets this iteration")
-_declare("ps_done", "ps", "the PS ended the run", reason="completed, stopped, or the error")
+_declare("ps_done", "ps", "the PS ended the run", reason="completed, stopped, or the error",
+         at_target="true when run.stop_at_target ended it at an evaluation that reached "
+                   "run.target_accuracy")
 
 # -- flow generator (agents/traffic/flowgen.py) ------------------------------------------------------
 _declare("flows_planned", "flowgen", "the background flows drawn from the CDF",

@@ -87,6 +87,9 @@ from agents.workloads.factory import make_workload
 
 # The event loop looks for stalled connections at least this often.
 POLL_S = 0.5
+# How long a PS that stopped at its target accuracy reads (and discards) the uploads its
+# workers had begun before BYE reached them, waiting for each to close.
+DRAIN_S = 60.0
 
 
 def _wire_bytes(tensors: list[torch.Tensor]) -> int:
@@ -247,6 +250,7 @@ class ParameterServer:
         self.outstanding = 0  # jobs handed to the chunk work whose outcome is not handled
         self.srv = _listening_socket(host, port, cfg.net.congestion)
         self.stop_reason = ""
+        self.at_target = False  # run.stop_at_target: an evaluation reached the target
 
     # -- connections: accepted and authenticated on threads, then served by the loop -----
 
@@ -373,7 +377,7 @@ class ParameterServer:
     def _iterate(self, start_ns: int) -> None:
         """Every iteration: hand each chunk received to the chunk work, release the chunks
         every active worker has sent, write each stepped chunk down."""
-        while self.iteration < self.cfg.run.iterations:
+        while self.iteration < self.cfg.run.iterations and not self.at_target:
             if not self.active:
                 if self.cfg.run.on_worker_death == "stop" or not self.pending:
                     self.stop_reason = "no active workers"
@@ -525,6 +529,9 @@ class ParameterServer:
             metrics = self.workload.evaluate(self.model.module)
             if metrics is not None:
                 self.log.emit("eval", iter=i, **metrics)
+                run = self.cfg.run
+                self.at_target = run.stop_at_target and \
+                    float(metrics.get("accuracy", 0.0)) >= run.target_accuracy
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
                       bytes_out=self.bytes_out, rebalanced=self.pacer.rebalanced,
                       workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9,
@@ -583,7 +590,11 @@ class ParameterServer:
                                           worker=conn.worker, iteration=self.iteration,
                                           mac=conn.session.down))
         self.loop.flush_all(list(conns), self.cfg.run.timeout_s)
-        self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed")
+        if self.at_target:
+            # The workers began the next iteration's upload before BYE: let them finish it.
+            self.loop.drain_until_closed(list(conns), DRAIN_S)
+        self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed",
+                      at_target=self.at_target)
         self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
         _close_listening(self.srv)
 

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,17 @@ def notsent_lowat(a: cfgmod.AdaptiveConfig) -> int | None:
 
 class PSClosed(Exception):
     """The PS ended the run (BYE) or went away."""
+
+
+def _said_bye(receiving: Future[tuple[int, int]], wait_s: float) -> bool:
+    """Whether the weights' receiver ended with the PS's BYE (within ``wait_s``)."""
+    try:
+        receiving.result(timeout=wait_s)
+    except PSClosed:
+        return True
+    except Exception:  # noqa: BLE001 - any other end: the send's error is the one to report
+        return False
+    return False
 
 
 class RateSampler(threading.Thread):
@@ -429,7 +440,12 @@ class Worker:
             compute_s = time.perf_counter() - t0
             # Compute is done with the parameters: the new ones may land while we send.
             receiving = self.receiver.submit(self.recv_weights)
-            compress_s, send_s, up = self.send_gradient()
+            try:
+                compress_s, send_s, up = self.send_gradient()
+            except ConnectionError:
+                if _said_bye(receiving, self.cfg.run.stall_timeout_s):
+                    break  # the PS ended the run (its target reached) while we sent
+                raise
             tw = time.perf_counter()
             try:
                 down, first_ns = receiving.result()

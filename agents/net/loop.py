@@ -236,6 +236,30 @@ class EventLoop:
             self.lose(t, TimeoutError(why), "stall")
 
     @staticmethod
+    def drain_until_closed(transports: list[Transport], seconds: float) -> None:
+        """Read and throw away what each of ``transports`` still sends until its peer
+        closes, for up to ``seconds``: a run that ends before its peers expected (the
+        target accuracy reached) lets their last uploads finish instead of resetting them
+        mid-write. Nothing read is parsed; a failure only stops that transport."""
+        end = time.monotonic() + seconds
+        open_ = [t for t in transports if not t.failed]
+        scratch = bytearray(1 << 20)
+        while open_ and (remaining := end - time.monotonic()) > 0:
+            readable = select.poll()
+            for t in open_:
+                readable.register(t.sock, select.POLLIN)
+            ready = {fd for fd, _ in readable.poll(remaining * 1000)}
+            for t in [t for t in open_ if t.sock.fileno() in ready]:
+                try:
+                    n = t.sock.recv_into(scratch)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    n = 0
+                if n == 0:
+                    open_.remove(t)
+
+    @staticmethod
     def flush_all(transports: list[Transport], seconds: float) -> None:
         """Write every queued frame of ``transports`` out, waiting up to ``seconds`` for
         room (the end of a run, a refusal); a failure only stops that transport."""
