@@ -114,6 +114,10 @@ def main() -> None:
             torch.save([p.detach().cpu() for p in model.parameters()], args.save)
         if args.history:
             torch.save(history, args.history)
+    # Every rank's collectives done and the hooks' futures dropped before the group goes:
+    # a gloo work object still alive at the interpreter's exit can abort the process.
+    dist.barrier()
+    del ddp
     dist.destroy_process_group()
 
 

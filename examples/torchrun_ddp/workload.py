@@ -71,6 +71,10 @@ def main() -> None:
                 wl, model, i, rank, args.target):
             break
     record.close()
+    # Every rank's collectives done and the hooks' futures dropped before the group goes:
+    # a gloo work object still alive at the interpreter's exit can abort the process.
+    dist.barrier()
+    del ddp
     dist.destroy_process_group()
 
 
