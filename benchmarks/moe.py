@@ -41,6 +41,9 @@ drops and imbalance against the capacity factor, Belady against LRU offload.
    gloo's ``all_to_all_single`` of 40 MB per host (``gradbed torchrun``,
    examples/torchrun_ddp/all_to_all.py) measured by the dispatch's own link formula over
    the same 2 ms class samples; gradbed's figure over each peer's is reported beside it.
+   Each rate runs twice: the benchmark's model (its figures at the rate's top level) and
+   ``WIDE``, a dispatch sized for data-centre rates (``wide``: 11 MB to a host's peers
+   per dispatch against the model's 0.65 MB).
 
 Plots go to ``docs/moe/``. Run as root: ``python benchmarks/moe.py [--part ...]``.
 """
@@ -64,6 +67,12 @@ RATES_MBPS = (10.0, 100.0, 1000.0)
 STEPS = {10.0: 6, 100.0: 12, 1000.0: 12, 10000.0: 12}
 MODEL = ["moe.layers=2", "moe.experts=16", "moe.d_model=128", "moe.d_hidden=128",
          "moe.top_k=2", "moe.capacity_factor=1.25", "moe.eval_every=1000"]
+# The linerate part's second sizing, a dispatch sized for the rate: 4x wider tokens and
+# 4x the images per host (128 x 28 tokens, top-2, 512 float32 each: 14.7 MB a host routes
+# per dispatch, 11 MB of it to its 3 peers, 88 ms of a 1 Gbit/s link) where the 100 Mbit/s
+# model's 0.65 MB last 5 ms, less than a dispatch's fixed costs (a round of frames and
+# wake-ups on every host).
+WIDE = ("moe.d_model=512", "moe.d_hidden=512", "workload.batch_size=128")
 CLASS_SAMPLE_MS = 2.0  # every access point's HTB class read this often (classes.parquet)
 EXPERT_BYTES = 4 * (128 * 128 * 2 + 128 + 128)  # one expert: fc1 and fc2, weights and biases
 CAPACITY_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
@@ -90,7 +99,12 @@ def run_fabric(rate_mbps: float, out: Path, extra: tuple[str, ...] = ()) -> Path
     t0 = time.monotonic()
     res = run_child(argv, cwd=REPO, timeout_s=900)
     if res.returncode != 0:
-        raise RuntimeError(f"gradbed run at {rate_mbps} Mbit/s failed:\n{res.stderr[-3000:]}")
+        lines = res.stdout.strip().splitlines()
+        logs = sorted((Path(lines[-1]) / "logs").glob("*.log")) if lines else []
+        tails = "".join(f"\n--- {p.name}:\n" + p.read_text(errors="replace")[-1500:]
+                        for p in logs if "Error" in p.read_text(errors="replace"))
+        raise RuntimeError(f"gradbed run at {rate_mbps} Mbit/s failed:\n"
+                           f"{res.stderr[-3000:]}{tails}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])
     log(f"{rate_mbps:g} Mbit/s: {run_dir} ({time.monotonic() - t0:.0f} s)")
     return run_dir
@@ -181,49 +195,61 @@ def part_dispatch(out: Path) -> dict[str, Any]:
 
 def part_linerate(out: Path, rates_mbps: tuple[float, ...] = (1000.0, 10000.0)
                   ) -> dict[str, Any]:
-    """The dispatch at data-centre rates beside its peers on the same links (docstring 5)."""
-    from _linerate import ProcSampler, gloo_all_to_all_peer, iperf3_peer
-
-    from analysis import moe as amoe
+    """The dispatch at data-centre rates beside its peers on the same links (docstring 5):
+    the benchmark's model and the :data:`WIDE` sizing, then iperf3 and gloo."""
+    from _linerate import gloo_all_to_all_peer, iperf3_peer
 
     res: dict[str, Any] = {}
     for rate in rates_mbps:
-        procs = ProcSampler(str(out))
-        procs.start()
-        run_dir = run_fabric(rate, out)
-        cpu = procs.result()
-        rows = amoe.load_events(run_dir)
-        disp = [d for d in amoe.dispatch_table(rows, rate) if d["iter"] >= 1]
-        samples = amoe.load_class_samples(run_dir)
-        link = amoe.dispatch_link_table(disp, samples, rate) if samples is not None else []
-        log(f"{rate:g} Mbit/s: gradbed dispatch efficiency median "
-            f"{statistics.median(d['efficiency'] for d in disp):.4f} (link "
-            f"{statistics.median(d['link_efficiency'] for d in link) if link else 0:.4f}), "
-            f"phase {statistics.median(d['phase_s'] for d in disp) * 1e3:.1f} ms; "
-            f"cores {cpu['process_cores']}; load {cpu['loadavg_start']}")
-        overrides = [f"net.worker_link_mbps={rate}", *MODEL]
-        ip = iperf3_peer(CONFIG, overrides)
+        runs = {"model": _linerate_run(rate, out, ()),
+                "wide": _linerate_run(rate, out, (*WIDE, f'run.name="moe{int(rate)}-wide"'))}
+        ip = iperf3_peer(CONFIG, [f"net.worker_link_mbps={rate}", *MODEL])
         try:
             gl = gloo_all_to_all_peer(CONFIG, [f"net.worker_link_mbps={rate}"], out)
         except (RuntimeError, OSError, KeyError, ValueError, StopIteration) as e:
             # gradbed's figure and iperf3's stand without it; the miss is said, not hidden.
             log(f"gloo all_to_all at {rate:g} Mbit/s failed: {e}")
             gl = {"efficiency": float("nan"), "link_efficiency": None, "error": str(e)}
-        eff = statistics.median(d["efficiency"] for d in disp)
-        link_eff = statistics.median(d["link_efficiency"] for d in link) if link \
-            else float("nan")
-        res[f"{rate:g}"] = {
-            "efficiency_median": eff, "link_efficiency_median": link_eff,
-            "phase_s_median": statistics.median(d["phase_s"] for d in disp),
-            "run_dir": str(run_dir), "cpu": cpu, "iperf3": ip, "gloo_all_to_all": gl,
-            "gradbed_over_iperf3": link_eff / ip["busy"],
-            "gradbed_over_gloo": link_eff / gl["link_efficiency"]
-            if gl.get("link_efficiency") else None,
-            "gradbed_over_gloo_payload": eff / gl["efficiency"]}
-        log(f"{rate:g} Mbit/s: dispatch efficiency {eff:.3f} (link {link_eff:.3f}), iperf3 "
-            f"{ip['busy']:.3f}, gloo all_to_all {gl['efficiency']:.3f} (link "
-            f"{gl.get('link_efficiency') or float('nan'):.3f}); load {cpu['loadavg_start']}")
+        for name, r in runs.items():
+            r["gradbed_over_iperf3"] = r["link_efficiency_median"] / ip["busy"]
+            r["gradbed_over_gloo"] = r["link_efficiency_median"] / gl["link_efficiency"] \
+                if gl.get("link_efficiency") else None
+            r["gradbed_over_gloo_payload"] = r["efficiency_median"] / gl["efficiency"]
+            log(f"{rate:g} Mbit/s, {name}: dispatch efficiency {r['efficiency_median']:.3f} "
+                f"(link {r['link_efficiency_median']:.3f}), iperf3 {ip['busy']:.3f}, gloo "
+                f"all_to_all {gl['efficiency']:.3f} (link "
+                f"{gl.get('link_efficiency') or float('nan'):.3f})")
+        res[f"{rate:g}"] = {**runs["model"], "wide": runs["wide"], "wide_sets": list(WIDE),
+                            "iperf3": ip, "gloo_all_to_all": gl}
     return res
+
+
+def _linerate_run(rate: float, out: Path, extra: tuple[str, ...]) -> dict[str, Any]:
+    """One gradbed MoE run at ``rate`` with its CPU per process: the dispatch's payload
+    and link efficiency (medians over the steps after the first)."""
+    from _linerate import ProcSampler
+
+    from analysis import moe as amoe
+
+    procs = ProcSampler(str(out))
+    procs.start()
+    run_dir = run_fabric(rate, out, extra)
+    cpu = procs.result()
+    rows = amoe.load_events(run_dir)
+    disp = [d for d in amoe.dispatch_table(rows, rate) if d["iter"] >= 1]
+    samples = amoe.load_class_samples(run_dir)
+    link = amoe.dispatch_link_table(disp, samples, rate) if samples is not None else []
+    r = {"efficiency_median": statistics.median(d["efficiency"] for d in disp),
+         "link_efficiency_median": statistics.median(d["link_efficiency"] for d in link)
+         if link else float("nan"),
+         "phase_s_median": statistics.median(d["phase_s"] for d in disp),
+         "payload_bytes_median": statistics.median(d["payload_bytes"] for d in disp),
+         "run_dir": str(run_dir), "cpu": cpu}
+    log(f"{rate:g} Mbit/s {' '.join(extra) or 'model'}: dispatch efficiency median "
+        f"{r['efficiency_median']:.4f} (link {r['link_efficiency_median']:.4f}), phase "
+        f"{r['phase_s_median'] * 1e3:.1f} ms, payload {r['payload_bytes_median'] / 1e6:.2f} "
+        f"MB; cores {cpu['process_cores']}; load {cpu['loadavg_start']}")
+    return r
 
 
 def part_offload_training(out: Path, plain_run: Path) -> dict[str, Any]:
