@@ -130,15 +130,21 @@ def run_loopback(tmp: Path, overrides: list[str], timeout_s: float = 120) -> tup
     run_dir, cfg = make_run_dir(tmp, overrides)
     ps = start_ps(run_dir)
     workers = [start_worker(run_dir, k, cfg.net.port) for k in range(cfg.net.workers)]
+    rc, _ = wait_agents(ps, workers, timeout_s, 30)
+    return run_dir, rc
+
+
+def wait_agents(ps: Agent, workers: list[Agent], ps_timeout_s: float,
+                worker_timeout_s: float) -> tuple[int, list[int]]:
+    """The PS's exit status and then each worker's; whoever is still running after its
+    wait (or when a wait fails) is killed."""
     try:
-        rc = ps.wait(timeout=timeout_s)
-        for w in workers:
-            w.wait(timeout=30)
+        rc = ps.wait(timeout=ps_timeout_s)
+        return rc, [w.wait(timeout=worker_timeout_s) for w in workers]
     finally:
         for p in [ps, *workers]:
             if p.poll() is None:
                 p.kill()
-    return run_dir, rc
 
 
 def ps_keys(run_dir: Path) -> auth.KeyBundle:
