@@ -65,7 +65,11 @@ def test_the_drain_reads_until_each_peer_closes_and_no_longer_than_its_deadline(
     open_b, peer_b = socket.socketpair()
     for s in (done_a, open_b):
         s.setblocking(False)
-    sender = threading.Thread(target=lambda: (peer_a.sendall(b"x" * 3_000_000), peer_a.close()))
+
+    def last_upload() -> None:
+        peer_a.sendall(b"x" * 3_000_000)
+        peer_a.close()
+    sender = threading.Thread(target=last_upload)
     sender.start()  # more than the socket buffers hold: it finishes only while drained
     t0 = time.monotonic()
     loop.EventLoop.drain_until_closed([loop.Transport(done_a, "a")], 30.0)
