@@ -92,6 +92,11 @@ POLL_S = 0.5
 DRAIN_S = 60.0
 
 
+def _reached_target(run: cfgmod.RunConfig, metrics: dict[str, float]) -> bool:
+    """Whether an evaluation ends the run (``run.stop_at_target``)."""
+    return run.stop_at_target and float(metrics.get("accuracy", 0.0)) >= run.target_accuracy
+
+
 def _wire_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes one message of ``tensors`` takes on the wire: a header and a payload each."""
     return sum(t.numel() * t.element_size() + codec.HEADER_SIZE for t in tensors)
@@ -529,9 +534,7 @@ class ParameterServer:
             metrics = self.workload.evaluate(self.model.module)
             if metrics is not None:
                 self.log.emit("eval", iter=i, **metrics)
-                run = self.cfg.run
-                self.at_target = run.stop_at_target and \
-                    float(metrics.get("accuracy", 0.0)) >= run.target_accuracy
+                self.at_target = _reached_target(self.cfg.run, metrics)
         self.log.emit("ps_iter_done", iter=i, agg_s=self.agg_s, bytes_in=self.bytes_in,
                       bytes_out=self.bytes_out, rebalanced=self.pacer.rebalanced,
                       workers=len(self.active), elapsed_s=(now_ns() - start_ns) / 1e9,
@@ -590,9 +593,8 @@ class ParameterServer:
                                           worker=conn.worker, iteration=self.iteration,
                                           mac=conn.session.down))
         self.loop.flush_all(list(conns), self.cfg.run.timeout_s)
-        if self.at_target:
-            # The workers began the next iteration's upload before BYE: let them finish it.
-            self.loop.drain_until_closed(list(conns), DRAIN_S)
+        # Stopped at the target: the workers' next uploads, begun before BYE, finish.
+        self.loop.drain_until_closed(list(conns), DRAIN_S if self.at_target else 0.0)
         self.log.emit("ps_done", iter=self.iteration, reason=self.stop_reason or "completed",
                       at_target=self.at_target)
         self.ctl.send("done", iter=self.iteration, reason=self.stop_reason or "completed")
