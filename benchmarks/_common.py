@@ -63,6 +63,18 @@ def run_child(argv: list[str], *, cwd: Path, timeout_s: float,
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def failed_run_logs(res: subprocess.CompletedProcess[str]) -> str:
+    """The tails of the logs that name an error, of a failed ``gradbed run`` whose run
+    directory (its last stdout line) exists; empty when there is none."""
+    lines = res.stdout.strip().splitlines()
+    tails = []
+    for path in sorted((Path(lines[-1]) / "logs").glob("*.log")) if lines else []:
+        text = path.read_text(errors="replace")
+        if "Error" in text:
+            tails.append(f"\n--- {path.name}:\n{text[-1500:]}")
+    return "".join(tails)
+
+
 def gradbed_run(config: Path, name: str, overrides: list[str], out: Path,
                 timeout_s: float = 900, report: bool = True) -> Path:
     """Run one real experiment (``gradbed run``, Mininet) and return its run directory
@@ -77,7 +89,8 @@ def gradbed_run(config: Path, name: str, overrides: list[str], out: Path,
     t0 = time.monotonic()
     res = run_child(argv, cwd=REPO, timeout_s=timeout_s)
     if res.returncode != 0:
-        raise RuntimeError(f"gradbed run ({name}) failed:\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"gradbed run ({name}) failed:\n{res.stderr[-3000:]}"
+                           f"{failed_run_logs(res)}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])
     log(f"{name}: {run_dir} ({time.monotonic() - t0:.0f} s incl. waiting for the net lock)")
     s = json.loads((run_dir / "summary.json").read_text())

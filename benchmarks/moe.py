@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, emit, log, run_child
+from _common import REPO, emit, failed_run_logs, log, run_child
 
 CONFIG = REPO / "configs" / "moe.toml"
 PLOTS = REPO / "docs" / "moe"
@@ -99,12 +99,8 @@ def run_fabric(rate_mbps: float, out: Path, extra: tuple[str, ...] = ()) -> Path
     t0 = time.monotonic()
     res = run_child(argv, cwd=REPO, timeout_s=900)
     if res.returncode != 0:
-        lines = res.stdout.strip().splitlines()
-        logs = sorted((Path(lines[-1]) / "logs").glob("*.log")) if lines else []
-        tails = "".join(f"\n--- {p.name}:\n" + p.read_text(errors="replace")[-1500:]
-                        for p in logs if "Error" in p.read_text(errors="replace"))
         raise RuntimeError(f"gradbed run at {rate_mbps} Mbit/s failed:\n"
-                           f"{res.stderr[-3000:]}{tails}")
+                           f"{res.stderr[-3000:]}{failed_run_logs(res)}")
     run_dir = Path(res.stdout.strip().splitlines()[-1])
     log(f"{rate_mbps:g} Mbit/s: {run_dir} ({time.monotonic() - t0:.0f} s)")
     return run_dir
